@@ -1,0 +1,149 @@
+"""Every chore of the repository: `nox -l` lists the sessions, README.md explains them.
+
+Sessions install the packages from ./packages (not editable, so tests see what a user gets) into
+a venv made with plain venv + pip: pip takes torch==2.13.0 from the CPU wheel that lies on the
+development and CI machines' disk (uv would download a CUDA build of several GB).
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.4.15"
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"  # `nox -P 3.12 -s ...` picks another interpreter
+
+KERNELS = "./packages/fp4_kernels"
+COMM = "./packages/fp4_comm"
+TRAIN = "./packages/fp4_train"
+KERNELS_TESTS = "packages/fp4_kernels/tests"
+COMM_TESTS = "packages/fp4_comm/tests"
+TRAIN_TESTS = "packages/fp4_train/tests"
+
+# Exactly this torch: a CPU wheel of it lies on the development and CI machines' disk, and any
+# other spec makes pip download a CUDA build of several GB.
+TORCH = "torch==2.13.0"
+RUFF = "ruff==0.17.6"
+ASV = "asv==0.6.*"
+
+# Each fp4_kernels test runs in one of three tiers, chosen by marker (pytest.ini registers them):
+#   simulator      unmarked tests; kernels run in numba's CUDA simulator, on the CPU
+#   compile_check  kernels compiled to PTX by the real NVVM; no GPU needed
+#   gpu            a real GPU; such a test skips itself, with a reason, where there is none
+SIMULATOR_MARKS = "not gpu and not compile_check"
+COMPILE_CHECK_MARKS = "compile_check or gpu"
+GPU_MARKS = "not compile_check"
+SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "1"}
+NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
+
+# For the GPU machine, which has no package registry: the packages alone, built offline with the
+# build backend (hatchling) that the interpreter running nox already has.
+PIP_INSTALL_OFFLINE = "-m pip install -q --no-deps --no-index --no-build-isolation".split()
+
+
+def _pytest(session: nox.Session, *args: str, python: str = "python", **run_kwargs) -> None:
+    # -ra: the summary lists every skip and xfail with its reason (GPU tests say why they skip).
+    # No cache: CI's clone stays clean, and --lf from an old run cannot narrow a session.
+    pytest = (python, "-m", "pytest", "-p", "no:cacheprovider", "-ra")
+    session.run(*pytest, *args, *session.posargs, **run_kwargs)
+
+
+def _simulator_tier(session: nox.Session) -> None:
+    _pytest(session, KERNELS_TESTS, "-m", SIMULATOR_MARKS, env=SIMULATOR)
+
+
+def _compile_check_tier(session: nox.Session) -> None:
+    _pytest(session, KERNELS_TESTS, "-m", COMPILE_CHECK_MARKS, env=NO_SIMULATOR)
+
+
+def _install_offline(session: nox.Session) -> dict[str, str]:
+    """Install the three packages, without dependencies, into a folder of the session's own.
+
+    Returns the environment that puts that folder first on PYTHONPATH; everything else
+    (numba-cuda, numpy < 2.5, pytest, ...) comes from the interpreter that runs nox: on the GPU
+    machine, its image plus the carried wheels already on PYTHONPATH.
+    """
+    site = Path(session.create_tmp()) / "site"
+    shutil.rmtree(site, ignore_errors=True)
+    session.run(
+        sys.executable, *PIP_INSTALL_OFFLINE, "--target", str(site), KERNELS, COMM, TRAIN,
+        external=True,
+    )  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {**NO_SIMULATOR, "PYTHONPATH": pythonpath}
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every test that needs no GPU, as CI runs them: simulator, compile check, comm, train."""
+    # One pip call, so pip takes fp4-kernels from ./packages and never looks for it in an index.
+    session.install(f"{KERNELS}[test,torch]", f"{COMM}[test]", f"{TRAIN}[test]", TORCH)
+    _simulator_tier(session)
+    _compile_check_tier(session)
+    _pytest(session, COMM_TESTS, TRAIN_TESTS)
+
+
+@nox.session(python=PYTHON)
+def tests_kernels(session: nox.Session) -> None:
+    """fp4_kernels without a GPU: the simulator tier, then the PTX compile-check tier."""
+    session.install(f"{KERNELS}[test,torch]", TORCH)
+    _simulator_tier(session)
+    _compile_check_tier(session)
+
+
+@nox.session(python=PYTHON)
+def tests_comm(session: nox.Session) -> None:
+    """fp4_comm tests."""
+    session.install(KERNELS, f"{COMM}[test]")
+    _pytest(session, COMM_TESTS)
+
+
+@nox.session(python=PYTHON)
+def tests_train(session: nox.Session) -> None:
+    """fp4_train tests."""
+    session.install(KERNELS, f"{TRAIN}[test]")
+    _pytest(session, TRAIN_TESTS)
+
+
+@nox.session(python=PYTHON)
+def compile_check(session: nox.Session) -> None:
+    """fp4_kernels PTX compile check only: the real NVVM compiles the kernels, no GPU needed."""
+    session.install(f"{KERNELS}[test,torch]", TORCH)
+    _compile_check_tier(session)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """fp4_kernels on a real GPU, in the Python that runs nox (the GPU machine; no venv)."""
+    env = _install_offline(session)
+    _pytest(session, KERNELS_TESTS, "-m", GPU_MARKS, python=sys.executable, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def benchmark_gpu(session: nox.Session) -> None:
+    """benchmarks/gpu_throughput.py with the args after `--`, in the Python that runs nox."""
+    env = _install_offline(session)
+    script = "benchmarks/gpu_throughput.py"
+    session.run(sys.executable, script, *session.posargs, env=env, external=True)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over packages/, benchmarks/ and this file."""
+    session.install(RUFF)
+    targets = ["packages", "benchmarks", "noxfile.py"]
+    session.run("ruff", "check", *targets, *session.posargs)
+    session.run("ruff", "format", "--check", *targets)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """asv with the args after `--` (`nox -s bench -- run --quick`); asv.conf.json says how."""
+    session.install(ASV)
+    session.run("asv", *(session.posargs or ["--help"]))

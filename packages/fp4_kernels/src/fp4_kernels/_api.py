@@ -1,0 +1,320 @@
+"""Public entry points: ``quantize``, ``dequantize``, ``quantize_dequantize``.
+
+Validate -> allocate (through the caller's own array library) -> dispatch to the CUDA kernels
+(GPU arrays) or the numba CPU path (numpy arrays, torch CPU tensors).  Both give bit-identical
+codes and scales.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays as arrays
+
+FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
+ROUNDINGS = ("nearest", "stochastic")
+SCALE_LAYOUTS = ("linear", "swizzled")
+_FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
+
+
+@dataclass
+class QuantizedTensor:
+    """A tensor in NVFP4 or MXFP4.
+
+    data:         uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
+    scales:       uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
+                  swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
+    global_scale: float32, shape (1,): the NVFP4 decode scale 1/S (1.0 for MXFP4), an array of
+                  the input's kind so that it can stay on the GPU.
+    """
+
+    data: object
+    scales: object
+    global_scale: object
+    fmt: str
+    shape: tuple
+    dtype: str
+    scale_layout: str
+
+    @property
+    def block_size(self) -> int:
+        return FORMATS[self.fmt]
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes + scales + global scale (the memory the quantized tensor takes)."""
+        return int(_nbytes(self.data) + _nbytes(self.scales) + 4)
+
+
+def _nbytes(a):
+    n = getattr(a, "nbytes", None)
+    if n is None:  # torch
+        n = a.numel() * a.element_size()
+    return n
+
+
+def swizzled_scale_shape(rows, blocks_per_row):
+    """(padded_rows, padded_cols) of the 128x4-tile scale layout."""
+    return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
+
+
+def _check_choice(value, name, choices):
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(value, name, lo, hi):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+    if not lo <= v < hi:
+        raise ValueError(f"{name}: {v} is outside [{lo}, {hi})")
+    return v
+
+
+def _validate_input(x, fmt):
+    backend = arrays.backend_of(x, "x")
+    dt = arrays.dtype_name(x, backend, "x")
+    shape = tuple(int(s) for s in x.shape)
+    if len(shape) == 0:
+        raise ValueError("x: a 0-d array has no last dimension to quantize; reshape to (1, K)")
+    block = FORMATS[fmt]
+    k = shape[-1]
+    if k % block != 0:
+        raise ValueError(
+            f"x: last dimension K={k} is not a multiple of the {fmt.upper()} block size {block}; "
+            f"pad K to a multiple of {block}"
+        )
+    if not arrays.is_c_contiguous(x, backend):
+        raise ValueError(
+            "x: must be contiguous (the last dimension and the rows in row-major order); "
+            "call .contiguous() (torch) or np.ascontiguousarray / cupy.ascontiguousarray first"
+        )
+    return backend, dt, shape
+
+
+def _scale_geometry(shape, block, layout):
+    rows = math.prod(shape[:-1])
+    kb = shape[-1] // block
+    if layout == "swizzled":
+        pr, pk = swizzled_scale_shape(rows, kb)
+        return rows, kb, pk, (pr * pk,), pr * pk != rows * kb
+    return rows, kb, kb, shape[:-1] + (kb,), False
+
+
+def quantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None,
+             scale_layout="linear"):
+    """Quantize ``x`` (..., K) to NVFP4 or MXFP4 along its last dimension.
+
+    Args:
+        x: float32 / bfloat16 / float16, C-contiguous, K a multiple of the block size (16 for
+            NVFP4, 32 for MXFP4).  torch CUDA tensors, CuPy arrays and numba device arrays run
+            on the GPU on the caller's current stream (zero-copy, no host synchronization);
+            numpy arrays and torch CPU tensors run on the CPU.  Outputs are of the input's kind.
+        fmt: "nvfp4" (16-element blocks, e4m3 block scales, float32 tensor scale as in
+            NVIDIA Transformer Engine) or "mxfp4" (OCP MX v1.0: 32-element blocks, e8m0 scales).
+        rounding: "nearest" (round to nearest even) or "stochastic" (unbiased; Philox4x32-10
+            keyed by (seed, step, element index): independent of the launch configuration and
+            identical on the GPU and the CPU).
+        seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
+        global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
+            ranks or steps); a non-negative finite float, or a one-element float32 array on the
+            same device (read by the kernel, no host synchronization).  Default: amax of the
+            finite elements of ``x``.
+        scale_layout: "linear" (rows x K/block) or "swizzled" (cuBLASLt's 128x4 tiles, padded
+            with zeros).
+
+    Non-finite policy: a block containing NaN or +-Inf gets the NaN scale code (e4m3 0x7F /
+    e8m0 0xFF) and decodes entirely to NaN; the tensor amax ignores non-finite values; the rest
+    of the tensor is unaffected.  All-zero blocks and tensors decode to exact zeros.  Signed
+    zero is preserved: -0 and negative values that round to zero get the code 0x8 (-0).
+    """
+    return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused=False)
+
+
+def quantize_dequantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None):
+    """Fused fake-quantization: ``dequantize(quantize(x, ...))`` in one pass, same dtype as x.
+
+    Bit-identical to the two-step version; the codes and scales never touch memory.
+    """
+    return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", fused=True)
+
+
+def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
+    _check_choice(fmt, "fmt", tuple(FORMATS))
+    _check_choice(rounding, "rounding", ROUNDINGS)
+    _check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
+    seed = _check_int(seed, "seed", 0, 2**64)
+    step = _check_int(step, "step", 0, 2**32)
+    backend, dt, shape = _validate_input(x, fmt)
+    block = FORMATS[fmt]
+    amax_value, amax_array = -1.0, None
+    if global_amax is not None:
+        if fmt != "nvfp4":
+            raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
+        if isinstance(global_amax, (int, float, np.floating, np.integer)):
+            amax_value = float(global_amax)
+            if not (math.isfinite(amax_value) and amax_value >= 0):
+                raise ValueError(f"global_amax: must be finite and >= 0, got {global_amax!r}")
+        else:
+            amax_array = global_amax
+    rows, kb, padded_kb, scale_shape, pad = _scale_geometry(shape, block, scale_layout)
+    n = math.prod(shape)
+    stochastic = rounding == "stochastic"
+    if backend.gpu:
+        return _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value,
+                             amax_array, scale_layout, kb, padded_kb, scale_shape, pad, n, fused)
+    if amax_array is not None:
+        amax_value = float(np.asarray(_to_numpy(amax_array), dtype=np.float32).reshape(-1)[0])
+        if not (math.isfinite(amax_value) and amax_value >= 0):
+            raise ValueError(f"global_amax: must be finite and >= 0, got {amax_value!r}")
+    from .cpu import codec
+
+    bits = arrays.cpu_bits(x, dt)
+    packed = np.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
+    scales = np.zeros(scale_shape, np.uint8) if pad else np.empty(scale_shape, np.uint8)
+    out_bits = np.empty(n, bits.dtype) if fused else np.empty(0, bits.dtype)
+    s_dec = codec.quantize(
+        bits, arrays.KIND_OF_DTYPE[dt], fmt == "nvfp4", block, stochastic,
+        scale_layout == "swizzled", kb, padded_kb, np.float32(amax_value),
+        np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step),
+        packed.reshape(-1), scales.reshape(-1), fused, out_bits,
+    )
+    if fused:
+        return arrays.cpu_from_bits(out_bits, dt, shape, backend)
+    gs = np.array([s_dec], np.float32)
+    return QuantizedTensor(
+        arrays.wrap_cpu(packed, backend), arrays.wrap_cpu(scales, backend),
+        arrays.wrap_cpu(gs, backend), fmt, shape, dt, scale_layout,
+    )
+
+
+def _to_numpy(a):
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    return a
+
+
+def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value, amax_array,
+                  scale_layout, kb, padded_kb, scale_shape, pad, n, fused):
+    from .cuda import launch
+
+    ctx = arrays.GpuContext(x, backend)
+    kind = arrays.KIND_OF_DTYPE[dt]
+    n_chunks = n // 4
+    with _device(ctx):
+        words = ctx.view(x, np.uint64)
+        data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
+        scales = ctx.empty(scale_shape, np.uint8, zero=pad)
+        gs = ctx.empty((1,), np.float32)
+        if fused:
+            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt) if backend.lib != "numba"
+                            else x.dtype)
+            out_words = ctx.view(out, np.uint64)
+        else:
+            out = None
+            out_words = ctx.view(ctx.empty((1,), np.uint64), np.uint64)
+        if fmt == "nvfp4" and amax_value < 0:
+            if amax_array is not None:
+                parts = ctx.view(amax_array, np.float32)
+                n_parts = 1
+            else:
+                parts = ctx.view(ctx.empty((launch.max_partials(),), np.float32))
+                n_parts = launch.amax_partials(words, n_chunks, kind, ctx.stream, parts) if n else 0
+        else:
+            parts = ctx.view(ctx.empty((1,), np.float32))
+            n_parts = 0
+        if n_chunks == 0:
+            _fill_one(gs, ctx)
+        else:
+            launch.quantize(
+                words, ctx.view(data, np.uint16), ctx.view(scales), out_words, n_chunks, kb,
+                padded_kb, parts, n_parts, amax_value, ctx.view(gs), seed, step, kind=kind,
+                fmt=_FMT_CODE[fmt], stochastic=stochastic, swizzled=scale_layout == "swizzled",
+                fused=fused, stream=ctx.stream,
+            )
+    if fused:
+        return out
+    return QuantizedTensor(data, scales, gs, fmt, shape, dt, scale_layout)
+
+
+def _fill_one(gs, ctx):
+    if ctx.backend.lib in ("torch", "cupy"):
+        gs.fill(1.0) if ctx.backend.lib == "cupy" else gs.fill_(1.0)
+    else:
+        gs.copy_to_device(np.ones(1, np.float32), stream=ctx.stream)
+
+
+class _device:
+    """Make the input's GPU numba's current device for the duration of the call."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.cm = None
+
+    def __enter__(self):
+        if self.ctx.device_id is not None:
+            from numba import cuda
+
+            if cuda.get_current_device().id != self.ctx.device_id:
+                self.cm = cuda.gpus[self.ctx.device_id]
+                self.cm.__enter__()
+
+    def __exit__(self, *exc):
+        if self.cm is not None:
+            self.cm.__exit__(*exc)
+
+
+def dequantize(q, dtype=None):
+    """Decode a ``QuantizedTensor`` to ``dtype`` (default: the dtype it was quantized from).
+
+    NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;
+    MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q: expected a QuantizedTensor from quantize(), got {type(q).__name__}")
+    dt = q.dtype if dtype is None else arrays.normalize_dtype(dtype)
+    _check_choice(q.fmt, "q.fmt", tuple(FORMATS))
+    _check_choice(q.scale_layout, "q.scale_layout", SCALE_LAYOUTS)
+    block = FORMATS[q.fmt]
+    backend = arrays.backend_of(q.data, "q.data")
+    data_shape = tuple(int(s) for s in q.data.shape)
+    if data_shape != q.shape[:-1] + (q.shape[-1] // 2,):
+        raise ValueError(f"q.data: shape {data_shape} does not match q.shape {q.shape}")
+    rows, kb, padded_kb, scale_shape, _ = _scale_geometry(q.shape, block, q.scale_layout)
+    if tuple(int(s) for s in q.scales.shape) != scale_shape:
+        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {scale_shape}")
+    n = math.prod(q.shape)
+    swizzled = q.scale_layout == "swizzled"
+    if backend.gpu:
+        from .cuda import launch
+
+        ctx = arrays.GpuContext(q.data, backend)
+        with _device(ctx):
+            out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
+            if n:
+                launch.dequantize(
+                    ctx.view(q.data, np.uint16), ctx.view(q.scales), ctx.view(q.global_scale),
+                    ctx.view(out, np.uint64), n // 4, kb, padded_kb,
+                    out_kind=arrays.KIND_OF_DTYPE[dt], fmt=_FMT_CODE[q.fmt], swizzled=swizzled,
+                    stream=ctx.stream,
+                )
+        return out
+    from .cpu import codec
+
+    packed = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1)
+    scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1)
+    gs = np.float32(np.asarray(_to_numpy(q.global_scale), np.float32).reshape(-1)[0])
+    out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
+    codec.dequantize(packed, scales, gs, q.fmt == "nvfp4", block, swizzled, kb, padded_kb,
+                     out_bits, arrays.KIND_OF_DTYPE[dt])
+    return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)

@@ -1,0 +1,252 @@
+"""Array kinds in and out: numpy / torch CPU run on the CPU; torch CUDA, CuPy and numba device
+arrays run on the GPU, zero-copy, on the caller's current stream, with no host synchronization.
+
+Everything the kernels see is a flat view of raw bits (uint64 words on the GPU, uint16/uint32
+elements on the CPU), so bfloat16 needs no support from the array library beyond a bit view.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPES = ("float32", "bfloat16", "float16")
+KIND_OF_DTYPE = {"float32": 0, "bfloat16": 1, "float16": 2}
+BITS_DTYPE = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where an array lives and how to make more like it."""
+
+    lib: str  # "numpy" | "torch" | "cupy" | "numba"
+    gpu: bool
+    device: object = None  # torch.device, cupy device id or numba device id
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def backend_of(x, name="x"):
+    """Classify ``x``; raise TypeError naming ``name`` for anything unsupported."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return Backend("torch", x.is_cuda, x.device)
+    if isinstance(x, np.ndarray):
+        return Backend("numpy", False)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return Backend("cupy", True, x.device.id)
+    # numba DeviceNDArray (and the simulator's FakeCUDAArray): duck-typed, both have these
+    if hasattr(x, "copy_to_host") and hasattr(x, "is_c_contiguous") and hasattr(x, "dtype"):
+        return Backend("numba", True)
+    raise TypeError(
+        f"{name}: expected a numpy array, a torch tensor, a CuPy array or a numba device array, "
+        f"got {type(x).__name__}"
+    )
+
+
+def dtype_name(x, backend, name="x"):
+    """Canonical dtype name of ``x`` ('float32' | 'bfloat16' | 'float16'), else TypeError."""
+    if backend.lib == "torch":
+        dt = str(x.dtype).replace("torch.", "")
+    else:
+        dt = np.dtype(x.dtype).name
+    if dt not in DTYPES:
+        raise TypeError(
+            f"{name}: dtype {dt} is not supported; expected float32, bfloat16 or float16 "
+            f"(cast first, e.g. x.float() or x.astype(np.float32))"
+        )
+    return dt
+
+
+def normalize_dtype(dtype, name="dtype"):
+    """Accept 'bfloat16', np.float32, torch.bfloat16, ml_dtypes.bfloat16 ... -> canonical name."""
+    if isinstance(dtype, str):
+        dt = dtype
+    else:
+        torch = _torch()
+        if torch is not None and isinstance(dtype, torch.dtype):
+            dt = str(dtype).replace("torch.", "")
+        else:
+            try:
+                dt = np.dtype(dtype).name
+            except TypeError:
+                dt = str(dtype)
+    if dt not in DTYPES:
+        raise TypeError(f"{name}: {dtype!r} is not supported; use float32, bfloat16 or float16")
+    return dt
+
+
+def is_c_contiguous(x, backend):
+    if backend.lib == "torch":
+        return x.is_contiguous()
+    if backend.lib in ("numpy", "cupy"):
+        return x.flags.c_contiguous
+    return x.is_c_contiguous()
+
+
+# ---------------------------------------------------------------------- CPU side
+
+
+def cpu_bits(x, dt):
+    """Flat numpy view of the raw bits of a numpy array or torch CPU tensor (no copy)."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().reshape(-1).view(torch.int32 if dt == "float32" else torch.int16).numpy()
+    return x.reshape(-1).view(BITS_DTYPE[dt])
+
+
+def numpy_dtype(dt):
+    if dt == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dt)
+
+
+def cpu_from_bits(bits, dt, shape, backend):
+    """Wrap raw bits as an array of dtype ``dt`` and ``shape`` of the given backend (no copy)."""
+    if backend.lib == "torch":
+        torch = _torch()
+        t = torch.from_numpy(bits.view(np.int32 if dt == "float32" else np.int16))
+        return t.view(getattr(torch, dt)).reshape(shape)
+    if dt == "bfloat16":
+        return bits.view(numpy_dtype(dt)).reshape(shape)
+    return bits.view(dt).reshape(shape)
+
+
+def cpu_empty(shape, dtype, backend, zero=False):
+    """uint8 / float32 / uint16 / uint32 buffers on the CPU, of the backend's kind."""
+    arr = np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
+    return arr
+
+
+def wrap_cpu(arr, backend):
+    """Hand a numpy buffer back as the caller's kind (torch CPU -> torch tensor, no copy)."""
+    if backend.lib == "torch":
+        return _torch().from_numpy(arr)
+    return arr
+
+
+# ---------------------------------------------------------------------- GPU side
+
+
+class GpuContext:
+    """The numba view of the caller's device and current stream, plus an allocator of its kind."""
+
+    def __init__(self, x, backend):
+        from numba import cuda
+
+        self.cuda = cuda
+        self.backend = backend
+        if backend.lib == "torch":
+            torch = _torch()
+            dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            self.device_id = dev
+            self.stream_ptr = torch.cuda.current_stream(dev).cuda_stream
+        elif backend.lib == "cupy":
+            import cupy
+
+            self.device_id = backend.device
+            self.stream_ptr = cupy.cuda.get_current_stream().ptr
+        else:
+            self.device_id = None
+            self.stream_ptr = None
+        self.stream = _numba_stream(self.stream_ptr)
+
+    def view(self, arr, np_dtype=None):
+        """Zero-copy flat numba view of a GPU array of the caller's kind, as ``np_dtype``."""
+        cuda = self.cuda
+        lib = self.backend.lib
+        if lib == "torch":
+            torch = _torch()
+            flat = arr.reshape(-1)
+            if np_dtype is not None:
+                flat = flat.view(_TORCH_RAW[np.dtype(np_dtype).itemsize])
+            d = cuda.as_cuda_array(flat.detach(), sync=False)
+        elif lib == "cupy":
+            flat = arr.reshape(-1)
+            d = cuda.as_cuda_array(flat, sync=False)
+        else:
+            d = arr.reshape(arr.size) if arr.ndim != 1 else arr
+        if np_dtype is not None:
+            d = d.view(np_dtype)
+        return d
+
+    def empty(self, shape, np_dtype, like_dtype=None, zero=False):
+        """Allocate on the caller's device through the caller's allocator (torch caching
+        allocator / CuPy memory pool / numba), ordered on the caller's stream."""
+        lib = self.backend.lib
+        if lib == "torch":
+            torch = _torch()
+            tdt = like_dtype if like_dtype is not None else _TORCH_OF_NP[np.dtype(np_dtype).name]
+            f = torch.zeros if zero else torch.empty
+            return f(shape, dtype=tdt, device=f"cuda:{self.device_id}")
+        if lib == "cupy":
+            import cupy
+
+            f = cupy.zeros if zero else cupy.empty
+            return f(shape, dtype=like_dtype if like_dtype is not None else np_dtype)
+        cuda = self.cuda
+        d = cuda.device_array(shape, dtype=like_dtype if like_dtype is not None else np_dtype,
+                              stream=self.stream)
+        if zero:
+            _numba_zero(d, self.stream)
+        return d
+
+    def float_dtype(self, dt):
+        """The framework dtype object for an element dtype name."""
+        if self.backend.lib == "torch":
+            return getattr(_torch(), dt)
+        if dt == "bfloat16":
+            raise TypeError(
+                f"dtype: bfloat16 output needs torch tensors ({self.backend.lib} arrays have no "
+                f"bfloat16); dequantize to float32 or float16"
+            )
+        return np.dtype(dt)
+
+
+_TORCH_RAW = {}
+_TORCH_OF_NP = {}
+
+
+def _init_torch_tables():
+    torch = _torch()
+    if torch is None or _TORCH_RAW:
+        return
+    _TORCH_RAW.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    _TORCH_OF_NP.update(
+        {"uint8": torch.uint8, "float32": torch.float32, "uint16": torch.int16,
+         "uint64": torch.int64}
+    )
+
+
+_STREAMS = {}
+
+
+def _numba_stream(ptr):
+    from numba import cuda
+
+    _init_torch_tables()
+    if ptr is None or ptr == 0:
+        return cuda.default_stream()
+    s = _STREAMS.get(ptr)
+    if s is None:
+        s = _STREAMS[ptr] = cuda.external_stream(ptr)
+    return s
+
+
+def _numba_zero(d, stream):
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        d[...] = 0
+        return
+    from numba.cuda.cudadrv.driver import device_memset
+
+    device_memset(d, 0, d.nbytes, stream=stream)

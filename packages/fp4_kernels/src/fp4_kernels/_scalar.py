@@ -1,0 +1,377 @@
+"""Scalar codec arithmetic shared by the CUDA kernels and the CPU path.
+
+Every function here is written once and compiled twice: by ``numba.cuda.jit(device=True)`` for
+the GPU kernels (and run as Python by numba's CUDA simulator) and by ``numba.njit`` for the CPU
+path.  ``build_scalar_ops`` takes the target's ``jit`` decorator and its float32 <-> uint32
+bit-cast helpers and returns the compiled set, so the GPU and the CPU execute the same operation
+order and give bit-identical codes and scales.
+
+Rules that keep the targets bit-identical (numba types a Python float literal as float64 and a
+Python int literal as int64):
+
+* every floating constant is a module-level ``np.float32`` so arithmetic stays in float32;
+* 64-bit unsigned arithmetic (Philox) uses ``np.uint64`` constants only, never mixed with int64
+  (numba would promote uint64 op int64 to float64);
+* WIDEN: integer arguments that may come straight from a uint8/uint16 array are widened to
+  int64 first.  numba does that implicitly (small ints promote to intp), but the simulator runs
+  this code on numpy scalars, where ``np.uint8(0x7E) << 23`` wraps in uint8;
+* no expression has the shape ``a * b + c`` on floats where the rounding matters: numba-cuda
+  contracts that into an FMA, numpy does not.  Where a product feeds a sum the code is split or
+  the sum is exact, and a comment says which.
+
+The plain-numpy oracle in ``fp4_kernels.formats`` is written independently of this module.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+# float32 constants (see the module docstring for why they are np.float32).
+F32_ZERO = np.float32(0.0)
+F32_ONE = np.float32(1.0)
+F32_HALF = np.float32(0.5)
+F32_TWO = np.float32(2.0)
+FP32_MAX = np.float32(np.finfo(np.float32).max)
+F32_INF = np.float32(np.inf)
+F32_NAN = np.float32(np.nan)
+E2M1_MAX = np.float32(6.0)  # largest e2m1 magnitude
+E4M3_MAX = np.float32(448.0)  # largest finite e4m3 (OCP "fn") magnitude
+NVFP4_AMAX_TO_SCALE = np.float32(448.0 * 6.0)  # 2688: e4m3 max times e2m1 max
+INV_E2M1_MAX = np.float32(1.0 / 6.0)  # TE writes `1.0f / 6.0f`: the float32 rounding of 1/6
+TWO_POW_M24 = np.float32(2.0**-24)  # weight of one of the 24 random bits used by SR
+TWO_POW_M9 = np.float32(2.0**-9)  # e4m3 subnormal quantum
+TWO_POW_M24_F16 = np.float32(2.0**-24)  # fp16 subnormal quantum
+
+# e2m1 round-to-nearest-even decision points: a value exactly on a midpoint goes to the code
+# with an even mantissa bit (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
+# 3.5 -> 4.0, 5.0 -> 4.0), hence the alternation of > and >=.
+_T025 = np.float32(0.25)
+_T075 = np.float32(0.75)
+_T125 = np.float32(1.25)
+_T175 = np.float32(1.75)
+_T250 = np.float32(2.5)
+_T350 = np.float32(3.5)
+_T500 = np.float32(5.0)
+_G1 = np.float32(1.0)
+_G15 = np.float32(1.5)
+_G3 = np.float32(3.0)
+_G4 = np.float32(4.0)
+
+# Philox4x32-10 (Salmon et al., SC'11; Random123's philox4x32_10).
+PHILOX_M0 = np.uint64(0xD2511F53)
+PHILOX_M1 = np.uint64(0xCD9E8D57)
+PHILOX_W0 = np.uint64(0x9E3779B9)
+PHILOX_W1 = np.uint64(0xBB67AE85)
+_U64_MASK32 = np.uint64(0xFFFFFFFF)
+_U64_32 = np.uint64(32)
+
+E4M3_NAN_CODE = 0x7F
+E8M0_NAN_CODE = 0xFF
+
+
+def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
+    """Compile the scalar codec functions for one target.
+
+    ``jit`` is ``numba.cuda.jit(device=True)`` or ``numba.njit(error_model="numpy")``;
+    ``f32_as_u32`` / ``u32_as_f32`` reinterpret bits (no conversion) on that target.
+    """
+
+    # ---------------------------------------------------------------- float formats in and out
+
+    @jit
+    def bf16_to_f32(h):
+        """bfloat16 bits (low 16 bits of ``h``) -> float32, exact."""
+        h = np.int64(h)  # see WIDEN
+        return u32_as_f32(np.uint32((h & 0xFFFF) << 16))
+
+    @jit
+    def f32_to_bf16(f):
+        """float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN)."""
+        u = f32_as_u32(f)
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return ((u >> 16) | 0x40) & 0xFFFF
+        # Adding 0x7FFF plus the kept lsb rounds half to even; the carry may ripple into the
+        # exponent (and to inf), which is the correct rounding.
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    @jit
+    def f16_to_f32(h):
+        """IEEE binary16 bits -> float32, exact (subnormals, inf and NaN included)."""
+        h = np.int64(h)  # see WIDEN
+        sign = (h & 0x8000) << 16
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        if e == 0x1F:
+            return u32_as_f32(np.uint32(sign | 0x7F800000 | (m << 13)))
+        if e == 0:
+            # subnormal (or zero): m * 2^-24 is exact in float32
+            mag = np.float32(m) * TWO_POW_M24_F16
+            if sign != 0:
+                return -mag
+            return mag
+        return u32_as_f32(np.uint32(sign | ((e + 112) << 23) | (m << 13)))
+
+    @jit
+    def f32_to_f16(f):
+        """float32 -> IEEE binary16 bits, round to nearest even, overflow to inf."""
+        u = f32_as_u32(f)
+        sign = (u >> 16) & 0x8000
+        a = u & 0x7FFFFFFF
+        if a > 0x7F800000:
+            return sign | 0x7E00
+        if a >= 0x477FF000:  # 65520 and above round to inf (65504 has an odd mantissa)
+            return sign | 0x7C00
+        if a >= 0x38800000:  # normal binary16 (>= 2^-14)
+            h = (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3FF)
+            rem = a & 0x1FFF
+            if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+                h += 1  # a carry into the exponent is the correct rounding
+            return sign | h
+        if a <= 0x33000000:  # <= 2^-25: rounds to zero (exactly 2^-25 ties to even zero)
+            return sign
+        # subnormal binary16: quantum 2^-24
+        e = a >> 23
+        m = (a & 0x7FFFFF) | 0x800000
+        s = 126 - e
+        q = m >> s
+        rem = m & ((1 << s) - 1)
+        half = 1 << (s - 1)
+        if rem > half or (rem == half and (q & 1) == 1):
+            q += 1
+        return sign | q
+
+    # ---------------------------------------------------------------- e2m1
+
+    @jit
+    def e2m1_rne_magnitude(a):
+        """|y| (float32, >= 0, not NaN; inf allowed) -> 3-bit e2m1 magnitude code, RNE, saturating."""
+        # Counting crossed decision points (not summing booleans: numpy adds np.bool_ as a
+        # logical or, so the simulator would disagree with the compiled targets).
+        c = 0
+        if a > _T025:
+            c += 1
+        if a >= _T075:
+            c += 1
+        if a > _T125:
+            c += 1
+        if a >= _T175:
+            c += 1
+        if a > _T250:
+            c += 1
+        if a >= _T350:
+            c += 1
+        if a > _T500:
+            c += 1
+        return c
+
+    @jit
+    def e2m1_value(c):
+        """3-bit magnitude code -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6)."""
+        c = np.int64(c)  # see WIDEN
+        if c < 4:
+            return np.float32(c) * F32_HALF
+        if c < 6:
+            return np.float32(c - 2)
+        if c == 6:
+            return _G4
+        return E2M1_MAX
+
+    @jit
+    def e2m1_sr_magnitude(a, rbits):
+        """Stochastic rounding of |y| onto the e2m1 grid using the top 24 bits of ``rbits``.
+
+        Rounds up from the grid point below with probability (a - lo) / gap, exactly
+        ceil(p * 2^24) / 2^24; saturates at 6.
+        """
+        if a >= E2M1_MAX:
+            return 7
+        lo_code = 0  # index of the largest grid point <= a
+        if a >= F32_HALF:
+            lo_code += 1
+        if a >= _G1:
+            lo_code += 1
+        if a >= _G15:
+            lo_code += 1
+        if a >= F32_TWO:
+            lo_code += 1
+        if a >= _G3:
+            lo_code += 1
+        if a >= _G4:
+            lo_code += 1
+        lo = e2m1_value(lo_code)
+        # gaps are 0.5 (codes 0-3), 1 (codes 4-5), 2 (code 6): multiplying by 1/gap is exact, and
+        # so is a - lo (both lie in one binade or lo is zero).  numba-cuda contracts
+        # a - (c * 0.5) into fma(c, -0.5, a); that is harmless only because c * 0.5 is exact.
+        if lo_code < 4:
+            p = (a - lo) * F32_TWO
+        elif lo_code < 6:
+            p = a - lo
+        else:
+            p = (a - lo) * F32_HALF
+        u = np.float32(np.uint32(rbits) >> 8) * TWO_POW_M24
+        if u < p:
+            return lo_code + 1
+        return lo_code
+
+    @jit
+    def e2m1_encode(y):
+        """float32 -> 4-bit e2m1 code, RNE, saturating; the sign bit follows y's (so -0 -> 0x8)."""
+        u = f32_as_u32(y)
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return 0
+        sign = (u >> 28) & 0x8
+        return sign | e2m1_rne_magnitude(u32_as_f32(np.uint32(u & 0x7FFFFFFF)))
+
+    @jit
+    def e2m1_encode_sr(y, rbits):
+        """float32 -> 4-bit e2m1 code, stochastic rounding with the random word ``rbits``."""
+        u = f32_as_u32(y)
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return 0
+        sign = (u >> 28) & 0x8
+        return sign | e2m1_sr_magnitude(u32_as_f32(np.uint32(u & 0x7FFFFFFF)), rbits)
+
+    @jit
+    def e2m1_decode(code):
+        """4-bit e2m1 code -> float32 (sign bit 3)."""
+        code = np.int64(code)  # see WIDEN
+        v = e2m1_value(code & 7)
+        if code & 8:
+            return -v
+        return v
+
+    # ---------------------------------------------------------------- e4m3 (block scales)
+
+    @jit
+    def e4m3_encode_positive(v):
+        """float32 v >= 0 (inf allowed) -> e4m3 code: RNE, saturating at 448, subnormals kept.
+
+        All integer arithmetic on the float32 bits, so no float rounding can differ by target.
+        """
+        if v >= E4M3_MAX:
+            return 0x7E
+        u = f32_as_u32(v)
+        e = np.int32(u >> 23) - 127
+        if e < -10:  # v < 2^-10: below half of the smallest subnormal 2^-9, rounds to 0
+            return 0
+        m = (u & 0x7FFFFF) | 0x800000  # 24-bit significand, value m * 2^(e-23)
+        if e >= -6:
+            s = 20  # normal e4m3 keeps 3 mantissa bits: drop 20 of 23
+        else:
+            s = 14 - e  # subnormal e4m3: quantum 2^-9, drop down to it (21..24 bits)
+        q = m >> s
+        rem = m & ((1 << s) - 1)
+        half = 1 << (s - 1)
+        if rem > half or (rem == half and (q & 1) == 1):
+            q += 1
+        if e >= -6:
+            # q in [8, 16]; q == 16 carries into the exponent, which the addition does for us
+            return ((e + 7) << 3) + (q - 8)
+        return q  # q in [0, 8]; 8 is the smallest normal, again by plain addition
+
+    @jit
+    def e4m3_decode(code):
+        """e4m3 code (sign ignored: scales are non-negative) -> float32; 0x7F -> NaN."""
+        code = np.int64(code)  # see WIDEN
+        c = code & 0x7F
+        if c == 0x7F:
+            return u32_as_f32(np.uint32(0x7FC00000))
+        e = c >> 3
+        m = c & 7
+        if e == 0:
+            return np.float32(m) * TWO_POW_M9
+        return u32_as_f32(np.uint32(((e + 120) << 23) | (m << 20)))
+
+    # ---------------------------------------------------------------- e8m0 (MX block scales)
+
+    @jit
+    def mx_shared_exponent(amax):
+        """OCP MX v1.0: floor(log2(amax)) - emax(e2m1)=2, exact from the bits, clamped to e8m0.
+
+        Any float32 subnormal or zero amax lies below 2^-126, so its exponent clamps to -127.
+        """
+        u = f32_as_u32(amax)
+        f = np.int32((u >> 23) & 0xFF)
+        if f == 0:
+            return -127
+        e = f - 127 - 2
+        if e < -127:
+            return -127
+        return e  # finite amax < 2^128 gives e <= 125, inside e8m0's range
+
+    @jit
+    def pow2_f32(e):
+        """2^e as float32 for e in [-126, 127] (normal range), built from the bits."""
+        return u32_as_f32(np.uint32((e + 127) << 23))
+
+    @jit
+    def e8m0_decode(code):
+        """e8m0 code -> 2^(code-127) as float32 (code 0 is the subnormal 2^-127); 0xFF -> NaN."""
+        code = np.int64(code)  # see WIDEN
+        if code == 0xFF:
+            return u32_as_f32(np.uint32(0x7FC00000))
+        if code == 0:
+            return u32_as_f32(np.uint32(0x00400000))
+        return u32_as_f32(np.uint32(code << 23))
+
+    # ---------------------------------------------------------------- NVFP4 tensor scale
+
+    @jit
+    def nvfp4_encode_scale(amax):
+        """Tensor encode scale S = min(2688 / amax, FLT_MAX); 1 when amax or S is 0 (as TE)."""
+        if amax == F32_ZERO:
+            return F32_ONE
+        s = NVFP4_AMAX_TO_SCALE / amax
+        if s > FP32_MAX:
+            s = FP32_MAX
+        if s == F32_ZERO:
+            return F32_ONE
+        return s
+
+    # ---------------------------------------------------------------- Philox4x32-10
+
+    @jit
+    def philox4x32_10(c0, c1, c2, c3, k0, k1):
+        """Philox4x32 with 10 rounds; all words uint32 values, returns a 4-tuple of uint32."""
+        x0 = np.uint64(c0)
+        x1 = np.uint64(c1)
+        x2 = np.uint64(c2)
+        x3 = np.uint64(c3)
+        key0 = np.uint64(k0)
+        key1 = np.uint64(k1)
+        for _ in range(10):
+            p0 = PHILOX_M0 * x0  # < 2^64: both factors are below 2^32
+            p1 = PHILOX_M1 * x2
+            hi0 = p0 >> _U64_32
+            lo0 = p0 & _U64_MASK32
+            hi1 = p1 >> _U64_32
+            lo1 = p1 & _U64_MASK32
+            x0 = hi1 ^ x1 ^ key0
+            x1 = lo1
+            x2 = hi0 ^ x3 ^ key1
+            x3 = lo0
+            key0 = (key0 + PHILOX_W0) & _U64_MASK32
+            key1 = (key1 + PHILOX_W1) & _U64_MASK32
+        return np.uint32(x0), np.uint32(x1), np.uint32(x2), np.uint32(x3)
+
+    return SimpleNamespace(
+        bf16_to_f32=bf16_to_f32,
+        f32_to_bf16=f32_to_bf16,
+        f16_to_f32=f16_to_f32,
+        f32_to_f16=f32_to_f16,
+        e2m1_rne_magnitude=e2m1_rne_magnitude,
+        e2m1_sr_magnitude=e2m1_sr_magnitude,
+        e2m1_value=e2m1_value,
+        e2m1_encode=e2m1_encode,
+        e2m1_encode_sr=e2m1_encode_sr,
+        e2m1_decode=e2m1_decode,
+        e4m3_encode_positive=e4m3_encode_positive,
+        e4m3_decode=e4m3_decode,
+        mx_shared_exponent=mx_shared_exponent,
+        pow2_f32=pow2_f32,
+        e8m0_decode=e8m0_decode,
+        nvfp4_encode_scale=nvfp4_encode_scale,
+        philox4x32_10=philox4x32_10,
+    )

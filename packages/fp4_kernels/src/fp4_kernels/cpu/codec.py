@@ -1,0 +1,180 @@
+"""The CPU path: NVFP4 / MXFP4 quantize, dequantize and fused fake-quant with ``numba.njit``.
+
+Same scalar arithmetic as the GPU kernels (``fp4_kernels._scalar``), so codes and scales are
+bit-identical; stochastic rounding draws the same Philox words (counter = flat index // 4).
+Inputs arrive as flat arrays of raw bits: uint32 for float32, uint16 for bfloat16 / float16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._scalar import (
+    E4M3_NAN_CODE,
+    E8M0_NAN_CODE,
+    F32_INF,
+    F32_NAN,
+    F32_ONE,
+    F32_ZERO,
+    FP32_MAX,
+    INV_E2M1_MAX,
+)
+from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
+
+KIND_F32 = 0
+KIND_BF16 = 1
+KIND_F16 = 2
+
+_to_bf16 = OPS.f32_to_bf16
+_to_f16 = OPS.f32_to_f16
+_bf16_to_f32 = OPS.bf16_to_f32
+_f16_to_f32 = OPS.f16_to_f32
+_e2m1_encode = OPS.e2m1_encode
+_e2m1_encode_sr = OPS.e2m1_encode_sr
+_e2m1_decode = OPS.e2m1_decode
+_e4m3_encode_positive = OPS.e4m3_encode_positive
+_e4m3_decode = OPS.e4m3_decode
+_e8m0_decode = OPS.e8m0_decode
+_mx_shared_exponent = OPS.mx_shared_exponent
+_pow2_f32 = OPS.pow2_f32
+_philox = OPS.philox4x32_10
+_nvfp4_encode_scale = OPS.nvfp4_encode_scale
+
+
+@cpu_jit
+def load(bits, i, kind):
+    if kind == KIND_F32:
+        return u32_as_f32(np.uint32(bits[i]))
+    if kind == KIND_BF16:
+        return _bf16_to_f32(np.uint32(bits[i]))
+    return _f16_to_f32(np.uint32(bits[i]))
+
+
+@cpu_jit
+def store(bits, i, kind, v):
+    if kind == KIND_F32:
+        bits[i] = f32_as_u32(v)
+    elif kind == KIND_BF16:
+        bits[i] = _to_bf16(v)
+    else:
+        bits[i] = _to_f16(v)
+
+
+@cpu_jit
+def tensor_amax(bits, kind):
+    """max |x| over finite elements (0 when there are none)."""
+    m = F32_ZERO
+    for i in range(bits.size):
+        u = f32_as_u32(load(bits, i, kind)) & 0x7FFFFFFF
+        if u < 0x7F800000:
+            a = u32_as_f32(np.uint32(u))
+            if a > m:
+                m = a
+    return m
+
+
+@cpu_jit
+def scale_offset(blk, kb, padded_kb, swizzled):
+    """Same layout arithmetic as ``cuda._chunk.scale_offset``."""
+    if not swizzled:
+        return blk
+    r = blk // kb
+    col = blk - r * kb
+    tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
+    return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3)
+
+
+@cpu_jit
+def quantize(bits, kind, nvfp4, block, stochastic, swizzled, kb, padded_kb, amax,
+             seed_lo, seed_hi, step, packed, scales, fused, out_bits):
+    """Quantize flat ``bits`` into ``packed`` (n/2 bytes) and ``scales``; returns 1/S.
+
+    ``amax`` < 0 means: compute the tensor amax here.  With ``fused`` the reconstruction is also
+    written to ``out_bits`` in the input's kind.  Operation order: see ``cuda.quantize``.
+    """
+    n = bits.size
+    s6 = F32_ZERO
+    s_dec = F32_ONE
+    if nvfp4:
+        if amax < F32_ZERO:
+            amax = tensor_amax(bits, kind)
+        big_s = _nvfp4_encode_scale(amax)
+        s_dec = F32_ONE / big_s
+        s6 = big_s * INV_E2M1_MAX
+    vals = np.empty(block, dtype=np.float32)
+    codes = np.empty(block, dtype=np.int64)
+    for b in range(n // block):
+        base = b * block
+        bmax = F32_ZERO
+        for j in range(block):
+            v = load(bits, base + j, kind)
+            vals[j] = v
+            u = f32_as_u32(v) & 0x7FFFFFFF
+            a = F32_INF if u >= 0x7F800000 else u32_as_f32(np.uint32(u))
+            if a > bmax:
+                bmax = a
+        finite = bmax < F32_INF
+        s = F32_ZERO
+        mult = F32_ZERO
+        if nvfp4:
+            if finite:
+                scode = _e4m3_encode_positive(bmax * s6)
+                s = _e4m3_decode(scode)
+                mult = F32_ONE / (s * s_dec)
+                if mult > FP32_MAX:
+                    mult = FP32_MAX
+            else:
+                scode = E4M3_NAN_CODE
+                s = F32_NAN  # a non-finite block decodes to NaN
+        else:
+            if finite:
+                e = _mx_shared_exponent(bmax)
+                scode = e + 127
+                mult = _pow2_f32(-e)
+            else:
+                scode = E8M0_NAN_CODE
+        scales[scale_offset(b, kb, padded_kb, swizzled)] = scode
+        if not finite:
+            codes[:] = 0
+        elif stochastic:
+            for j in range(0, block, 4):
+                c = (base + j) >> 2
+                r = _philox(np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
+                            seed_lo, seed_hi)
+                for q in range(4):
+                    codes[j + q] = _e2m1_encode_sr(vals[j + q] * mult, r[q])
+        else:
+            for j in range(block):
+                codes[j] = _e2m1_encode(vals[j] * mult)
+        for j in range(0, block, 2):
+            packed[(base + j) >> 1] = codes[j] | (codes[j + 1] << 4)
+        if fused:
+            if nvfp4:
+                for j in range(block):
+                    store(out_bits, base + j, kind, (_e2m1_decode(codes[j]) * s) * s_dec)
+            else:
+                x = _e8m0_decode(scode)
+                for j in range(block):
+                    store(out_bits, base + j, kind, _e2m1_decode(codes[j]) * x)
+    return s_dec
+
+
+@cpu_jit
+def dequantize(packed, scales, s_dec, nvfp4, block, swizzled, kb, padded_kb, out_bits, kind):
+    """Decode ``packed`` codes with their block scales into ``out_bits`` (raw bits of ``kind``)."""
+    n = packed.size * 2
+    for b in range(n // block):
+        base = b * block
+        scode = scales[scale_offset(b, kb, padded_kb, swizzled)]
+        if nvfp4:
+            s = _e4m3_decode(scode)
+            for j in range(0, block, 2):
+                p = packed[(base + j) >> 1]
+                store(out_bits, base + j, kind, (_e2m1_decode(p & 15) * s) * s_dec)
+                store(out_bits, base + j + 1, kind, (_e2m1_decode(p >> 4) * s) * s_dec)
+        else:
+            x = _e8m0_decode(scode)
+            for j in range(0, block, 2):
+                p = packed[(base + j) >> 1]
+                store(out_bits, base + j, kind, _e2m1_decode(p & 15) * x)
+                store(out_bits, base + j + 1, kind, _e2m1_decode(p >> 4) * x)

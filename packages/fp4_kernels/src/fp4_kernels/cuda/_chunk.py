@@ -1,0 +1,127 @@
+"""Device helpers for the chunked access pattern every codec kernel uses.
+
+A *chunk* is 4 consecutive elements: 8 bytes of a 16-bit input (one 8-byte load, the widest
+numba-cuda issues) or 16 bytes of float32 (two).  Consecutive lanes own consecutive chunks, so
+each warp-wide load or store is contiguous.  An NVFP4 block (16 elements) spans 4 lanes and an
+MXFP4 block (32) spans 8; the block amax is a butterfly shuffle over those lanes.  The 4 codes of
+a chunk are packed into one uint16 in registers (element 4c+j in nibble j: element 2i in the low
+nibble of byte i, as cuBLASLt reads it) and written with one 2-byte store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._primitives import OPS, device_jit, f32_as_u32, u32_as_f32
+
+KIND_F32 = 0
+KIND_BF16 = 1
+KIND_F16 = 2
+
+_U16 = np.uint64(16)
+_U32 = np.uint64(32)
+_U48 = np.uint64(48)
+
+
+def make_chunk_io(kind):
+    """Return ``(load_chunk, store_chunk)`` device functions for an element kind.
+
+    ``load_chunk(words, c, n_chunks)`` returns chunk ``c`` as four float32 values (zeros past
+    the end, so out-of-range lanes still take part in the shuffles); ``store_chunk`` writes four
+    float32 values rounded to the kind (round to nearest even).
+    """
+    if kind == KIND_F32:
+
+        @device_jit
+        def load_chunk(words, c, n_chunks):
+            if c >= n_chunks:
+                z = np.float32(0.0)
+                return z, z, z, z
+            w0 = words[2 * c]
+            w1 = words[2 * c + 1]
+            return (
+                u32_as_f32(np.uint32(w0)),
+                u32_as_f32(np.uint32(w0 >> _U32)),
+                u32_as_f32(np.uint32(w1)),
+                u32_as_f32(np.uint32(w1 >> _U32)),
+            )
+
+        @device_jit
+        def store_chunk(words, c, v0, v1, v2, v3):
+            words[2 * c] = np.uint64(f32_as_u32(v0)) | (np.uint64(f32_as_u32(v1)) << _U32)
+            words[2 * c + 1] = np.uint64(f32_as_u32(v2)) | (np.uint64(f32_as_u32(v3)) << _U32)
+
+        return load_chunk, store_chunk
+
+    to_f32 = OPS.bf16_to_f32 if kind == KIND_BF16 else OPS.f16_to_f32
+    from_f32 = OPS.f32_to_bf16 if kind == KIND_BF16 else OPS.f32_to_f16
+
+    @device_jit
+    def load_chunk16(words, c, n_chunks):
+        if c >= n_chunks:
+            z = np.float32(0.0)
+            return z, z, z, z
+        w = words[c]
+        lo = np.uint32(w)
+        hi = np.uint32(w >> _U32)
+        return to_f32(lo & 0xFFFF), to_f32(lo >> 16), to_f32(hi & 0xFFFF), to_f32(hi >> 16)
+
+    @device_jit
+    def store_chunk16(words, c, v0, v1, v2, v3):
+        words[c] = (
+            np.uint64(from_f32(v0))
+            | (np.uint64(from_f32(v1)) << _U16)
+            | (np.uint64(from_f32(v2)) << _U32)
+            | (np.uint64(from_f32(v3)) << _U48)
+        )
+
+    return load_chunk16, store_chunk16
+
+
+@device_jit
+def abs_or_inf(v):
+    """|v| for finite v; +inf for NaN and +-inf, so a block max flags a non-finite block."""
+    u = f32_as_u32(v) & 0x7FFFFFFF
+    if u >= 0x7F800000:
+        return u32_as_f32(np.uint32(0x7F800000))
+    return u32_as_f32(np.uint32(u))
+
+
+@device_jit
+def max4_abs_or_inf(v0, v1, v2, v3):
+    a = abs_or_inf(v0)
+    b = abs_or_inf(v1)
+    if b > a:
+        a = b
+    b = abs_or_inf(v2)
+    if b > a:
+        a = b
+    b = abs_or_inf(v3)
+    if b > a:
+        a = b
+    return a
+
+
+@device_jit
+def finite_abs(v):
+    """|v| for finite v, 0 otherwise: the tensor amax ignores non-finite values."""
+    u = f32_as_u32(v) & 0x7FFFFFFF
+    if u >= 0x7F800000:
+        return np.float32(0.0)
+    return u32_as_f32(np.uint32(u))
+
+
+@device_jit
+def scale_offset(blk, kb, padded_kb, swizzled):
+    """Byte offset of block ``blk``'s scale: linear (row-major rows x kb) or the 128x4 tiles.
+
+    Swizzled: the layout of cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0 scale modes and
+    torch._scaled_mm: 128-row x 4-column tiles of 512 bytes in row-major tile order; inside a
+    tile, row r sits at (r % 32) * 16 + (r // 32) * 4 and column c at + c.
+    """
+    if not swizzled:
+        return blk
+    r = blk // kb
+    col = blk - r * kb
+    tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
+    return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3)

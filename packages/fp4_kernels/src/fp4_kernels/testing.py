@@ -1,0 +1,147 @@
+"""Test support other packages' tests may reuse.
+
+``install_simulator_warp_intrinsics()`` gives numba's CUDA simulator the warp shuffles it lacks
+(``shfl_sync``, ``shfl_xor_sync``, ``shfl_up_sync``, ``shfl_down_sync``).  The simulator runs a
+CUDA block as Python threads with a block-wide barrier; a shuffle here is: publish the value,
+barrier, read the source lane's value, barrier.  That matches hardware semantics under the
+contract our kernels keep anyway: every thread of the block executes the same sequence of
+shuffles (loops are block-uniform; out-of-range lanes run on dummy data).  A kernel that breaks
+that contract deadlocks or errors in the simulator instead of silently passing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+WARP_SIZE = 32
+
+
+def _exchange(value, src_lane_of):
+    t = threading.current_thread()
+    mgr = t._manager
+    slots = mgr.__dict__.setdefault("_fp4_shfl_slots", {})
+    tid = t.thread_id
+    slots[tid] = value
+    t.syncthreads()  # every thread has published before anyone reads
+    lane = tid % WARP_SIZE
+    src = src_lane_of(lane)
+    if 0 <= src < WARP_SIZE and (tid - lane + src) in slots:
+        out = slots[tid - lane + src]
+    else:
+        out = value  # hardware returns the caller's own value for an out-of-range source
+    t.syncthreads()  # everyone has read before the slots are reused
+    return out
+
+
+def _shfl_sync(self, mask, value, src_lane):
+    return _exchange(value, lambda lane: src_lane % WARP_SIZE)
+
+
+def _shfl_xor_sync(self, mask, value, lane_mask):
+    return _exchange(value, lambda lane: lane ^ lane_mask)
+
+
+def _shfl_up_sync(self, mask, value, delta):
+    return _exchange(value, lambda lane: lane - delta)
+
+
+def _shfl_down_sync(self, mask, value, delta):
+    return _exchange(value, lambda lane: lane + delta)
+
+
+def install_simulator_warp_intrinsics():
+    """Patch the simulator's fake ``cuda`` module; a no-op unless NUMBA_ENABLE_CUDASIM=1."""
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        return False
+    from numba.cuda.simulator import kernelapi
+
+    cls = kernelapi.FakeCUDAModule
+    cls.shfl_sync = _shfl_sync
+    cls.shfl_xor_sync = _shfl_xor_sync
+    cls.shfl_up_sync = _shfl_up_sync
+    cls.shfl_down_sync = _shfl_down_sync
+    return True
+
+
+# ---------------------------------------------------------------------- test data
+
+
+def adversarial_blocks(rng, rows, k, block=16):
+    """float32 (rows, k) mixing what breaks codecs, block by block (k % block == 0):
+
+    Gaussian blocks at scales from 2^-140 (float32 subnormals) to 2^120; exact e2m1 ties
+    (grid midpoints times a power of two); all-zero and signed-zero blocks; blocks with NaN,
+    +Inf or -Inf; a saturating outlier among small values; values just below and above the e4m3
+    scale rounding boundaries.  Non-finite values are a small fraction so the tensor amax
+    stays finite.
+    """
+    import numpy as np
+
+    n_blocks = rows * k // block
+    x = rng.standard_normal((n_blocks, block)).astype(np.float32)
+    kind = rng.integers(0, 10, n_blocks)
+    exps = rng.integers(-140, 121, n_blocks).astype(np.float32)
+    x *= np.exp2(exps)[:, None]
+    mid = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    ties = rng.choice(mid, (n_blocks, block)) * rng.choice([-1.0, 1.0], (n_blocks, block))
+    ties = (ties * np.exp2(rng.integers(-8, 8, n_blocks))[:, None]).astype(np.float32)
+    x[kind == 1] = ties[kind == 1]
+    x[kind == 2] = 0.0
+    sz = kind == 3
+    x[sz] = np.where(rng.random((sz.sum(), block)) < 0.5, -0.0, 0.0).astype(np.float32)
+    bad = np.flatnonzero(kind == 4)
+    if bad.size:
+        x[bad, rng.integers(0, block, bad.size)] = rng.choice(
+            np.array([np.nan, np.inf, -np.inf], np.float32), bad.size
+        )
+    out = np.flatnonzero(kind == 5)
+    if out.size:
+        x[out] *= np.float32(1e-3)
+        x[out, rng.integers(0, block, out.size)] = np.float32(1e3)
+    return x.reshape(rows, k)
+
+
+def reference_quantization(x, fmt, rounding="nearest", seed=0, step=0, global_amax=None,
+                           scale_layout="linear"):
+    """What ``quantize`` must return for float32 ``x``, from the numpy oracle in ``formats``.
+
+    Returns numpy ``(data, scales, global_scale, dequantized_float32)`` in the public layouts:
+    packed codes (..., K/2), scales linear (..., K/block) or swizzled (flat, padded).
+    """
+    import numpy as np
+
+    from .formats import e2m1, mxfp4, nvfp4, scale_layout as layout
+
+    x = np.ascontiguousarray(x, np.float32)
+    with np.errstate(all="ignore"):
+        if fmt == "nvfp4":
+            codes, scales, gs = nvfp4.quantize_reference(
+                x, rounding=rounding, seed=seed, step=step, global_amax=global_amax
+            )
+            deq = nvfp4.dequantize_reference(codes, scales, gs)
+        else:
+            codes, scales = mxfp4.quantize_reference(x, rounding=rounding, seed=seed, step=step)
+            gs = np.float32(1.0)
+            deq = mxfp4.dequantize_reference(codes, scales)
+    if scale_layout == "swizzled":
+        scales = layout.to_swizzled(scales.reshape(-1, scales.shape[-1]))
+    return e2m1.pack_e2m1(codes), scales, np.float32(gs), deq
+
+
+def same_bits(a, b):
+    """Bitwise equality of two float arrays of one dtype, NaN payloads aside (any NaN == NaN)."""
+    import numpy as np
+
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    fa = a.astype(np.float32)
+    fb = b.astype(np.float32)
+    nan = np.isnan(fa)
+    if not np.array_equal(nan, np.isnan(fb)):
+        return False
+    w = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    return np.array_equal(a[~nan].view(w), b[~nan].view(w))

@@ -1,0 +1,66 @@
+"""Test tiers (see the root README): the same kernel tests run in numba's CUDA simulator
+(NUMBA_ENABLE_CUDASIM=1, CI) and on a real GPU; ``compile_check`` tests compile to sm_90 PTX
+without a GPU; ``gpu`` tests need a real GPU and skip, with the reason, where there is none.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from numba import config, cuda
+
+from fp4_kernels.testing import install_simulator_warp_intrinsics
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+install_simulator_warp_intrinsics()
+
+
+def _real_gpu():
+    if SIMULATOR:
+        return False
+    try:
+        return cuda.is_available()
+    except Exception:  # no driver at all
+        return False
+
+
+REAL_GPU = _real_gpu()
+
+
+def pytest_report_header(config):
+    tier = "simulator" if SIMULATOR else ("real GPU" if REAL_GPU else "no GPU (compile check)")
+    return f"fp4_kernels test tier: {tier}"
+
+
+@pytest.fixture
+def kernels():
+    """Kernel tests run on the simulator or a real GPU; skipped (with the reason) otherwise."""
+    if not (SIMULATOR or REAL_GPU):
+        pytest.skip("no CUDA GPU and not in the simulator (set NUMBA_ENABLE_CUDASIM=1)")
+    if SIMULATOR:
+        # one Python thread per CUDA thread: keep blocks at 2 warps and the grid at 2 CTAs so
+        # grid-stride loops still iterate and shuffles still cross warps.
+        from fp4_kernels.cuda import launch
+
+        launch.launch_override = (64, 2)
+        yield "simulator"
+        launch.launch_override = None
+    else:
+        yield "gpu"
+
+
+@pytest.fixture
+def gpu():
+    """Real-GPU-only tests (full sizes): skipped with a reason elsewhere."""
+    if not REAL_GPU:
+        pytest.skip("needs a real CUDA GPU (run `nox -s gpu` on the GPU machine)")
+    return True
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")  # shown on failure: rerun with this seed to reproduce
+    return np.random.default_rng(seed)

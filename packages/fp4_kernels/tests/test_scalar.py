@@ -1,0 +1,175 @@
+"""The scalar codec (fp4_kernels._scalar, as compiled for the CPU) against the numpy oracle
+and numpy's own conversions, exhaustively where the input space allows."""
+
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+
+from fp4_kernels.cpu._primitives import OPS
+from fp4_kernels.formats import e2m1, e4m3, philox
+
+ALL_BF16_AS_F32 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+ALL_F16 = np.arange(1 << 16, dtype=np.uint16)
+
+_enc = OPS.e2m1_encode
+_enc_sr = OPS.e2m1_encode_sr
+_e4m3 = OPS.e4m3_encode_positive
+_e4m3_dec = OPS.e4m3_decode
+_f16_to_f32 = OPS.f16_to_f32
+_f32_to_f16 = OPS.f32_to_f16
+_f32_to_bf16 = OPS.f32_to_bf16
+_bf16_to_f32 = OPS.bf16_to_f32
+_mx_exp = OPS.mx_shared_exponent
+
+
+@numba.njit
+def _map_e2m1(y, out):
+    for i in range(y.size):
+        out[i] = _enc(y[i])
+
+
+@numba.njit
+def _map_e2m1_sr(y, r, out):
+    for i in range(y.size):
+        out[i] = _enc_sr(y[i], r[i])
+
+
+@numba.njit
+def _map_e4m3(v, out):
+    for i in range(v.size):
+        out[i] = _e4m3(v[i])
+
+
+@numba.njit
+def _map_f32_to_f16(v, out):
+    for i in range(v.size):
+        out[i] = _f32_to_f16(v[i])
+
+
+@numba.njit
+def _map_f16_to_f32(h, out):
+    for i in range(h.size):
+        out[i] = _f16_to_f32(np.uint32(h[i]))
+
+
+@numba.njit
+def _map_f32_to_bf16(v, out):
+    for i in range(v.size):
+        out[i] = _f32_to_bf16(v[i])
+
+
+@numba.njit
+def _map_mx_exp(v, out):
+    for i in range(v.size):
+        out[i] = _mx_exp(v[i])
+
+
+def test_e2m1_encode_every_bf16_pattern_matches_oracle():
+    got = np.empty(ALL_BF16_AS_F32.size, np.uint8)
+    _map_e2m1(ALL_BF16_AS_F32, got)
+    np.testing.assert_array_equal(got, e2m1.encode_e2m1(ALL_BF16_AS_F32))
+
+
+def test_e2m1_encode_sr_matches_oracle(rng):
+    y = np.concatenate([ALL_BF16_AS_F32, rng.uniform(-7, 7, 1 << 16).astype(np.float32)])
+    r = rng.integers(0, 2**32, y.size, dtype=np.uint64).astype(np.uint32)
+    got = np.empty(y.size, np.uint8)
+    _map_e2m1_sr(y, r, got)
+    np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(y, r))
+
+
+def test_e4m3_encode_every_nonnegative_bf16_and_f16_pattern():
+    # the kernels only encode block scales, which are >= 0 (inf included; NaN is masked first)
+    f16 = ALL_F16.view(np.float16).astype(np.float32)
+    v = np.concatenate([ALL_BF16_AS_F32, f16])
+    v = v[~np.signbit(v) & ~np.isnan(v)]
+    got = np.empty(v.size, np.uint8)
+    _map_e4m3(v, got)
+    np.testing.assert_array_equal(got, e4m3.encode_e4m3(v))
+    # independent check: ml_dtypes' cast agrees wherever it does not overflow (it does not
+    # saturate: above 464 it gives NaN where the e4m3 "satfinite" cast gives 448)
+    fin = v < 464
+    np.testing.assert_array_equal(
+        got[fin], v[fin].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    )
+    assert np.all(got[~fin] == 0x7E)
+
+
+def test_e4m3_decode_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    got = np.array([_e4m3_dec(c) for c in codes[:128]], np.float32)
+    ref = codes[:128].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, ref)  # NaN at 0x7F compares equal via assert_array_equal
+
+
+def test_f16_conversions_exhaustive(rng):
+    got = np.empty(1 << 16, np.float32)
+    _map_f16_to_f32(ALL_F16, got)
+    np.testing.assert_array_equal(got, ALL_F16.view(np.float16).astype(np.float32))
+    v = np.concatenate([
+        ALL_BF16_AS_F32,
+        rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        # every fp16 rounding midpoint (ties), and one ulp either side
+        _f16_midpoints(),
+    ])
+    h = np.empty(v.size, np.uint16)
+    _map_f32_to_f16(v, h)
+    ref = v.astype(np.float16)
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(h[~nan], ref[~nan].view(np.uint16))
+    assert np.all(np.isnan(h[nan].view(np.float16)))
+
+
+def _f16_midpoints():
+    a = ALL_F16[:0x7C00].view(np.float16).astype(np.float64)
+    mids = ((a[:-1] + a[1:]) / 2).astype(np.float32)  # exact: fp16 midpoints fit in float32
+    m = mids.view(np.uint32)
+    both = np.concatenate([m, m - 1, m + 1]).view(np.float32)
+    return np.concatenate([both, -both])
+
+
+def test_bf16_conversions(rng):
+    v = np.concatenate([
+        rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
+        ((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32),  # exact ties
+    ])
+    h = np.empty(v.size, np.uint16)
+    _map_f32_to_bf16(v, h)
+    ref = v.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(v)
+    np.testing.assert_array_equal(h[~nan], ref[~nan].view(np.uint16))
+    assert np.all(np.isnan(h[nan].view(ml_dtypes.bfloat16).astype(np.float32)))
+    back = np.array([_bf16_to_f32(np.uint32(b)) for b in h[:4096]], np.float32)
+    np.testing.assert_array_equal(back, ref[:4096].astype(np.float32))
+
+
+def test_mx_shared_exponent_exact(rng):
+    v = np.abs(ALL_BF16_AS_F32[np.isfinite(ALL_BF16_AS_F32)])
+    v = np.concatenate([v, np.exp2(np.arange(-149, 128)).astype(np.float32)])
+    got = np.empty(v.size, np.int64)
+    _map_mx_exp(v, got)
+    with np.errstate(divide="ignore"):
+        ref = np.floor(np.log2(v.astype(np.float64))) - 2  # exact in float64 for these inputs
+    ref = np.clip(np.where(v == 0, -1000, ref), -127, 127).astype(np.int64)
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    "ctr,key,expect",
+    [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ],
+)
+def test_philox_known_answers(ctr, key, expect):
+    """Random123's philox4x32_10 known-answer vectors."""
+    got = OPS.philox4x32_10(*[np.uint32(c) for c in ctr], np.uint32(key[0]), np.uint32(key[1]))
+    assert tuple(int(g) for g in got) == expect
+    ref = philox.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32))
+    assert tuple(int(g) for g in ref) == expect
