@@ -217,8 +217,7 @@ def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value
         scales = ctx.empty(scale_shape, np.uint8, zero=pad)
         gs = ctx.empty((1,), np.float32)
         if fused:
-            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt) if backend.lib != "numba"
-                            else x.dtype)
+            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             out_words = ctx.view(out, np.uint64)
         else:
             out = None

@@ -200,15 +200,15 @@ class GpuContext:
         return d
 
     def float_dtype(self, dt):
-        """The framework dtype object for an element dtype name."""
-        if self.backend.lib == "torch":
+        """The array library's dtype object for an element dtype name."""
+        lib = self.backend.lib
+        if lib == "torch":
             return getattr(_torch(), dt)
-        if dt == "bfloat16":
+        if lib == "cupy" and dt == "bfloat16":
             raise TypeError(
-                f"dtype: bfloat16 output needs torch tensors ({self.backend.lib} arrays have no "
-                f"bfloat16); dequantize to float32 or float16"
+                "dtype: CuPy has no bfloat16; dequantize to float32 or float16, or use torch"
             )
-        return np.dtype(dt)
+        return numpy_dtype(dt)  # numba device arrays take ml_dtypes' bfloat16
 
 
 _TORCH_RAW = {}

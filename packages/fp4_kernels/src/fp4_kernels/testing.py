@@ -145,3 +145,26 @@ def same_bits(a, b):
         return False
     w = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
     return np.array_equal(a[~nan].view(w), b[~nan].view(w))
+
+
+# ---------------------------------------------------------------------- compile check
+
+
+def compile_ptx(kernel, signature, cc=(9, 0)):
+    """PTX of a ``@cuda.jit`` kernel for compute capability ``cc``, with or without a GPU.
+
+    numba-cuda compiles the device functions a kernel calls for the *current device's* compute
+    capability, which fails when there is no driver; here they are compiled for ``cc`` instead.
+    """
+    import types as pytypes
+
+    from numba import cuda
+    from numba.cuda import dispatcher
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+    finally:
+        dispatcher.get_current_device = saved
+    return ptx

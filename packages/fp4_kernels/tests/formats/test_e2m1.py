@@ -17,13 +17,6 @@ from fp4_kernels.formats.e2m1 import (
 ALL_BF16_AS_FLOAT32 = (np.arange(2**16, dtype=np.uint32) << np.uint32(16)).view(np.float32)
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _ml_dtypes_e2m1_codes(y):
     return y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
 
@@ -43,7 +36,8 @@ def test_decode_uses_low_nibble_only():
 
 def test_encode_every_bf16_matches_ml_dtypes_except_nan():
     """E2M1 has no NaN, so a NaN input is outside both specs: ml_dtypes 0.6 gives +NaN -> 0x8 and
-    -NaN -> 0x0 (an artefact of its cast); the spec here maps every NaN to 0x0. All else is equal."""
+    -NaN -> 0x0 (an artefact of its cast); the spec here maps every NaN to 0x0. All else is equal.
+    """
     x = ALL_BF16_AS_FLOAT32
     with np.errstate(invalid="ignore"):
         expected = _ml_dtypes_e2m1_codes(x)
@@ -137,7 +131,7 @@ def test_stochastic_grid_values_and_saturation_never_move():
 
 
 def test_stochastic_threshold_is_exact(rng):
-    """Rounds up exactly when u = (rbits >> 8) / 2**24 < p, p = (a - lo) / gap computed in float64."""
+    """Rounds up exactly when u = (rbits >> 8) / 2**24 < p, with p = (a - lo) / gap in float64."""
     y = rng.uniform(-6.0, 6.0, size=100_000).astype(np.float32)
     magnitudes = E2M1_VALUES[:8].astype(np.float64)
     a = np.abs(y).astype(np.float64)

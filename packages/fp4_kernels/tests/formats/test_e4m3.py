@@ -17,13 +17,6 @@ ALL_FP16_AS_FLOAT32 = (
 ML_DTYPES_LAST_TO_448 = 464.0
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _assert_matches_ml_dtypes(x):
     """encode_e4m3(x) equals ml_dtypes' cast except exactly where the documented semantics differ.
 

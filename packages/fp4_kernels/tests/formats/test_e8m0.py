@@ -7,13 +7,6 @@ import pytest
 from fp4_kernels.formats.e8m0 import E8M0_BIAS, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def test_decode_every_code():
     codes = np.arange(256, dtype=np.uint8)
     got = decode_e8m0(codes)

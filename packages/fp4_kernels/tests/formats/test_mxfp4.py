@@ -1,4 +1,4 @@
-"""Tests for fp4_kernels.formats.mxfp4: shared exponent vs float64, hand-worked blocks, error bounds."""
+"""Tests for fp4_kernels.formats.mxfp4: shared exponent vs float64, hand cases, error bounds."""
 
 import math
 
@@ -19,13 +19,6 @@ from fp4_kernels.formats.philox import stochastic_bits
 F32 = np.float32
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _shared_exponent_float64(amax):
     """floor(log2(amax)) - 2 clamped to [-127, 127], via float64 log2 (exact enough: a float32 just
     below 2**k has log2 = k - 8.6e-8, far from k in float64); zero gives -inf -> -127."""
@@ -35,7 +28,7 @@ def _shared_exponent_float64(amax):
 
 
 def _random_blocks(rng, shape):
-    """Normal values with a per-block magnitude spread over 2**-140 .. 2**120, some all-zero blocks."""
+    """Normal values with per-block magnitudes over 2**-140 .. 2**120, some all-zero blocks."""
     x = rng.standard_normal(shape)
     magnitude = np.exp2(rng.uniform(-140, 120, size=shape[:-1] + (shape[-1] // BLOCK_SIZE, 1)))
     magnitude[rng.random(magnitude.shape) < 0.05] = 0.0
@@ -44,7 +37,7 @@ def _random_blocks(rng, shape):
 
 
 def _quantize_with_ml_dtypes(x):
-    """MX v1.0 §6.3 with the exponent from float64 log2 and the element rounding by ml_dtypes (finite x)."""
+    """MX v1.0 §6.3, exponent from float64 log2, elements rounded by ml_dtypes (finite x only)."""
     blocks = x.reshape(-1, BLOCK_SIZE)
     e = _shared_exponent_float64(np.abs(blocks).max(axis=1))
     scale = np.ldexp(1.0, e).astype(ml_dtypes.float8_e8m0fnu)
@@ -154,7 +147,7 @@ def test_matches_ml_dtypes_twin(rng, shape):
 
 def test_round_trip_error_bound(rng):
     """Per block with scale 2**e: |dequant - x| <= max(half the top e2m1 gap = 1, saturation excess
-    amax_b / 2**e - 6) * 2**e. The products by 2**+-e are exact, so the slack covers only y underflow."""
+    amax_b / 2**e - 6) * 2**e. Products by 2**+-e are exact; the slack covers only y underflow."""
     x = _random_blocks(rng, (257, 128))
     codes, scales = quantize_reference(x)
     out = dequantize_reference(codes, scales).astype(np.float64)
@@ -181,7 +174,7 @@ def test_rejects_bad_arguments():
 
 
 def test_stochastic_mean_is_unbiased():
-    """2.3 with scale 1 (a 4 in each block: e = 0) rounds to 2 or 3; the mean of N draws within 5 sigma."""
+    """2.3 at scale 1 (a 4 per block: e = 0) rounds to 2 or 3; the mean of N draws is in 5 sigma."""
     x = np.full((128, 32), 2.3, dtype=np.float32)
     x[:, 0] = 4.0
     draws = []

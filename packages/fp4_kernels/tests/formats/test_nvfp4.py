@@ -1,4 +1,4 @@
-"""Tests for fp4_kernels.formats.nvfp4: hand-worked blocks, an ml_dtypes-rounded twin, error bounds."""
+"""Tests for fp4_kernels.formats.nvfp4: hand-worked blocks, an ml_dtypes twin, error bounds."""
 
 import math
 
@@ -23,15 +23,8 @@ F32 = np.float32
 UNIT_GLOBAL_AMAX = 2688.0  # = 448 * 6, gives S = 1 and global_scale = 1: block arithmetic is plain
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _random_blocks(rng, shape):
-    """Normal values with a per-block magnitude spread over 2**-30 .. 2**10, some all-zero blocks."""
+    """Normal values with per-block magnitudes over 2**-30 .. 2**10, some all-zero blocks."""
     x = rng.standard_normal(shape)
     magnitude = np.exp2(rng.uniform(-30, 10, size=shape[:-1] + (shape[-1] // BLOCK_SIZE, 1)))
     magnitude[rng.random(magnitude.shape) < 0.05] = 0.0
@@ -42,8 +35,8 @@ def _random_blocks(rng, shape):
 def _quantize_with_ml_dtypes(x, s_enc):
     """Transformer Engine's NVFP4 formula with every rounding done by ml_dtypes (finite x only).
 
-    ml_dtypes' e4m3 cast does not saturate, so the scale is clipped to 448 first (clip then RNE equals
-    saturating RNE); its e2m1 cast saturates already.
+    ml_dtypes' e4m3 cast does not saturate, so the scale is clipped to 448 first (clip then RNE
+    equals saturating RNE); its e2m1 cast saturates already.
     """
     blocks = x.reshape(-1, BLOCK_SIZE)
     block_amax = np.abs(blocks).max(axis=1)
@@ -87,7 +80,7 @@ def test_global_encode_scale():
 
 
 def test_block_at_tensor_amax():
-    """[6, 0, ...]: S = 2688 / 6 = 448, scale = e4m3(6 * (448 * (1/6))) = 448 (0x7E), y = 6 -> code 7."""
+    """[6, 0, ...]: S = 2688 / 6 = 448, scale = e4m3(6 * (448 * (1/6))) = 448 (0x7E), y = 6 -> 7."""
     x = np.zeros((1, 16), dtype=np.float32)
     x[0, 0] = 6.0
     codes, scales, global_scale = quantize_reference(x)
@@ -128,7 +121,7 @@ def test_exact_subnormal_scale():
 
 
 def test_rounded_subnormal_scale():
-    """Block amax 0.01 with S = 1: 0.01 / 6 = 0.853 * 2**-9 rounds to 2**-9 (0x01); y = 0.01 * 512 = 5.12 -> 6."""
+    """Block amax 0.01, S = 1: 0.01 / 6 = 0.853 * 2**-9 rounds to 2**-9 (0x01); y = 5.12 -> 6."""
     x = np.zeros((1, 16), dtype=np.float32)
     x[0, 0] = 0.01
     codes, scales, global_scale = quantize_reference(x, global_amax=UNIT_GLOBAL_AMAX)
@@ -138,7 +131,7 @@ def test_rounded_subnormal_scale():
 
 
 def test_operation_order_of_block_scale_is_pinned():
-    """TE computes amax_b * (S * (1/6)); (amax_b * S) * (1/6) would land exactly on the tie 34 -> 32.
+    """TE computes amax_b * (S * (1/6)); (amax_b * S) * (1/6) would hit the tie 34 -> 32 exactly.
 
     S = 2688 / 538.60516 = 4.990669; amax_b * (S * fl(1/6)) = 34.000004 -> 36 (0x61), whereas
     (amax_b * S) * fl(1/6) = 34.0, a tie between 32 and 36 that rounds to even 32 (0x60).
@@ -168,7 +161,7 @@ def test_all_zero_block_gives_exact_zeros():
 
 
 def test_block_far_below_tensor_amax_has_zero_scale_and_dequantizes_to_zero():
-    """Scale rounds to 0: scale_rcp = fmin(1 / 0, FP32_MAX) = FP32_MAX, y saturates, and 6 * 0 = 0."""
+    """Scale rounds to 0: scale_rcp = fmin(1 / 0, FP32_MAX) = FP32_MAX, y saturates, 6 * 0 = 0."""
     x = np.zeros((1, 32), dtype=np.float32)
     x[0, 0] = 2688.0
     x[0, 16:18] = [1e-4, -1e-4]
@@ -211,10 +204,10 @@ def test_matches_ml_dtypes_twin(rng, shape):
 
 
 def test_round_trip_error_bound(rng):
-    """Per block, |dequant - x| <= half the top e2m1 gap (2 / 2) in units of the decoded scale, or the
-    saturation excess when the scale rounded down; with a normal e4m3 scale (relative rounding error
-    <= 2**-4) that is <= amax_b / 6 * (1 + 2**-4). Slack 2**-20 covers the float32 roundings of
-    scale_rcp, y and the two dequantization products."""
+    """Per block, |dequant - x| <= half the top e2m1 gap (2 / 2) in units of the decoded scale,
+    or the saturation excess when the scale rounded down; with a normal e4m3 scale (relative
+    rounding error <= 2**-4) that is <= amax_b / 6 * (1 + 2**-4). Slack 2**-20 covers the float32
+    roundings of scale_rcp, y and the two dequantization products."""
     x = _random_blocks(rng, (257, 128))
     codes, scales, global_scale = quantize_reference(x)
     out = dequantize_reference(codes, scales, global_scale).astype(np.float64)
@@ -267,10 +260,10 @@ def test_rejects_bad_arguments():
 
 
 def test_stochastic_mean_is_unbiased():
-    """2.3 * scale (scale = 1 with S = 1) rounds to 2 or 3; the mean of N draws must be within 5 sigma.
+    """2.3 * scale (scale = 1 with S = 1) rounds to 2 or 3; the mean of N draws is within 5 sigma.
 
-    p = P(round up) = (fl(2.3) - 2) / 1, sigma of one draw = sqrt(p (1 - p)); the 24-bit uniform shifts
-    the mean by at most 2**-24.
+    p = P(round up) = (fl(2.3) - 2) / 1, sigma of one draw = sqrt(p (1 - p)); the 24-bit uniform
+    shifts the mean by at most 2**-24.
     """
     x = np.full((256, 16), 2.3, dtype=np.float32)
     x[:, 0] = 6.0  # block amax 6 -> scale e4m3(1.0), so y = x
@@ -298,14 +291,14 @@ def test_stochastic_reproducible_and_step_sensitive(rng):
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], c[1])  # scales do not depend on the random bits
     assert np.any(a[0] != c[0]) and np.any(a[0] != d[0])
-    # Every stochastic code is one of the two grid neighbours of the nearest-rounded value's interval.
+    # A stochastic code is at most one grid step (<= 2) from the nearest-rounded code.
     nearest = decode_e2m1(quantize_reference(x)[0])
     got = decode_e2m1(c[0])
     assert np.all(np.abs(got - nearest) <= 2.0)
 
 
 def test_stochastic_uses_flat_element_index():
-    """y = 2.5 (p = 1/2) rounds up exactly when the top bit of element i's word is 0, i = flat index."""
+    """y = 2.5 (p = 1/2) rounds up exactly when the top bit of flat element i's word is 0."""
     x = np.full((3, 32), 2.5, dtype=np.float32)
     x[:, ::16] = 6.0  # one 6 per block keeps scale 1 with S = 1
     codes, _, _ = quantize_reference(

@@ -21,15 +21,8 @@ RANDOM123_KAT = [
 ]
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _philox_scalar(counter, key):
-    """Philox4x32-10 on Python ints, written from the Random123 round definition (independent of numpy)."""
+    """Philox4x32-10 on Python ints from the Random123 round definition (independent of numpy)."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(10):

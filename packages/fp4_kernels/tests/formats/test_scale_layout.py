@@ -1,4 +1,4 @@
-"""Tests for fp4_kernels.formats.scale_layout: literal offsets and torchao's reshape form of the swizzle."""
+"""Tests for fp4_kernels.formats.scale_layout: literal offsets and torchao's reshape form."""
 
 import numpy as np
 import pytest
@@ -13,17 +13,11 @@ from fp4_kernels.formats.scale_layout import (
 RAGGED_SHAPES = [(1, 1), (3, 5), (128, 4), (129, 7), (256, 8), (300, 13), (1, 64)]
 
 
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed: {seed}")  # pytest shows captured stdout on failure
-    return np.random.default_rng(seed)
-
-
 def _to_blocked_reshape_form(scales):
-    """The same layout written as torchao's ``to_blocked`` writes it, independent of the offset formula:
-    pad to whole 128x4 tiles, view (R/128, 128, C/4, 4), put tiles first, then split each tile's 128
-    rows as (4 groups of 32) and interleave: (4, 32, 4) -> (32, 4, 4) = (32, 16) rows of 16 bytes."""
+    """The layout as torchao's ``to_blocked`` writes it, independent of the offset formula: pad to
+    whole 128x4 tiles, view (R/128, 128, C/4, 4), put tiles first, then split each tile's 128 rows
+    as (4 groups of 32) and interleave: (4, 32, 4) -> (32, 4, 4) = (32, 16) rows of 16 bytes.
+    """
     rows, cols = scales.shape
     padded_rows, padded_cols = swizzled_shape(rows, cols)
     padded = np.zeros((padded_rows, padded_cols), dtype=np.uint8)

@@ -7,7 +7,8 @@ oracle that the CPU and CUDA kernels are tested against bit for bit:
 - ``e4m3``: the OCP FP8 E4M3 ("fn") type used for NVFP4 block scales.
 - ``e8m0``: the OCP MX v1.0 E8M0 power-of-two type used for MXFP4 block scales.
 - ``philox``: the Philox4x32-10 counter-based generator that feeds stochastic rounding.
-- ``nvfp4``: NVFP4 (16-element blocks, e4m3 scales, fp32 global scale) as Transformer Engine computes it.
+- ``nvfp4``: NVFP4 (16-element blocks, e4m3 scales, fp32 global scale) as Transformer Engine
+  computes it.
 - ``mxfp4``: MXFP4 (32-element blocks, e8m0 scales) per OCP MX v1.0.
 - ``scale_layout``: the 128x4-tile swizzled block-scale layout read by cuBLASLt.
 

@@ -102,13 +102,13 @@ def encode_e2m1_stochastic(y, rbits):
 
 
 def decode_e2m1(codes):
-    """Maps uint8 E2M1 codes (low 4 bits; high bits ignored) to their float32 values (OCP MX Table 5)."""
+    """Maps uint8 E2M1 codes to float32 values (OCP MX Table 5); only the low 4 bits are read."""
     codes = _check_uint8(codes, "codes")
     return E2M1_VALUES[codes & np.uint8(0xF)]
 
 
 def pack_e2m1(codes):
-    """Packs uint8 codes (..., K) into bytes (..., K // 2): element 2i in the low nibble, 2i+1 in the high.
+    """Packs uint8 codes (..., K) into bytes (..., K // 2): element 2i low nibble, 2i+1 high nibble.
 
     This is the byte order of PyTorch's ``float4_e2m1fn_x2`` and of the cuBLASLt/PTX FP4 operands
     (the first element of a pair sits in the least significant nibble). K must be even and every

@@ -1,4 +1,4 @@
-"""FP8 E4M3 ("E4M3FN"), the NVFP4 block-scale type (OCP 8-bit Floating Point Specification (OFP8) v1.0).
+"""FP8 E4M3 ("E4M3FN"), the NVFP4 block-scale type (OCP 8-bit Floating Point Specification v1.0).
 
 A code is 8 bits: bit 7 sign, bits 6-3 exponent (bias 7), bits 2-0 mantissa. Exponent field 0
 is subnormal (m * 2**-9). There is no Inf; S.1111.111 (0x7F, 0xFF) is NaN, so the largest
@@ -24,7 +24,7 @@ E4M3_SIGN_BIT = 0x80
 
 
 def _e4m3_table():
-    """All 256 code values, built from the OFP8 field definitions in float64 (every one is exact)."""
+    """All 256 code values, from the OFP8 field definitions in float64 (every one is exact)."""
     codes = np.arange(256)
     sign = np.where(codes & 0x80, -1.0, 1.0)
     exponent_field = (codes >> 3) & 0xF

@@ -22,7 +22,7 @@ _FLOAT32_MANTISSA_BITS = 23
 
 
 def shared_exponent(amax_b):
-    """The MX shared exponent of blocks with float32 max magnitude ``amax_b``: floor(log2(amax_b)) - 2.
+    """The MX shared exponent floor(log2(amax_b)) - 2 of blocks with float32 max magnitude amax_b.
 
     OCP MX v1.0 §6.3: X = 2**(floor(log2(max_i |V_i|)) - emax_elem) with emax_elem = 2 for E2M1,
     clamped to the E8M0 range [-127, 127]. floor(log2) is read exactly from the float32 exponent
@@ -63,9 +63,9 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
     Blocks are 32 consecutive elements of the last axis. A block containing NaN or ±Inf gets
     scale 0xFF (E8M0 NaN) and codes 0, so it decodes to NaN. Otherwise
     e = ``shared_exponent(max |x| over the block)``, y = x * 2**-e (an exact float32 power of two),
-    and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1 max
-    after scaling clamp to ±6), or stochastic with the word ``stochastic_bits(seed, step, x.size)[i]``
-    for flat element index i, the same words NVFP4 uses.
+    and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1
+    max after scaling clamp to ±6), or stochastic with the word
+    ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i (the words NVFP4 uses).
     """
     x = _check_x(x)
     if rounding not in ROUNDING_MODES:
@@ -75,7 +75,7 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
     # Zero the masked blocks so the arithmetic below is warning-free; their outputs are replaced.
     blocks = np.where(finite_block[:, None], blocks, np.float32(0.0))
     e = shared_exponent(np.abs(blocks).max(axis=1))
-    # 2**-e for e in [-127, 125] is exact in float32 (2**-125 .. 2**127); ldexp in float64 then narrow.
+    # 2**-e for e in [-127, 125] is exact in float32 (2**-125 .. 2**127): ldexp in float64, narrow.
     inverse_scale = np.ldexp(1.0, -e).astype(np.float32)
     y = blocks * inverse_scale[:, None]
     if rounding == "nearest":
@@ -105,7 +105,8 @@ def dequantize_reference(codes, scales):
     scales_shape = codes.shape[:-1] + (codes.shape[-1] // BLOCK_SIZE,)
     if scales.shape != scales_shape:
         raise ValueError(
-            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, got {scales.shape}"
+            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, "
+            f"got {scales.shape}"
         )
     values = decode_e2m1(codes).reshape(-1, BLOCK_SIZE) * decode_e8m0(scales).reshape(-1, 1)
     return values.reshape(codes.shape)

@@ -1,8 +1,9 @@
 """NVFP4: E2M1 elements in 16-element blocks, an E4M3 scale per block and one float32 global scale.
 
 This is the numpy reference (the oracle) and it reproduces NVIDIA Transformer Engine's NVFP4 cast
-(``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh``: ``compute_global_encode_scaling_factor_FP4``,
-``quantization_SF::compute_decoding_scaling_factor``, ``compute_scaling_coefficient<float>``)
+(``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh``:
+``compute_global_encode_scaling_factor_FP4``, ``quantization_SF::compute_decoding_scaling_factor``,
+``compute_scaling_coefficient<float>``)
 bit for bit. Every step is a float32 operation in TE's order; the order matters because float32
 multiplication is not associative, so it is kept exactly and each step is an explicit
 ``np.float32`` operation so numpy never computes in float64.
@@ -25,7 +26,7 @@ ROUNDING_MODES = ("nearest", "stochastic")
 
 
 def tensor_amax(x):
-    """Max |x| over the finite elements of float32 ``x`` (NaN and ±Inf ignored); 0 if there are none.
+    """Max |x| over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if there are none.
 
     Non-finite elements are left out so that one Inf does not make every other block quantize to
     zero; the blocks holding them are masked to NaN by ``quantize_reference`` instead.
@@ -38,7 +39,9 @@ def tensor_amax(x):
 
 
 def global_encode_scale(amax):
-    """The global encode scale S = 2688 / amax in float32, as TE's ``compute_global_encode_scaling_factor_FP4``.
+    """The global encode scale S = 2688 / amax in float32.
+
+    Transformer Engine's ``compute_global_encode_scaling_factor_FP4``.
 
     S maps the tensor amax to E4M3_MAX * E2M1_MAX. It is clamped to FP32_MAX with fminf semantics
     (np.fmin: a NaN S yields FP32_MAX), and S = 1 when amax == 0 or S == 0 (amax = Inf).
@@ -67,8 +70,8 @@ def _check_x(x):
 def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=None):
     """Quantizes float32 ``x`` (..., K), K % 16 == 0, to NVFP4 exactly as Transformer Engine does.
 
-    Returns ``(codes, scales, global_scale)``: codes uint8 (..., K) unpacked E2M1 codes, scales uint8
-    (..., K // 16) raw E4M3 bits, global_scale a float32 scalar (the decode scale 1 / S).
+    Returns ``(codes, scales, global_scale)``: codes uint8 (..., K) unpacked E2M1 codes, scales
+    uint8 (..., K // 16) raw E4M3 bits, global_scale a float32 scalar (the decode scale 1 / S).
 
     Blocks are 16 consecutive elements of the last axis (flat order; K % 16 == 0 so a block never
     crosses a row). With S = ``global_encode_scale(amax)``, amax = ``tensor_amax(x)`` or
@@ -76,8 +79,8 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=Non
 
     - a block containing NaN or ±Inf gets scale 0x7F (E4M3 NaN) and codes 0, so it decodes to NaN;
     - otherwise, with amax_b = max |x| over the block:
-      s_code = e4m3(amax_b * (S * (1/6)))            (TE: block_amax * (S_enc * fp4_max_inv), saturating cast)
-      scale_rcp = fmin(1 / (e4m3_value(s_code) * S_dec), FP32_MAX)   (when the scale is 0 this is
+      s_code = e4m3(amax_b * (S * (1/6)))  (TE: block_amax * (S_enc * fp4_max_inv), saturating)
+      scale_rcp = fmin(1 / (e4m3_value(s_code) * S_dec), FP32_MAX)  (when the scale is 0 this is
       FP32_MAX, so an all-zero block gives zero codes, never NaN)
       code = e2m1(x * scale_rcp), round-to-nearest-even, or stochastic with the word
       ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i.
@@ -121,7 +124,7 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=Non
 
 
 def dequantize_reference(codes, scales, global_scale):
-    """Inverse of ``quantize_reference``: (e2m1(code) * e4m3(scale)) * global_scale, float32, in that order.
+    """Inverse of ``quantize_reference``: (e2m1(code) * e4m3(scale)) * global_scale in float32.
 
     ``codes`` uint8 (..., K) unpacked, ``scales`` uint8 (..., K // 16). A NaN scale (0x7F/0xFF)
     makes its whole block NaN.
@@ -135,7 +138,8 @@ def dequantize_reference(codes, scales, global_scale):
     scales_shape = codes.shape[:-1] + (codes.shape[-1] // BLOCK_SIZE,)
     if scales.shape != scales_shape:
         raise ValueError(
-            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, got {scales.shape}"
+            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, "
+            f"got {scales.shape}"
         )
     values = decode_e2m1(codes).reshape(-1, BLOCK_SIZE) * decode_e4m3(scales).reshape(-1, 1)
     return (values * np.float32(global_scale)).reshape(codes.shape)

@@ -22,7 +22,7 @@ _SHIFT32 = np.uint64(32)
 
 
 def _mulhilo(multiplier, word):
-    """Returns (hi, lo) 32-bit halves of the 64-bit product; exact in uint64 since both are < 2**32."""
+    """Returns the (hi, lo) 32-bit halves of the product, exact in uint64 (both factors < 2**32)."""
     product = np.uint64(multiplier) * word
     return product >> _SHIFT32, product & _MASK32
 

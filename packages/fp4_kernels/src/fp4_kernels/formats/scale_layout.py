@@ -20,7 +20,7 @@ _ROW_GROUP = 32  # rows i*32 .. i*32+31 of a tile interleave with the other thre
 
 
 def swizzled_shape(rows, cols):
-    """(padded_rows, padded_cols) = (ceil(rows / 128) * 128, ceil(cols / 4) * 4), the tile-padded size."""
+    """The tile-padded size (padded_rows, padded_cols) = (ceil(rows/128)*128, ceil(cols/4)*4)."""
     if rows < 0 or cols < 0:
         raise ValueError(f"rows and cols must be >= 0, got {rows}, {cols}")
     return (
@@ -32,7 +32,8 @@ def swizzled_shape(rows, cols):
 def swizzled_offsets(rows, cols):
     """int64 (rows, cols): the byte offset of scale (r, c) in the swizzled buffer.
 
-    offset = ((r // 128) * (padded_cols // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    offset = ((r // 128) * (padded_cols // 4) + c // 4) * 512
+             + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
     """
     _, padded_cols = swizzled_shape(rows, cols)
     r = np.arange(rows, dtype=np.int64)[:, None]
@@ -61,12 +62,13 @@ def to_swizzled(scales):
 
 
 def from_swizzled(flat, rows, cols):
-    """Inverse of ``to_swizzled``: the 1-D swizzled buffer back to uint8 (rows, cols), padding dropped."""
+    """Inverse of ``to_swizzled``: the 1-D swizzled buffer back to uint8 (rows, cols), unpadded."""
     flat = np.asarray(flat)
     padded_rows, padded_cols = swizzled_shape(rows, cols)
     if flat.dtype != np.uint8 or flat.shape != (padded_rows * padded_cols,):
         raise ValueError(
-            f"flat must be uint8 of shape ({padded_rows * padded_cols},) for ({rows}, {cols}) scales, "
+            f"flat must be uint8 of shape ({padded_rows * padded_cols},) for ({rows}, {cols}) "
+            f"scales, "
             f"got {flat.dtype} {flat.shape}"
         )
     return flat[swizzled_offsets(rows, cols)]

@@ -1,0 +1,157 @@
+"""fp4_kernels GPU throughput against a device-to-device copy measured in the same run.
+
+    python benchmarks/gpu_throughput.py [--log2n 28] [--out DIR]
+
+For each op: median of CUDA-event timings after warm-up, GB/s of the *minimum* bytes the op
+must move (input read once + packed codes + scales written; for dequantize the reverse; for the
+fused fake-quant input read + output written), and that bandwidth as a ratio to a large
+torch device-to-device copy (bytes read + written) timed in the same process.  Inputs rotate
+among several buffers so repeated runs do not measure the L2.  Host time per call is the wall
+time of the Python call alone (no synchronization), the cost that bounds small tensors.
+Writes ``gpu_throughput.json`` and ``gpu_throughput.md`` (device, commit, date) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+import fp4_kernels as fk
+
+ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
+
+
+def _commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("FP4_COMMIT", "unknown")
+
+
+def cuda_time_ms(fn, args_list, warmup=3, reps=15):
+    """Median device time of ``fn(args)`` in ms, cycling through ``args_list``."""
+    for i in range(warmup):
+        fn(*args_list[i % len(args_list)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a = args_list[i % len(args_list)]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times), max(times)
+
+
+def host_time_us(fn, args, reps=200):
+    """Median host wall time of one call (queued, not waited for), in microseconds."""
+    for _ in range(10):
+        fn(*args)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        ts.append((time.perf_counter() - t0) * 1e6)
+        if len(ts) % 50 == 0:
+            torch.cuda.synchronize()  # keep the queue short so launches are not throttled
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=28, help="elements per input (default 2^28)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    n = 1 << args.log2n
+    k = 4096
+    rows = n // k
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
+    xs32 = [torch.randn(rows, k, device=dev, dtype=torch.float32) for _ in range(ROTATE)]
+
+    # baseline: device-to-device copy of 1 GiB (bytes read + bytes written)
+    copy_bytes = 1 << 30
+    srcs = [torch.empty(copy_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+    dst = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    copy_ms, _, _ = cuda_time_ms(lambda s: dst.copy_(s), [(s,) for s in srcs])
+    copy_gbps = 2 * copy_bytes / copy_ms / 1e6
+
+    results = []
+
+    def record(name, fn, args_list, nbytes, small_args=None):
+        med, lo, hi = cuda_time_ms(fn, args_list)
+        gbps = nbytes / med / 1e6
+        row = {
+            "op": name, "elements": n, "median_ms": med, "min_ms": lo, "max_ms": hi,
+            "min_bytes": nbytes, "gbps": gbps, "ratio_to_copy": gbps / copy_gbps,
+        }
+        if small_args is not None:
+            row["host_us_per_call"] = host_time_us(fn, small_args)
+        results.append(row)
+        print(f"{name:48s} {med:8.3f} ms {gbps:8.1f} GB/s  {gbps / copy_gbps:5.2f} x copy"
+              + (f"  host {row['host_us_per_call']:.0f} us" if "host_us_per_call" in row else ""),
+              flush=True)
+
+    small = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)  # 64K elements
+    for fmt in ("nvfp4", "mxfp4"):
+        block = fk.FORMATS[fmt]
+        q_bytes = n // 2 + n // block
+        for rounding in ("nearest", "stochastic"):
+            kw = dict(fmt=fmt, rounding=rounding)
+            record(f"quantize {fmt} {rounding} bf16",
+                   lambda x, kw=kw: fk.quantize(x, **kw), [(x,) for x in xs], 2 * n + q_bytes,
+                   small_args=(small,))
+            if fmt == "nvfp4":
+                kwa = dict(kw, global_amax=4.5)
+                record(f"quantize {fmt} {rounding} bf16 (global_amax given: one pass)",
+                       lambda x, kw=kwa: fk.quantize(x, **kw), [(x,) for x in xs],
+                       2 * n + q_bytes, small_args=(small,))
+        record(f"quantize {fmt} nearest fp32", lambda x, f=fmt: fk.quantize(x, fmt=f),
+               [(x,) for x in xs32], 4 * n + q_bytes)
+        qs = [fk.quantize(x, fmt=fmt) for x in xs]
+        record(f"dequantize {fmt} -> bf16", lambda q: fk.dequantize(q), [(q,) for q in qs],
+               q_bytes + 2 * n, small_args=(fk.quantize(small, fmt=fmt),))
+        record(f"quantize_dequantize {fmt} nearest bf16",
+               lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f), [(x,) for x in xs], 4 * n)
+        del qs
+
+    meta = {
+        "device": torch.cuda.get_device_name(), "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_gbps": copy_gbps, "torch": torch.__version__, "fp4_kernels": fk.__version__,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    lines = [
+        f"Device {meta['device']}, commit {meta['commit']}, {meta['date']}; "
+        f"D2D copy {copy_gbps:.0f} GB/s (read + write); {n} elements (2^{args.log2n}), "
+        f"rows of {k}.",
+        "",
+        "| op | median ms | GB/s (min bytes) | x copy | host us/call (64K elems) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        host = f"{r['host_us_per_call']:.0f}" if "host_us_per_call" in r else ""
+        lines.append(f"| {r['op']} | {r['median_ms']:.3f} | {r['gbps']:.0f} | "
+                     f"{r['ratio_to_copy']:.2f} | {host} |")
+    with open(os.path.join(args.out, "gpu_throughput.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

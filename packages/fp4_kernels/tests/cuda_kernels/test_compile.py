@@ -1,0 +1,84 @@
+"""Compile-check tier: every kernel configuration compiled by the real NVVM to sm_90 PTX, no
+GPU needed.  Catches typing errors the simulator never sees, and checks the generated code for
+what would make the kernels slow or inexact: local memory (spills, register arrays indexed at
+run time), float64 arithmetic (a float literal leaking into float32 math), approximate division,
+and loads narrower than the 8-byte words the kernels are written for."""
+
+import itertools
+import re
+
+import pytest
+from numba import config, types
+
+if config.ENABLE_CUDASIM:
+    pytest.skip("compile check needs the real NVVM, not the simulator", allow_module_level=True)
+
+from fp4_kernels.cuda.amax import amax_kernel
+from fp4_kernels.cuda.dequantize import dequantize_kernel
+from fp4_kernels.cuda.quantize import FMT_MXFP4, FMT_NVFP4, quantize_kernel
+from fp4_kernels.testing import compile_ptx
+
+pytestmark = pytest.mark.compile_check
+
+U64 = types.Array(types.uint64, 1, "C")
+U16 = types.Array(types.uint16, 1, "C")
+U8 = types.Array(types.uint8, 1, "C")
+F32 = types.Array(types.float32, 1, "C")
+I64 = types.int64
+U32 = types.uint32
+
+QUANTIZE_SIG = (U64, U16, U8, U64, I64, I64, I64, F32, I64, types.float32, F32, U32, U32, U32)
+DEQUANTIZE_SIG = (U16, U8, F32, U64, I64, I64, I64)
+AMAX_SIG = (U64, I64, F32)
+
+
+def _check_ptx(ptx):
+    assert ".local" not in ptx, "local memory in the kernel (spill or run-time-indexed array)"
+    f64 = re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
+    assert not f64, f"float64 arithmetic in the kernel: {f64[:3]}"
+    assert "div.approx" not in ptx and "div.full" not in ptx, "non-IEEE float division"
+    assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx, "no 8-byte loads"
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,stochastic,swizzled,fused",
+    list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True), (False, True),
+                           (False, True))),
+)
+def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
+    ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, swizzled, fused), QUANTIZE_SIG)
+    _check_ptx(ptx)
+    assert "shfl.sync.bfly" in ptx  # block amax through warp butterflies, not shared memory
+    assert "st.global.u16" in ptx  # four codes packed in registers, one 2-byte store
+    if fused:
+        assert "st.global.u64" in ptx
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,swizzled", list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True)))
+)
+def test_dequantize_kernel_compiles_clean(kind, fmt, swizzled):
+    ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled), DEQUANTIZE_SIG)
+    assert ".local" not in ptx
+    assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
+    assert "ld.global.u16" in ptx and "st.global.u64" in ptx
+
+
+@pytest.mark.parametrize("kind", (0, 1, 2))
+def test_amax_kernel_compiles_clean(kind):
+    _check_ptx(compile_ptx(amax_kernel(kind), AMAX_SIG))
+
+
+def test_a_float64_leak_is_a_compile_error():
+    """The bit-cast intrinsics refuse float64, so a Python float literal that widened the
+    arithmetic cannot go unnoticed."""
+    from numba import cuda
+
+    from fp4_kernels.cuda._primitives import f32_as_u32
+
+    @cuda.jit
+    def leaky(out):
+        out[0] = f32_as_u32(out[0] * 0.5)  # 0.5 is float64: the product is float64
+
+    with pytest.raises(Exception, match="float32 argument"):
+        compile_ptx(leaky, (types.Array(types.uint32, 1, "C"),))
