@@ -206,40 +206,42 @@ def _to_numpy(a):
 
 def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value, amax_array,
                   scale_layout, kb, padded_kb, scale_shape, pad, n, fused):
-    from .cuda import launch
-
     ctx = arrays.GpuContext(x, backend)
+    launch = ctx.launch
     kind = arrays.KIND_OF_DTYPE[dt]
     n_chunks = n // 4
     with _device(ctx):
         words = ctx.view(x, np.uint64)
         data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
         scales = ctx.empty(scale_shape, np.uint8, zero=pad)
-        gs = ctx.empty((1,), np.float32)
+        compute_amax = fmt == "nvfp4" and amax_value < 0 and amax_array is None
+        # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
+        n_partials = launch.max_partials(ctx.device_id) if compute_amax else 0
+        scratch = ctx.empty((1 + n_partials,), np.float32)
+        gs = scratch[:1]
+        data_v = ctx.view(data, np.uint16)
         if fused:
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             out_words = ctx.view(out, np.uint64)
         else:
             out = None
-            out_words = ctx.view(ctx.empty((1,), np.uint64), np.uint64)
-        if fmt == "nvfp4" and amax_value < 0:
-            if amax_array is not None:
-                parts = ctx.view(amax_array, np.float32)
-                n_parts = 1
-            else:
-                parts = ctx.view(ctx.empty((launch.max_partials(),), np.float32))
-                n_parts = launch.amax_partials(words, n_chunks, kind, ctx.stream, parts) if n else 0
+            out_words = ctx.view(data, np.uint64)  # never written when not fused
+        if amax_array is not None:
+            parts, n_parts = ctx.view(amax_array, np.float32), 1
+        elif compute_amax:
+            parts = ctx.view(scratch[1:])
+            n_parts = launch.amax_partials(words, n_chunks, kind, ctx.stream, parts,
+                                           ctx.device_id) if n_chunks else 0
         else:
-            parts = ctx.view(ctx.empty((1,), np.float32))
-            n_parts = 0
+            parts, n_parts = ctx.view(gs), 0
         if n_chunks == 0:
             _fill_one(gs, ctx)
         else:
             launch.quantize(
-                words, ctx.view(data, np.uint16), ctx.view(scales), out_words, n_chunks, kb,
-                padded_kb, parts, n_parts, amax_value, ctx.view(gs), seed, step, kind=kind,
-                fmt=_FMT_CODE[fmt], stochastic=stochastic, swizzled=scale_layout == "swizzled",
-                fused=fused, stream=ctx.stream,
+                words, data_v, ctx.view(scales), out_words, n_chunks, kb, padded_kb, parts,
+                n_parts, amax_value, ctx.view(gs), seed, step, kind=kind, fmt=_FMT_CODE[fmt],
+                stochastic=stochastic, swizzled=scale_layout == "swizzled", fused=fused,
+                stream=ctx.stream, device_id=ctx.device_id,
             )
     if fused:
         return out
@@ -247,26 +249,36 @@ def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value
 
 
 def _fill_one(gs, ctx):
-    if ctx.backend.lib in ("torch", "cupy"):
-        gs.fill(1.0) if ctx.backend.lib == "cupy" else gs.fill_(1.0)
+    lib = ctx.backend.lib
+    if lib == "torch":
+        gs.fill_(1.0)
+    elif lib == "cupy":
+        gs.fill(1.0)
     else:
-        gs.copy_to_device(np.ones(1, np.float32), stream=ctx.stream)
+        gs.copy_to_device(np.ones(1, np.float32))
+
+
+_GPU_COUNT = []
 
 
 class _device:
-    """Make the input's GPU numba's current device for the duration of the call."""
+    """Make the input's GPU numba's current device for the duration of the call (a no-op on a
+    one-GPU process, which skips the context query on the hot path)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
         self.cm = None
 
     def __enter__(self):
-        if self.ctx.device_id is not None:
-            from numba import cuda
+        if self.ctx.device_id is None or self.ctx.simulator:
+            return
+        from numba import cuda
 
-            if cuda.get_current_device().id != self.ctx.device_id:
-                self.cm = cuda.gpus[self.ctx.device_id]
-                self.cm.__enter__()
+        if not _GPU_COUNT:
+            _GPU_COUNT.append(len(cuda.gpus))
+        if _GPU_COUNT[0] > 1 and cuda.get_current_device().id != self.ctx.device_id:
+            self.cm = cuda.gpus[self.ctx.device_id]
+            self.cm.__enter__()
 
     def __exit__(self, *exc):
         if self.cm is not None:
@@ -295,17 +307,15 @@ def dequantize(q, dtype=None):
     n = math.prod(q.shape)
     swizzled = q.scale_layout == "swizzled"
     if backend.gpu:
-        from .cuda import launch
-
         ctx = arrays.GpuContext(q.data, backend)
         with _device(ctx):
             out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
             if n:
-                launch.dequantize(
+                ctx.launch.dequantize(
                     ctx.view(q.data, np.uint16), ctx.view(q.scales), ctx.view(q.global_scale),
                     ctx.view(out, np.uint64), n // 4, kb, padded_kb,
                     out_kind=arrays.KIND_OF_DTYPE[dt], fmt=_FMT_CODE[q.fmt], swizzled=swizzled,
-                    stream=ctx.stream,
+                    stream=ctx.stream, device_id=ctx.device_id,
                 )
         return out
     from .cpu import codec

@@ -137,46 +137,60 @@ def wrap_cpu(arr, backend):
 
 
 class GpuContext:
-    """The numba view of the caller's device and current stream, plus an allocator of its kind."""
+    """The caller's device and current stream, flat views of its arrays and an allocator of
+    its kind.  On a real GPU a view is a ``DeviceBuffer`` (pointer, length, dtype: all the
+    direct launcher needs); in the simulator it is a numba array."""
 
     def __init__(self, x, backend):
-        from numba import cuda
+        from numba import config
 
-        self.cuda = cuda
+        init_torch_tables()
+        from .cuda import launch
+
+        self.launch = launch
         self.backend = backend
+        self.simulator = bool(config.ENABLE_CUDASIM)
         if backend.lib == "torch":
             torch = _torch()
             dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
             self.device_id = dev
-            self.stream_ptr = torch.cuda.current_stream(dev).cuda_stream
+            stream_ptr = torch.cuda.current_stream(dev).cuda_stream
         elif backend.lib == "cupy":
             import cupy
 
             self.device_id = backend.device
-            self.stream_ptr = cupy.cuda.get_current_stream().ptr
+            stream_ptr = cupy.cuda.get_current_stream().ptr
         else:
             self.device_id = None
-            self.stream_ptr = None
-        self.stream = _numba_stream(self.stream_ptr)
+            stream_ptr = 0  # numba device arrays: the legacy default stream
+        if self.simulator:
+            from numba import cuda
+
+            self.stream = cuda.default_stream()
+        else:
+            self.stream = launch.StreamRef(stream_ptr)
 
     def view(self, arr, np_dtype=None):
-        """Zero-copy flat numba view of a GPU array of the caller's kind, as ``np_dtype``."""
-        cuda = self.cuda
+        """Zero-copy flat view of a C-contiguous GPU array of the caller's kind as ``np_dtype``
+        (default: its own dtype; raw bits for bfloat16)."""
         lib = self.backend.lib
-        if lib == "torch":
-            torch = _torch()
-            flat = arr.reshape(-1)
-            if np_dtype is not None:
-                flat = flat.view(_TORCH_RAW[np.dtype(np_dtype).itemsize])
-            d = cuda.as_cuda_array(flat.detach(), sync=False)
-        elif lib == "cupy":
-            flat = arr.reshape(-1)
-            d = cuda.as_cuda_array(flat, sync=False)
-        else:
+        if self.simulator:  # only numba (fake) device arrays exist there
             d = arr.reshape(arr.size) if arr.ndim != 1 else arr
-        if np_dtype is not None:
-            d = d.view(np_dtype)
-        return d
+            return d.view(np_dtype) if np_dtype is not None else d
+        if lib == "torch":
+            ptr = arr.data_ptr()
+            nbytes = arr.numel() * arr.element_size()
+            own = _TORCH_NP.get(arr.dtype)
+        elif lib == "cupy":
+            ptr = arr.data.ptr
+            nbytes = arr.nbytes
+            own = arr.dtype
+        else:
+            ptr = arr.device_ctypes_pointer.value or 0
+            nbytes = arr.nbytes
+            own = arr.dtype
+        dt = np.dtype(np_dtype if np_dtype is not None else own)
+        return self.launch.DeviceBuffer(ptr, nbytes // dt.itemsize, dt)
 
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         """Allocate on the caller's device through the caller's allocator (torch caching
@@ -186,17 +200,17 @@ class GpuContext:
             torch = _torch()
             tdt = like_dtype if like_dtype is not None else _TORCH_OF_NP[np.dtype(np_dtype).name]
             f = torch.zeros if zero else torch.empty
-            return f(shape, dtype=tdt, device=f"cuda:{self.device_id}")
+            return f(shape, dtype=tdt, device=torch.device("cuda", self.device_id))
         if lib == "cupy":
             import cupy
 
             f = cupy.zeros if zero else cupy.empty
             return f(shape, dtype=like_dtype if like_dtype is not None else np_dtype)
-        cuda = self.cuda
-        d = cuda.device_array(shape, dtype=like_dtype if like_dtype is not None else np_dtype,
-                              stream=self.stream)
+        from numba import cuda
+
+        d = cuda.device_array(shape, dtype=like_dtype if like_dtype is not None else np_dtype)
         if zero:
-            _numba_zero(d, self.stream)
+            _numba_zero(d)
         return d
 
     def float_dtype(self, dt):
@@ -211,37 +225,23 @@ class GpuContext:
         return numpy_dtype(dt)  # numba device arrays take ml_dtypes' bfloat16
 
 
-_TORCH_RAW = {}
 _TORCH_OF_NP = {}
+_TORCH_NP = {}
 
 
-def _init_torch_tables():
+def init_torch_tables():
+    """dtype maps between torch and numpy, filled once torch has been imported by the caller."""
     torch = _torch()
-    if torch is None or _TORCH_RAW:
+    if torch is None or _TORCH_OF_NP:
         return
-    _TORCH_RAW.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-    _TORCH_OF_NP.update(
-        {"uint8": torch.uint8, "float32": torch.float32, "uint16": torch.int16,
-         "uint64": torch.int64}
-    )
+    _TORCH_OF_NP.update({"uint8": torch.uint8, "float32": torch.float32, "uint16": torch.int16,
+                         "uint64": torch.int64})
+    _TORCH_NP.update({torch.uint8: np.dtype(np.uint8), torch.float32: np.dtype(np.float32),
+                      torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(np.uint16),
+                      torch.int16: np.dtype(np.int16), torch.int64: np.dtype(np.int64)})
 
 
-_STREAMS = {}
-
-
-def _numba_stream(ptr):
-    from numba import cuda
-
-    _init_torch_tables()
-    if ptr is None or ptr == 0:
-        return cuda.default_stream()
-    s = _STREAMS.get(ptr)
-    if s is None:
-        s = _STREAMS[ptr] = cuda.external_stream(ptr)
-    return s
-
-
-def _numba_zero(d, stream):
+def _numba_zero(d):
     from numba import config
 
     if config.ENABLE_CUDASIM:
@@ -249,4 +249,4 @@ def _numba_zero(d, stream):
         return
     from numba.cuda.cudadrv.driver import device_memset
 
-    device_memset(d, 0, d.nbytes, stream=stream)
+    device_memset(d, 0, d.nbytes)

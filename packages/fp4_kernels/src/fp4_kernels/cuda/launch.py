@@ -1,8 +1,18 @@
-"""Host side of the CUDA kernels: validated flat views in, grid chosen, kernel queued on the
+"""Host side of the CUDA kernels: flat device buffers in, grid chosen, kernel queued on the
 caller's stream.  No host synchronization anywhere on this path.
+
+Host time matters: numba's dispatcher costs 25-55 us per launch (it types every argument and
+builds a device-array object for each), which makes tensors below tens of megabytes host-bound.
+On a real GPU the kernels are therefore compiled once per signature and launched straight
+through ``cuda.core.launch`` with the argument layout numba's ABI expects (a 1-D C-contiguous
+array is meminfo, parent, nitems, itemsize, data, shape[0], strides[0]).  In the simulator the
+ordinary dispatcher runs them.
 """
 
 from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -19,56 +29,128 @@ CTAS_PER_SM = 8  # persistent grid: enough resident warps to cover DRAM latency
 # grid-stride loops still take several iterations: (threads_per_block, max_blocks) or None.
 launch_override = None
 
+
+class DeviceBuffer(NamedTuple):
+    """A flat, C-contiguous device buffer seen as ``n`` elements of ``dtype``."""
+
+    ptr: int
+    n: int
+    dtype: np.dtype
+
+
+class StreamRef:
+    """A raw CUstream handle in the ``__cuda_stream__`` protocol cuda.core accepts."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 _sm_count = {}
 
 
-def _grid(n_units_per_block, n_units):
-    """(blocks, threads) for ``n_units`` items when one CTA handles ``n_units_per_block``."""
+def sm_count(device_id):
+    n = _sm_count.get(device_id)
+    if n is None:
+        n = 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        _sm_count[device_id] = n
+    return n
+
+
+def _grid(chunks_per_cta, n_chunks, device_id):
+    """(blocks, threads) when one CTA handles ``chunks_per_cta(threads)`` chunks per pass."""
     if launch_override is not None:
         threads, max_blocks = launch_override
     else:
         threads = THREADS_PER_BLOCK
-        dev = cuda.get_current_device()
-        key = getattr(dev, "id", 0)
-        if key not in _sm_count:
-            _sm_count[key] = getattr(dev, "MULTIPROCESSOR_COUNT", 1) if not SIMULATOR else 1
-        max_blocks = _sm_count[key] * CTAS_PER_SM
-    per = n_units_per_block(threads)
-    blocks = max(1, min(max_blocks, (n_units + per - 1) // per))
-    return blocks, threads
+        max_blocks = sm_count(device_id) * CTAS_PER_SM
+    per = chunks_per_cta(threads)
+    return max(1, min(max_blocks, (n_chunks + per - 1) // per)), threads
 
 
-def amax_partials(words, n_chunks, kind, stream, parts):
-    """Queue the amax kernel writing ``parts[:blocks]``; returns how many partials it wrote."""
-    blocks, threads = _grid(lambda t: t, n_chunks)
-    blocks = min(blocks, parts.shape[0])
-    amax_kernel(kind)[blocks, threads, stream](words, n_chunks, parts)
-    return blocks
-
-
-def max_partials():
-    """Size of the partials buffer the caller allocates for ``amax_partials``."""
+def max_partials(device_id):
+    """Size of the partials buffer ``amax_partials`` may fill."""
     if launch_override is not None:
         return launch_override[1]
-    dev = cuda.get_current_device()
-    return (getattr(dev, "MULTIPROCESSOR_COUNT", 1) if not SIMULATOR else 1) * CTAS_PER_SM
+    return sm_count(device_id) * CTAS_PER_SM
+
+
+# ---------------------------------------------------------------------- direct launch
+
+_SCALAR_CTYPES = {
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.float32): ctypes.c_float,
+}
+_compiled = {}
+
+
+def _numba_type(a):
+    from numba import types
+    from numba.np import numpy_support
+
+    if isinstance(a, DeviceBuffer):
+        return types.Array(numpy_support.from_dtype(a.dtype), 1, "C")
+    return numpy_support.from_dtype(np.asarray(a).dtype)
+
+
+def _launch(kernel, blocks, threads, stream, args):
+    """Queue ``kernel`` on ``stream``; ``args`` are DeviceBuffers (GPU) or numba arrays (sim)
+    and numpy scalars."""
+    if SIMULATOR:
+        kernel[blocks, threads, stream](*args)
+        return
+    from cuda.core import LaunchConfig, launch
+
+    key = (kernel, tuple(a.dtype.str for a in args), tuple(isinstance(a, DeviceBuffer)
+                                                         for a in args))
+    cu_kernel = _compiled.get(key)
+    if cu_kernel is None:
+        compiled = kernel.compile(tuple(_numba_type(a) for a in args))
+        compiled.bind()
+        cu_kernel = _compiled[key] = compiled._codelibrary.get_cufunc().kernel
+    params = []
+    for a in args:
+        if isinstance(a, DeviceBuffer):
+            size = a.dtype.itemsize
+            params += (0, 0, a.n, size, a.ptr, a.n, size)
+        else:
+            params.append(_SCALAR_CTYPES[a.dtype](a))
+    launch(stream, LaunchConfig(grid=blocks, block=threads), cu_kernel, *params)
+
+
+# ---------------------------------------------------------------------- the ops
+
+
+def amax_partials(words, n_chunks, kind, stream, parts, device_id):
+    """Queue the amax kernel writing ``parts[:blocks]``; returns how many partials it wrote."""
+    blocks, threads = _grid(lambda t: t, n_chunks, device_id)
+    blocks = min(blocks, parts.n if isinstance(parts, DeviceBuffer) else parts.shape[0])
+    _launch(amax_kernel(kind), blocks, threads, stream, (words, np.int64(n_chunks), parts))
+    return blocks
 
 
 def quantize(words, codes16, scales, out_words, n_chunks, kb, padded_kb, amax_parts, n_parts,
              amax_value, global_scale, seed, step, *, kind, fmt, stochastic, swizzled, fused,
-             stream):
+             stream, device_id):
     kern = quantize_kernel(kind, fmt, stochastic, swizzled, fused)
-    blocks, threads = _grid(lambda t: t * UNROLL, n_chunks)
-    kern[blocks, threads, stream](
-        words, codes16, scales, out_words, n_chunks, kb, padded_kb, amax_parts, n_parts,
-        np.float32(amax_value), global_scale, np.uint32(seed & 0xFFFFFFFF),
-        np.uint32(seed >> 32), np.uint32(step),
-    )
+    blocks, threads = _grid(lambda t: t * UNROLL, n_chunks, device_id)
+    _launch(kern, blocks, threads, stream, (
+        words, codes16, scales, out_words, np.int64(n_chunks), np.int64(kb),
+        np.int64(padded_kb), amax_parts, np.int64(n_parts), np.float32(amax_value),
+        global_scale, np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step),
+    ))
 
 
 def dequantize(codes16, scales, global_scale, out_words, n_chunks, kb, padded_kb, *, out_kind,
-               fmt, swizzled, stream):
+               fmt, swizzled, stream, device_id):
     kern = dequantize_kernel(out_kind, fmt, swizzled)
-    blocks, threads = _grid(lambda t: t, n_chunks)
-    kern[blocks, threads, stream](codes16, scales, global_scale, out_words, n_chunks, kb,
-                                  padded_kb)
+    blocks, threads = _grid(lambda t: t, n_chunks, device_id)
+    _launch(kern, blocks, threads, stream, (
+        codes16, scales, global_scale, out_words, np.int64(n_chunks), np.int64(kb),
+        np.int64(padded_kb),
+    ))
