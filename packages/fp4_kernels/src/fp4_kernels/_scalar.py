@@ -68,14 +68,20 @@ _U64_MASK32 = np.uint64(0xFFFFFFFF)
 _U64_32 = np.uint64(32)
 
 E4M3_NAN_CODE = 0x7F
+# twice the e2m1 magnitudes (0, 1, 2, 3, 4, 6, 8, 12) as nibbles, magnitude code 0 lowest
+E2M1_TWICE_TABLE = np.uint32(0xC8643210)
+U32 = np.uint32  # wrapping a result in U32 lets LLVM narrow numba's 64-bit integer ops to 32
 E8M0_NAN_CODE = 0xFF
 
 
-def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
+def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
     """Compile the scalar codec functions for one target.
 
     ``jit`` is ``numba.cuda.jit(device=True)`` or ``numba.njit(error_model="numpy")``;
     ``f32_as_u32`` / ``u32_as_f32`` reinterpret bits (no conversion) on that target.
+    ``e4m3_satfinite``, where given, is the target's hardware float32 -> e4m3 conversion
+    (round to nearest even, saturating: what TE's static_cast<fp8e4m3> compiles to) and replaces
+    the integer encoder for block scales; the tests check the two agree on every input.
     """
 
     # ---------------------------------------------------------------- float formats in and out
@@ -90,11 +96,11 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
     def f32_to_bf16(f):
         """float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN)."""
         u = f32_as_u32(f)
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            return ((u >> 16) | 0x40) & 0xFFFF
+        if U32(u & 0x7FFFFFFF) > 0x7F800000:
+            return U32(U32(U32(u >> 16) | 0x40) & 0xFFFF)
         # Adding 0x7FFF plus the kept lsb rounds half to even; the carry may ripple into the
-        # exponent (and to inf), which is the correct rounding.
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        # exponent (and to inf), which is the correct rounding.  No NaN here, so no overflow.
+        return U32(U32(u + U32(0x7FFF + U32(U32(u >> 16) & 1))) >> 16)
 
     @jit
     def f16_to_f32(h):
@@ -168,15 +174,13 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
 
     @jit
     def e2m1_value(c):
-        """3-bit magnitude code -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6)."""
-        c = np.int64(c)  # see WIDEN
-        if c < 4:
-            return np.float32(c) * F32_HALF
-        if c < 6:
-            return np.float32(c - 2)
-        if c == 6:
-            return _G4
-        return E2M1_MAX
+        """3-bit magnitude code -> float32 value (0, .5, 1, 1.5, 2, 3, 4, 6).
+
+        Branch-free: twice the value is an integer 0,1,2,3,4,6,8,12, read from a nibble table
+        (lanes of a warp decode different codes, so branches would diverge).
+        """
+        k = U32(U32(E2M1_TWICE_TABLE >> U32(U32(c & 7) << 2)) & 15)
+        return np.float32(np.int32(k)) * F32_HALF
 
     @jit
     def e2m1_sr_magnitude(a, rbits):
@@ -217,12 +221,23 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
 
     @jit
     def e2m1_encode(y):
-        """float32 -> 4-bit e2m1 code, RNE, saturating; the sign bit follows y's (so -0 -> 0x8)."""
+        """float32 -> 4-bit e2m1 code, RNE, saturating; the sign bit follows y's (so -0 -> 0x8).
+
+        NaN never reaches this (non-finite blocks are masked first); it would give code 7.
+        On the bits of |y| (integer order is float order for non-negative floats):
+        |y| >= 1: round to 1 mantissa bit (add 0x1FFFFF plus the kept lsb, drop 22 bits: half to
+        even, carries into the exponent), rebase the exponent, saturate at code 7;
+        |y| < 1: the two decision points 0.25 (ties to 0) and 0.75 (ties to 1.0).
+        """
         u = f32_as_u32(y)
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            return 0
-        sign = (u >> 28) & 0x8
-        return sign | e2m1_rne_magnitude(u32_as_f32(np.uint32(u & 0x7FFFFFFF)))
+        a = U32(u & 0x7FFFFFFF)
+        r = U32(U32(U32(a + 0x1FFFFF) + U32(U32(a >> 22) & 1)) >> 22)
+        big = U32(r - 252)
+        if big > 7:
+            big = U32(7)
+        small = U32(U32(a > 0x3E800000) + U32(a >= 0x3F400000))
+        m = big if a >= 0x3F800000 else small
+        return U32(U32(U32(u >> 28) & 8) | m)
 
     @jit
     def e2m1_encode_sr(y, rbits):
@@ -235,12 +250,9 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
 
     @jit
     def e2m1_decode(code):
-        """4-bit e2m1 code -> float32 (sign bit 3)."""
-        code = np.int64(code)  # see WIDEN
-        v = e2m1_value(code & 7)
-        if code & 8:
-            return -v
-        return v
+        """4-bit e2m1 code -> float32 (sign bit 3), branch-free."""
+        v = e2m1_value(code)
+        return u32_as_f32(U32(f32_as_u32(v) | U32(U32(U32(code) & 8) << 28)))
 
     # ---------------------------------------------------------------- e4m3 (block scales)
 
@@ -271,18 +283,23 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32):
             return ((e + 7) << 3) + (q - 8)
         return q  # q in [0, 8]; 8 is the smallest normal, again by plain addition
 
+    if e4m3_satfinite is not None:
+        e4m3_encode_positive = e4m3_satfinite  # noqa: F811 (the hardware cast, same results)
+
     @jit
     def e4m3_decode(code):
-        """e4m3 code (sign ignored: scales are non-negative) -> float32; 0x7F -> NaN."""
-        code = np.int64(code)  # see WIDEN
-        c = code & 0x7F
-        if c == 0x7F:
-            return u32_as_f32(np.uint32(0x7FC00000))
-        e = c >> 3
-        m = c & 7
-        if e == 0:
-            return np.float32(m) * TWO_POW_M9
-        return u32_as_f32(np.uint32(((e + 120) << 23) | (m << 20)))
+        """e4m3 code (sign ignored: scales are non-negative) -> float32; 0x7F -> NaN.
+
+        Branch-free on the float32 bits: a normal code is exponent + 120 and mantissa << 20;
+        a subnormal m * 2^-9 is built exactly as a float product.
+        """
+        c = U32(U32(code) & 0x7F)
+        e = U32(c >> 3)
+        m = U32(c & 7)
+        normal = u32_as_f32(U32(U32(U32(e + 120) << 23) | U32(m << 20)))
+        sub = np.float32(np.int32(m)) * TWO_POW_M9
+        v = normal if e != 0 else sub
+        return v if c != 0x7F else F32_NAN
 
     # ---------------------------------------------------------------- e8m0 (MX block scales)
 

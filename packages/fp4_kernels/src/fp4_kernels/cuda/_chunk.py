@@ -18,9 +18,9 @@ KIND_F32 = 0
 KIND_BF16 = 1
 KIND_F16 = 2
 
-_U16 = np.uint64(16)
 _U32 = np.uint64(32)
-_U48 = np.uint64(48)
+U32 = np.uint32
+U64 = np.uint64
 
 
 def make_chunk_io(kind):
@@ -37,8 +37,8 @@ def make_chunk_io(kind):
             if c >= n_chunks:
                 z = np.float32(0.0)
                 return z, z, z, z
-            w0 = words[2 * c]
-            w1 = words[2 * c + 1]
+            w0 = words[U64(2 * c)]  # unsigned index: no negative-index wraparound code
+            w1 = words[U64(2 * c + 1)]
             return (
                 u32_as_f32(np.uint32(w0)),
                 u32_as_f32(np.uint32(w0 >> _U32)),
@@ -48,8 +48,8 @@ def make_chunk_io(kind):
 
         @device_jit
         def store_chunk(words, c, v0, v1, v2, v3):
-            words[2 * c] = np.uint64(f32_as_u32(v0)) | (np.uint64(f32_as_u32(v1)) << _U32)
-            words[2 * c + 1] = np.uint64(f32_as_u32(v2)) | (np.uint64(f32_as_u32(v3)) << _U32)
+            words[U64(2 * c)] = U64(f32_as_u32(v0)) | (U64(f32_as_u32(v1)) << _U32)
+            words[U64(2 * c + 1)] = U64(f32_as_u32(v2)) | (U64(f32_as_u32(v3)) << _U32)
 
         return load_chunk, store_chunk
 
@@ -61,45 +61,34 @@ def make_chunk_io(kind):
         if c >= n_chunks:
             z = np.float32(0.0)
             return z, z, z, z
-        w = words[c]
+        w = words[U64(c)]
         lo = np.uint32(w)
         hi = np.uint32(w >> _U32)
         return to_f32(lo & 0xFFFF), to_f32(lo >> 16), to_f32(hi & 0xFFFF), to_f32(hi >> 16)
 
     @device_jit
     def store_chunk16(words, c, v0, v1, v2, v3):
-        words[c] = (
-            np.uint64(from_f32(v0))
-            | (np.uint64(from_f32(v1)) << _U16)
-            | (np.uint64(from_f32(v2)) << _U32)
-            | (np.uint64(from_f32(v3)) << _U48)
-        )
+        # two 32-bit halves first: 32-bit ors, one 64-bit combine
+        lo = U32(U32(from_f32(v0)) | U32(U32(from_f32(v1)) << 16))
+        hi = U32(U32(from_f32(v2)) | U32(U32(from_f32(v3)) << 16))
+        words[U64(c)] = U64(lo) | (U64(hi) << _U32)
 
     return load_chunk16, store_chunk16
 
 
 @device_jit
-def abs_or_inf(v):
-    """|v| for finite v; +inf for NaN and +-inf, so a block max flags a non-finite block."""
-    u = f32_as_u32(v) & 0x7FFFFFFF
-    if u >= 0x7F800000:
-        return u32_as_f32(np.uint32(0x7F800000))
-    return u32_as_f32(np.uint32(u))
+def max4_abs_bits(v0, v1, v2, v3):
+    """max of |v| over four floats, on the bits (integer order is float order for |v|).
 
-
-@device_jit
-def max4_abs_or_inf(v0, v1, v2, v3):
-    a = abs_or_inf(v0)
-    b = abs_or_inf(v1)
-    if b > a:
-        a = b
-    b = abs_or_inf(v2)
-    if b > a:
-        a = b
-    b = abs_or_inf(v3)
-    if b > a:
-        a = b
-    return a
+    NaN bits exceed +inf's, so the result is >= 0x7F800000 exactly when the chunk holds a
+    non-finite value; that flags the block.
+    """
+    a = U32(f32_as_u32(v0) & 0x7FFFFFFF)
+    b = U32(f32_as_u32(v1) & 0x7FFFFFFF)
+    c = U32(f32_as_u32(v2) & 0x7FFFFFFF)
+    d = U32(f32_as_u32(v3) & 0x7FFFFFFF)
+    # int32: warp shuffles take signed 32-bit words; every value here is <= 0x7FFFFFFF
+    return np.int32(max(max(a, b), max(c, d)))
 
 
 @device_jit
@@ -120,8 +109,8 @@ def scale_offset(blk, kb, padded_kb, swizzled):
     tile, row r sits at (r % 32) * 16 + (r // 32) * 4 and column c at + c.
     """
     if not swizzled:
-        return blk
+        return U64(blk)
     r = blk // kb
     col = blk - r * kb
     tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
-    return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3)
+    return U64(tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3))

@@ -13,7 +13,7 @@ import functools
 
 from numba import cuda
 
-from ._chunk import make_chunk_io, scale_offset
+from ._chunk import U64, make_chunk_io, scale_offset
 from ._primitives import OPS
 from .quantize import BLOCK_SIZES, FMT_NVFP4
 
@@ -21,6 +21,7 @@ from .quantize import BLOCK_SIZES, FMT_NVFP4
 @functools.cache
 def dequantize_kernel(out_kind, fmt, swizzled):
     lanes = BLOCK_SIZES[fmt] // 4
+    lanes_log2 = lanes.bit_length() - 1
     _, store_chunk = make_chunk_io(out_kind)
     nvfp4 = fmt == FMT_NVFP4
     e2m1_decode = OPS.e2m1_decode
@@ -32,8 +33,8 @@ def dequantize_kernel(out_kind, fmt, swizzled):
         s_dec = global_scale[0]
         stride = cuda.gridDim.x * cuda.blockDim.x
         for c in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n_chunks, stride):
-            p = codes[c]
-            scode = scales[scale_offset(c // lanes, kb, padded_kb, swizzled)]
+            p = codes[U64(c)]
+            scode = scales[scale_offset(c >> lanes_log2, kb, padded_kb, swizzled)]
             v0 = e2m1_decode(p & 15)
             v1 = e2m1_decode((p >> 4) & 15)
             v2 = e2m1_decode((p >> 8) & 15)

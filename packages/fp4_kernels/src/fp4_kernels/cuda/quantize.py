@@ -36,8 +36,8 @@ from .._scalar import (
     FP32_MAX,
     INV_E2M1_MAX,
 )
-from ._chunk import make_chunk_io, max4_abs_or_inf, scale_offset
-from ._primitives import OPS, WARP_SIZE, device_jit, group_max
+from ._chunk import U32, U64, make_chunk_io, max4_abs_bits, scale_offset
+from ._primitives import OPS, WARP_SIZE, device_jit, group_max, u32_as_f32
 
 UNROLL = 4  # chunks per thread per tile: four independent loads in flight before first use
 
@@ -72,6 +72,7 @@ def tensor_amax_from_partials(parts, n_parts):
 def quantize_kernel(kind, fmt, stochastic, swizzled, fused):
     """Build (once per configuration) the quantize kernel; ``fused`` also writes x_hat."""
     lanes = BLOCK_SIZES[fmt] // 4  # lanes sharing one block
+    lanes_log2 = lanes.bit_length() - 1
     load_chunk, store_chunk = make_chunk_io(kind)
     nvfp4 = fmt == FMT_NVFP4
 
@@ -110,8 +111,9 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused):
     @device_jit
     def process_chunk(v0, v1, v2, v3, c, n_chunks, codes, scales, out, kb, padded_kb,
                       s6, s_dec, seed_lo, seed_hi, step):
-        bmax = group_max(max4_abs_or_inf(v0, v1, v2, v3), lanes)
-        finite = bmax < F32_INF
+        bmax_bits = group_max(max4_abs_bits(v0, v1, v2, v3), lanes)
+        finite = bmax_bits < 0x7F800000
+        bmax = u32_as_f32(U32(bmax_bits))
         s = F32_ZERO
         if nvfp4:
             if finite:
@@ -142,9 +144,9 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused):
             k2 = 0
             k3 = 0
         if c < n_chunks:
-            codes[c] = k0 | (k1 << 4) | (k2 << 8) | (k3 << 12)
-            if c % lanes == 0:
-                scales[scale_offset(c // lanes, kb, padded_kb, swizzled)] = scode
+            codes[U64(c)] = U32(U32(k0 | U32(k1 << 4)) | U32(U32(k2 << 8) | U32(k3 << 12)))
+            if (c & (lanes - 1)) == 0:
+                scales[scale_offset(c >> lanes_log2, kb, padded_kb, swizzled)] = scode
             if fused:
                 if nvfp4:
                     # (e2m1 value * s) is exact; the product with 1/S is the one rounding.
