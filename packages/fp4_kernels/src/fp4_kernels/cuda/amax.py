@@ -15,23 +15,37 @@ import numpy as np
 from numba import cuda
 
 from ._chunk import finite_abs, make_chunk_io
-from ._primitives import WARP_SIZE, group_max
+from ._primitives import WARP_SIZE, device_jit, group_max
+
+UNROLL = 4
 
 
 @functools.cache
 def amax_kernel(kind):
     load_chunk, _ = make_chunk_io(kind)
 
+    @device_jit
+    def chunk_amax(words, c, n_chunks):
+        v0, v1, v2, v3 = load_chunk(words, c, n_chunks)
+        a = max(finite_abs(v0), finite_abs(v1))
+        b = max(finite_abs(v2), finite_abs(v3))
+        return max(a, b)
+
     @cuda.jit
     def kernel(words, n_chunks, parts):
         tid = cuda.threadIdx.x
         m = np.float32(0.0)
-        stride = cuda.gridDim.x * cuda.blockDim.x
-        for c in range(cuda.blockIdx.x * cuda.blockDim.x + tid, n_chunks, stride):
-            v0, v1, v2, v3 = load_chunk(words, c, n_chunks)
-            for a in (finite_abs(v0), finite_abs(v1), finite_abs(v2), finite_abs(v3)):
-                if a > m:
-                    m = a
+        nthreads = cuda.blockDim.x
+        tile = nthreads * UNROLL
+        n_tiles = (n_chunks + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            # UNROLL independent loads in flight per thread (one at a time is latency-bound)
+            c0 = t * tile + tid
+            a0 = chunk_amax(words, c0, n_chunks)
+            a1 = chunk_amax(words, c0 + nthreads, n_chunks)
+            a2 = chunk_amax(words, c0 + 2 * nthreads, n_chunks)
+            a3 = chunk_amax(words, c0 + 3 * nthreads, n_chunks)
+            m = max(m, max(max(a0, a1), max(a2, a3)))
         m = group_max(m, WARP_SIZE)
         warp_max = cuda.shared.array(32, dtype=np.float32)
         if tid % WARP_SIZE == 0:

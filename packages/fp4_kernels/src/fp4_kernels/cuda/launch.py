@@ -18,7 +18,9 @@ import numpy as np
 from numba import cuda
 
 from ._primitives import SIMULATOR
+from .amax import UNROLL as AMAX_UNROLL
 from .amax import amax_kernel
+from .dequantize import UNROLL as DEQUANTIZE_UNROLL
 from .dequantize import dequantize_kernel
 from .quantize import UNROLL, quantize_kernel
 
@@ -128,7 +130,7 @@ def _launch(kernel, blocks, threads, stream, args):
 
 def amax_partials(words, n_chunks, kind, stream, parts, device_id):
     """Queue the amax kernel writing ``parts[:blocks]``; returns how many partials it wrote."""
-    blocks, threads = _grid(lambda t: t, n_chunks, device_id)
+    blocks, threads = _grid(lambda t: t * AMAX_UNROLL, n_chunks, device_id)
     blocks = min(blocks, parts.n if isinstance(parts, DeviceBuffer) else parts.shape[0])
     _launch(amax_kernel(kind), blocks, threads, stream, (words, np.int64(n_chunks), parts))
     return blocks
@@ -149,7 +151,7 @@ def quantize(words, codes16, scales, out_words, n_chunks, kb, padded_kb, amax_pa
 def dequantize(codes16, scales, global_scale, out_words, n_chunks, kb, padded_kb, *, out_kind,
                fmt, swizzled, stream, device_id):
     kern = dequantize_kernel(out_kind, fmt, swizzled)
-    blocks, threads = _grid(lambda t: t, n_chunks, device_id)
+    blocks, threads = _grid(lambda t: t * DEQUANTIZE_UNROLL, n_chunks, device_id)
     _launch(kern, blocks, threads, stream, (
         codes16, scales, global_scale, out_words, np.int64(n_chunks), np.int64(kb),
         np.int64(padded_kb),
