@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._primitives import OPS, device_jit, f32_as_u32, u32_as_f32
+from ._primitives import (
+    OPS,
+    cvt_bf16x2,
+    cvt_f16_to_f32,
+    cvt_f16x2,
+    device_jit,
+    f32_as_u32,
+    u32_as_f32,
+)
 
 KIND_F32 = 0
 KIND_BF16 = 1
@@ -55,6 +63,11 @@ def make_chunk_io(kind):
 
     to_f32 = OPS.bf16_to_f32 if kind == KIND_BF16 else OPS.f16_to_f32
     from_f32 = OPS.f32_to_bf16 if kind == KIND_BF16 else OPS.f32_to_f16
+    if kind == KIND_F16 and cvt_f16_to_f32 is not None:
+        to_f32 = cvt_f16_to_f32  # one instruction instead of the integer conversion
+    pack2 = None  # (hi, lo) -> two 16-bit floats in one uint32, rounded to nearest even
+    if cvt_bf16x2 is not None:
+        pack2 = cvt_bf16x2 if kind == KIND_BF16 else cvt_f16x2
 
     @device_jit
     def load_chunk16(words, c, n_chunks):
@@ -64,14 +77,24 @@ def make_chunk_io(kind):
         w = words[U64(c)]
         lo = np.uint32(w)
         hi = np.uint32(w >> _U32)
-        return to_f32(lo & 0xFFFF), to_f32(lo >> 16), to_f32(hi & 0xFFFF), to_f32(hi >> 16)
+        return (to_f32(U32(lo & 0xFFFF)), to_f32(U32(lo >> 16)), to_f32(U32(hi & 0xFFFF)),
+                to_f32(U32(hi >> 16)))
 
-    @device_jit
-    def store_chunk16(words, c, v0, v1, v2, v3):
-        # two 32-bit halves first: 32-bit ors, one 64-bit combine
-        lo = U32(U32(from_f32(v0)) | U32(U32(from_f32(v1)) << 16))
-        hi = U32(U32(from_f32(v2)) | U32(U32(from_f32(v3)) << 16))
-        words[U64(c)] = U64(lo) | (U64(hi) << _U32)
+    if pack2 is not None:
+        # the hardware conversions round exactly as the integer ones (NaN payloads aside;
+        # NaN only ever comes from a NaN block scale), one instruction per pair.
+        @device_jit
+        def store_chunk16(words, c, v0, v1, v2, v3):
+            words[U64(c)] = U64(pack2(v1, v0)) | (U64(pack2(v3, v2)) << _U32)
+
+    else:
+
+        @device_jit
+        def store_chunk16(words, c, v0, v1, v2, v3):
+            # two 32-bit halves first: 32-bit ors, one 64-bit combine
+            lo = U32(U32(from_f32(v0)) | U32(U32(from_f32(v1)) << 16))
+            hi = U32(U32(from_f32(v2)) | U32(U32(from_f32(v3)) << 16))
+            words[U64(c)] = U64(lo) | (U64(hi) << _U32)
 
     return load_chunk16, store_chunk16
 

@@ -18,6 +18,7 @@ FULL_MASK = 0xFFFFFFFF
 if SIMULATOR:
     f32_as_u32, u32_as_f32 = py_f32_as_u32, py_u32_as_f32
     e4m3_satfinite = None  # the simulator runs the integer encoder
+    cvt_bf16x2 = cvt_f16x2 = cvt_f16_to_f32 = None  # and the integer conversions
 else:
     from llvmlite import ir
     from numba.core import types
@@ -46,6 +47,45 @@ else:
                                 ir.IntType(32))
 
         return types.uint32(types.float32), codegen
+
+    def _cvt_x2(ptx_type):
+        """Two float32 -> one packed 32-bit word of two 16-bit floats, round to nearest even
+        (``cvt.rn.<type>x2.f32``, sm_80+): ``hi`` lands in the upper half."""
+
+        @intrinsic
+        def cvt(typingctx, hi, lo):
+            if hi != types.float32 or lo != types.float32:
+                return None
+
+            def codegen(context, builder, signature, args):
+                f32 = ir.FloatType()
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.IntType(32), [f32, f32]),
+                    f"cvt.rn.{ptx_type}x2.f32 $0, $1, $2;",
+                    "=r,f,f",
+                )
+                return builder.call(asm, list(args))
+
+            return types.uint32(types.float32, types.float32), codegen
+
+        return cvt
+
+    cvt_bf16x2 = _cvt_x2("bf16")
+    cvt_f16x2 = _cvt_x2("f16")
+
+    @intrinsic
+    def cvt_f16_to_f32(typingctx, h):
+        """IEEE binary16 bits (low 16 bits of a uint32) -> float32, exact: ``cvt.f32.f16``."""
+        if h != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i16 = ir.IntType(16)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i16]), "cvt.f32.f16 $0, $1;",
+                               "=f,h")
+            return builder.call(asm, [builder.trunc(args[0], i16)])
+
+        return types.float32(types.uint32), codegen
 
 
 def device_jit(fn=None):
