@@ -238,7 +238,8 @@ def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value
             _fill_one(gs, ctx)
         else:
             launch.quantize(
-                words, data_v, ctx.view(scales), out_words, n_chunks, kb, padded_kb, parts,
+                words, data_v, ctx.view(data, np.uint64), ctx.view(scales), out_words, n_chunks,
+                kb, padded_kb, parts,
                 n_parts, amax_value, ctx.view(gs), seed, step, kind=kind, fmt=_FMT_CODE[fmt],
                 stochastic=stochastic, swizzled=scale_layout == "swizzled", fused=fused,
                 stream=ctx.stream, device_id=ctx.device_id,

@@ -32,6 +32,7 @@ import numpy as np
 F32_ZERO = np.float32(0.0)
 F32_ONE = np.float32(1.0)
 F32_HALF = np.float32(0.5)
+F32_RINT_MAGIC = np.float32(1.5 * 2**23)  # x + this - this rounds x (|x| < 2^22) to an integer
 F32_TWO = np.float32(2.0)
 FP32_MAX = np.float32(np.finfo(np.float32).max)
 F32_INF = np.float32(np.inf)
@@ -227,7 +228,7 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         On the bits of |y| (integer order is float order for non-negative floats):
         |y| >= 1: round to 1 mantissa bit (add 0x1FFFFF plus the kept lsb, drop 22 bits: half to
         even, carries into the exponent), rebase the exponent, saturate at code 7;
-        |y| < 1: the two decision points 0.25 (ties to 0) and 0.75 (ties to 1.0).
+        |y| < 1: twice |y| rounded to an integer (0.25 ties to 0, 0.75 to 1.0).
         """
         u = f32_as_u32(y)
         a = U32(u & 0x7FFFFFFF)
@@ -235,7 +236,11 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         big = U32(r - 252)
         if big > 7:
             big = U32(7)
-        small = U32(U32(a > 0x3E800000) + U32(a >= 0x3F400000))
+        # |y| < 1: the code is RNE(2|y|) in {0, 1, 2}.  Adding 1.5 * 2^23 rounds to an integer
+        # (ties to even) and leaves it in the low mantissa bits.  numba-cuda contracts the
+        # product and sum into one FMA; 2|y| is exact, so fused and unfused round alike.
+        t = u32_as_f32(a) * F32_TWO + F32_RINT_MAGIC
+        small = U32(f32_as_u32(t) - 0x4B400000)
         m = big if a >= 0x3F800000 else small
         return U32(U32(U32(u >> 28) & 8) | m)
 

@@ -24,6 +24,15 @@ def _data(rng, rows, k, dtype, block):
     return x.astype(NP_DTYPES[dtype])
 
 
+@pytest.fixture(params=["lanes", "per_thread"])
+def layout_variant(request):
+    """Both quantize kernel layouts (lanes sharing a block / a thread per block)."""
+    saved = launch.QUANTIZE_PER_THREAD
+    launch.QUANTIZE_PER_THREAD = request.param == "per_thread"
+    yield request.param
+    launch.QUANTIZE_PER_THREAD = saved
+
+
 def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=None):
     data, scales, gs, deq = reference_quantization(
         np.asarray(x, np.float32), fmt, rounding, seed, step, global_amax, layout
@@ -47,7 +56,8 @@ def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=
         ("mxfp4", "float16", "stochastic", "linear", 1),
     ],
 )
-def test_quantize_matches_oracle(kernels, rng, kind, fmt, dtype, rounding, layout, rows):
+def test_quantize_matches_oracle(kernels, layout_variant, rng, kind, fmt, dtype, rounding, layout,
+                                rows):
     block = fk.FORMATS[fmt]
     k = 16 if rows > 100 else 4 * block  # the 129-row case keeps the simulator quick
     if fmt == "mxfp4" and k < 32:
@@ -73,7 +83,7 @@ def test_global_amax_scalar_and_device_array(kernels, rng):
     np.testing.assert_array_equal(to_host(q_dev.global_scale), to_host(q.global_scale))
 
 
-def test_stochastic_rounding_does_not_depend_on_the_launch(kernels, rng):
+def test_stochastic_rounding_does_not_depend_on_the_launch(kernels, layout_variant, rng):
     x = rng.standard_normal((4, 64)).astype(np.float32)
     saved = launch.launch_override
     try:
@@ -122,7 +132,7 @@ def _full_case(fmt, rounding, dtype):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
-def test_full_size_bit_exact(gpu, dtype, rounding, fmt, kind):
+def test_full_size_bit_exact(gpu, layout_variant, dtype, rounding, fmt, kind):
     """>= 2^24 elements of adversarial data per case, every output bit against the oracle."""
     print(f"full-size data seed {_FULL_SEED}")
     x, layout, (data, scales, gs, deq) = _full_case(fmt, rounding, dtype)

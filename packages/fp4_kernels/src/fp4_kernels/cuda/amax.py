@@ -22,7 +22,7 @@ UNROLL = 4
 
 @functools.cache
 def amax_kernel(kind):
-    load_chunk, _ = make_chunk_io(kind)
+    load_chunk = make_chunk_io(kind)[0]
 
     @device_jit
     def chunk_amax(words, c, n_chunks):

@@ -26,7 +26,7 @@ UNROLL = 4
 def dequantize_kernel(out_kind, fmt, swizzled):
     lanes = BLOCK_SIZES[fmt] // 4
     lanes_log2 = lanes.bit_length() - 1
-    _, store_chunk = make_chunk_io(out_kind)
+    store_chunk = make_chunk_io(out_kind)[1]
     nvfp4 = fmt == FMT_NVFP4
     e2m1_decode = OPS.e2m1_decode
     e4m3_decode = OPS.e4m3_decode

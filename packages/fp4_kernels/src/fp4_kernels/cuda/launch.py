@@ -22,7 +22,7 @@ from .amax import UNROLL as AMAX_UNROLL
 from .amax import amax_kernel
 from .dequantize import UNROLL as DEQUANTIZE_UNROLL
 from .dequantize import dequantize_kernel
-from .quantize import UNROLL, quantize_kernel
+from .quantize import BLOCK_SIZES, UNROLL, quantize_kernel
 
 THREADS_PER_BLOCK = 256
 CTAS_PER_SM = 8  # persistent grid: enough resident warps to cover DRAM latency
@@ -136,13 +136,25 @@ def amax_partials(words, n_chunks, kind, stream, parts, device_id):
     return blocks
 
 
-def quantize(words, codes16, scales, out_words, n_chunks, kb, padded_kb, amax_parts, n_parts,
-             amax_value, global_scale, seed, step, *, kind, fmt, stochastic, swizzled, fused,
-             stream, device_id):
-    kern = quantize_kernel(kind, fmt, stochastic, swizzled, fused)
-    blocks, threads = _grid(lambda t: t * UNROLL, n_chunks, device_id)
+# Which quantize layout runs (see ``quantize.quantize_kernel``): a thread per block or lanes
+# sharing a block.  benchmarks/gpu_throughput.py times both; the faster is the default.
+QUANTIZE_PER_THREAD = False
+
+
+def quantize(words, codes16, codes64, scales, out_words, n_chunks, kb, padded_kb, amax_parts,
+             n_parts, amax_value, global_scale, seed, step, *, kind, fmt, stochastic, swizzled,
+             fused, stream, device_id, per_thread=None):
+    per_thread = QUANTIZE_PER_THREAD if per_thread is None else per_thread
+    kern = quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread)
+    if per_thread:
+        lanes = BLOCK_SIZES[fmt] // 4
+        blocks, threads = _grid(lambda t: t * lanes, n_chunks, device_id)
+        codes = codes64
+    else:
+        blocks, threads = _grid(lambda t: t * UNROLL, n_chunks, device_id)
+        codes = codes16
     _launch(kern, blocks, threads, stream, (
-        words, codes16, scales, out_words, np.int64(n_chunks), np.int64(kb),
+        words, codes, scales, out_words, np.int64(n_chunks), np.int64(kb),
         np.int64(padded_kb), amax_parts, np.int64(n_parts), np.float32(amax_value),
         global_scale, np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step),
     ))
