@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -127,17 +128,25 @@ def main():
         med, lo, hi = graph_time_ms(fn, args_list)
         gbps = nbytes / med / 1e6
         row = {
-            "op": name, "elements": n, "median_ms": med, "min_ms": lo, "max_ms": hi,
-            "eager_ms": eager_ms, "min_bytes": nbytes, "gbps": gbps,
+            "op": name,
+            "elements": n,
+            "median_ms": med,
+            "min_ms": lo,
+            "max_ms": hi,
+            "eager_ms": eager_ms,
+            "min_bytes": nbytes,
+            "gbps": gbps,
             "ratio_to_copy": gbps / copy_gbps,
         }
         if small_args is not None:
             row["host_us_per_call"] = host_time_us(fn, small_args)
         results.append(row)
-        print(f"{name:48s} {med:8.3f} ms (eager {eager_ms:6.3f}) {gbps:7.1f} GB/s "
-              f"{gbps / copy_gbps:5.2f} x copy"
-              + (f"  host {row['host_us_per_call']:.0f} us" if "host_us_per_call" in row else ""),
-              flush=True)
+        print(
+            f"{name:48s} {med:8.3f} ms (eager {eager_ms:6.3f}) {gbps:7.1f} GB/s "
+            f"{gbps / copy_gbps:5.2f} x copy"
+            + (f"  host {row['host_us_per_call']:.0f} us" if "host_us_per_call" in row else ""),
+            flush=True,
+        )
 
     small = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)  # 64K elements
     from fp4_kernels.cuda import launch
@@ -161,32 +170,61 @@ def main():
         q_bytes = n // 2 + n // block
         kwa = dict(fmt=fmt, global_amax=4.5) if fmt == "nvfp4" else dict(fmt=fmt)
         for rounding in ("nearest", "stochastic"):
-            f = (lambda x, kw=dict(kwa, rounding=rounding): fk.quantize(x, **kw))
-            record(f"quantize {fmt} {rounding} bf16 one pass (per-thread)", per_thread(f),
-                   [(x,) for x in xs], 2 * n + q_bytes)
-        record(f"quantize_dequantize {fmt} nearest bf16 (per-thread)",
-               per_thread(lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f)),
-               [(x,) for x in xs], 4 * n)
+            f = functools.partial(fk.quantize, **kwa, rounding=rounding)
+
+            record(
+                f"quantize {fmt} {rounding} bf16 one pass (per-thread)",
+                per_thread(f),
+                [(x,) for x in xs],
+                2 * n + q_bytes,
+            )
+        record(
+            f"quantize_dequantize {fmt} nearest bf16 (per-thread)",
+            per_thread(lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f)),
+            [(x,) for x in xs],
+            4 * n,
+        )
     for fmt in ("nvfp4", "mxfp4"):
         block = fk.FORMATS[fmt]
         q_bytes = n // 2 + n // block
         for rounding in ("nearest", "stochastic"):
             kw = dict(fmt=fmt, rounding=rounding)
-            record(f"quantize {fmt} {rounding} bf16",
-                   lambda x, kw=kw: fk.quantize(x, **kw), [(x,) for x in xs], 2 * n + q_bytes,
-                   small_args=(small,))
+            record(
+                f"quantize {fmt} {rounding} bf16",
+                lambda x, kw=kw: fk.quantize(x, **kw),
+                [(x,) for x in xs],
+                2 * n + q_bytes,
+                small_args=(small,),
+            )
             if fmt == "nvfp4":
                 kwa = dict(kw, global_amax=4.5)
-                record(f"quantize {fmt} {rounding} bf16 one pass (global_amax given)",
-                       lambda x, kw=kwa: fk.quantize(x, **kw), [(x,) for x in xs],
-                       2 * n + q_bytes, small_args=(small,))
-        record(f"quantize {fmt} nearest fp32", lambda x, f=fmt: fk.quantize(x, fmt=f),
-               [(x,) for x in xs32], 4 * n + q_bytes)
+                record(
+                    f"quantize {fmt} {rounding} bf16 one pass (global_amax given)",
+                    lambda x, kw=kwa: fk.quantize(x, **kw),
+                    [(x,) for x in xs],
+                    2 * n + q_bytes,
+                    small_args=(small,),
+                )
+        record(
+            f"quantize {fmt} nearest fp32",
+            lambda x, f=fmt: fk.quantize(x, fmt=f),
+            [(x,) for x in xs32],
+            4 * n + q_bytes,
+        )
         qs = [fk.quantize(x, fmt=fmt) for x in xs]
-        record(f"dequantize {fmt} -> bf16", lambda q: fk.dequantize(q), [(q,) for q in qs],
-               q_bytes + 2 * n, small_args=(fk.quantize(small, fmt=fmt),))
-        record(f"quantize_dequantize {fmt} nearest bf16",
-               lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f), [(x,) for x in xs], 4 * n)
+        record(
+            f"dequantize {fmt} -> bf16",
+            lambda q: fk.dequantize(q),
+            [(q,) for q in qs],
+            q_bytes + 2 * n,
+            small_args=(fk.quantize(small, fmt=fmt),),
+        )
+        record(
+            f"quantize_dequantize {fmt} nearest bf16",
+            lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f),
+            [(x,) for x in xs],
+            4 * n,
+        )
         del qs
     launch.QUANTIZE_PER_THREAD = default_layout
 
@@ -206,9 +244,12 @@ def main():
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
 
     meta = {
-        "device": torch.cuda.get_device_name(), "commit": _commit(),
+        "device": torch.cuda.get_device_name(),
+        "commit": _commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": copy_gbps, "torch": torch.__version__, "fp4_kernels": fk.__version__,
+        "copy_gbps": copy_gbps,
+        "torch": torch.__version__,
+        "fp4_kernels": fk.__version__,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
@@ -227,8 +268,10 @@ def main():
     ]
     for r in results:
         host = f"{r['host_us_per_call']:.0f}" if "host_us_per_call" in r else ""
-        lines.append(f"| {r['op']} | {r['median_ms']:.3f} | {r['eager_ms']:.3f} | {r['gbps']:.0f} | "
-                     f"{r['ratio_to_copy']:.2f} | {host} |")
+        lines.append(
+            f"| {r['op']} | {r['median_ms']:.3f} | {r['eager_ms']:.3f} | {r['gbps']:.0f} | "
+            f"{r['ratio_to_copy']:.2f} | {host} |"
+        )
     with open(os.path.join(args.out, "gpu_throughput.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -117,8 +117,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     x[0, ::16] = 6.0  # pins every block scale so 2.3 sits between the grid points 2 and 3
     mask = np.ones(x.shape, bool)
     mask[0, ::16] = False
-    draws = np.stack([fk.quantize_dequantize(x, rounding="stochastic", step=s)[mask]
-                      for s in range(200)])
+    draws = np.stack(
+        [fk.quantize_dequantize(x, rounding="stochastic", step=s)[mask] for s in range(200)]
+    )
     n = draws.size
     p = 0.3  # P(round up to 3)
     sigma = np.sqrt(p * (1 - p)) / np.sqrt(n)  # std of the mean, grid gap 1
@@ -136,26 +137,40 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     "call,exc,match",
     [
         (lambda: fk.quantize(np.zeros((2, 24), np.float32)), ValueError, "x: last dimension K=24"),
-        (lambda: fk.quantize(np.zeros((2, 48), np.float32), fmt="mxfp4"), ValueError,
-         "multiple of the MXFP4 block size 32"),
+        (
+            lambda: fk.quantize(np.zeros((2, 48), np.float32), fmt="mxfp4"),
+            ValueError,
+            "multiple of the MXFP4 block size 32",
+        ),
         (lambda: fk.quantize(np.zeros((2, 32), np.int32)), TypeError, "x: dtype int32"),
         (lambda: fk.quantize(np.zeros((32, 4), np.float32).T), ValueError, "x: must be contig"),
         (lambda: fk.quantize(np.float32(1.0)), TypeError, "x: expected"),
         (lambda: fk.quantize(np.zeros((1, 16), np.float32), fmt="fp4"), ValueError, "fmt: 'fp4'"),
-        (lambda: fk.quantize(np.zeros((1, 16), np.float32), rounding="up"), ValueError,
-         "rounding"),
+        (lambda: fk.quantize(np.zeros((1, 16), np.float32), rounding="up"), ValueError, "rounding"),
         (lambda: fk.quantize(np.zeros((1, 16), np.float32), seed=-1), ValueError, "seed: -1"),
         (lambda: fk.quantize(np.zeros((1, 16), np.float32), step=2**32), ValueError, "step"),
-        (lambda: fk.quantize(np.zeros((1, 16), np.float32), global_amax=float("nan")),
-         ValueError, "global_amax"),
-        (lambda: fk.quantize(np.zeros((1, 32), np.float32), fmt="mxfp4", global_amax=1.0),
-         ValueError, "global_amax: only NVFP4"),
-        (lambda: fk.quantize(np.zeros((1, 16), np.float32), scale_layout="tiled"), ValueError,
-         "scale_layout"),
+        (
+            lambda: fk.quantize(np.zeros((1, 16), np.float32), global_amax=float("nan")),
+            ValueError,
+            "global_amax",
+        ),
+        (
+            lambda: fk.quantize(np.zeros((1, 32), np.float32), fmt="mxfp4", global_amax=1.0),
+            ValueError,
+            "global_amax: only NVFP4",
+        ),
+        (
+            lambda: fk.quantize(np.zeros((1, 16), np.float32), scale_layout="tiled"),
+            ValueError,
+            "scale_layout",
+        ),
         (lambda: fk.quantize(np.zeros((), np.float32)), ValueError, "x: a 0-d array"),
         (lambda: fk.dequantize(np.zeros(3)), TypeError, "q: expected a QuantizedTensor"),
-        (lambda: fk.dequantize(fk.quantize(np.zeros((1, 16), np.float32)), dtype=np.int8),
-         TypeError, "dtype"),
+        (
+            lambda: fk.dequantize(fk.quantize(np.zeros((1, 16), np.float32)), dtype=np.int8),
+            TypeError,
+            "dtype",
+        ),
     ],
 )
 def test_bad_input_raises_clear_errors(call, exc, match):

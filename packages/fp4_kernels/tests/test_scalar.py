@@ -92,9 +92,7 @@ def test_e4m3_encode_every_nonnegative_bf16_and_f16_pattern():
     # independent check: ml_dtypes' cast agrees wherever it does not overflow (it does not
     # saturate: above 464 it gives NaN where the e4m3 "satfinite" cast gives 448)
     fin = v < 464
-    np.testing.assert_array_equal(
-        got[fin], v[fin].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    )
+    np.testing.assert_array_equal(got[fin], v[fin].astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
     assert np.all(got[~fin] == 0x7E)
 
 
@@ -109,12 +107,14 @@ def test_f16_conversions_exhaustive(rng):
     got = np.empty(1 << 16, np.float32)
     _map_f16_to_f32(ALL_F16, got)
     np.testing.assert_array_equal(got, ALL_F16.view(np.float16).astype(np.float32))
-    v = np.concatenate([
-        ALL_BF16_AS_F32,
-        rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
-        # every fp16 rounding midpoint (ties), and one ulp either side
-        _f16_midpoints(),
-    ])
+    v = np.concatenate(
+        [
+            ALL_BF16_AS_F32,
+            rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
+            # every fp16 rounding midpoint (ties), and one ulp either side
+            _f16_midpoints(),
+        ]
+    )
     h = np.empty(v.size, np.uint16)
     _map_f32_to_f16(v, h)
     ref = v.astype(np.float16)
@@ -132,10 +132,12 @@ def _f16_midpoints():
 
 
 def test_bf16_conversions(rng):
-    v = np.concatenate([
-        rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
-        ((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32),  # exact ties
-    ])
+    v = np.concatenate(
+        [
+            rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32),
+            ((np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000).view(np.float32),  # exact ties
+        ]
+    )
     h = np.empty(v.size, np.uint16)
     _map_f32_to_bf16(v, h)
     ref = v.astype(ml_dtypes.bfloat16)

@@ -50,8 +50,8 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes + scales + global scale (the memory the quantized tensor takes)."""
-        return int(_nbytes(self.data) + _nbytes(self.scales) + 4)
+        """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 has none)."""
+        return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if self.fmt == "nvfp4" else 0))
 
 
 def _nbytes(a):
@@ -111,8 +111,9 @@ def _scale_geometry(shape, block, layout):
     return rows, kb, kb, shape[:-1] + (kb,), False
 
 
-def quantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None,
-             scale_layout="linear"):
+def quantize(
+    x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None, scale_layout="linear"
+):
     """Quantize ``x`` (..., K) to NVFP4 or MXFP4 along its last dimension.
 
     Args:
@@ -122,14 +123,17 @@ def quantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=Non
             numpy arrays and torch CPU tensors run on the CPU.  Outputs are of the input's kind.
         fmt: "nvfp4" (16-element blocks, e4m3 block scales, float32 tensor scale as in
             NVIDIA Transformer Engine) or "mxfp4" (OCP MX v1.0: 32-element blocks, e8m0 scales).
-        rounding: "nearest" (round to nearest even) or "stochastic" (unbiased; Philox4x32-10
-            keyed by (seed, step, element index): independent of the launch configuration and
-            identical on the GPU and the CPU).
+        rounding: "nearest" (round to nearest even) or "stochastic": between the two
+            neighbouring e2m1 values, up with probability ceil(p * 2^24) / 2^24 for a fractional
+            distance p (unbiased up to 2^-24 of a grid step).  The random words come from
+            Philox4x32-10 with key = seed and counter = (element index // 4, step): independent
+            of the launch configuration and identical on the GPU and the CPU.
         seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
         global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
             ranks or steps); a non-negative finite float, or a one-element float32 array on the
-            same device (read by the kernel, no host synchronization).  Default: amax of the
-            finite elements of ``x``.
+            same device (read by the kernel, no host synchronization, so a GPU array is not
+            checked: a NaN, infinite or zero value there gives S = 1, a negative one a negative
+            S).  Default: amax of the finite elements of ``x``.
         scale_layout: "linear" (rows x K/block) or "swizzled" (cuBLASLt's 128x4 tiles, padded
             with zeros).
 
@@ -171,8 +175,25 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     n = math.prod(shape)
     stochastic = rounding == "stochastic"
     if backend.gpu:
-        return _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value,
-                             amax_array, scale_layout, kb, padded_kb, scale_shape, pad, n, fused)
+        return _quantize_gpu(
+            x,
+            backend,
+            dt,
+            shape,
+            fmt,
+            stochastic,
+            seed,
+            step,
+            amax_value,
+            amax_array,
+            scale_layout,
+            kb,
+            padded_kb,
+            scale_shape,
+            pad,
+            n,
+            fused,
+        )
     if amax_array is not None:
         amax_value = float(np.asarray(_to_numpy(amax_array), dtype=np.float32).reshape(-1)[0])
         if not (math.isfinite(amax_value) and amax_value >= 0):
@@ -184,17 +205,34 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     scales = np.zeros(scale_shape, np.uint8) if pad else np.empty(scale_shape, np.uint8)
     out_bits = np.empty(n, bits.dtype) if fused else np.empty(0, bits.dtype)
     s_dec = codec.quantize(
-        bits, arrays.KIND_OF_DTYPE[dt], fmt == "nvfp4", block, stochastic,
-        scale_layout == "swizzled", kb, padded_kb, np.float32(amax_value),
-        np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step),
-        packed.reshape(-1), scales.reshape(-1), fused, out_bits,
+        bits,
+        arrays.KIND_OF_DTYPE[dt],
+        fmt == "nvfp4",
+        block,
+        stochastic,
+        scale_layout == "swizzled",
+        kb,
+        padded_kb,
+        np.float32(amax_value),
+        np.uint32(seed & 0xFFFFFFFF),
+        np.uint32(seed >> 32),
+        np.uint32(step),
+        packed.reshape(-1),
+        scales.reshape(-1),
+        fused,
+        out_bits,
     )
     if fused:
         return arrays.cpu_from_bits(out_bits, dt, shape, backend)
     gs = np.array([s_dec], np.float32)
     return QuantizedTensor(
-        arrays.wrap_cpu(packed, backend), arrays.wrap_cpu(scales, backend),
-        arrays.wrap_cpu(gs, backend), fmt, shape, dt, scale_layout,
+        arrays.wrap_cpu(packed, backend),
+        arrays.wrap_cpu(scales, backend),
+        arrays.wrap_cpu(gs, backend),
+        fmt,
+        shape,
+        dt,
+        scale_layout,
     )
 
 
@@ -204,8 +242,25 @@ def _to_numpy(a):
     return a
 
 
-def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value, amax_array,
-                  scale_layout, kb, padded_kb, scale_shape, pad, n, fused):
+def _quantize_gpu(
+    x,
+    backend,
+    dt,
+    shape,
+    fmt,
+    stochastic,
+    seed,
+    step,
+    amax_value,
+    amax_array,
+    scale_layout,
+    kb,
+    padded_kb,
+    scale_shape,
+    pad,
+    n,
+    fused,
+):
     ctx = arrays.GpuContext(x, backend)
     launch = ctx.launch
     kind = arrays.KIND_OF_DTYPE[dt]
@@ -230,19 +285,38 @@ def _quantize_gpu(x, backend, dt, shape, fmt, stochastic, seed, step, amax_value
             parts, n_parts = ctx.view(amax_array, np.float32), 1
         elif compute_amax:
             parts = ctx.view(scratch[1:])
-            n_parts = launch.amax_partials(words, n_chunks, kind, ctx.stream, parts,
-                                           ctx.device_id) if n_chunks else 0
+            n_parts = (
+                launch.amax_partials(words, n_chunks, kind, ctx.stream, parts, ctx.device_id)
+                if n_chunks
+                else 0
+            )
         else:
             parts, n_parts = ctx.view(gs), 0
         if n_chunks == 0:
             _fill_one(gs, ctx)
         else:
             launch.quantize(
-                words, data_v, ctx.view(data, np.uint64), ctx.view(scales), out_words, n_chunks,
-                kb, padded_kb, parts,
-                n_parts, amax_value, ctx.view(gs), seed, step, kind=kind, fmt=_FMT_CODE[fmt],
-                stochastic=stochastic, swizzled=scale_layout == "swizzled", fused=fused,
-                stream=ctx.stream, device_id=ctx.device_id,
+                words,
+                data_v,
+                ctx.view(data, np.uint64),
+                ctx.view(scales),
+                out_words,
+                n_chunks,
+                kb,
+                padded_kb,
+                parts,
+                n_parts,
+                amax_value,
+                ctx.view(gs),
+                seed,
+                step,
+                kind=kind,
+                fmt=_FMT_CODE[fmt],
+                stochastic=stochastic,
+                swizzled=scale_layout == "swizzled",
+                fused=fused,
+                stream=ctx.stream,
+                device_id=ctx.device_id,
             )
     if fused:
         return out
@@ -313,10 +387,18 @@ def dequantize(q, dtype=None):
             out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
             if n:
                 ctx.launch.dequantize(
-                    ctx.view(q.data, np.uint16), ctx.view(q.scales), ctx.view(q.global_scale),
-                    ctx.view(out, np.uint64), n // 4, kb, padded_kb,
-                    out_kind=arrays.KIND_OF_DTYPE[dt], fmt=_FMT_CODE[q.fmt], swizzled=swizzled,
-                    stream=ctx.stream, device_id=ctx.device_id,
+                    ctx.view(q.data, np.uint16),
+                    ctx.view(q.scales),
+                    ctx.view(q.global_scale),
+                    ctx.view(out, np.uint64),
+                    n // 4,
+                    kb,
+                    padded_kb,
+                    out_kind=arrays.KIND_OF_DTYPE[dt],
+                    fmt=_FMT_CODE[q.fmt],
+                    swizzled=swizzled,
+                    stream=ctx.stream,
+                    device_id=ctx.device_id,
                 )
         return out
     from .cpu import codec
@@ -325,6 +407,16 @@ def dequantize(q, dtype=None):
     scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1)
     gs = np.float32(np.asarray(_to_numpy(q.global_scale), np.float32).reshape(-1)[0])
     out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
-    codec.dequantize(packed, scales, gs, q.fmt == "nvfp4", block, swizzled, kb, padded_kb,
-                     out_bits, arrays.KIND_OF_DTYPE[dt])
+    codec.dequantize(
+        packed,
+        scales,
+        gs,
+        q.fmt == "nvfp4",
+        block,
+        swizzled,
+        kb,
+        padded_kb,
+        out_bits,
+        arrays.KIND_OF_DTYPE[dt],
+    )
     return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)

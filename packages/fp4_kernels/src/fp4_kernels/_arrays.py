@@ -234,11 +234,24 @@ def init_torch_tables():
     torch = _torch()
     if torch is None or _TORCH_OF_NP:
         return
-    _TORCH_OF_NP.update({"uint8": torch.uint8, "float32": torch.float32, "uint16": torch.int16,
-                         "uint64": torch.int64})
-    _TORCH_NP.update({torch.uint8: np.dtype(np.uint8), torch.float32: np.dtype(np.float32),
-                      torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(np.uint16),
-                      torch.int16: np.dtype(np.int16), torch.int64: np.dtype(np.int64)})
+    _TORCH_OF_NP.update(
+        {
+            "uint8": torch.uint8,
+            "float32": torch.float32,
+            "uint16": torch.int16,
+            "uint64": torch.int64,
+        }
+    )
+    _TORCH_NP.update(
+        {
+            torch.uint8: np.dtype(np.uint8),
+            torch.float32: np.dtype(np.float32),
+            torch.float16: np.dtype(np.float16),
+            torch.bfloat16: np.dtype(np.uint16),
+            torch.int16: np.dtype(np.int16),
+            torch.int64: np.dtype(np.int64),
+        }
+    )
 
 
 def _numba_zero(d):

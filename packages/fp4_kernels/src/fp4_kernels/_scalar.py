@@ -45,16 +45,6 @@ TWO_POW_M24 = np.float32(2.0**-24)  # weight of one of the 24 random bits used b
 TWO_POW_M9 = np.float32(2.0**-9)  # e4m3 subnormal quantum
 TWO_POW_M24_F16 = np.float32(2.0**-24)  # fp16 subnormal quantum
 
-# e2m1 round-to-nearest-even decision points: a value exactly on a midpoint goes to the code
-# with an even mantissa bit (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
-# 3.5 -> 4.0, 5.0 -> 4.0), hence the alternation of > and >=.
-_T025 = np.float32(0.25)
-_T075 = np.float32(0.75)
-_T125 = np.float32(1.25)
-_T175 = np.float32(1.75)
-_T250 = np.float32(2.5)
-_T350 = np.float32(3.5)
-_T500 = np.float32(5.0)
 _G1 = np.float32(1.0)
 _G15 = np.float32(1.5)
 _G3 = np.float32(3.0)
@@ -150,28 +140,6 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         return sign | q
 
     # ---------------------------------------------------------------- e2m1
-
-    @jit
-    def e2m1_rne_magnitude(a):
-        """|y| (float32, >= 0, not NaN; inf allowed) -> 3-bit e2m1 magnitude code, RNE, saturating."""
-        # Counting crossed decision points (not summing booleans: numpy adds np.bool_ as a
-        # logical or, so the simulator would disagree with the compiled targets).
-        c = 0
-        if a > _T025:
-            c += 1
-        if a >= _T075:
-            c += 1
-        if a > _T125:
-            c += 1
-        if a >= _T175:
-            c += 1
-        if a > _T250:
-            c += 1
-        if a >= _T350:
-            c += 1
-        if a > _T500:
-            c += 1
-        return c
 
     @jit
     def e2m1_value(c):
@@ -383,7 +351,6 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         f32_to_bf16=f32_to_bf16,
         f16_to_f32=f16_to_f32,
         f32_to_f16=f32_to_f16,
-        e2m1_rne_magnitude=e2m1_rne_magnitude,
         e2m1_sr_magnitude=e2m1_sr_magnitude,
         e2m1_value=e2m1_value,
         e2m1_encode=e2m1_encode,

@@ -103,8 +103,9 @@ def adversarial_blocks(rng, rows, k, block=16):
     return x.reshape(rows, k)
 
 
-def reference_quantization(x, fmt, rounding="nearest", seed=0, step=0, global_amax=None,
-                           scale_layout="linear"):
+def reference_quantization(
+    x, fmt, rounding="nearest", seed=0, step=0, global_amax=None, scale_layout="linear"
+):
     """What ``quantize`` must return for float32 ``x``, from the numpy oracle in ``formats``.
 
     Returns numpy ``(data, scales, global_scale, dequantized_float32)`` in the public layouts:

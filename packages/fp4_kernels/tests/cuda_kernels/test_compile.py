@@ -42,16 +42,31 @@ def _check_ptx(ptx):
 
 @pytest.mark.parametrize(
     "kind,fmt,stochastic,swizzled,fused",
-    list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True), (False, True),
-                           (False, True))),
+    list(
+        itertools.product(
+            (0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True), (False, True), (False, True)
+        )
+    ),
 )
 def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
     ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, swizzled, fused), QUANTIZE_SIG)
     _check_ptx(ptx)
     assert "shfl.sync.bfly" in ptx  # block amax through warp butterflies, not shared memory
     assert "st.global.u16" in ptx  # four codes packed in registers, one 2-byte store
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx or fmt == FMT_MXFP4  # hardware scale cast
     if fused:
         assert "st.global.u64" in ptx
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,stochastic,fused",
+    list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True), (False, True))),
+)
+def test_per_thread_quantize_kernel_compiles_clean(kind, fmt, stochastic, fused):
+    sig = (U64, U64) + QUANTIZE_SIG[2:]  # codes as 8-byte words: a block's codes per store
+    ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, False, fused, True), sig)
+    _check_ptx(ptx)
+    assert "shfl" not in ptx and "st.global.u64" in ptx
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,12 @@ import functools
 
 import numpy as np
 import pytest
+from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
 from conftest import REAL_GPU
 
 import fp4_kernels as fk
 from fp4_kernels.cuda import launch
 from fp4_kernels.testing import adversarial_blocks, reference_quantization, same_bits
-
-from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
 
 KINDS = available_kinds(REAL_GPU)
 
@@ -56,20 +55,23 @@ def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=
         ("mxfp4", "float16", "stochastic", "linear", 1),
     ],
 )
-def test_quantize_matches_oracle(kernels, layout_variant, rng, kind, fmt, dtype, rounding, layout,
-                                rows):
+def test_quantize_matches_oracle(
+    kernels, layout_variant, rng, kind, fmt, dtype, rounding, layout, rows
+):
     block = fk.FORMATS[fmt]
     k = 16 if rows > 100 else 4 * block  # the 129-row case keeps the simulator quick
     if fmt == "mxfp4" and k < 32:
         k = 32
     x = _data(rng, rows, k, dtype, block)
-    q = fk.quantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=2**40 + 3, step=77,
-                    scale_layout=layout)
+    q = fk.quantize(
+        to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=2**40 + 3, step=77, scale_layout=layout
+    )
     deq = _assert_matches_oracle(q, x, fmt, rounding, layout, 2**40 + 3, 77)
     y = to_host(fk.dequantize(q))
     assert same_bits(y, deq.astype(x.dtype))
-    fused = to_host(fk.quantize_dequantize(to_gpu(x, kind), fmt=fmt, rounding=rounding,
-                                           seed=2**40 + 3, step=77))
+    fused = to_host(
+        fk.quantize_dequantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=2**40 + 3, step=77)
+    )
     assert same_bits(fused, y)
 
 
@@ -77,8 +79,9 @@ def test_global_amax_scalar_and_device_array(kernels, rng):
     x = rng.standard_normal((2, 64)).astype(np.float32)
     q = fk.quantize(to_gpu(x, "numba"), global_amax=3.5)
     _assert_matches_oracle(q, x, "nvfp4", "nearest", "linear", 0, 0, global_amax=3.5)
-    q_dev = fk.quantize(to_gpu(x, "numba"), global_amax=to_gpu(np.array([3.5], np.float32),
-                                                                "numba"))
+    q_dev = fk.quantize(
+        to_gpu(x, "numba"), global_amax=to_gpu(np.array([3.5], np.float32), "numba")
+    )
     np.testing.assert_array_equal(to_host(q_dev.data), to_host(q.data))
     np.testing.assert_array_equal(to_host(q_dev.global_scale), to_host(q.global_scale))
 
@@ -96,8 +99,9 @@ def test_stochastic_rounding_does_not_depend_on_the_launch(kernels, layout_varia
         launch.launch_override = saved
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
-    np.testing.assert_array_equal(outs[0], fk.quantize(x, rounding="stochastic", seed=5,
-                                                       step=1).data)
+    np.testing.assert_array_equal(
+        outs[0], fk.quantize(x, rounding="stochastic", seed=5, step=1).data
+    )
 
 
 def test_nonfinite_blocks_and_amax(kernels):
@@ -122,8 +126,7 @@ def _full_case(fmt, rounding, dtype):
     rng = np.random.default_rng([_FULL_SEED, len(fmt), len(rounding), len(dtype)])
     x = _data(rng, 4096 + 7, 4096, dtype, fk.FORMATS[fmt])
     layout = "swizzled" if rounding == "nearest" else "linear"
-    ref = reference_quantization(np.asarray(x, np.float32), fmt, rounding, 1234, 99, None,
-                                 layout)
+    ref = reference_quantization(np.asarray(x, np.float32), fmt, rounding, 1234, 99, None, layout)
     return x, layout, ref
 
 
@@ -136,13 +139,13 @@ def test_full_size_bit_exact(gpu, layout_variant, dtype, rounding, fmt, kind):
     """>= 2^24 elements of adversarial data per case, every output bit against the oracle."""
     print(f"full-size data seed {_FULL_SEED}")
     x, layout, (data, scales, gs, deq) = _full_case(fmt, rounding, dtype)
-    q = fk.quantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=1234, step=99,
-                    scale_layout=layout)
+    q = fk.quantize(
+        to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=1234, step=99, scale_layout=layout
+    )
     np.testing.assert_array_equal(to_host(q.data), data)
     np.testing.assert_array_equal(to_host(q.scales), scales)
     assert to_host(q.global_scale).view(np.uint32)[0] == gs.view(np.uint32)
     expect = deq.astype(x.dtype)
     assert same_bits(to_host(fk.dequantize(q)), expect)
-    fused = fk.quantize_dequantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=1234,
-                                   step=99)
+    fused = fk.quantize_dequantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=1234, step=99)
     assert same_bits(to_host(fused), expect)

@@ -85,8 +85,24 @@ def scale_offset(blk, kb, padded_kb, swizzled):
 
 
 @cpu_jit
-def quantize(bits, kind, nvfp4, block, stochastic, swizzled, kb, padded_kb, amax,
-             seed_lo, seed_hi, step, packed, scales, fused, out_bits):
+def quantize(
+    bits,
+    kind,
+    nvfp4,
+    block,
+    stochastic,
+    swizzled,
+    kb,
+    padded_kb,
+    amax,
+    seed_lo,
+    seed_hi,
+    step,
+    packed,
+    scales,
+    fused,
+    out_bits,
+):
     """Quantize flat ``bits`` into ``packed`` (n/2 bytes) and ``scales``; returns 1/S.
 
     ``amax`` < 0 means: compute the tensor amax here.  With ``fused`` the reconstruction is also
@@ -139,8 +155,14 @@ def quantize(bits, kind, nvfp4, block, stochastic, swizzled, kb, padded_kb, amax
         elif stochastic:
             for j in range(0, block, 4):
                 c = (base + j) >> 2
-                r = _philox(np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
-                            seed_lo, seed_hi)
+                r = _philox(
+                    np.uint32(c & 0xFFFFFFFF),
+                    np.uint32(c >> 32),
+                    step,
+                    np.uint32(0),
+                    seed_lo,
+                    seed_hi,
+                )
                 for q in range(4):
                     codes[j + q] = _e2m1_encode_sr(vals[j + q] * mult, r[q])
         else:

@@ -96,8 +96,12 @@ def make_chunk_io(kind):
     def unpack16(w, unused):
         lo = np.uint32(w)
         hi = np.uint32(w >> _U32)
-        return (to_f32(U32(lo & 0xFFFF)), to_f32(U32(lo >> 16)), to_f32(U32(hi & 0xFFFF)),
-                to_f32(U32(hi >> 16)))
+        return (
+            to_f32(U32(lo & 0xFFFF)),
+            to_f32(U32(lo >> 16)),
+            to_f32(U32(hi & 0xFFFF)),
+            to_f32(U32(hi >> 16)),
+        )
 
     @device_jit
     def load_chunk16(words, c, n_chunks):
@@ -107,8 +111,12 @@ def make_chunk_io(kind):
         w = words[U64(c)]
         lo = np.uint32(w)
         hi = np.uint32(w >> _U32)
-        return (to_f32(U32(lo & 0xFFFF)), to_f32(U32(lo >> 16)), to_f32(U32(hi & 0xFFFF)),
-                to_f32(U32(hi >> 16)))
+        return (
+            to_f32(U32(lo & 0xFFFF)),
+            to_f32(U32(lo >> 16)),
+            to_f32(U32(hi & 0xFFFF)),
+            to_f32(U32(hi >> 16)),
+        )
 
     if pack2 is not None:
         # the hardware conversions round exactly as the integer ones (NaN payloads aside;

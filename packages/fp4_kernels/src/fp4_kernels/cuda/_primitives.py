@@ -43,8 +43,9 @@ else:
                 "=h,f,f",
             )
             pair = builder.call(asm, [ir.Constant(f32, 0.0), args[0]])
-            return builder.zext(builder.and_(pair, ir.Constant(ir.IntType(16), 0xFF)),
-                                ir.IntType(32))
+            return builder.zext(
+                builder.and_(pair, ir.Constant(ir.IntType(16), 0xFF)), ir.IntType(32)
+            )
 
         return types.uint32(types.float32), codegen
 
@@ -81,8 +82,9 @@ else:
 
         def codegen(context, builder, signature, args):
             i16 = ir.IntType(16)
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i16]), "cvt.f32.f16 $0, $1;",
-                               "=f,h")
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.FloatType(), [i16]), "cvt.f32.f16 $0, $1;", "=f,h"
+            )
             return builder.call(asm, [builder.trunc(args[0], i16)])
 
         return types.float32(types.uint32), codegen

@@ -49,8 +49,9 @@ def dequantize_kernel(out_kind, fmt, swizzled):
         if nvfp4:
             s = e4m3_decode(scode)
             # (e2m1 value * s) is exact; the product with the global scale rounds once.
-            store_chunk(out, c, (v0 * s) * s_dec, (v1 * s) * s_dec, (v2 * s) * s_dec,
-                        (v3 * s) * s_dec)
+            store_chunk(
+                out, c, (v0 * s) * s_dec, (v1 * s) * s_dec, (v2 * s) * s_dec, (v3 * s) * s_dec
+            )
         else:
             x = e8m0_decode(scode)
             store_chunk(out, c, v0 * x, v1 * x, v2 * x, v3 * x)

@@ -18,10 +18,8 @@ import numpy as np
 from numba import cuda
 
 from ._primitives import SIMULATOR
-from .amax import UNROLL as AMAX_UNROLL
-from .amax import amax_kernel
-from .dequantize import UNROLL as DEQUANTIZE_UNROLL
-from .dequantize import dequantize_kernel
+from .amax import UNROLL as AMAX_UNROLL, amax_kernel
+from .dequantize import UNROLL as DEQUANTIZE_UNROLL, dequantize_kernel
 from .quantize import BLOCK_SIZES, UNROLL, quantize_kernel
 
 THREADS_PER_BLOCK = 256
@@ -108,8 +106,11 @@ def _launch(kernel, blocks, threads, stream, args):
         return
     from cuda.core import LaunchConfig, launch
 
-    key = (kernel, tuple(a.dtype.str for a in args), tuple(isinstance(a, DeviceBuffer)
-                                                         for a in args))
+    key = (
+        kernel,
+        tuple(a.dtype.str for a in args),
+        tuple(isinstance(a, DeviceBuffer) for a in args),
+    )
     cu_kernel = _compiled.get(key)
     if cu_kernel is None:
         compiled = kernel.compile(tuple(_numba_type(a) for a in args))
@@ -141,9 +142,31 @@ def amax_partials(words, n_chunks, kind, stream, parts, device_id):
 QUANTIZE_PER_THREAD = False
 
 
-def quantize(words, codes16, codes64, scales, out_words, n_chunks, kb, padded_kb, amax_parts,
-             n_parts, amax_value, global_scale, seed, step, *, kind, fmt, stochastic, swizzled,
-             fused, stream, device_id, per_thread=None):
+def quantize(
+    words,
+    codes16,
+    codes64,
+    scales,
+    out_words,
+    n_chunks,
+    kb,
+    padded_kb,
+    amax_parts,
+    n_parts,
+    amax_value,
+    global_scale,
+    seed,
+    step,
+    *,
+    kind,
+    fmt,
+    stochastic,
+    swizzled,
+    fused,
+    stream,
+    device_id,
+    per_thread=None,
+):
     per_thread = QUANTIZE_PER_THREAD if per_thread is None else per_thread
     kern = quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread)
     if per_thread:
@@ -153,18 +176,59 @@ def quantize(words, codes16, codes64, scales, out_words, n_chunks, kb, padded_kb
     else:
         blocks, threads = _grid(lambda t: t * UNROLL, n_chunks, device_id)
         codes = codes16
-    _launch(kern, blocks, threads, stream, (
-        words, codes, scales, out_words, np.int64(n_chunks), np.int64(kb),
-        np.int64(padded_kb), amax_parts, np.int64(n_parts), np.float32(amax_value),
-        global_scale, np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step),
-    ))
+    _launch(
+        kern,
+        blocks,
+        threads,
+        stream,
+        (
+            words,
+            codes,
+            scales,
+            out_words,
+            np.int64(n_chunks),
+            np.int64(kb),
+            np.int64(padded_kb),
+            amax_parts,
+            np.int64(n_parts),
+            np.float32(amax_value),
+            global_scale,
+            np.uint32(seed & 0xFFFFFFFF),
+            np.uint32(seed >> 32),
+            np.uint32(step),
+        ),
+    )
 
 
-def dequantize(codes16, scales, global_scale, out_words, n_chunks, kb, padded_kb, *, out_kind,
-               fmt, swizzled, stream, device_id):
+def dequantize(
+    codes16,
+    scales,
+    global_scale,
+    out_words,
+    n_chunks,
+    kb,
+    padded_kb,
+    *,
+    out_kind,
+    fmt,
+    swizzled,
+    stream,
+    device_id,
+):
     kern = dequantize_kernel(out_kind, fmt, swizzled)
     blocks, threads = _grid(lambda t: t * DEQUANTIZE_UNROLL, n_chunks, device_id)
-    _launch(kern, blocks, threads, stream, (
-        codes16, scales, global_scale, out_words, np.int64(n_chunks), np.int64(kb),
-        np.int64(padded_kb),
-    ))
+    _launch(
+        kern,
+        blocks,
+        threads,
+        stream,
+        (
+            codes16,
+            scales,
+            global_scale,
+            out_words,
+            np.int64(n_chunks),
+            np.int64(kb),
+            np.int64(padded_kb),
+        ),
+    )

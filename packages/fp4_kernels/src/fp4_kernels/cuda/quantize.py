@@ -29,7 +29,6 @@ from numba import cuda
 from .._scalar import (
     E4M3_NAN_CODE,
     E8M0_NAN_CODE,
-    F32_INF,
     F32_NAN,
     F32_ONE,
     F32_ZERO,
@@ -161,16 +160,29 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
         k3 = U32(packed >> 12)
         if nvfp4:
             # (e2m1 value * s) is exact; the product with 1/S is the one rounding.
-            store_chunk(out, c, (e2m1_decode(k0) * s) * s_dec, (e2m1_decode(k1) * s) * s_dec,
-                        (e2m1_decode(k2) * s) * s_dec, (e2m1_decode(k3) * s) * s_dec)
+            store_chunk(
+                out,
+                c,
+                (e2m1_decode(k0) * s) * s_dec,
+                (e2m1_decode(k1) * s) * s_dec,
+                (e2m1_decode(k2) * s) * s_dec,
+                (e2m1_decode(k3) * s) * s_dec,
+            )
         else:
             x = e8m0_decode(scode)
-            store_chunk(out, c, e2m1_decode(k0) * x, e2m1_decode(k1) * x, e2m1_decode(k2) * x,
-                        e2m1_decode(k3) * x)
+            store_chunk(
+                out,
+                c,
+                e2m1_decode(k0) * x,
+                e2m1_decode(k1) * x,
+                e2m1_decode(k2) * x,
+                e2m1_decode(k3) * x,
+            )
 
     @device_jit
-    def process_chunk(w0, w1, c, n_chunks, codes, scales, out, kb, padded_kb,
-                      s6, s_dec, seed_lo, seed_hi, step):
+    def process_chunk(
+        w0, w1, c, n_chunks, codes, scales, out, kb, padded_kb, s6, s_dec, seed_lo, seed_hi, step
+    ):
         v0, v1, v2, v3 = unpack(w0, w1)
         bmax_bits = group_max(max4_abs_bits(v0, v1, v2, v3), lanes)
         finite, scode, s, mult = block_scale(bmax_bits, s6, s_dec)
@@ -202,8 +214,22 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
     if per_thread:
 
         @cuda.jit
-        def kernel_per_thread(words, codes64, scales, out, n_chunks, kb, padded_kb, amax_parts,
-                              n_parts, amax_value, global_scale, seed_lo, seed_hi, step):
+        def kernel_per_thread(
+            words,
+            codes64,
+            scales,
+            out,
+            n_chunks,
+            kb,
+            padded_kb,
+            amax_parts,
+            n_parts,
+            amax_value,
+            global_scale,
+            seed_lo,
+            seed_hi,
+            step,
+        ):
             """One thread per block: no shuffles, the scale computed once per block; the block's
             codes (8 bytes NVFP4, 16 MXFP4) leave in 8-byte stores, contiguous across lanes.
             Pass 1 loads the block and takes its amax; pass 2 reloads it (from L1) to encode."""
@@ -223,8 +249,7 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
                     c = c0 + j
                     w0, w1 = load_raw(words, c, n_chunks)
                     v0, v1, v2, v3 = unpack(w0, w1)
-                    packed = encode_chunk(finite, v0, v1, v2, v3, mult, c, seed_lo, seed_hi,
-                                          step)
+                    packed = encode_chunk(finite, v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step)
                     if j < 4:
                         lo |= U64(packed) << U64(16 * j)
                     else:
@@ -241,8 +266,22 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
         return kernel_per_thread
 
     @cuda.jit
-    def kernel(words, codes, scales, out, n_chunks, kb, padded_kb, amax_parts, n_parts,
-               amax_value, global_scale, seed_lo, seed_hi, step):
+    def kernel(
+        words,
+        codes,
+        scales,
+        out,
+        n_chunks,
+        kb,
+        padded_kb,
+        amax_parts,
+        n_parts,
+        amax_value,
+        global_scale,
+        seed_lo,
+        seed_hi,
+        step,
+    ):
         s6, s_dec = tensor_scale(amax_value, amax_parts, n_parts, global_scale)
         nthreads = cuda.blockDim.x
         tile = nthreads * UNROLL
@@ -258,13 +297,69 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
             b0, b1 = load_raw(words, c1, n_chunks)
             d0, d1 = load_raw(words, c2, n_chunks)
             e0, e1 = load_raw(words, c3, n_chunks)
-            process_chunk(a0, a1, c0, n_chunks, codes, scales, out, kb, padded_kb,
-                          s6, s_dec, seed_lo, seed_hi, step)
-            process_chunk(b0, b1, c1, n_chunks, codes, scales, out, kb, padded_kb,
-                          s6, s_dec, seed_lo, seed_hi, step)
-            process_chunk(d0, d1, c2, n_chunks, codes, scales, out, kb, padded_kb,
-                          s6, s_dec, seed_lo, seed_hi, step)
-            process_chunk(e0, e1, c3, n_chunks, codes, scales, out, kb, padded_kb,
-                          s6, s_dec, seed_lo, seed_hi, step)
+            process_chunk(
+                a0,
+                a1,
+                c0,
+                n_chunks,
+                codes,
+                scales,
+                out,
+                kb,
+                padded_kb,
+                s6,
+                s_dec,
+                seed_lo,
+                seed_hi,
+                step,
+            )
+            process_chunk(
+                b0,
+                b1,
+                c1,
+                n_chunks,
+                codes,
+                scales,
+                out,
+                kb,
+                padded_kb,
+                s6,
+                s_dec,
+                seed_lo,
+                seed_hi,
+                step,
+            )
+            process_chunk(
+                d0,
+                d1,
+                c2,
+                n_chunks,
+                codes,
+                scales,
+                out,
+                kb,
+                padded_kb,
+                s6,
+                s_dec,
+                seed_lo,
+                seed_hi,
+                step,
+            )
+            process_chunk(
+                e0,
+                e1,
+                c3,
+                n_chunks,
+                codes,
+                scales,
+                out,
+                kb,
+                padded_kb,
+                s6,
+                s_dec,
+                seed_lo,
+                seed_hi,
+                step,
+            )
 
     return kernel
