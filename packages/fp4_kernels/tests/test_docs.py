@@ -1,8 +1,9 @@
 """Docs examples are code that a test runs: every ```python block of the documents below.
 
 Each block is executed on its own, in a fresh namespace, on the CPU with numpy only; its
-assertions check the numbers the text quotes.  A block that truly needs a GPU carries the
-comment ``# doc-test: skip`` and is reported as skipped.
+assertions check the numbers the text quotes.  A block that needs a GPU carries the comment
+``# doc-test: gpu``: it runs where there is a real CUDA GPU (``nox -s gpu``) and is reported
+as skipped, with the reason, elsewhere.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import REAL_GPU
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # packages/fp4_kernels/tests/ -> the root
 DOCUMENTS = ("docs/formats.md", "packages/fp4_kernels/README.md", "README.md")
-SKIP_MARKER = "# doc-test: skip"
+GPU_MARKER = "# doc-test: gpu"
 
 # An opening fence of exactly "```python" at the start of a line, up to the next closing fence.
 _PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -46,8 +48,8 @@ def test_document_has_examples(document):
     ("document", "line", "source"), BLOCKS, ids=[f"{doc}:{line}" for doc, line, _ in BLOCKS]
 )
 def test_example_runs(document, line, source):
-    if SKIP_MARKER in source:
-        pytest.skip(f"{document}:{line} needs a GPU ({SKIP_MARKER!r})")
+    if GPU_MARKER in source and not REAL_GPU:
+        pytest.skip(f"{document}:{line} needs a real CUDA GPU ({GPU_MARKER!r})")
     # Pad with blank lines so that a traceback's line numbers are the document's own.
     code = compile("\n" * line + source, f"{REPO_ROOT / document}", "exec")
     exec(code, {"__name__": f"doc_example_{line}"})
