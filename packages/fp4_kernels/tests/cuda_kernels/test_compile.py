@@ -66,7 +66,8 @@ def test_per_thread_quantize_kernel_compiles_clean(kind, fmt, stochastic, fused)
     sig = (U64, U64) + QUANTIZE_SIG[2:]  # codes as 8-byte words: a block's codes per store
     ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, False, fused, True), sig)
     _check_ptx(ptx)
-    assert "shfl" not in ptx and "st.global.u64" in ptx
+    # a block's codes leave as 8-byte words, never as the lanes layout's 2-byte stores
+    assert "st.global.u16" not in ptx and "st.global.u64" in ptx
 
 
 @pytest.mark.parametrize(
