@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,13 +103,26 @@ def _validate_input(x, fmt):
     return backend, dt, shape
 
 
-def _scale_geometry(shape, block, layout):
+class _Geometry(NamedTuple):
+    """Sizes every path derives from (shape, format, scale layout)."""
+
+    shape: tuple
+    n: int  # elements
+    kb: int  # blocks per row
+    padded_kb: int  # blocks per row including the swizzled layout's column padding
+    scale_shape: tuple
+    pad: bool  # the swizzled layout has padding bytes (which must be zero)
+    swizzled: bool
+
+
+def _geometry(shape, fmt, layout):
     rows = math.prod(shape[:-1])
-    kb = shape[-1] // block
+    kb = shape[-1] // FORMATS[fmt]
+    n = rows * shape[-1]
     if layout == "swizzled":
         pr, pk = swizzled_scale_shape(rows, kb)
-        return rows, kb, pk, (pr * pk,), pr * pk != rows * kb
-    return rows, kb, kb, shape[:-1] + (kb,), False
+        return _Geometry(shape, n, kb, pk, (pr * pk,), pr * pk != rows * kb, True)
+    return _Geometry(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
 
 
 def quantize(
@@ -160,7 +174,6 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     seed = _check_int(seed, "seed", 0, 2**64)
     step = _check_int(step, "step", 0, 2**32)
     backend, dt, shape = _validate_input(x, fmt)
-    block = FORMATS[fmt]
     amax_value, amax_array = -1.0, None
     if global_amax is not None:
         if fmt != "nvfp4":
@@ -171,28 +184,11 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
                 raise ValueError(f"global_amax: must be finite and >= 0, got {global_amax!r}")
         else:
             amax_array = global_amax
-    rows, kb, padded_kb, scale_shape, pad = _scale_geometry(shape, block, scale_layout)
-    n = math.prod(shape)
+    geo = _geometry(shape, fmt, scale_layout)
     stochastic = rounding == "stochastic"
     if backend.gpu:
         return _quantize_gpu(
-            x,
-            backend,
-            dt,
-            shape,
-            fmt,
-            stochastic,
-            seed,
-            step,
-            amax_value,
-            amax_array,
-            scale_layout,
-            kb,
-            padded_kb,
-            scale_shape,
-            pad,
-            n,
-            fused,
+            x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused
         )
     if amax_array is not None:
         amax_value = float(np.asarray(_to_numpy(amax_array), dtype=np.float32).reshape(-1)[0])
@@ -202,17 +198,17 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
 
     bits = arrays.cpu_bits(x, dt)
     packed = np.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
-    scales = np.zeros(scale_shape, np.uint8) if pad else np.empty(scale_shape, np.uint8)
-    out_bits = np.empty(n, bits.dtype) if fused else np.empty(0, bits.dtype)
+    scales = (np.zeros if geo.pad else np.empty)(geo.scale_shape, np.uint8)
+    out_bits = np.empty(geo.n if fused else 0, bits.dtype)
     s_dec = codec.quantize(
         bits,
         arrays.KIND_OF_DTYPE[dt],
         fmt == "nvfp4",
-        block,
+        FORMATS[fmt],
         stochastic,
-        scale_layout == "swizzled",
-        kb,
-        padded_kb,
+        geo.swizzled,
+        geo.kb,
+        geo.padded_kb,
         np.float32(amax_value),
         np.uint32(seed & 0xFFFFFFFF),
         np.uint32(seed >> 32),
@@ -242,33 +238,16 @@ def _to_numpy(a):
     return a
 
 
-def _quantize_gpu(
-    x,
-    backend,
-    dt,
-    shape,
-    fmt,
-    stochastic,
-    seed,
-    step,
-    amax_value,
-    amax_array,
-    scale_layout,
-    kb,
-    padded_kb,
-    scale_shape,
-    pad,
-    n,
-    fused,
-):
+def _quantize_gpu(x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused):
     ctx = arrays.GpuContext(x, backend)
     launch = ctx.launch
     kind = arrays.KIND_OF_DTYPE[dt]
-    n_chunks = n // 4
+    shape = geo.shape
+    n_chunks = geo.n // 4
     with _device(ctx):
         words = ctx.view(x, np.uint64)
         data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
-        scales = ctx.empty(scale_shape, np.uint8, zero=pad)
+        scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
         compute_amax = fmt == "nvfp4" and amax_value < 0 and amax_array is None
         # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
         n_partials = launch.max_partials(ctx.device_id) if compute_amax else 0
@@ -302,8 +281,8 @@ def _quantize_gpu(
                 ctx.view(scales),
                 out_words,
                 n_chunks,
-                kb,
-                padded_kb,
+                geo.kb,
+                geo.padded_kb,
                 parts,
                 n_parts,
                 amax_value,
@@ -313,14 +292,15 @@ def _quantize_gpu(
                 kind=kind,
                 fmt=_FMT_CODE[fmt],
                 stochastic=stochastic,
-                swizzled=scale_layout == "swizzled",
+                swizzled=geo.swizzled,
                 fused=fused,
                 stream=ctx.stream,
                 device_id=ctx.device_id,
             )
     if fused:
         return out
-    return QuantizedTensor(data, scales, gs, fmt, shape, dt, scale_layout)
+    layout = "swizzled" if geo.swizzled else "linear"
+    return QuantizedTensor(data, scales, gs, fmt, shape, dt, layout)
 
 
 def _fill_one(gs, ctx):
@@ -371,16 +351,14 @@ def dequantize(q, dtype=None):
     dt = q.dtype if dtype is None else arrays.normalize_dtype(dtype)
     _check_choice(q.fmt, "q.fmt", tuple(FORMATS))
     _check_choice(q.scale_layout, "q.scale_layout", SCALE_LAYOUTS)
-    block = FORMATS[q.fmt]
     backend = arrays.backend_of(q.data, "q.data")
     data_shape = tuple(int(s) for s in q.data.shape)
     if data_shape != q.shape[:-1] + (q.shape[-1] // 2,):
         raise ValueError(f"q.data: shape {data_shape} does not match q.shape {q.shape}")
-    rows, kb, padded_kb, scale_shape, _ = _scale_geometry(q.shape, block, q.scale_layout)
-    if tuple(int(s) for s in q.scales.shape) != scale_shape:
-        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {scale_shape}")
-    n = math.prod(q.shape)
-    swizzled = q.scale_layout == "swizzled"
+    geo = _geometry(q.shape, q.fmt, q.scale_layout)
+    if tuple(int(s) for s in q.scales.shape) != geo.scale_shape:
+        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {geo.scale_shape}")
+    n = geo.n
     if backend.gpu:
         ctx = arrays.GpuContext(q.data, backend)
         with _device(ctx):
@@ -392,11 +370,11 @@ def dequantize(q, dtype=None):
                     ctx.view(q.global_scale),
                     ctx.view(out, np.uint64),
                     n // 4,
-                    kb,
-                    padded_kb,
+                    geo.kb,
+                    geo.padded_kb,
                     out_kind=arrays.KIND_OF_DTYPE[dt],
                     fmt=_FMT_CODE[q.fmt],
-                    swizzled=swizzled,
+                    swizzled=geo.swizzled,
                     stream=ctx.stream,
                     device_id=ctx.device_id,
                 )
@@ -412,10 +390,10 @@ def dequantize(q, dtype=None):
         scales,
         gs,
         q.fmt == "nvfp4",
-        block,
-        swizzled,
-        kb,
-        padded_kb,
+        FORMATS[q.fmt],
+        geo.swizzled,
+        geo.kb,
+        geo.padded_kb,
         out_bits,
         arrays.KIND_OF_DTYPE[dt],
     )

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._scalar import KIND_BF16, KIND_F16, KIND_F32
+
 DTYPES = ("float32", "bfloat16", "float16")
-KIND_OF_DTYPE = {"float32": 0, "bfloat16": 1, "float16": 2}
+KIND_OF_DTYPE = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 BITS_DTYPE = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -58,6 +58,11 @@ PHILOX_W1 = np.uint64(0xBB67AE85)
 _U64_MASK32 = np.uint64(0xFFFFFFFF)
 _U64_32 = np.uint64(32)
 
+# element kinds of the arrays the codecs read and write (the kernels' `kind` argument)
+KIND_F32 = 0
+KIND_BF16 = 1
+KIND_F16 = 2
+
 E4M3_NAN_CODE = 0x7F
 # twice the e2m1 magnitudes (0, 1, 2, 3, 4, 6, 8, 12) as nibbles, magnitude code 0 lowest
 E2M1_TWICE_TABLE = np.uint32(0xC8643210)
@@ -320,6 +325,24 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
             return F32_ONE
         return s
 
+    # ---------------------------------------------------------------- scale layouts
+
+    @jit
+    def scale_offset(blk, kb, padded_kb, swizzled):
+        """Byte offset of block ``blk``'s scale: linear (row-major rows x kb) or 128x4 tiles.
+
+        Swizzled: the layout of cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0 scale modes and
+        torch._scaled_mm: 128-row x 4-column tiles of 512 bytes in row-major tile order; inside
+        a tile, row r sits at (r % 32) * 16 + (r // 32) * 4 and column c at + c.  Unsigned, so
+        an array index needs no negative-index wraparound.
+        """
+        if not swizzled:
+            return np.uint64(blk)
+        r = blk // kb
+        col = blk - r * kb
+        tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
+        return np.uint64(tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3))
+
     # ---------------------------------------------------------------- Philox4x32-10
 
     @jit
@@ -363,4 +386,5 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         e8m0_decode=e8m0_decode,
         nvfp4_encode_scale=nvfp4_encode_scale,
         philox4x32_10=philox4x32_10,
+        scale_offset=scale_offset,
     )

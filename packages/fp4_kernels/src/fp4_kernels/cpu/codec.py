@@ -18,12 +18,10 @@ from .._scalar import (
     F32_ZERO,
     FP32_MAX,
     INV_E2M1_MAX,
+    KIND_BF16,
+    KIND_F32,
 )
 from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
-
-KIND_F32 = 0
-KIND_BF16 = 1
-KIND_F16 = 2
 
 _to_bf16 = OPS.f32_to_bf16
 _to_f16 = OPS.f32_to_f16
@@ -73,15 +71,7 @@ def tensor_amax(bits, kind):
     return m
 
 
-@cpu_jit
-def scale_offset(blk, kb, padded_kb, swizzled):
-    """Same layout arithmetic as ``cuda._chunk.scale_offset``."""
-    if not swizzled:
-        return blk
-    r = blk // kb
-    col = blk - r * kb
-    tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
-    return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3)
+scale_offset = OPS.scale_offset
 
 
 @cpu_jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._scalar import KIND_BF16, KIND_F16, KIND_F32
 from ._primitives import (
     OPS,
     cvt_bf16x2,
@@ -21,10 +22,6 @@ from ._primitives import (
     f32_as_u32,
     u32_as_f32,
 )
-
-KIND_F32 = 0
-KIND_BF16 = 1
-KIND_F16 = 2
 
 _U32 = np.uint64(32)
 U32 = np.uint32
@@ -161,17 +158,4 @@ def finite_abs(v):
     return u32_as_f32(np.uint32(u))
 
 
-@device_jit
-def scale_offset(blk, kb, padded_kb, swizzled):
-    """Byte offset of block ``blk``'s scale: linear (row-major rows x kb) or the 128x4 tiles.
-
-    Swizzled: the layout of cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0 scale modes and
-    torch._scaled_mm: 128-row x 4-column tiles of 512 bytes in row-major tile order; inside a
-    tile, row r sits at (r % 32) * 16 + (r // 32) * 4 and column c at + c.
-    """
-    if not swizzled:
-        return U64(blk)
-    r = blk // kb
-    col = blk - r * kb
-    tile = (r >> 7) * (padded_kb >> 2) + (col >> 2)
-    return U64(tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (col & 3))
+scale_offset = OPS.scale_offset
