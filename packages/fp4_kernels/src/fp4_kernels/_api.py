@@ -26,11 +26,16 @@ _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 class QuantizedTensor:
     """A tensor in NVFP4 or MXFP4.
 
-    data:         uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
-    scales:       uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
-                  swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
-    global_scale: float32, shape (1,): the NVFP4 decode scale 1/S (1.0 for MXFP4), an array of
-                  the input's kind so that it can stay on the GPU.
+    Attributes:
+        data: uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
+        scales: uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
+            swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
+        global_scale: float32, shape (1,): the NVFP4 decode scale 1/S (1.0 for MXFP4), an array
+            of the input's kind so that it can stay on the GPU.
+        fmt: "nvfp4" or "mxfp4".
+        shape: the shape of the tensor that was quantized.
+        dtype: its dtype name ("float32", "bfloat16" or "float16").
+        scale_layout: "linear" or "swizzled".
     """
 
     data: object

@@ -57,7 +57,7 @@ def _apply_sign(y, magnitude_codes):
 def encode_e2m1(y):
     """Rounds float32 ``y`` to E2M1 codes, round-to-nearest-even, saturating (OCP MX v1.0 §5.3.3).
 
-    |y| >= 6 (including Inf) saturates to magnitude code 7, as the MX spec's conversion to FP4
+    abs(y) >= 6 (including Inf) saturates to magnitude code 7, as the MX spec's conversion to FP4
     does (FP4 has no Inf). Ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
     3.5->4, 5->4. The sign bit is copied from y, so -0.0 and negatives that round to zero give 0x8.
     NaN gives 0x0 (see ``_apply_sign``).
@@ -75,7 +75,7 @@ def encode_e2m1(y):
 def encode_e2m1_stochastic(y, rbits):
     """Rounds float32 ``y`` to E2M1 codes stochastically, using one uint32 random word per element.
 
-    With a = |y|: if a >= 6 (or Inf) the magnitude code is 7 (saturation). Otherwise lo is the
+    With a = abs(y): if a >= 6 (or Inf) the magnitude code is 7 (saturation). Otherwise lo is the
     largest grid magnitude <= a, hi the next one, and a rounds up to hi with probability
     p = (a - lo) / (hi - lo). Both steps are exact in float32 (a - lo by Sterbenz since
     lo <= a < 2*lo or lo == 0; the gap is a power of two), so p is the exact fraction.

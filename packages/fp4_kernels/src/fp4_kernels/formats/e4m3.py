@@ -46,7 +46,7 @@ E4M3_VALUES = _e4m3_table()  # index = code; NaN at 0x7F and -NaN at 0xFF
 def encode_e4m3(v):
     """Rounds float32 ``v`` to E4M3 codes: round-to-nearest-even, saturating to ±448 (OFP8 v1.0 §4).
 
-    |v| >= 448 (including Inf) gives 0x7E with v's sign; NaN gives 0x7F; subnormals are kept;
+    abs(v) >= 448 (including Inf) gives 0x7E with v's sign; NaN gives 0x7F; subnormals are kept;
     the sign is kept, so -0.0 gives 0x80.
 
     Method, exact by construction: work in float64 on the exact float32 value. Inside one binade

@@ -24,7 +24,7 @@ _FLOAT32_MANTISSA_BITS = 23
 def shared_exponent(amax_b):
     """The MX shared exponent floor(log2(amax_b)) - 2 of blocks with float32 max magnitude amax_b.
 
-    OCP MX v1.0 §6.3: X = 2**(floor(log2(max_i |V_i|)) - emax_elem) with emax_elem = 2 for E2M1,
+    OCP MX v1.0 §6.3: X = 2**(floor(log2(max_i abs(V_i))) - emax_elem) with emax_elem = 2 for E2M1,
     clamped to the E8M0 range [-127, 127]. floor(log2) is read exactly from the float32 exponent
     field (field - 127 for normals). A zero or subnormal amax has floor(log2) <= -127 and the
     result is clamped to -127 (a float32 amax can never push it above 125, so the upper clamp
@@ -62,7 +62,7 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
 
     Blocks are 32 consecutive elements of the last axis. A block containing NaN or ±Inf gets
     scale 0xFF (E8M0 NaN) and codes 0, so it decodes to NaN. Otherwise
-    e = ``shared_exponent(max |x| over the block)``, y = x * 2**-e (an exact float32 power of two),
+    e = ``shared_exponent(max abs(x) over the block)``, y = x * 2**-e (an exact float32 power of two),
     and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1
     max after scaling clamp to ±6), or stochastic with the word
     ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i (the words NVFP4 uses).

@@ -26,7 +26,7 @@ ROUNDING_MODES = ("nearest", "stochastic")
 
 
 def tensor_amax(x):
-    """Max |x| over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if there are none.
+    """Max abs(x) over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if there are none.
 
     Non-finite elements are left out so that one Inf does not make every other block quantize to
     zero; the blocks holding them are masked to NaN by ``quantize_reference`` instead.
@@ -78,7 +78,7 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=Non
     float32(``global_amax``) when given (e.g. an amax reduced across ranks), and S_dec = 1 / S:
 
     - a block containing NaN or ±Inf gets scale 0x7F (E4M3 NaN) and codes 0, so it decodes to NaN;
-    - otherwise, with amax_b = max |x| over the block:
+    - otherwise, with amax_b = max abs(x) over the block:
       s_code = e4m3(amax_b * (S * (1/6)))  (TE: block_amax * (S_enc * fp4_max_inv), saturating)
       scale_rcp = fmin(1 / (e4m3_value(s_code) * S_dec), FP32_MAX)  (when the scale is 0 this is
       FP32_MAX, so an all-zero block gives zero codes, never NaN)
