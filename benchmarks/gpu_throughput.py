@@ -18,15 +18,28 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import subprocess
-import time
-
-import torch
+import sys
 
 import fp4_kernels as fk
 
-ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
+try:  # imported by asv as part of the benchmarks package
+    from ._timing import (
+        ROTATE,
+        copy_gbps as measure_copy_gbps,
+        cuda_time_ms,
+        graph_time_ms,
+        host_time_us,
+    )
+except ImportError:  # run as a script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _timing import (
+        ROTATE,
+        copy_gbps as measure_copy_gbps,
+        cuda_time_ms,
+        graph_time_ms,
+        host_time_us,
+    )
 
 
 def _commit():
@@ -36,76 +49,14 @@ def _commit():
         return os.environ.get("FP4_COMMIT", "unknown")
 
 
-def cuda_time_ms(fn, args_list, warmup=3, reps=15):
-    """Median device time of ``fn(args)`` in ms, cycling through ``args_list``."""
-    for i in range(warmup):
-        fn(*args_list[i % len(args_list)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a = args_list[i % len(args_list)]
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), min(times), max(times)
-
-
-def graph_time_ms(fn, args_list, reps=15):
-    """Median *device* time of ``fn(args)`` in ms: each call captured once in a CUDA graph and
-    replayed between events, so host overhead cannot leave the GPU idle inside the interval."""
-    graphs = []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for a in args_list:
-            fn(*a)  # warm-up on the side stream: compiles, fills the allocator's pool
-    torch.cuda.current_stream().wait_stream(s)
-    for a in args_list:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(*a)
-        graphs.append(g)
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs[i % len(graphs)].replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), min(times), max(times)
-
-
-def host_time_us(fn, args, reps=200):
-    """Median host wall time of one call (queued, not waited for), in microseconds."""
-    for _ in range(10):
-        fn(*args)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args)
-        ts.append((time.perf_counter() - t0) * 1e6)
-        if len(ts) % 50 == 0:
-            torch.cuda.synchronize()  # keep the queue short so launches are not throttled
-    torch.cuda.synchronize()
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--log2n", type=int, default=28, help="elements per input (default 2^28)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true", help="cProfile host time to host_profile.txt")
     args = ap.parse_args()
+    import torch
+
     n = 1 << args.log2n
     k = 4096
     rows = n // k
@@ -114,12 +65,7 @@ def main():
     xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
     xs32 = [torch.randn(rows, k, device=dev, dtype=torch.float32) for _ in range(ROTATE)]
 
-    # baseline: device-to-device copy of 1 GiB (bytes read + bytes written)
-    copy_bytes = 1 << 30
-    srcs = [torch.empty(copy_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
-    dst = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
-    copy_ms, _, _ = cuda_time_ms(lambda s: dst.copy_(s), [(s,) for s in srcs])
-    copy_gbps = 2 * copy_bytes / copy_ms / 1e6
+    copy_gbps = measure_copy_gbps()  # baseline: 1 GiB device-to-device, read + written
 
     results = []
 

@@ -1,0 +1,105 @@
+"""GPU timing shared by the asv suite and ``gpu_throughput.py`` (torch imported lazily, so
+that asv can import the suite on a machine without torch or a GPU).
+
+Method (the device README's METHOD.md): warm up, time with CUDA events, medians of repeats,
+inputs rotated among buffers larger than the L2, a device-to-device copy as the same-run
+baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
+
+
+def require_gpu():
+    """torch with a CUDA device, or NotImplementedError (asv reports the benchmark skipped)."""
+    try:
+        import torch
+    except ImportError:
+        raise NotImplementedError("needs torch with CUDA") from None
+    if not torch.cuda.is_available():
+        raise NotImplementedError("needs a CUDA GPU")
+    return torch
+
+
+def copy_gbps(nbytes=1 << 30):
+    """Device-to-device copy bandwidth, bytes read + written, in GB/s."""
+    import torch
+
+    srcs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms, _, _ = cuda_time_ms(lambda s: dst.copy_(s), [(s,) for s in srcs])
+    return 2 * nbytes / ms / 1e6
+
+
+def cuda_time_ms(fn, args_list, warmup=3, reps=15):
+    """Median device time of ``fn(args)`` in ms, cycling through ``args_list``."""
+    import torch
+
+    for i in range(warmup):
+        fn(*args_list[i % len(args_list)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a = args_list[i % len(args_list)]
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times), max(times)
+
+
+def graph_time_ms(fn, args_list, reps=15):
+    """Median *device* time of ``fn(args)`` in ms: each call captured once in a CUDA graph and
+    replayed between events, so host overhead cannot leave the GPU idle inside the interval."""
+    import torch
+
+    graphs = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for a in args_list:
+            fn(*a)  # warm-up on the side stream: compiles, fills the allocator's pool
+    torch.cuda.current_stream().wait_stream(s)
+    for a in args_list:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*a)
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), min(times), max(times)
+
+
+def host_time_us(fn, args, reps=200):
+    """Median host wall time of one call (queued, not waited for), in microseconds."""
+    import torch
+
+    for _ in range(10):
+        fn(*args)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        ts.append((time.perf_counter() - t0) * 1e6)
+        if len(ts) % 50 == 0:
+            torch.cuda.synchronize()  # keep the queue short so launches are not throttled
+    torch.cuda.synchronize()
+    return statistics.median(ts)
