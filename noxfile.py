@@ -169,3 +169,11 @@ def docs(session: nox.Session) -> None:
     out = "docs/_build/html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
     session.log(f"open {out}/index.html")
+
+
+@nox.session(python=PYTHON)
+def bench_site(session: nox.Session) -> None:
+    """The asv history site from the results committed under .asv/results (`asv publish`)."""
+    session.install(ASV)
+    session.run("asv", "publish", *session.posargs)
+    session.log("open .asv/html/index.html, or `nox -s bench -- preview`")

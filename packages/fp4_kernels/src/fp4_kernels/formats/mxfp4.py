@@ -62,8 +62,8 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
 
     Blocks are 32 consecutive elements of the last axis. A block containing NaN or ±Inf gets
     scale 0xFF (E8M0 NaN) and codes 0, so it decodes to NaN. Otherwise
-    e = ``shared_exponent(max abs(x) over the block)``, y = x * 2**-e (an exact float32 power of two),
-    and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1
+    e = ``shared_exponent(max abs(x) over the block)``, y = x * 2**-e (an exact float32 power of
+    two), and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1
     max after scaling clamp to ±6), or stochastic with the word
     ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i (the words NVFP4 uses).
     """

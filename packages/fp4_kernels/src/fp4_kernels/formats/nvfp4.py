@@ -26,7 +26,7 @@ ROUNDING_MODES = ("nearest", "stochastic")
 
 
 def tensor_amax(x):
-    """Max abs(x) over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if there are none.
+    """Max abs(x) over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if none.
 
     Non-finite elements are left out so that one Inf does not make every other block quantize to
     zero; the blocks holding them are masked to NaN by ``quantize_reference`` instead.
