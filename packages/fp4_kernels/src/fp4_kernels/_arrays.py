@@ -17,7 +17,6 @@ from ._scalar import KIND_BF16, KIND_F16, KIND_F32
 DTYPES = ("float32", "bfloat16", "float16")
 KIND_OF_DTYPE = {"float32": KIND_F32, "bfloat16": KIND_BF16, "float16": KIND_F16}
 BITS_DTYPE = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -120,12 +119,6 @@ def cpu_from_bits(bits, dt, shape, backend):
     if dt == "bfloat16":
         return bits.view(numpy_dtype(dt)).reshape(shape)
     return bits.view(dt).reshape(shape)
-
-
-def cpu_empty(shape, dtype, backend, zero=False):
-    """uint8 / float32 / uint16 / uint32 buffers on the CPU, of the backend's kind."""
-    arr = np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
-    return arr
 
 
 def wrap_cpu(arr, backend):
