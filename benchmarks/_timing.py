@@ -12,6 +12,9 @@ import statistics
 import time
 
 ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
+GPU_ELEMENTS = 1 << 26  # asv's GPU inputs: 128 MiB of bf16, twice the L2 at least
+CPU_ELEMENTS = 1 << 18  # asv's CPU-path inputs
+K = 4096  # row length of the benchmark tensors
 
 
 def require_gpu():

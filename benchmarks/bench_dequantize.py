@@ -4,11 +4,16 @@ import numpy as np
 
 import fp4_kernels as fk
 
-from ._timing import ROTATE, copy_gbps, graph_time_ms, host_time_us, require_gpu
-
-GPU_ELEMENTS = 1 << 26
-CPU_ELEMENTS = 1 << 18
-K = 4096
+from ._timing import (
+    CPU_ELEMENTS,
+    GPU_ELEMENTS,
+    ROTATE,
+    K,
+    copy_gbps,
+    graph_time_ms,
+    host_time_us,
+    require_gpu,
+)
 
 
 class DequantizeGPU:
