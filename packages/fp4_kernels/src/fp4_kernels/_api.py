@@ -184,9 +184,7 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         if fmt != "nvfp4":
             raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
         if isinstance(global_amax, (int, float, np.floating, np.integer)):
-            amax_value = float(global_amax)
-            if not (math.isfinite(amax_value) and amax_value >= 0):
-                raise ValueError(f"global_amax: must be finite and >= 0, got {global_amax!r}")
+            amax_value = _checked_amax(global_amax)
         else:
             amax_array = global_amax
     geo = _geometry(shape, fmt, scale_layout)
@@ -195,10 +193,8 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         return _quantize_gpu(
             x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused
         )
-    if amax_array is not None:
-        amax_value = float(np.asarray(_to_numpy(amax_array), dtype=np.float32).reshape(-1)[0])
-        if not (math.isfinite(amax_value) and amax_value >= 0):
-            raise ValueError(f"global_amax: must be finite and >= 0, got {amax_value!r}")
+    if amax_array is not None:  # on the CPU the array can be read and checked like a float
+        amax_value = _checked_amax(np.asarray(_to_numpy(amax_array), np.float32).reshape(-1)[0])
     from .cpu import codec
 
     bits = arrays.cpu_bits(x, dt)
@@ -235,6 +231,14 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         dt,
         scale_layout,
     )
+
+
+def _checked_amax(value):
+    """``global_amax`` as a float, or ValueError unless it is finite and >= 0."""
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"global_amax: must be finite and >= 0, got {value!r}")
+    return v
 
 
 def _to_numpy(a):
