@@ -1,4 +1,4 @@
-"""The fp4_train skeleton installs, imports, and reports the version its pyproject.toml sets."""
+"""fp4_train installs, imports, and reports the version its pyproject.toml sets."""
 
 import importlib.metadata
 import re

@@ -1,0 +1,254 @@
+"""The native FP4 GEMM: cuBLASLt's block-scaled matmul through nvmath-python's bindings.
+
+Needs compute capability >= 10.0 (FP4 tensor cores: Blackwell).  cuBLAS is column-major, and
+``a`` (M, K) and ``b`` (N, K) are row-major with K contiguous, so cuBLAS computes the
+column-major N x M matrix D = op(A) op(B) with A = b (stored K x N, transposed: "T"),
+B = a (stored K x M, not transposed: "N"); column-major N x M is the row-major (M, N) result
+``a @ b^T``.  This "TN" form is the one cuBLASLt requires for FP8 and FP4 operands.  Each
+operand's scales go with it: cuBLAS's A scales are ``b.scales`` (N rows of K/16 blocks), its B
+scales ``a.scales``, both in the 128 x 4-tile swizzled layout ``fp4_kernels.quantize(...,
+scale_layout="swizzled")`` writes.  The two NVFP4 tensor scales are folded into alpha, read
+from device memory (pointer mode DEVICE) so that nothing waits for the host.
+
+``plan_native`` describes all of this as plain data (no GPU, no cuBLAS), which the CPU tests
+check; ``native_gemm`` applies a plan with cuBLASLt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import fp4_kernels
+
+MIN_CAPABILITY = (10, 0)  # FP4 (e2m1) tensor cores: sm_100 and later
+WORKSPACE_BYTES = 32 << 20  # cuBLASLt's recommended workspace for Hopper/Blackwell kernels
+# cudaDataType values (library_types.h); nvmath.CudaDataType names the same numbers.
+CUDA_R_32F = 0
+CUDA_R_16BF = 14
+CUDA_R_4F_E2M1 = 33
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUBLAS_COMPUTE_32F = 68
+# cuBLASLt wants 16-byte aligned leading dimensions: 32 e2m1 elements.
+K_ALIGNMENT = 32
+
+
+class NativeGemmUnavailable(RuntimeError):
+    """The native FP4 GEMM cannot run here (device, operands or nvmath-python)."""
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """Arguments of ``cublasLtMatrixLayoutCreate``: column-major rows x cols, leading dim."""
+
+    data_type: int
+    rows: int
+    cols: int
+    ld: int
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """Everything the native GEMM tells cuBLASLt, derived from the operands' metadata."""
+
+    m: int  # cuBLAS m = N (rows of the column-major result)
+    n: int  # cuBLAS n = M
+    k: int
+    trans_a: int
+    trans_b: int
+    layout_a: MatrixLayout  # of b's codes
+    layout_b: MatrixLayout  # of a's codes
+    layout_d: MatrixLayout
+    scale_mode: str  # MatmulMatrixScale member name, the same for A and B
+    scale_bytes_a: int  # bytes of b.scales cuBLASLt reads
+    scale_bytes_b: int  # bytes of a.scales
+    compute_type: int
+    scale_type: int  # the type of alpha and beta
+    alpha_from_tensor_scales: bool  # alpha = gs_a * gs_b (NVFP4); MXFP4 has none
+
+
+_SCALE_MODES = {"nvfp4": "VEC16_UE4M3", "mxfp4": "VEC32_UE8M0"}
+_OUT_TYPES = {"float32": CUDA_R_32F, "bfloat16": CUDA_R_16BF}
+
+
+def plan_native(a, b, out_dtype):
+    """The cuBLASLt description of ``a @ b^T``; ValueError for operands it cannot take."""
+    if a.scale_layout != "swizzled" or b.scale_layout != "swizzled":
+        raise NativeGemmUnavailable(
+            "the native FP4 GEMM reads block scales in the swizzled 128x4-tile layout; quantize "
+            "both operands with scale_layout='swizzled' "
+            f"(a: {a.scale_layout!r}, b: {b.scale_layout!r})"
+        )
+    (m_rows, k), (n_rows, _) = a.shape, b.shape
+    if k % K_ALIGNMENT:
+        raise NativeGemmUnavailable(
+            f"the native FP4 GEMM needs K a multiple of {K_ALIGNMENT} (16-byte rows of codes), "
+            f"got K={k}; use backend='exact'"
+        )
+    block = a.block_size
+    expected = [
+        math.prod(fp4_kernels.swizzled_scale_shape(rows, k // block)) for rows in (n_rows, m_rows)
+    ]
+    got = [math.prod(tuple(q.scales.shape)) for q in (b, a)]
+    if got != expected:
+        raise ValueError(
+            f"swizzled scales of b and a hold {got} bytes, expected {expected} for "
+            f"N={n_rows}, M={m_rows}, K={k}"
+        )
+    return NativePlan(
+        m=n_rows,
+        n=m_rows,
+        k=k,
+        trans_a=CUBLAS_OP_T,
+        trans_b=CUBLAS_OP_N,
+        layout_a=MatrixLayout(CUDA_R_4F_E2M1, k, n_rows, k),
+        layout_b=MatrixLayout(CUDA_R_4F_E2M1, k, m_rows, k),
+        layout_d=MatrixLayout(_OUT_TYPES[out_dtype], n_rows, m_rows, n_rows),
+        scale_mode=_SCALE_MODES[a.fmt],
+        scale_bytes_a=expected[0],
+        scale_bytes_b=expected[1],
+        compute_type=CUBLAS_COMPUTE_32F,
+        scale_type=CUDA_R_32F,
+        alpha_from_tensor_scales=a.fmt == "nvfp4",
+    )
+
+
+def native_supported(device) -> bool:
+    """Whether ``device`` (a torch CUDA device) has FP4 tensor cores."""
+    import torch
+
+    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def _require_native(a):
+    import torch
+
+    if not (isinstance(a.data, torch.Tensor) and a.data.is_cuda):
+        raise NativeGemmUnavailable(
+            "the native FP4 GEMM runs on CUDA tensors only; these operands are on the CPU "
+            "(use backend='exact')"
+        )
+    device = a.data.device
+    cc = torch.cuda.get_device_capability(device)
+    if cc < MIN_CAPABILITY:
+        raise NativeGemmUnavailable(
+            f"the native FP4 GEMM needs FP4 tensor cores (compute capability >= "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); {torch.cuda.get_device_name(device)} "
+            f"has compute capability {cc[0]}.{cc[1]}; use backend='exact'"
+        )
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        raise NativeGemmUnavailable(
+            f"the native FP4 GEMM uses nvmath-python's cuBLASLt bindings: {e}"
+        ) from e
+    return cublasLt, device
+
+
+_HANDLES = {}  # device index -> cublasLtHandle_t
+
+
+def _handle(cublasLt, device):
+    if device.index not in _HANDLES:
+        _HANDLES[device.index] = cublasLt.create()
+    return _HANDLES[device.index]
+
+
+def _set(setter, dtype_of, obj, attr, value):
+    """Set one cuBLASLt attribute from a host buffer of the type the bindings name for it."""
+    import numpy as np
+
+    buf = np.array([value], dtype=dtype_of(attr))
+    setter(obj, attr, buf.ctypes.data, buf.nbytes)
+
+
+def native_gemm(a, b, out_dtype):
+    """Run ``plan_native(a, b, out_dtype)`` with cuBLASLt on torch's current stream."""
+    cublasLt, device = _require_native(a)
+    import numpy as np
+    import torch
+
+    plan = plan_native(a, b, out_dtype)
+    desc_attr = cublasLt.MatmulDescAttribute
+    out = torch.empty(
+        (plan.n, plan.m), dtype=getattr(torch, out_dtype), device=device
+    )  # row-major (M, N)
+    if plan.alpha_from_tensor_scales:
+        alpha = a.global_scale * b.global_scale
+    else:
+        alpha = torch.ones(1, dtype=torch.float32, device=device)
+    beta = torch.zeros(1, dtype=torch.float32, device=device)
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    scale_mode = int(getattr(cublasLt.MatmulMatrixScale, plan.scale_mode))
+    with torch.cuda.device(device):
+        handle = _handle(cublasLt, device)
+        desc = cublasLt.matmul_desc_create(plan.compute_type, plan.scale_type)
+        layouts = [
+            cublasLt.matrix_layout_create(x.data_type, x.rows, x.cols, x.ld)
+            for x in (plan.layout_a, plan.layout_b, plan.layout_d)
+        ]
+        pref = cublasLt.matmul_preference_create()
+        try:
+
+            def set_desc(attr, value):
+                _set(
+                    cublasLt.matmul_desc_set_attribute,
+                    cublasLt.get_matmul_desc_attribute_dtype,
+                    desc,
+                    attr,
+                    value,
+                )
+
+            set_desc(desc_attr.TRANSA, plan.trans_a)
+            set_desc(desc_attr.TRANSB, plan.trans_b)
+            set_desc(desc_attr.A_SCALE_MODE, scale_mode)
+            set_desc(desc_attr.B_SCALE_MODE, scale_mode)
+            set_desc(desc_attr.A_SCALE_POINTER, b.scales.data_ptr())
+            set_desc(desc_attr.B_SCALE_POINTER, a.scales.data_ptr())
+            set_desc(desc_attr.POINTER_MODE, int(cublasLt.PointerMode.DEVICE))
+            _set(
+                cublasLt.matmul_preference_set_attribute,
+                cublasLt.get_matmul_preference_attribute_dtype,
+                pref,
+                cublasLt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                WORKSPACE_BYTES,
+            )
+            result = cublasLt.MatmulHeuristicResult(1)
+            count = np.zeros(1, np.int32)
+            la, lb, ld = layouts
+            cublasLt.matmul_algo_get_heuristic(
+                handle, desc, la, lb, ld, ld, pref, 1, result.ptr, count.ctypes.data
+            )
+            if count[0] == 0:
+                raise NativeGemmUnavailable(
+                    f"cuBLASLt has no FP4 kernel for M={plan.n}, N={plan.m}, K={plan.k}, "
+                    f"{plan.scale_mode}, output {out_dtype}"
+                )
+            # the heuristic result struct starts with its cublasLtMatmulAlgo_t
+            cublasLt.matmul(
+                handle,
+                desc,
+                alpha.data_ptr(),
+                b.data.data_ptr(),
+                la,
+                a.data.data_ptr(),
+                lb,
+                beta.data_ptr(),
+                out.data_ptr(),
+                ld,
+                out.data_ptr(),
+                ld,
+                result.ptr,
+                workspace.data_ptr(),
+                WORKSPACE_BYTES,
+                stream,
+            )
+        finally:
+            cublasLt.matmul_preference_destroy(pref)
+            for layout in layouts:
+                cublasLt.matrix_layout_destroy(layout)
+            cublasLt.matmul_desc_destroy(desc)
+    # alpha, beta and the workspace came from torch's allocator on this stream: memory freed
+    # here is reused only by work queued after the GEMM, so no record_stream is needed.
+    return out

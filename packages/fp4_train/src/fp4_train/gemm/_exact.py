@@ -1,0 +1,73 @@
+"""The exact FP4 GEMM path: decode without the tensor scales, multiply, scale once.
+
+Why exact: an e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4 or 6: at most 2 significant bits) times an
+e4m3 scale (at most 4 significant bits, 2^-9 .. 448) has at most 6 significant bits and lies in
+[2^-10, 2688], so it is exact in bfloat16 (8 significant bits, normal down to 2^-126).  MXFP4's
+e2m1 x 2^e, e in [-127, 127], is exact too (bfloat16 subnormals reach 2^-133), except where it
+overflows (6 x 2^127): such a block overflows the float32 dequantization as well.  The NVFP4
+tensor scale (an arbitrary float32) is what would make the decoded values inexact, so it is
+left out of the operands and applied once to the float32 result: ``alpha = gs_a * gs_b``.
+
+Every product of two decoded elements (at most 12 significant bits) is then exact in float32,
+and the only rounding left is the float32 accumulation over K, plus the two roundings of alpha
+and of ``alpha * acc``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import fp4_kernels
+
+
+def _without_tensor_scale(q, lib):
+    """``q`` with its tensor scale replaced by 1 (a one-element array where q's lives)."""
+    if lib == "torch":
+        import torch
+
+        ones = torch.ones_like(q.global_scale)
+    else:
+        ones = np.ones_like(q.global_scale)
+    return dataclasses.replace(q, global_scale=ones)
+
+
+def exact_gemm(a, b, out_dtype):
+    """``a @ b^T`` by the exact path; operands already checked by ``check_operands``."""
+    if isinstance(a.data, np.ndarray):
+        return _exact_numpy(a, b)
+    import torch
+
+    if not a.data.is_cuda:
+        return _exact_torch_cpu(a, b, out_dtype)
+    a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "torch"), dtype=torch.bfloat16)
+    b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.bfloat16)
+    # bf16 operands, float32 accumulation and a float32 result (no bfloat16 rounding of the
+    # partial sums or of the result before alpha is applied).
+    acc = torch.mm(a1, b1.t(), out_dtype=torch.float32)
+    alpha = a.global_scale * b.global_scale  # on the device: no host synchronization
+    if out_dtype == "float32":
+        return acc.mul_(alpha)
+    # one pass reading float32 and writing bfloat16: a single rounding of alpha * acc
+    return torch.mul(acc, alpha, out=torch.empty_like(acc, dtype=torch.bfloat16))
+
+
+def _exact_torch_cpu(a, b, out_dtype):
+    import torch
+
+    # The decoded values are exact in float32 too, and a float32 matmul accumulates in float32:
+    # the same arithmetic as the GPU's bf16 x bf16 -> float32 GEMM up to summation order.
+    a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "torch"), dtype=torch.float32)
+    b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.float32)
+    out = (a1 @ b1.t()).mul_(a.global_scale * b.global_scale)
+    return out if out_dtype == "float32" else out.to(torch.bfloat16)
+
+
+def _exact_numpy(a, b):
+    a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "numpy"), dtype=np.float32)
+    b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "numpy"), dtype=np.float32)
+    alpha = np.float32(a.global_scale[0]) * np.float32(b.global_scale[0])
+    out = a1 @ b1.T
+    out *= alpha
+    return out

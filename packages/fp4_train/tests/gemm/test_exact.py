@@ -1,0 +1,82 @@
+"""The exact GEMM path against the float64 product of the dequantized operands."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from _oracle import dequantize_f64, gemm_bound
+
+import fp4_kernels
+from fp4_train.gemm import fp4_gemm
+from fp4_train.gemm._exact import _without_tensor_scale
+
+SHAPES = [(1, 1, 32), (3, 5, 64), (17, 130, 96), (64, 48, 512)]  # (M, N, K), ragged M and N
+
+
+def _operand(rng, rows, k, fmt, lib, layout="linear", spread=True):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    if spread:  # blocks whose amax spans 2^-12 .. 2^12: every e4m3 / e8m0 binade is used
+        x *= np.exp2(rng.integers(-12, 13, size=(rows, k // 16))).repeat(16, axis=1)
+    if lib == "torch":
+        x = torch.from_numpy(x)
+    return fp4_kernels.quantize(x, fmt=fmt, scale_layout=layout)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_exact_gemm_within_float32_accumulation_bound(lib, fmt, m, n, k):
+    rng = np.random.default_rng([m, n, k])
+    a = _operand(rng, m, k, fmt, lib)
+    b = _operand(rng, n, k, fmt, lib)
+    out = fp4_gemm(a, b)
+    out = out.numpy() if lib == "torch" else out
+    assert out.shape == (m, n) and out.dtype == np.float32
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    err = np.abs(out.astype(np.float64) - a64 @ b64.T)
+    assert np.all(err <= gemm_bound(a64, b64, k))
+
+
+def test_swizzled_scales_give_the_same_product():
+    rng = np.random.default_rng(7)
+    x_a = torch.from_numpy(rng.standard_normal((130, 64)).astype(np.float32))
+    x_b = torch.from_numpy(rng.standard_normal((33, 64)).astype(np.float32))
+    linear = fp4_gemm(fp4_kernels.quantize(x_a), fp4_kernels.quantize(x_b))
+    swizzled = fp4_gemm(
+        fp4_kernels.quantize(x_a, scale_layout="swizzled"),
+        fp4_kernels.quantize(x_b, scale_layout="swizzled"),
+    )
+    assert torch.equal(linear, swizzled)
+
+
+def test_bfloat16_output_is_the_float32_result_rounded_once():
+    rng = np.random.default_rng(3)
+    a = _operand(rng, 8, 64, "nvfp4", "torch")
+    b = _operand(rng, 24, 64, "nvfp4", "torch")
+    assert torch.equal(fp4_gemm(a, b, out_dtype="bfloat16"), fp4_gemm(a, b).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_operands_without_tensor_scale_are_exact_in_bfloat16(fmt):
+    # the premise of the path: e2m1 x block scale needs no rounding in bfloat16
+    rng = np.random.default_rng(11)
+    q = _operand(rng, 64, 256, fmt, "torch")
+    q1 = _without_tensor_scale(q, "torch")
+    as_bf16 = fp4_kernels.dequantize(q1, dtype=torch.bfloat16).float()
+    as_f32 = fp4_kernels.dequantize(q1, dtype=torch.float32)
+    assert torch.equal(as_bf16, as_f32)
+
+
+def test_tensor_scale_is_applied_once_to_the_result():
+    # a tensor scale that is not a power of two: folding it into bf16 operands would round them
+    x = torch.linspace(-1.0, 1.0, 32).reshape(1, 32) * 0.3
+    a = fp4_kernels.quantize(x)
+    assert a.global_scale.item() not in (0.0, 1.0)
+    assert float(np.log2(a.global_scale.item())) % 1 != 0
+    b = dataclasses.replace(a, global_scale=torch.ones(1))
+    expected = dequantize_f64(a) @ dequantize_f64(b).T
+    got = fp4_gemm(a, b).double().numpy()
+    assert np.all(np.abs(got - expected) <= gemm_bound(dequantize_f64(a), dequantize_f64(b), 32))
