@@ -111,7 +111,8 @@ def tests_comm(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests_train(session: nox.Session) -> None:
     """fp4_train tests."""
-    session.install(KERNELS, f"{TRAIN}[test]")
+    # fp4-train depends on torch: name the exact version, or pip downloads a CUDA build
+    session.install(KERNELS, f"{TRAIN}[test]", TORCH)
     _pytest(session, TRAIN_TESTS)
 
 
