@@ -1,8 +1,15 @@
-"""FP4 training: trainers, the FP4 linear layer, the FP4 GEMM. A skeleton: nothing works yet.
+"""fp4_train: training with FP4 (NVFP4, MXFP4) on top of fp4_kernels.
 
-They come with issue 5; until then the package only reports its version.
+- ``ErrorFeedback``: per-tensor residuals carried into the next quantization.
+- ``fp4_gemm``: ``a @ b^T`` of two quantized operands (exact bf16 path; cuBLASLt FP4 on
+  compute capability >= 10.0).
 """
 
 from importlib.metadata import version as _version
 
+from .error_feedback import ErrorFeedback
+from .gemm import NativeGemmUnavailable, fp4_gemm
+
 __version__ = _version("fp4-train")
+
+__all__ = ["ErrorFeedback", "NativeGemmUnavailable", "fp4_gemm", "__version__"]
