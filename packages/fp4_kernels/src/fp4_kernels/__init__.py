@@ -1,8 +1,11 @@
-"""fp4_kernels: bit-exact NVFP4 and MXFP4 codecs as numba-cuda kernels, with a CPU path.
+"""fp4_kernels: bit-exact NVFP4, MXFP4 and FP4Quant codecs and the Walsh–Hadamard transform as
+numba-cuda kernels, with a CPU path.
 
     q = fp4_kernels.quantize(x, fmt="nvfp4", rounding="nearest")
     y = fp4_kernels.dequantize(q)
     y = fp4_kernels.quantize_dequantize(x, fmt="mxfp4")
+    q = fp4_kernels.quantize(x, fmt=fp4_kernels.FP4Quant(group_size=64))
+    h = fp4_kernels.hadamard(x, group_size=256, signs=1234)
 
 The plain-numpy references that define each format (the test oracles) live in
 ``fp4_kernels.formats``.
@@ -12,12 +15,14 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._api import (
     FORMATS,
+    FP4Quant,
     QuantizedTensor,
     dequantize,
     quantize,
     quantize_dequantize,
     swizzled_scale_shape,
 )
+from ._hadamard import hadamard
 
 try:
     __version__ = version("fp4-kernels")
@@ -26,6 +31,8 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "FORMATS",
+    "FP4Quant",
+    "hadamard",
     "QuantizedTensor",
     "dequantize",
     "quantize",

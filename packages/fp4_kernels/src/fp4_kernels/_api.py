@@ -22,20 +22,56 @@ SCALE_LAYOUTS = ("linear", "swizzled")
 _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 
 
+@dataclass(frozen=True)
+class FP4Quant:
+    """The FP4Quant group codec, usable as ``fmt=`` of quantize / dequantize.
+
+    Contiguous groups of ``group_size`` elements of the last dimension (a power of two, 16 to
+    8192), each transformed by the Walsh–Hadamard transform when ``hadamard`` is true (which
+    spreads an outlier over its group), scaled by one bfloat16 scale (the transformed group's
+    amax / 6, rounded up) and rounded to e2m1: 4 + 16/g bits per element.  The exact operation
+    order, the wire layout and why one scale suffices: ``fp4_kernels.formats.fp4quant``.
+    """
+
+    group_size: int = 64
+    hadamard: bool = True
+
+    def __post_init__(self):
+        from .formats.hadamard import check_group_size
+
+        check_group_size(self.group_size, "FP4Quant.group_size")
+        if not isinstance(self.hadamard, bool):
+            raise TypeError(f"FP4Quant.hadamard: expected True or False, got {self.hadamard!r}")
+
+    @property
+    def block_size(self) -> int:
+        return self.group_size
+
+    @property
+    def bits_per_element(self) -> float:
+        return 4 + 16 / self.group_size
+
+    def __str__(self):
+        return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
+
+
 @dataclass
 class QuantizedTensor:
-    """A tensor in NVFP4 or MXFP4.
+    """A tensor in NVFP4, MXFP4 or FP4Quant.
 
     Attributes:
         data: uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
         scales: uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
             swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
+            FP4Quant: uint16 raw bfloat16 bits (..., K/g).
         global_scale: float32, shape (1,): the NVFP4 decode scale 1/S (1.0 for MXFP4), an array
-            of the input's kind so that it can stay on the GPU.
-        fmt: "nvfp4" or "mxfp4".
+            of the input's kind so that it can stay on the GPU.  None for FP4Quant.
+        fmt: "nvfp4", "mxfp4" or an ``FP4Quant``.
         shape: the shape of the tensor that was quantized.
         dtype: its dtype name ("float32", "bfloat16" or "float16").
         scale_layout: "linear" or "swizzled".
+        payload: FP4Quant only: the wire buffer, uint8 (n/2 + 2n/g,), codes then scales;
+            ``data`` and ``scales`` are views of it, so it can be sent as one message.
     """
 
     data: object
@@ -45,10 +81,11 @@ class QuantizedTensor:
     shape: tuple
     dtype: str
     scale_layout: str
+    payload: object = None
 
     @property
     def block_size(self) -> int:
-        return FORMATS[self.fmt]
+        return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else FORMATS[self.fmt]
 
     @property
     def rows(self) -> int:
@@ -57,6 +94,8 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 has none)."""
+        if self.payload is not None:
+            return int(_nbytes(self.payload))
         return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if self.fmt == "nvfp4" else 0))
 
 
@@ -93,11 +132,14 @@ def _validate_input(x, fmt):
     shape = tuple(int(s) for s in x.shape)
     if len(shape) == 0:
         raise ValueError("x: a 0-d array has no last dimension to quantize; reshape to (1, K)")
-    block = FORMATS[fmt]
+    if isinstance(fmt, FP4Quant):
+        block, what = fmt.group_size, "FP4Quant group size"
+    else:
+        block, what = FORMATS[fmt], f"{fmt.upper()} block size"
     k = shape[-1]
     if k % block != 0:
         raise ValueError(
-            f"x: last dimension K={k} is not a multiple of the {fmt.upper()} block size {block}; "
+            f"x: last dimension K={k} is not a multiple of the {what} {block}; "
             f"pad K to a multiple of {block}"
         )
     if not arrays.is_c_contiguous(x, backend):
@@ -141,7 +183,9 @@ def quantize(
             on the GPU on the caller's current stream (zero-copy, no host synchronization);
             numpy arrays and torch CPU tensors run on the CPU.  Outputs are of the input's kind.
         fmt: "nvfp4" (16-element blocks, e4m3 block scales, float32 tensor scale as in
-            NVIDIA Transformer Engine) or "mxfp4" (OCP MX v1.0: 32-element blocks, e8m0 scales).
+            NVIDIA Transformer Engine), "mxfp4" (OCP MX v1.0: 32-element blocks, e8m0 scales)
+            or ``FP4Quant(group_size, hadamard)`` (K a multiple of the group size; one bf16
+            scale per group; ``global_amax`` and ``scale_layout`` do not apply).
         rounding: "nearest" (round to nearest even) or "stochastic": between the two
             neighbouring e2m1 values, up with probability ceil(p * 2^24) / 2^24 for a fractional
             distance p (unbiased up to 2^-24 of a grid step).  The random words come from
@@ -167,18 +211,37 @@ def quantize(
 def quantize_dequantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None):
     """Fused fake-quantization: ``dequantize(quantize(x, ...))`` in one pass, same dtype as x.
 
-    Bit-identical to the two-step version; the codes and scales never touch memory.
+    Bit-identical to the two-step version; the codes and scales never touch memory (for
+    FP4Quant it is the two kernels, encode then decode, through the wire buffer).
     """
     return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", fused=True)
 
 
+def _check_fmt(fmt, name="fmt"):
+    if not isinstance(fmt, FP4Quant):
+        if not isinstance(fmt, str):
+            raise TypeError(
+                f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
+            )
+        _check_choice(fmt, name, tuple(FORMATS))
+
+
 def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
-    _check_choice(fmt, "fmt", tuple(FORMATS))
+    _check_fmt(fmt)
     _check_choice(rounding, "rounding", ROUNDINGS)
     _check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
     seed = _check_int(seed, "seed", 0, 2**64)
     step = _check_int(step, "step", 0, 2**32)
     backend, dt, shape = _validate_input(x, fmt)
+    if isinstance(fmt, FP4Quant):
+        if global_amax is not None:
+            raise ValueError("global_amax: FP4Quant has no tensor scale; leave it None")
+        if scale_layout != "linear":
+            raise ValueError("scale_layout: FP4Quant stores its scales linearly (after the codes)")
+        from ._fp4quant import quantize_fp4quant
+
+        q = quantize_fp4quant(x, backend, dt, shape, fmt, rounding == "stochastic", seed, step)
+        return dequantize(q) if fused else q
     amax_value, amax_array = -1.0, None
     if global_amax is not None:
         if fmt != "nvfp4":
@@ -358,7 +421,11 @@ def dequantize(q, dtype=None):
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q: expected a QuantizedTensor from quantize(), got {type(q).__name__}")
     dt = q.dtype if dtype is None else arrays.normalize_dtype(dtype)
-    _check_choice(q.fmt, "q.fmt", tuple(FORMATS))
+    _check_fmt(q.fmt, "q.fmt")
+    if isinstance(q.fmt, FP4Quant):
+        from ._fp4quant import dequantize_fp4quant
+
+        return dequantize_fp4quant(q, dt)
     _check_choice(q.scale_layout, "q.scale_layout", SCALE_LAYOUTS)
     backend = arrays.backend_of(q.data, "q.data")
     data_shape = tuple(int(s) for s in q.data.shape)

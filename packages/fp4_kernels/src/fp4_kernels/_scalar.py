@@ -68,6 +68,7 @@ E4M3_NAN_CODE = 0x7F
 E2M1_TWICE_TABLE = np.uint32(0xC8643210)
 U32 = np.uint32  # wrapping a result in U32 lets LLVM narrow numba's 64-bit integer ops to 32
 E8M0_NAN_CODE = 0xFF
+BF16_NAN_BITS = 0x7FC0  # the quiet NaN FP4Quant stores as the scale of a non-finite group
 
 
 def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
@@ -325,6 +326,27 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
             return F32_ONE
         return s
 
+    # ---------------------------------------------------------------- FP4Quant group scale
+
+    @jit
+    def fp4quant_scale(amax_bits):
+        """Group amax (bits of max |t|; >= 0x7F800000 means non-finite) -> (bf16 scale bits,
+        float32 encode multiplier).  s = amax * fp32(1/6) rounded *up* to bfloat16, so that
+        amax * (1/s) does not exceed 6 by more than the multiplier's own rounding; the
+        multiplier is fmin(1 / s, FLT_MAX) (s == 0 gives FLT_MAX: zeros stay zeros)."""
+        if amax_bits >= 0x7F800000:
+            return U32(BF16_NAN_BITS), F32_ZERO
+        s32 = u32_as_f32(U32(amax_bits)) * INV_E2M1_MAX
+        # adding 0xFFFF carries into the kept bits unless the dropped ones are all zero:
+        # rounding toward +inf of a non-negative finite float (no overflow below 2^128 / 6)
+        sb = U32(U32(f32_as_u32(s32) + 0xFFFF) >> 16)
+        if sb == 0:  # an all-zero group: 1/0 would be inf, clamped to FLT_MAX
+            return sb, FP32_MAX
+        mult = F32_ONE / u32_as_f32(U32(sb << 16))
+        if mult > FP32_MAX:
+            mult = FP32_MAX
+        return sb, mult
+
     # ---------------------------------------------------------------- scale layouts
 
     @jit
@@ -386,5 +408,6 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         e8m0_decode=e8m0_decode,
         nvfp4_encode_scale=nvfp4_encode_scale,
         philox4x32_10=philox4x32_10,
+        fp4quant_scale=fp4quant_scale,
         scale_offset=scale_offset,
     )

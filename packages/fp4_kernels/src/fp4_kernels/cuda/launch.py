@@ -232,3 +232,58 @@ def dequantize(
             np.int64(padded_kb),
         ),
     )
+
+
+# ---------------------------------------------------------------------- Hadamard, FP4Quant
+
+
+def _group_grid(group_size, n_chunks, device_id):
+    """(blocks, threads) for the kernels of ``cuda.hadamard`` / ``cuda.fp4quant``: a CTA is one
+    group for g >= 1024 (its warps exchange through shared memory), 256 threads otherwise; a
+    persistent grid of up to 2048 resident threads per SM."""
+    from .hadamard import REGISTERS, threads_per_block
+
+    if launch_override is not None:
+        default, max_blocks = launch_override
+        threads = threads_per_block(group_size, default)
+    else:
+        threads = threads_per_block(group_size, THREADS_PER_BLOCK)
+        max_blocks = sm_count(device_id) * max(1, 2048 // threads)
+    per = threads * REGISTERS // 4
+    return max(1, min(max_blocks, (n_chunks + per - 1) // per)), threads
+
+
+def hadamard(words, out_words, n_chunks, sign_words, *, kind, group_size, inverse, signed,
+             stream, device_id):  # fmt: skip
+    from .hadamard import hadamard_kernel
+
+    kern = hadamard_kernel(kind, group_size, inverse, signed)
+    blocks, threads = _group_grid(group_size, n_chunks, device_id)
+    _launch(kern, blocks, threads, stream, (words, out_words, np.int64(n_chunks), sign_words))
+
+
+def fp4quant_encode(words, codes16, scales16, n_chunks, seed, step, *, kind, group_size,
+                    hadamard, stochastic, stream, device_id):  # fmt: skip
+    from .fp4quant import fp4quant_encode_kernel
+
+    kern = fp4quant_encode_kernel(kind, group_size, hadamard, stochastic)
+    blocks, threads = _group_grid(group_size, n_chunks, device_id)
+    args = (
+        words,
+        codes16,
+        scales16,
+        np.int64(n_chunks),
+        np.uint32(seed & 0xFFFFFFFF),
+        np.uint32(seed >> 32),
+        np.uint32(step),
+    )
+    _launch(kern, blocks, threads, stream, args)
+
+
+def fp4quant_decode(codes16, scales16, out_words, n_chunks, *, out_kind, group_size, hadamard,
+                    stream, device_id):  # fmt: skip
+    from .fp4quant import fp4quant_decode_kernel
+
+    kern = fp4quant_decode_kernel(out_kind, group_size, hadamard)
+    blocks, threads = _group_grid(group_size, n_chunks, device_id)
+    _launch(kern, blocks, threads, stream, (codes16, scales16, out_words, np.int64(n_chunks)))

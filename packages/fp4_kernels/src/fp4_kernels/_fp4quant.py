@@ -1,0 +1,129 @@
+"""Host side of the FP4Quant codec: allocate the wire buffer, dispatch to the GPU kernels
+(``cuda.fp4quant``) or the CPU path (``cpu.fp4quant``).  Called by ``quantize`` / ``dequantize``
+after they validated the input."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays as arrays
+from ._api import QuantizedTensor, _device, _to_numpy
+
+
+def _payload_views(payload, shape, g, lib):
+    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer."""
+    n = 1
+    for d in shape:
+        n *= d
+    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
+    tail = payload[n // 2 :]
+    if lib == "torch":
+        import torch
+
+        scales = tail.view(torch.uint16)
+    else:
+        scales = tail.view(np.uint16)
+    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))
+
+
+def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
+    g = fmt.group_size
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n // 2 + 2 * (n // g)
+    if backend.gpu:
+        ctx = arrays.GpuContext(x, backend)
+        with _device(ctx):
+            payload = ctx.empty((nbytes,), np.uint8)
+            codes, scales = _payload_views(payload, shape, g, backend.lib)
+            if n:
+                ctx.launch.fp4quant_encode(
+                    ctx.view(x, np.uint64),
+                    ctx.view(codes, np.uint16),
+                    ctx.view(scales, np.uint16),
+                    n // 4,
+                    seed,
+                    step,
+                    kind=arrays.KIND_OF_DTYPE[dt],
+                    group_size=g,
+                    hadamard=fmt.hadamard,
+                    stochastic=stochastic,
+                    stream=ctx.stream,
+                    device_id=ctx.device_id,
+                )
+        return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
+    from .cpu import fp4quant as cpu
+    from .formats.hadamard import stage_order
+
+    payload = np.empty(nbytes, np.uint8)
+    codes, scales = _payload_views(payload, shape, g, "numpy")
+    cpu.encode(
+        arrays.cpu_bits(x, dt),
+        arrays.KIND_OF_DTYPE[dt],
+        g,
+        np.array([1 << b for b in stage_order(g)], np.int64),
+        fmt.hadamard,
+        stochastic,
+        np.uint32(seed & 0xFFFFFFFF),
+        np.uint32(seed >> 32),
+        np.uint32(step),
+        codes.reshape(-1),
+        scales.reshape(-1),
+    )
+    if backend.lib == "torch":
+        import torch
+
+        payload = torch.from_numpy(payload)
+        codes, scales = _payload_views(payload, shape, g, "torch")
+    return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
+
+
+def dequantize_fp4quant(q, dt):
+    g = q.fmt.group_size
+    backend = arrays.backend_of(q.data, "q.data")
+    shape = tuple(q.shape)
+    if tuple(int(s) for s in q.data.shape) != shape[:-1] + (shape[-1] // 2,):
+        raise ValueError(f"q.data: shape {tuple(q.data.shape)} does not match q.shape {shape}")
+    expected = shape[:-1] + (shape[-1] // g,)
+    if tuple(int(s) for s in q.scales.shape) != expected:
+        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {expected}")
+    if arrays.backend_of(q.scales, "q.scales") != backend:
+        raise ValueError("q.scales: must live where q.data lives (same array kind and device)")
+    n = 1
+    for d in shape:
+        n *= d
+    if backend.gpu:
+        ctx = arrays.GpuContext(q.data, backend)
+        with _device(ctx):
+            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
+            if n:
+                ctx.launch.fp4quant_decode(
+                    ctx.view(q.data, np.uint16),
+                    ctx.view(q.scales, np.uint16),
+                    ctx.view(out, np.uint64),
+                    n // 4,
+                    out_kind=arrays.KIND_OF_DTYPE[dt],
+                    group_size=g,
+                    hadamard=q.fmt.hadamard,
+                    stream=ctx.stream,
+                    device_id=ctx.device_id,
+                )
+        return out
+    from .cpu import fp4quant as cpu
+    from .formats.hadamard import stage_order
+
+    codes = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1).view(np.uint8)
+    scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1).view(np.uint16)
+    out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
+    cpu.decode(
+        codes,
+        scales,
+        g,
+        np.array([1 << b for b in stage_order(g)], np.int64),
+        q.fmt.hadamard,
+        np.float32(2.0 ** -(g.bit_length() - 1)),
+        out_bits,
+        arrays.KIND_OF_DTYPE[dt],
+    )
+    return arrays.cpu_from_bits(out_bits, dt, shape, backend)

@@ -1,0 +1,106 @@
+"""The CPU path of the Walsh–Hadamard transform and the FP4Quant codec, with ``numba.njit``.
+
+The butterflies run in ``formats.hadamard.stage_order(g)``, the GPU kernels' order, with the same
+float32 operations (``lo + hi``, ``lo - hi``), and the codec uses the same scalar functions
+(``_scalar``), so codes and scales are bit-identical to the GPU's and the transform's output
+too.  Inputs and outputs are flat arrays of raw bits (see ``cpu.codec``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
+from .codec import load, store
+
+_e2m1_encode = OPS.e2m1_encode
+_e2m1_encode_sr = OPS.e2m1_encode_sr
+_e2m1_decode = OPS.e2m1_decode
+_fp4quant_scale = OPS.fp4quant_scale
+_philox = OPS.philox4x32_10
+
+
+@cpu_jit
+def fwht_group(buf, strides):
+    """Unnormalized butterflies over one group in ``buf`` (float32), stage strides in order."""
+    g = buf.shape[0]
+    for h in strides:
+        for i in range(g):
+            if i & h == 0:
+                a = buf[i]
+                b = buf[i + h]
+                buf[i] = a + b
+                buf[i + h] = a - b
+
+
+@cpu_jit
+def hadamard(bits, kind, g, strides, scale, inverse, sign_mask, out_bits):
+    """Normalized transform of every group; ``sign_mask`` uint8 (g,) with 1 = negate, or empty."""
+    buf = np.empty(g, np.float32)
+    signed = sign_mask.shape[0] > 0
+    for q in range(bits.shape[0] // g):
+        for i in range(g):
+            buf[i] = load(bits, q * g + i, kind)
+        if signed and not inverse:
+            for i in range(g):
+                if sign_mask[i]:
+                    buf[i] = -buf[i]
+        fwht_group(buf, strides)
+        for i in range(g):
+            v = buf[i] * scale
+            if signed and inverse and sign_mask[i]:
+                v = -v
+            store(out_bits, q * g + i, kind, v)
+
+
+@cpu_jit
+def encode(bits, kind, g, strides, hadamard, stochastic, seed_lo, seed_hi, step, codes, scales):
+    """FP4Quant encode: ``codes`` uint8 (n/2,) packed, ``scales`` uint16 (n/g,) bf16 bits."""
+    buf = np.empty(g, np.float32)
+    nib = np.empty(g, np.uint8)
+    for q in range(bits.shape[0] // g):
+        for i in range(g):
+            buf[i] = load(bits, q * g + i, kind)
+        if hadamard:
+            fwht_group(buf, strides)
+        m = np.uint32(0)
+        for i in range(g):
+            a = np.uint32(f32_as_u32(buf[i]) & 0x7FFFFFFF)
+            if a > m:
+                m = a
+        sb, mult = _fp4quant_scale(m)
+        scales[q] = sb
+        if m >= 0x7F800000:
+            for i in range(g):
+                nib[i] = 0
+        elif stochastic:
+            for c4 in range(g // 4):
+                c = (q * g) // 4 + c4  # flat element index // 4: the reference's counter
+                r = _philox(
+                    np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
+                    seed_lo, seed_hi,
+                )  # fmt: skip
+                for k in range(4):
+                    nib[4 * c4 + k] = _e2m1_encode_sr(buf[4 * c4 + k] * mult, r[k])
+        else:
+            for i in range(g):
+                nib[i] = _e2m1_encode(buf[i] * mult)
+        for i in range(g // 2):
+            codes[(q * g) // 2 + i] = nib[2 * i] | (nib[2 * i + 1] << 4)
+
+
+@cpu_jit
+def decode(codes, scales, g, strides, hadamard, inv_g, out_bits, kind):
+    buf = np.empty(g, np.float32)
+    for q in range(out_bits.shape[0] // g):
+        s = u32_as_f32(np.uint32(np.uint32(scales[q]) << 16))
+        for i in range(g // 2):
+            byte = np.uint32(codes[(q * g) // 2 + i])
+            buf[2 * i] = _e2m1_decode(byte & 15) * s
+            buf[2 * i + 1] = _e2m1_decode(byte >> 4) * s
+        if hadamard:
+            fwht_group(buf, strides)
+            for i in range(g):
+                buf[i] = buf[i] * inv_g
+        for i in range(g):
+            store(out_bits, q * g + i, kind, buf[i])

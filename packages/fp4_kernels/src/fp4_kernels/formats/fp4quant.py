@@ -1,0 +1,110 @@
+"""FP4Quant: e2m1 codes in contiguous groups of g elements, one bfloat16 scale per group, after an
+optional Walsh–Hadamard transform of each group (reference implementation).
+
+The method (Liu et al., "FP4Quant", preprint) divides each group by its root-mean-square,
+applies the normalized Walsh–Hadamard transform, divides by the transformed group's absolute
+maximum over 6 and rounds to e2m1; the receiver rescales and transforms back.  Two scales (the
+RMS r and the absmax m of the transformed group) describe that, but only one number per group is
+needed: the transform is linear, so transforming x / r gives H x / r and its absmax is
+amax(H x) / r; the codes are (H x / r) / (amax(H x) / (6 r)) = H x / (amax(H x) / 6), and the
+decoded group is r * (m / 6) * H^-1(e2m1) = (amax(H x) / 6) * H^-1(e2m1).  The RMS cancels.  It
+matters only to an implementation that computes the transform in bf16 (to keep it in range);
+here every step is float32.  So the stored scale is that product, s = amax(H x) / 6, in
+bfloat16 rounded *up* (so no element is clipped by the scale's rounding): 16 bits per group.
+``docs/fp4quant_study.md`` measures the alternatives (two scales, float32 scale, bf16 rounded to
+nearest).
+
+Encode, per group of g elements (float32 throughout, in this order):
+
+    t   = fwht(x)                                 # unnormalized, the kernels' stage order
+                                                  # (t = x when hadamard=False)
+    m   = max |t|        (NaN if any t is NaN or ±Inf)
+    s   = bf16_round_up(m * float32(1/6))         # stored; NaN -> 0x7FC0
+    inv = fmin(1 / s, FP32_MAX)                   # s = 0 -> FP32_MAX, so zeros stay zeros
+    code = e2m1(t * inv)                          # nearest-even, or stochastic with Philox
+                                                  # word i of stochastic_bits(seed, step, n)
+
+Decode (exact up to the butterflies' float32 roundings):
+
+    v = e2m1_value(code) * float32(s)  # exact: 2 significant bits times 8
+    y = fwht(v) * 2^-log2(g)           # (y = v when hadamard=False), then rounded to the dtype
+
+Every product that feeds a sum is exact (v above; x times +-1), so whether the compiler fuses a
+multiply and an add into an FMA cannot change a bit; the final power-of-two scaling is a plain
+multiplication.  Non-finite input makes the group's scale NaN and the whole group decodes to NaN
+(the transform spreads a NaN over its group anyway); codes there are 0.
+
+Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes of packed codes
+(element 2i in the low nibble of byte i), then n/g little-endian uint16 bfloat16 scales:
+4 + 16/g bits per element (5 at g = 16, 4.25 at 64, 4.0625 at 256, 4.03125 at 512).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .e2m1 import decode_e2m1, encode_e2m1, encode_e2m1_stochastic
+from .hadamard import check_group_size, fwht
+from .philox import stochastic_bits
+
+E2M1_MAX = np.float32(6.0)
+INV_E2M1_MAX = np.float32(1.0) / np.float32(6.0)  # a multiply, not a division, per group
+FP32_MAX = np.finfo(np.float32).max
+BF16_NAN_BITS = 0x7FC0
+GROUP_SIZES_STUDIED = (64, 256, 512)  # the paper's settings
+
+
+def bits_per_element(group_size):
+    """4-bit codes plus one 16-bit scale per group."""
+    return 4 + 16 / check_group_size(group_size)
+
+
+def bf16_round_up(s):
+    """float32 >= 0 (finite) -> bfloat16 bits, rounded toward +inf."""
+    u = np.asarray(s, np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0xFFFF) >> 16) & 0xFFFF).astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits):
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def quantize_reference(x, group_size, *, hadamard=True, rounding="nearest", seed=0, step=0):
+    """float32 ``x`` (..., K), K % g == 0 -> (codes uint8 (..., K) unpacked, scales uint16
+    (..., K // g) bfloat16 bits)."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+    g = check_group_size(group_size)
+    if x.ndim == 0 or x.shape[-1] % g:
+        raise ValueError(f"x: last dimension of shape {x.shape} is not a multiple of {g}")
+    groups = x.reshape(-1, g)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        t = fwht(groups, g) if hadamard else groups.copy()
+        finite = np.isfinite(t).all(axis=1)
+        t = np.where(finite[:, None], t, np.float32(0.0))
+        m = np.abs(t).max(axis=1)
+        scales = bf16_round_up(m * INV_E2M1_MAX)
+        inv = np.fmin(np.float32(1.0) / bf16_bits_to_f32(scales), FP32_MAX)
+        y = t * inv[:, None]
+    if rounding == "nearest":
+        codes = encode_e2m1(y)
+    elif rounding == "stochastic":
+        codes = encode_e2m1_stochastic(y, stochastic_bits(seed, step, x.size).reshape(y.shape))
+    else:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    codes = np.where(finite[:, None], codes, np.uint8(0)).astype(np.uint8)
+    scales = np.where(finite, scales, np.uint16(BF16_NAN_BITS)).astype(np.uint16)
+    return codes.reshape(x.shape), scales.reshape(x.shape[:-1] + (x.shape[-1] // g,))
+
+
+def dequantize_reference(codes, scales, group_size, *, hadamard=True):
+    """Inverse of ``quantize_reference`` -> float32 of the codes' shape."""
+    codes = np.asarray(codes)
+    g = check_group_size(group_size)
+    s = bf16_bits_to_f32(np.asarray(scales)).reshape(-1, 1)
+    v = decode_e2m1(codes).reshape(-1, g) * s
+    if hadamard:
+        with np.errstate(invalid="ignore", over="ignore"):
+            v = fwht(v, g) * np.float32(2.0 ** -(g.bit_length() - 1))
+    return v.reshape(codes.shape)
