@@ -1,8 +1,34 @@
-"""FP4-compressed NCCL collectives. A skeleton: nothing works yet.
+"""fp4_comm: FP4-compressed collectives for torch tensors and CuPy arrays.
 
-The collectives come with issue 4; until then the package only reports its version.
+    comm = fp4_comm.Communicator.from_env()          # under torchrun: NCCL on GPU LOCAL_RANK
+    y = comm.all_reduce(x, codec="nvfp4")            # every rank gets the same bits
+    y = comm.reduce_scatter(x, codec="mxfp4", error_feedback="grads")
+    y = comm.all_gather(x, codec="none")             # bfloat16 baseline through the same path
+
+The same algorithms run over NCCL (through ``cupy.cuda.nccl``) for CUDA tensors and over a gloo
+group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_comm.ddp`` (a DDP
+communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions).
 """
 
 from importlib.metadata import version as _version
 
+from ._transport import CommTimeoutError
+from .codecs import Codec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
+from .communicator import Communicator
+from .error_feedback import ErrorFeedback
+from .stats import HopStats
+
 __version__ = _version("fp4-comm")
+
+__all__ = [
+    "Codec",
+    "CommTimeoutError",
+    "Communicator",
+    "ErrorFeedback",
+    "HopStats",
+    "MXFP4Codec",
+    "NVFP4Codec",
+    "NoneCodec",
+    "get_codec",
+    "__version__",
+]

@@ -1,0 +1,283 @@
+"""Wire codecs: how a collective turns float chunks into bytes and back.
+
+A codec encodes a (chunks, n) float tensor, n elements per chunk, into a few *sections*: uint8
+tensors of shape (chunks, bytes_per_chunk) (for the FP4 formats: codes, block scales, tensor
+scale).  A collective exchanges chunk i of every section with one peer; the receiver decodes the
+sections it gathered, which are views of one flat receive buffer.  Sections instead of one
+interleaved buffer per chunk, because ``fp4_kernels.quantize`` already writes codes and scales
+as two contiguous tensors: sending them as they are costs no copy, and the received codes of all
+chunks stay contiguous, so one ``dequantize`` call decodes every chunk.
+
+Codecs:
+
+- ``NoneCodec("bfloat16")`` ("none"): the values themselves in a float dtype (the baseline path);
+  exact for values the wire dtype holds.
+- ``NVFP4Codec`` ("nvfp4"): E2M1 codes, an E4M3 scale per 16 elements and the float32 tensor
+  scale 1/S of the encoded tensor, sent with every chunk (4 bytes), so that ranks need not agree
+  on a tensor amax before they quantize.
+- ``MXFP4Codec`` ("mxfp4"): E2M1 codes and an E8M0 scale per 32 elements.
+
+All work on torch tensors, CPU (numba CPU path of fp4_kernels) or CUDA (its kernels, on the
+current stream); bit-identical on both.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+import fp4_kernels
+
+ROUNDINGS = ("nearest", "stochastic")
+# E2M1 (OCP MX v1.0 §5.3.3): the largest magnitude, and the code of it (sign bit masked off).
+E2M1_MAX = 6.0
+E2M1_MAX_MAGNITUDE_CODE = 0x7
+# E4M3 has 3 mantissa bits: rounding a normal value to it errs by at most 2^-4 relative; in the
+# subnormal range (step 2^-9) by at most 2^-10 absolute (a scale below 2^-10 becomes 0).
+E4M3_REL_HALF_ULP = 2.0**-4
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10
+NVFP4_S_NUMERATOR = 448.0 * 6.0  # S = 2688 / amax (E4M3 max times E2M1 max)
+# float32 roundings on the NVFP4 path (S, fp32(1/6), S * (1/6), * amax_b, 1/S, the decode
+# products), each at most 2^-24 relative: 2^-20 bounds sixteen of them.
+FLOAT32_ROUNDING_SLACK = 2.0**-20
+# Half an ulp of a float dtype, relative: the last rounding of a decode to that dtype.
+# (p significand bits: 2^-p; bfloat16 has 8, float16 11, float32 24; normal range only).
+REL_HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+class Codec(ABC):
+    """What a collective needs from a wire format."""
+
+    name: str
+    #: elements per chunk must be a multiple of this (the block size; 1 for plain values)
+    granularity: int
+
+    @abstractmethod
+    def section_nbytes(self, n: int) -> tuple[int, ...]:
+        """Bytes of each section for one chunk of ``n`` elements (n % granularity == 0)."""
+
+    def encoded_nbytes(self, n: int) -> int:
+        """Bytes on the wire for one chunk of ``n`` elements."""
+        return sum(self.section_nbytes(n))
+
+    @abstractmethod
+    def encode(self, x, rounding="nearest", seed=0, step=0) -> list:
+        """``x`` (chunks, n) contiguous float -> sections, uint8 (chunks, section_nbytes(n)[i])."""
+
+    @abstractmethod
+    def decode(self, sections, n: int, dtype=torch.float32):
+        """Sections of ``chunks`` chunks (each contiguous) -> (chunks, n) of ``dtype``."""
+
+    @property
+    def key(self) -> str:
+        """Identifies the wire format; every rank of a collective must have the same one."""
+        return self.name
+
+    def saturated(self, sections, n: int):
+        """bool (chunks, n): elements encoded with the largest magnitude of their block, or
+        None where the format has no such notion.  Used for the clipped-fraction statistic."""
+        return None
+
+    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+        """Per-element bound on |decode(encode(x)) - x| for a (chunks, n) float32 numpy array
+        of finite values, derived from the format (docs/formats.md); decoding to ``dtype``."""
+        raise NotImplementedError(f"{self.name}: no error bound")
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+def _bytes_per_chunk(t, chunks):
+    return t.contiguous().view(torch.uint8).reshape(chunks, -1)
+
+
+class NoneCodec(Codec):
+    """The values as they are, in ``dtype`` (default bfloat16, the usual baseline)."""
+
+    granularity = 1
+
+    def __init__(self, dtype="bfloat16"):
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in REL_HALF_ULP:
+            raise ValueError(f"NoneCodec: dtype {dtype!r}: use float32, bfloat16 or float16")
+        self.name = "none" if self.dtype == torch.bfloat16 else f"none-{_dtype_name(self.dtype)}"
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+
+    def section_nbytes(self, n):
+        return (n * self.itemsize,)
+
+    def encode(self, x, rounding="nearest", seed=0, step=0):
+        _check_rounding(rounding)
+        # Casting rounds to nearest even; stochastic rounding is a format feature of FP4 only.
+        return [_bytes_per_chunk(x.to(self.dtype), x.shape[0])]
+
+    def decode(self, sections, n, dtype=torch.float32):
+        (raw,) = sections
+        values = raw.view(self.dtype).reshape(raw.shape[0], n)
+        return values.to(dtype) if dtype != self.dtype else values
+
+    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+        rel = REL_HALF_ULP[self.dtype] + (REL_HALF_ULP[dtype] if dtype != self.dtype else 0.0)
+        # A second rounding sees a value already within rel of x: (1 + rel) covers it.
+        return np.abs(x).astype(np.float64) * rel * (1 + rel)
+
+    def __repr__(self):
+        return f"NoneCodec({_dtype_name(self.dtype)!r})"
+
+
+class _FP4BlockCodec(Codec):
+    fmt: str
+
+    def __init__(self):
+        self.granularity = fp4_kernels.FORMATS[self.fmt]
+        self.name = self.fmt
+
+    def _code_and_scale_nbytes(self, n):
+        return (n // 2, n // self.granularity)
+
+    def encode(self, x, rounding="nearest", seed=0, step=0):
+        _check_rounding(rounding)
+        q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
+        return self._sections(q, x.shape[0])
+
+    def _sections(self, q, chunks):
+        return [q.data, q.scales]
+
+    def _quantized(self, sections, n, chunks):
+        codes, scales = sections[0], sections[1]
+        ones = _ones(codes.device)
+        return fp4_kernels.QuantizedTensor(
+            codes.reshape(chunks, n // 2),
+            scales.reshape(chunks, n // self.granularity),
+            ones,
+            self.fmt,
+            (chunks, n),
+            "float32",
+            "linear",
+        )
+
+    def saturated(self, sections, n):
+        codes = sections[0]
+        low = (codes & E2M1_MAX_MAGNITUDE_CODE) == E2M1_MAX_MAGNITUDE_CODE
+        high = ((codes >> 4) & E2M1_MAX_MAGNITUDE_CODE) == E2M1_MAX_MAGNITUDE_CODE
+        # element 2i sits in the low nibble, 2i+1 in the high one
+        return torch.stack([low, high], dim=-1).reshape(codes.shape[0], n)
+
+    def _block_amax(self, x):
+        chunks, n = x.shape
+        a = np.abs(x.astype(np.float64)).reshape(chunks, n // self.granularity, -1).max(-1)
+        return np.repeat(a, self.granularity, axis=-1)
+
+
+class NVFP4Codec(_FP4BlockCodec):
+    """NVFP4 on the wire: codes (n/2 bytes), E4M3 scales (n/16), float32 1/S (4 bytes)."""
+
+    fmt = "nvfp4"
+
+    def section_nbytes(self, n):
+        return (*self._code_and_scale_nbytes(n), 4)
+
+    def _sections(self, q, chunks):
+        # Every chunk of one encode call shares the tensor scale; each chunk carries a copy so
+        # that a receiver holding chunks from several ranks knows each one's scale.
+        gs = q.global_scale.expand(chunks).contiguous().view(torch.uint8).reshape(chunks, 4)
+        return [q.data, q.scales, gs]
+
+    def decode(self, sections, n, dtype=torch.float32):
+        chunks = sections[0].shape[0]
+        # Decode with 1/S = 1, then multiply by each chunk's own 1/S: (e2m1 * s) is exact in
+        # float32, so this is the kernel's ((e2m1 * s) * (1/S)) with its one rounding, bit for
+        # bit, and one dequantize call serves chunks whose tensor scales differ.
+        y = fp4_kernels.dequantize(self._quantized(sections, n, chunks), "float32")
+        inv_s = sections[2].reshape(chunks, 4).view(torch.float32)
+        y.mul_(inv_s)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+        finite = np.abs(x[np.isfinite(x)])
+        amax = float(finite.max()) if finite.size else 0.0
+        inv_s = amax / NVFP4_S_NUMERATOR if amax > 0 else 1.0
+        amax_b = self._block_amax(x)
+        # Effective block scale sigma = s * (1/S), s the E4M3 rounding of amax_b * S / 6, so
+        # sigma <= amax_b / 6 * (1 + 2^-4) + 2^-10 / S and 6 * sigma >= amax_b * (1 - 2^-4)
+        # - 6 * 2^-10 / S.  Nearest rounding errs by at most half the widest E2M1 step (2,
+        # between 4 and 6): sigma; stochastic by less than a step: 2 sigma.  Saturation (a
+        # scale rounded down, or to 0) loses at most amax_b - 6 * sigma.
+        sigma = amax_b / E2M1_MAX * (1 + E4M3_REL_HALF_ULP) + E4M3_SUBNORMAL_HALF_STEP * inv_s
+        steps = 1.0 if rounding == "nearest" else 2.0
+        saturation = amax_b * E4M3_REL_HALF_ULP + E2M1_MAX * E4M3_SUBNORMAL_HALF_STEP * inv_s
+        bound = np.maximum(steps * sigma, saturation) * (1 + FLOAT32_ROUNDING_SLACK)
+        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+
+
+class MXFP4Codec(_FP4BlockCodec):
+    """MXFP4 on the wire: codes (n/2 bytes) and E8M0 scales (n/32 bytes)."""
+
+    fmt = "mxfp4"
+
+    def section_nbytes(self, n):
+        return self._code_and_scale_nbytes(n)
+
+    def decode(self, sections, n, dtype=torch.float32):
+        chunks = sections[0].shape[0]
+        return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
+
+    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+        amax_b = self._block_amax(x)
+        with np.errstate(divide="ignore"):
+            e = np.floor(np.log2(np.where(amax_b > 0, amax_b, 1.0))) - 2
+        sigma = np.exp2(np.maximum(e, -127))
+        # amax_b / sigma lies in [4, 8): saturation to 6 loses < 2 sigma, nearest rounding at
+        # most 1 sigma, stochastic rounding < 2 sigma.
+        bound = np.where(amax_b > 0, 2 * sigma, 0.0)
+        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+
+
+_ONES = {}
+
+
+def _ones(device):
+    # The 1/S = 1 that decode hands to dequantize; one per device, made once (an allocation and
+    # a fill on every call would be two more launches on the data path).
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def _check_rounding(rounding):
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+_BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
+
+
+def get_codec(spec) -> Codec:
+    """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
+    / ``"none-float16"``, or a ``Codec`` instance (returned as is)."""
+    if isinstance(spec, Codec):
+        return spec
+    if isinstance(spec, str):
+        if spec in _BY_NAME:
+            return _BY_NAME[spec]()
+        if spec.startswith("none-"):
+            return NoneCodec(spec[len("none-") :])
+    raise ValueError(
+        f"codec: {spec!r} is not a Codec nor one of 'nvfp4', 'mxfp4', 'none', 'none-float32', "
+        "'none-float16'"
+    )
+
+
+def padded_chunk(n: int, chunks: int, granularity: int) -> int:
+    """Elements per chunk when ``n`` elements are split into ``chunks`` equal chunks, each a
+    multiple of ``granularity`` (zeros pad the end)."""
+    per = max(1, math.ceil(n / chunks))
+    return math.ceil(per / granularity) * granularity

@@ -1,0 +1,357 @@
+"""``Communicator``: compressed collectives on torch tensors and CuPy arrays.
+
+One communicator per process group: NCCL (through CuPy) for CUDA tensors, gloo for CPU tensors.
+Both run the same algorithms (``collectives.py``).  Before the data moves, the ranks compare
+what each was asked to do (operation, shape, dtype, codec, rounding) over a gloo group with a
+timeout, so a mismatch raises ValueError on every rank and a missing rank raises
+CommTimeoutError, instead of NCCL hanging or reading garbage.  That check is a small host-side
+exchange between the processes (no GPU synchronization); ``validate="first"`` does it once per
+distinct call, ``"never"`` not at all (needed under CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import zlib
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from ._transport import CommTimeoutError, GlooTransport, reraise_timeout
+from .codecs import get_codec
+from .error_feedback import ErrorFeedback
+
+VALIDATE = ("always", "first", "never")
+_OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
+_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# Signature: op, dtype, codec, rounding, ndim, numel, then the shape (up to _MAX_DIMS dims).
+_MAX_DIMS = 8
+_SIG_LEN = 6 + _MAX_DIMS
+
+
+def _crc(s: str) -> int:
+    return zlib.crc32(s.encode())
+
+
+class Communicator:
+    """FP4-compressed collectives among the ranks of a torch.distributed group.
+
+    Make one with ``Communicator.from_process_group`` (or ``from_env`` under torchrun); every
+    rank of the group must do so (it is collective).  Calls are collective too: every rank calls
+    the same collectives in the same order.
+
+    Args of every collective:
+        codec: "nvfp4", "mxfp4", "none" (bfloat16 values: the baseline through the same path),
+            "none-float32", or a ``Codec`` instance (``fp4_comm.codecs``).
+        rounding: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own random
+            words, keyed by ``seed``, rank and hop, at counter ``step``).
+        seed: 0 <= seed < 2^64.  step: the stochastic-rounding counter; default: the number of
+            collectives this communicator has run (the same on every rank).
+        error_feedback: a buffer name (reduce_scatter, all_reduce): the residual of each
+            quantization of that buffer is added before its next one (``comm.error_feedback``).
+        stats: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this rank.
+    """
+
+    def __init__(self, transport, control_group=None, validate="always"):
+        if validate not in VALIDATE:
+            raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        self.transport = transport
+        self.control_group = control_group
+        self.validate = validate
+        self.error_feedback = ErrorFeedback()
+        self._validated: set[tuple] = set()
+        self._calls = 0
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_process_group(cls, group=None, device=None, timeout_s=60.0, validate="always"):
+        """A communicator over the ranks of ``group`` (default: the default group).
+
+        ``device``: a CUDA device (this rank's GPU) for an NCCL communicator through CuPy, or
+        "cpu" (default when CUDA is unavailable) for gloo.  ``timeout_s`` bounds every check
+        and every gloo transfer; NCCL transfers are bounded through ``synchronize``.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call dist.init_process_group first, or "
+                "use Communicator.from_env() under torchrun"
+            )
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        device = torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        # Our own gloo group: its timeout is ours, and the checks never queue behind (or
+        # deadlock with) the caller's traffic on an NCCL default group.
+        # Local synchronization: only the group's members take part in making it, so a
+        # communicator over a subgroup needs nothing from the other ranks.
+        control = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+        if device.type == "cuda":
+            from .nccl import NcclTransport
+
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            transport = NcclTransport(control, device, timeout_s)
+        elif device.type == "cpu":
+            transport = GlooTransport(control)
+        else:
+            raise ValueError(f"device: {device} is neither a CUDA device nor the CPU")
+        return cls(transport, control, validate)
+
+    @classmethod
+    def from_env(cls, device=None, timeout_s=60.0, validate="always"):
+        """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
+        torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
+        make a communicator on GPU LOCAL_RANK (or the CPU where there is no CUDA)."""
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend="gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        return cls.from_process_group(None, device, timeout_s, validate)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.transport.device
+
+    def synchronize(self, timeout_s=None):
+        """Wait until this rank's queued transfers are done; CommTimeoutError (and, for NCCL,
+        an aborted communicator) if they are not within the timeout."""
+        self.transport.synchronize(timeout_s)
+
+    def close(self):
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
+                   error_feedback=None, stats=False):  # fmt: skip
+        """Sum of ``x`` over the ranks: same shape and dtype as ``x``, the same bits on every
+        rank.  Any size (zeros pad it to W chunks of whole blocks)."""
+        return self._run("all_reduce", x, codec, rounding, seed, step, error_feedback, stats)
+
+    def reduce_scatter(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
+                       error_feedback=None, stats=False):  # fmt: skip
+        """``x`` (W * m, ...) -> (m, ...): rank r gets the sum over ranks of rows
+        [r m, (r + 1) m), decoded once and added in float32 (no requantization)."""
+        return self._run("reduce_scatter", x, codec, rounding, seed, step, error_feedback, stats)
+
+    def all_gather(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
+        """``x`` (d0, ...) -> (W * d0, ...): the ranks' tensors along dim 0, decoded."""
+        return self._run("all_gather", x, codec, rounding, seed, step, None, stats)
+
+    def send(self, x, dst, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
+        """Send ``x`` encoded to rank ``dst``, which calls ``recv`` with its shape and dtype.
+        ``step`` defaults to 0 here (point-to-point calls are not counted on every rank)."""
+        return self._run("send", x, codec, rounding, seed, step or 0, None, stats, peer=dst)
+
+    def recv(self, shape, dtype, src, codec="nvfp4", like=None):
+        """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``.
+        ``like``: a tensor or CuPy array whose kind and stream the result follows (default: a
+        torch tensor on this communicator's device)."""
+        shape = tuple(int(s) for s in shape)
+        dtype = _torch_dtype(dtype)
+        opts = collectives.Options(get_codec(codec))
+        with _stream_of(like) as back:
+            self._check_peer(src)
+            self._validate_p2p("recv", shape, dtype, opts.codec, "nearest", src)
+            y = collectives.recv(self.transport, shape, dtype, src, opts)
+            return back(y)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None):
+        codec = get_codec(codec)
+        if step is None:
+            step = self._calls
+        self._calls += 1
+        with _stream_of(x) as back:
+            t = back.tensor
+            self._check_input(op, t)
+            if peer is not None:
+                self._check_peer(peer)
+                self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
+            else:
+                self._validate_collective(op, t, codec, rounding)
+            opts = collectives.Options(
+                codec, rounding, seed, step, self.error_feedback if ef_name else None,
+                ef_name, stats,
+            )  # fmt: skip
+            fn = getattr(collectives, op)
+            if op == "send":
+                fn(self.transport, t, peer, opts)
+                out = None
+            else:
+                out = back(fn(self.transport, t, opts))
+            if stats:
+                return out, collectives.collected_stats(opts)
+            return out
+
+    def _check_input(self, op, t):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{op}: dtype {t.dtype} is not supported; use float32, bfloat16, "
+                            "float16")  # fmt: skip
+        if t.device != self.device:
+            raise ValueError(
+                f"{op}: the tensor is on {t.device}, this communicator on {self.device} "
+                "(one communicator per device: gloo for CPU tensors, NCCL for this rank's GPU)"
+            )
+        if t.dim() == 0:
+            raise ValueError(f"{op}: a 0-d tensor; reshape to (1,)")
+        if op == "reduce_scatter" and t.shape[0] % self.world_size:
+            raise ValueError(
+                f"reduce_scatter: dim 0 ({t.shape[0]}) is not a multiple of the world size "
+                f"({self.world_size}); pad it, or all_reduce and slice"
+            )
+
+    def _check_peer(self, peer):
+        if not (0 <= peer < self.world_size) or peer == self.rank:
+            raise ValueError(f"peer {peer}: not another rank of 0..{self.world_size - 1}")
+
+    def _signature(self, op, shape, dtype, codec, rounding):
+        if len(shape) > _MAX_DIMS:
+            shape = (*shape[: _MAX_DIMS - 1], -1)
+        numel = 1
+        for s in shape:
+            numel *= s
+        sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), len(shape), numel]
+        return sig + list(shape) + [0] * (_MAX_DIMS - len(shape))
+
+    def _should_validate(self, key):
+        if self.validate == "never" or self.control_group is None:
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False  # host-side exchanges cannot be captured; the graph replays data only
+        return self.validate == "always" or key not in self._validated
+
+    def _validate_collective(self, op, t, codec, rounding):
+        sig = self._signature(op, tuple(t.shape), t.dtype, codec, rounding)
+        key = tuple(sig)
+        if not self._should_validate(key):
+            return
+        mine = torch.tensor(sig, dtype=torch.int64)
+        every = torch.empty(self.world_size * _SIG_LEN, dtype=torch.int64)
+        try:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(every, mine, group=self.control_group)
+        except RuntimeError as err:
+            reraise_timeout(err, f"{op} (argument check)")
+        rows = every.view(self.world_size, _SIG_LEN).tolist()
+        if any(r != sig for r in rows):
+            raise ValueError(f"{op}: the ranks disagree:\n" + _describe(rows))
+        self._validated.add(key)
+
+    def _validate_p2p(self, op, shape, dtype, codec, rounding, peer):
+        # Sender and receiver compare (shape, dtype, codec); rounding is the sender's business.
+        sig = self._signature("send", shape, dtype, codec, "nearest")
+        key = (*sig, op, peer)
+        if not self._should_validate(key):
+            return
+        peer_global = peer if self.control_group is None else dist.get_global_rank(
+            self.control_group, peer
+        )  # fmt: skip
+        mine = torch.tensor(sig, dtype=torch.int64)
+        theirs = torch.empty(_SIG_LEN, dtype=torch.int64)
+        try:
+            # Sender first sends then receives, receiver the opposite: no deadlock either way.
+            if op == "send":
+                dist.send(mine, peer_global, group=self.control_group)
+                dist.recv(theirs, peer_global, group=self.control_group)
+            else:
+                dist.recv(theirs, peer_global, group=self.control_group)
+                dist.send(mine, peer_global, group=self.control_group)
+        except RuntimeError as err:
+            reraise_timeout(err, f"{op} with rank {peer} (argument check)")
+        if theirs.tolist() != sig:
+            rows = [sig, theirs.tolist()] if op == "send" else [theirs.tolist(), sig]
+            raise ValueError(f"send/recv between ranks {self.rank} and {peer} disagree "
+                             "(row 0: sender, row 1: receiver):\n" + _describe(rows))  # fmt: skip
+        self._validated.add(key)
+
+
+def _describe(rows):
+    names = {v: k for k, v in _DTYPES.items()}
+    lines = []
+    for r, sig in enumerate(rows):
+        ndim = sig[4]
+        shape = tuple(sig[6 : 6 + ndim])
+        lines.append(
+            f"  rank {r}: shape {shape}, dtype {names.get(sig[1])}, codec id {sig[2]:#x}, "
+            f"rounding id {sig[3]:#x}, op id {sig[0]}"
+        )
+    return "\n".join(lines)
+
+
+def _torch_dtype(dtype):
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = getattr(dtype, "name", None) or str(dtype)
+    return getattr(torch, name.replace("torch.", ""))
+
+
+class _stream_of:
+    """Context: the input as a torch tensor, on the stream its library says is current, and
+    ``back(y)`` that hands a result back in the input's kind (torch, or CuPy zero-copy)."""
+
+    def __init__(self, x):
+        self.x = x
+        self.cupy = None
+        self.ctx = nullcontext()
+        self.tensor = x
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(x, cupy.ndarray):
+            self.cupy = cupy
+            ptr = cupy.cuda.get_current_stream().ptr
+            dev = torch.device("cuda", x.device.id)
+            # CuPy's current stream becomes torch's current one: every kernel and NCCL call of
+            # the collective is queued on it, and DLPack needs no cross-stream wait.
+            stream = (
+                torch.cuda.ExternalStream(ptr, device=dev)
+                if ptr
+                else torch.cuda.default_stream(dev)
+            )
+            self.ctx = torch.cuda.stream(stream)
+        elif x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"expected a torch tensor or a CuPy array, got {type(x).__name__}")
+
+    def __enter__(self):
+        self.ctx.__enter__()
+        if self.cupy is not None:
+            self.tensor = torch.from_dlpack(self.x)
+        return self
+
+    def __call__(self, y):
+        if self.cupy is not None and y is not None:
+            return self.cupy.from_dlpack(y)
+        return y
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
+__all__ = ["CommTimeoutError", "Communicator"]

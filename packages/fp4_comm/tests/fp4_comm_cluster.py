@@ -1,0 +1,113 @@
+"""A few gloo worker processes that stay up for a whole test session and run the functions a
+test sends them, each with this rank's communicators.
+
+Starting a process costs seconds here (importing torch, compiling fp4_kernels' CPU path with
+numba), so the tests share one cluster instead of spawning per test.  Each worker holds one
+communicator per group size: ``comms[3]`` over all three ranks, ``comms[2]`` over ranks 0 and 1
+(a subgroup; None on rank 2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, conn, timeout_s, sizes):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    import fp4_comm
+
+    torch.set_num_threads(1)  # 2 cores for several processes: no oversubscription
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    comms = {}
+    for size in sizes:
+        if size == world:
+            comms[size] = fp4_comm.Communicator.from_process_group(None, "cpu", timeout_s)
+            continue
+        members = list(range(size))
+        group = dist.new_group(members)  # every rank of the world takes part in new_group
+        comms[size] = (
+            fp4_comm.Communicator.from_process_group(group, "cpu", timeout_s)
+            if rank in members
+            else None
+        )
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(comms, *args)))
+        except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Cluster:
+    def __init__(self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world = world
+        self.conns, self.procs = [], []
+        sizes = tuple(sizes or (world,))
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker, args=(rank, world, port, child, timeout_s, sizes), daemon=True
+            )
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._collect(start_timeout_s)
+
+    def _collect(self, timeout_s):
+        results, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(timeout_s):
+                self.close(force=True)
+                raise TimeoutError(f"worker {rank} gave no answer within {timeout_s} s")
+            status, value = conn.recv()
+            if status == "error":
+                errors.append(f"--- rank {rank}:\n{value}")
+            results.append(value)
+        if errors:
+            raise AssertionError("worker failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn, *args, timeout_s=240.0):
+        """fn(comms, *args) on every rank; the list of their results, by rank."""
+        for conn in self.conns:
+            conn.send((fn, args))
+        return self._collect(timeout_s)
+
+    def close(self, force=False):
+        for conn, p in zip(self.conns, self.procs):
+            if not force:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)

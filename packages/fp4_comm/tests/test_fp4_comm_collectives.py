@@ -1,0 +1,279 @@
+"""The collective algorithms over gloo (three CPU processes; two through a subgroup), against a
+one-process reference of the same algorithm built on fp4_kernels.quantize_dequantize (equal bit
+for bit), against the exact float64 sum (within the error bound the codec's format implies),
+and across ranks (identical bits)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4_kernels
+from fp4_comm import codecs
+from fp4_comm.codecs import get_codec, padded_chunk
+from fp4_comm.collectives import rank_seed
+
+FLOAT32_REL_HALF_ULP = 2.0**-24
+
+
+def _inputs(world, shape, seed, dtype=torch.float32):
+    """One tensor per rank: Gaussian blocks at scales 2^-8..2^8, a few zeros, one outlier."""
+    rng = np.random.default_rng(seed)
+    xs = []
+    for _ in range(world):
+        x = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, size=shape))
+        x.reshape(-1)[rng.integers(0, x.size, size=max(1, x.size // 10))] = 0.0
+        x.reshape(-1)[rng.integers(0, x.size)] *= 64.0
+        xs.append(torch.from_numpy(x.astype(np.float32)).to(dtype))
+    return xs
+
+
+def _qdq(x2d, codec_name, rounding, seed, step):
+    """The reference round trip of one encode call: fp4_kernels itself, or the plain cast."""
+    if codec_name.startswith("none"):
+        wire = get_codec(codec_name).dtype
+        return x2d.to(wire).float()
+    return fp4_kernels.quantize_dequantize(
+        x2d.float().contiguous(), fmt=codec_name, rounding=rounding, seed=seed, step=step
+    )
+
+
+def reference_all_reduce(xs, codec_name, rounding, seed, step):
+    world = len(xs)
+    n = xs[0].numel()
+    c = padded_chunk(n, world, get_codec(codec_name).granularity)
+    decoded = [
+        _qdq(
+            F.pad(x.reshape(-1).float(), (0, world * c - n)).view(world, c),
+            codec_name,
+            rounding,
+            rank_seed(seed, r, "reduce_scatter"),
+            step,
+        )  # fmt: skip
+        for r, x in enumerate(xs)
+    ]
+    chunks = []
+    for j in range(world):
+        acc = decoded[0][j].clone()
+        for r in range(1, world):
+            acc += decoded[r][j]
+        chunks.append(_qdq(acc.view(1, c), codec_name, rounding, rank_seed(seed, j, "all_gather"),
+                           step))  # fmt: skip
+    y = torch.cat(chunks, dim=0).reshape(-1)[:n].to(xs[0].dtype)
+    return y.view(xs[0].shape), decoded
+
+
+def _run_all_reduce(comms, world, xs, codec_name, rounding, seed, step):
+    comm = comms[world]
+    if comm is None:
+        return None
+    y = comm.all_reduce(xs[comm.rank], codec=codec_name, rounding=rounding, seed=seed, step=step)
+    assert y.shape == xs[comm.rank].shape and y.dtype == xs[comm.rank].dtype
+    return y.float().numpy()
+
+
+def _same_on_every_rank(results):
+    first = results[0]
+    for r, y in enumerate(results[1:], 1):
+        assert np.array_equal(y.view(np.uint32), first.view(np.uint32)), f"rank {r} differs"
+
+
+def all_reduce_bound(xs, codec_name, rounding, dtype):
+    """|all_reduce - exact sum| bound: each rank's encode error (hop 1), the float32 sum's
+    roundings, and the requantization of the reduced chunk (hop 2), evaluated on an upper
+    envelope of the reduced values (the bound grows with |x|, block amax and tensor amax)."""
+    codec = get_codec(codec_name)
+    world, n = len(xs), xs[0].numel()
+    c = padded_chunk(n, world, codec.granularity)
+    padded = [F.pad(x.reshape(-1).double(), (0, world * c - n)).view(world, c).numpy() for x in xs]
+    hop1 = sum(codec.error_bound(p.astype(np.float32), rounding) for p in padded)
+    magnitude = sum(np.abs(p) for p in padded) + hop1
+    summing = (world - 1) * FLOAT32_REL_HALF_ULP * magnitude
+    exact = sum(padded)
+    envelope = np.abs(exact) + hop1 + summing
+    hop2 = np.concatenate(
+        [
+            codec.error_bound(envelope[j : j + 1].astype(np.float32), rounding, dtype)
+            for j in range(world)
+        ]  # fmt: skip
+    )
+    total = (hop1 + summing).reshape(-1) + hop2.reshape(-1)
+    return exact.reshape(-1)[:n], total[:n]
+
+
+CASES = [
+    # world, shape, codec
+    (3, (5, 9), "none-float32"),
+    (2, (1,), "nvfp4"),
+    (3, (7, 33), "nvfp4"),
+    (2, (4, 64), "mxfp4"),
+    (3, (1000,), "mxfp4"),
+]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize(("world", "shape", "codec_name"), CASES)
+def test_all_reduce_matches_reference_and_bound(cluster, world, shape, codec_name, rounding):
+    xs = _inputs(world, shape, seed=hash((world, shape, codec_name)) % 2**32)
+    seed, step = 11, 3
+    results = cluster.run(_run_all_reduce, world, xs, codec_name, rounding, seed, step)
+    results = [r for r in results if r is not None]
+    assert len(results) == world
+    _same_on_every_rank(results)
+    ref, _ = reference_all_reduce(xs, codec_name, rounding, seed, step)
+    assert np.array_equal(results[0].view(np.uint32), ref.numpy().view(np.uint32))
+    exact, bound = all_reduce_bound(xs, codec_name, rounding, torch.float32)
+    err = np.abs(results[0].reshape(-1).astype(np.float64) - exact)
+    assert (err <= bound).all(), f"max err/bound {np.max(err / np.maximum(bound, 1e-300))}"
+
+
+def test_all_reduce_exact_where_the_codec_is_exact(cluster):
+    # Small integers are exact in bfloat16 and so are their sums over three ranks: the
+    # baseline path ("none", bfloat16 on the wire) must return the exact sum.
+    rng = np.random.default_rng(5)
+    xs = [torch.from_numpy(rng.integers(-40, 41, size=(3, 37)).astype(np.float32))
+          for _ in range(3)]  # fmt: skip
+    results = cluster.run(_run_all_reduce, 3, xs, "none", "nearest", 0, 0)
+    exact = sum(x.numpy() for x in xs)
+    for y in results:
+        assert np.array_equal(y, exact)
+
+
+def test_all_reduce_bfloat16_in_and_out(cluster):
+    xs = _inputs(3, (6, 40), seed=9, dtype=torch.bfloat16)
+    results = cluster.run(_run_all_reduce, 3, xs, "nvfp4", "nearest", 0, 0)
+    _same_on_every_rank(results)
+    ref, _ = reference_all_reduce(xs, "nvfp4", "nearest", 0, 0)
+    assert np.array_equal(results[0], ref.float().numpy())
+    exact, bound = all_reduce_bound(xs, "nvfp4", "nearest", torch.bfloat16)
+    err = np.abs(results[0].reshape(-1).astype(np.float64) - exact)
+    assert (err <= bound).all()
+
+
+def _run_reduce_scatter(comms, world, xs, codec_name, rounding):
+    comm = comms[world]
+    if comm is None:
+        return None
+    return comm.reduce_scatter(xs[comm.rank], codec=codec_name, rounding=rounding,
+                               seed=2, step=7).float().numpy()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world", "shape", "codec_name"),
+    [(3, (6, 10), "nvfp4"), (2, (4, 64), "mxfp4"), (3, (3, 5), "none-float32")],
+)
+def test_reduce_scatter_matches_reference_and_bound(cluster, world, shape, codec_name):
+    xs = _inputs(world, shape, seed=17)
+    results = cluster.run(_run_reduce_scatter, world, xs, codec_name, "stochastic")
+    codec = get_codec(codec_name)
+    m = shape[0] // world
+    per_rank = xs[0].numel() // world
+    c = padded_chunk(per_rank, 1, codec.granularity)
+    decoded = [
+        _qdq(
+            F.pad(x.reshape(world, per_rank), (0, c - per_rank)),
+            codec_name,
+            "stochastic",
+            rank_seed(2, r, "reduce_scatter"),
+            7,
+        )  # fmt: skip
+        for r, x in enumerate(xs)
+    ]
+    for j in range(world):
+        y = results[j]
+        assert y.shape == (m,) + shape[1:]
+        acc = decoded[0][j].clone()
+        for r in range(1, world):
+            acc += decoded[r][j]
+        assert np.array_equal(y.reshape(-1), acc[:per_rank].numpy())
+        rows = [x.reshape(world, per_rank)[j].double().numpy() for x in xs]
+        bound = (
+            sum(
+                codec.error_bound(
+                    F.pad(x.reshape(world, per_rank), (0, c - per_rank)).numpy(), "stochastic"
+                )[j, :per_rank]
+                for x in xs
+            )
+            + (world - 1) * FLOAT32_REL_HALF_ULP * sum(np.abs(r) for r in rows) * 2
+        )
+        assert (np.abs(y.reshape(-1) - sum(rows)) <= bound).all()
+
+
+def _run_all_gather(comms, world, xs, codec_name):
+    comm = comms[world]
+    if comm is None:
+        return None
+    return comm.all_gather(xs[comm.rank], codec=codec_name).float().numpy()
+
+
+@pytest.mark.parametrize(("world", "shape", "codec_name"),
+                         [(3, (2, 7), "nvfp4"), (2, (3, 32), "mxfp4"), (3, (4,), "none")])  # fmt: skip
+def test_all_gather_decodes_every_ranks_tensor(cluster, world, shape, codec_name):
+    xs = _inputs(world, shape, seed=23)
+    results = cluster.run(_run_all_gather, world, xs, codec_name)
+    results = [r for r in results if r is not None]
+    _same_on_every_rank(results)
+    n = xs[0].numel()
+    c = padded_chunk(n, 1, get_codec(codec_name).granularity)
+    expected = np.concatenate([
+        _qdq(F.pad(x.reshape(1, n), (0, c - n)), codec_name, "nearest",
+             rank_seed(0, r, "all_gather"), 0)[0, :n].numpy().reshape(shape)
+        for r, x in enumerate(xs)
+    ])  # fmt: skip
+    assert results[0].shape == (world * shape[0],) + shape[1:]
+    assert np.array_equal(results[0], expected)
+
+
+def _run_send_recv(comms, x, codec_name):
+    comm = comms[3]
+    if comm.rank == 0:
+        comm.send(x, dst=2, codec=codec_name, rounding="stochastic", seed=4)
+        return None
+    if comm.rank == 2:
+        return comm.recv(x.shape, x.dtype, src=0, codec=codec_name).float().numpy()
+    return None
+
+
+@pytest.mark.parametrize("codec_name", ["nvfp4", "mxfp4", "none"])
+def test_send_recv(cluster, codec_name):
+    x = _inputs(1, (3, 11), seed=31)[0]
+    got = cluster.run(_run_send_recv, x, codec_name)[2]
+    n = x.numel()
+    c = padded_chunk(n, 1, get_codec(codec_name).granularity)
+    expected = _qdq(F.pad(x.reshape(1, n), (0, c - n)), codec_name, "stochastic",
+                    rank_seed(4, 0, "send"), 0)[0, :n].reshape(x.shape)  # fmt: skip
+    assert np.array_equal(got, expected.numpy())
+
+
+def _run_stats(comms, xs, codec_name):
+    comm = comms[2]
+    if comm is None:
+        return None
+    y, stats = comm.all_reduce(xs[comm.rank], codec=codec_name, step=0, stats=True)
+    return {hop: s.as_floats() for hop, s in stats.items()}
+
+
+@pytest.mark.parametrize("codec_name", ["nvfp4", "none-float32"])
+def test_stats_per_hop(cluster, codec_name):
+    xs = _inputs(2, (8, 48), seed=41)
+    stats = cluster.run(_run_stats, xs, codec_name)
+    _, decoded = reference_all_reduce(xs, codec_name, "nearest", 0, 0)
+    for r in range(2):
+        hop = stats[r]["reduce_scatter"]
+        assert set(stats[r]) == {"reduce_scatter", "all_gather"}
+        x = xs[r].reshape(-1).double()
+        d = decoded[r].reshape(-1)[: x.numel()].double()
+        if codec_name == "none-float32":
+            assert hop["sqnr_db"] == float("inf") and hop["clipped"] == 0 and hop["zeroed"] == 0
+            continue
+        expected = 10 * np.log10(float((x**2).sum()) / float(((x - d) ** 2).sum()))
+        # float64 sums of the same float32 values in another order: relative 2^-40 suffices
+        assert hop["sqnr_db"] == pytest.approx(expected, rel=2.0**-40)
+        zeroed = float(((x != 0) & (d == 0)).double().mean())
+        assert hop["zeroed"] == zeroed
+        assert hop["elements"] == x.numel()
+        # clipped: encoded at +-6 units of its block and decoded smaller than it was
+        q = fp4_kernels.quantize(F.pad(xs[r].reshape(-1), (0, 2 * 192 - x.numel())).view(2, 192))
+        sat = codecs.NVFP4Codec().saturated([q.data, q.scales], 192).reshape(-1)[: x.numel()]
+        clipped = float((sat & (d.abs() < x.abs())).double().mean())
+        assert hop["clipped"] == clipped
