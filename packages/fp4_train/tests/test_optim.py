@@ -1,0 +1,182 @@
+"""FP4StoredWeights: packed storage, the three roundings, memory, checkpoints, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _oracle import U32, requires_cuda
+
+import fp4_kernels
+from fp4_train import FP4StoredWeights
+
+
+def _grid_weight(rows=64, k=32, seed=0):
+    """MXFP4 weights on the unit e2m1 grid: every 32-element row holds 6 (scale 2^0) and
+    values in {0.5, 1, 1.5}, whose grid step is 0.5."""
+    rng = np.random.default_rng(seed)
+    w = rng.choice(np.float32([0.5, 1.0, 1.5]), size=(rows, k))
+    w[:, 0] = 6.0
+    return torch.nn.Parameter(torch.from_numpy(w))
+
+
+def _sgd(p, rounding, lr, **kw):
+    return FP4StoredWeights(torch.optim.SGD([p], lr=lr), rounding=rounding, fmt="mxfp4", **kw)
+
+
+def _constant_step(opt, p, grad_value):
+    opt.materialize()
+    p.grad = torch.full_like(p, grad_value)
+    opt.step()
+    opt.materialize()
+
+
+def test_weights_are_packed_and_released_between_steps():
+    p = torch.nn.Parameter(torch.randn(32, 64))
+    w0 = p.detach().clone()
+    opt = FP4StoredWeights(torch.optim.SGD([p], lr=0.1), rounding="nearest")
+    assert p.numel() == 0  # released: only the packed copy remains
+    report = opt.memory_report()
+    # 2048 weights: 1024 bytes of codes, 128 e4m3 scales, one float32 tensor scale
+    assert report["packed_bytes"] == 1024 + 128 + 4
+    assert report["float32_bytes"] == 4 * 2048 and report["resident_weight_bytes"] == 0
+    opt.materialize()
+    assert torch.equal(p.detach(), fp4_kernels.quantize_dequantize(w0))
+
+
+def test_nearest_loses_every_sub_step_update():
+    p = _grid_weight()
+    w0 = p.detach().clone()
+    opt = _sgd(p, "nearest", lr=0.05)  # update 0.05 = a tenth of the grid step 0.5
+    for _ in range(20):
+        _constant_step(opt, p, -1.0)
+    assert torch.equal(p.detach(), w0)
+
+
+def test_error_feedback_accumulates_sub_step_updates_exactly():
+    # decoded + residual = w0 + sum of updates, up to the float32 rounding of each step's
+    # w + update and (w + update) + residual
+    p = _grid_weight()
+    w0 = p.detach().double().clone()
+    opt = _sgd(p, "error_feedback", lr=0.05)
+    steps = 20
+    for _ in range(steps):
+        _constant_step(opt, p, -1.0)
+    residual = opt._error_feedback.residual("param0").view_as(p).double()
+    target = w0 + steps * 0.05
+    err = (p.detach().double() + residual - target).abs()
+    assert bool((err <= 2 * steps * U32 * target.abs().max()).all())
+    moved = p.detach().double() - w0
+    assert bool((moved[:, 1:] > 0).all())  # 1.0 accumulated: every weight crossed a grid point
+
+
+def test_stochastic_moves_a_tenth_of_the_weights_by_one_step():
+    p = _grid_weight(rows=256)
+    w0 = p.detach().clone()
+    opt = _sgd(p, "stochastic", lr=0.05, seed=5)
+    _constant_step(opt, p, -1.0)
+    moved = (p.detach() != w0)[:, 1:]
+    n = moved.numel()
+    # each weight moves up one step with probability 0.1 (binomial: 6 sigma)
+    assert abs(moved.sum().item() - 0.1 * n) <= 6 * np.sqrt(n * 0.1 * 0.9)
+    assert bool(((p.detach() - w0)[:, 1:][moved] == 0.5).all())
+
+
+def _regression(seed=0, n=256, d=32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w_true = torch.randn(16, d, generator=g)
+    return x, x @ w_true.T
+
+
+def _adamw_regression_losses(rounding, steps=60):
+    x, y = _regression()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16, bias=False)
+    opt = FP4StoredWeights(torch.optim.AdamW(model.parameters(), lr=0.05), rounding=rounding)
+    opt.attach(model)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "error_feedback"])
+def test_adamw_trains_a_regression_with_unbiased_rounding(rounding):
+    losses = _adamw_regression_losses(rounding)
+    assert losses[-1] < 0.1 * losses[0]
+
+
+def test_adamw_with_nearest_rounding_stalls():
+    # the same run under round to nearest: updates below half a grid step are lost
+    losses = _adamw_regression_losses("nearest")
+    assert losses[-1] > 0.25 * losses[0]
+    assert losses[-1] > 4 * _adamw_regression_losses("error_feedback")[-1]
+
+
+def test_state_dict_round_trip_continues_identically():
+    x, y = _regression(1)
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 16)
+        opt = FP4StoredWeights(
+            torch.optim.AdamW(model.parameters(), lr=0.01), rounding="error_feedback"
+        )
+        return model, opt.attach(model) and opt
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    model_a, opt_a = make()
+    train(model_a, opt_a, 6)
+    model_b, opt_b = make()
+    train(model_b, opt_b, 3)
+    saved = opt_b.state_dict()
+    model_c, opt_c = make()
+    opt_c.load_state_dict(saved)
+    train(model_c, opt_c, 3)
+    opt_a.materialize()
+    opt_c.materialize()
+    for pa, pc in zip(model_a.parameters(), model_c.parameters(), strict=True):
+        assert torch.equal(pa, pc)
+
+
+def test_restoring_into_another_shape_is_a_clear_error():
+    opt = FP4StoredWeights(torch.optim.SGD(torch.nn.Linear(32, 16).parameters(), lr=0.1))
+    other = FP4StoredWeights(torch.optim.SGD(torch.nn.Linear(16, 32).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(32, 16\) here but \(16, 32\)"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_odd_sized_parameters_are_padded_to_whole_blocks():
+    p = torch.nn.Parameter(torch.randn(3, 5))  # 15 elements: one NVFP4 block with padding
+    opt = FP4StoredWeights(torch.optim.SGD([p], lr=0.1), rounding="nearest", release=False)
+    assert p.shape == (3, 5) and opt.packed[0].shape == (16,)
+
+
+def test_unknown_rounding_is_rejected():
+    with pytest.raises(ValueError, match="rounding"):
+        FP4StoredWeights(torch.optim.SGD([torch.nn.Parameter(torch.ones(16))], lr=1), rounding="up")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_release_frees_device_memory():
+    model = torch.nn.Linear(4096, 4096, bias=False, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1), rounding="stochastic")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    # 64 MiB of float32 weights replaced by 8 MiB of codes + 1 MiB of scales (+ allocator
+    # rounding of the small tensor scale)
+    assert before - after >= 4 * 4096 * 4096 - (4096 * 4096 // 2 + 4096 * 256 + 512)
+    assert opt.memory_report()["resident_weight_bytes"] == 0
