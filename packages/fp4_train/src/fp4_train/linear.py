@@ -1,0 +1,260 @@
+"""``FP4Linear`` and ``fp4_linear``: a linear layer whose three GEMMs run on NVFP4 operands.
+
+Forward, y = x W^T + b: x and W are quantized to NVFP4 along in_features (K) and multiplied
+by ``fp4_gemm``.  Backward, with the straight-through estimator (the quantizer's derivative
+taken as the identity), as NVIDIA's NVFP4 training recipe does it:
+
+- dgrad, dx = dy W: dy quantized along out_features (N), W re-quantized along N (W^T);
+- wgrad, dW = dy^T x: dy^T and x^T quantized along the tokens (M, zero-padded to whole
+  blocks: zero rows add nothing to the product);
+- the gradient operand dy rounded stochastically by default (``grad_rounding``), so that the
+  gradient is unbiased in expectation;
+- optionally a random Hadamard transform on the wgrad operands (``hadamard_wgrad``): both dy^T
+  and x^T are multiplied by the same orthogonal H = diag(signs) H_16 / 4 over each group of 16
+  tokens, which leaves dy^T x unchanged in exact arithmetic (H H^T = I) and spreads outliers
+  over their group before the quantization.
+
+The master weights stay in full precision (the module's ``weight`` parameter); only the GEMM
+operands are quantized.  ``quantize_backward=False`` keeps the straight-through estimator but
+computes both backward GEMMs in full precision from the forward's dequantized operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fp4_kernels
+
+from .error_feedback import philox_key
+from .gemm import fp4_gemm
+
+BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
+HADAMARD_GROUP = 16  # tokens per Hadamard group on the wgrad path, one NVFP4 block
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _quantize(t, rounding, seed, step):
+    kw = {"seed": seed, "step": step % 2**32} if rounding == "stochastic" else {}
+    return fp4_kernels.quantize(t.contiguous(), "nvfp4", rounding, **kw)
+
+
+def _pad_last(t, multiple):
+    pad = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+class _FP4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, options):
+        rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step = options
+        qx = _quantize(x2d, rounding, philox_key(seed, "x"), step)
+        qw = _quantize(weight, rounding, philox_key(seed, "weight"), step)
+        y = fp4_gemm(qx, qw)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.options = options
+        ctx.has_bias = bias is not None
+        if quantize_backward:
+            ctx.save_for_backward(x2d, weight)
+        else:  # the straight-through estimator through the forward's quantized operands
+            ctx.save_for_backward(
+                fp4_kernels.dequantize(qx, dtype=torch.float32),
+                fp4_kernels.dequantize(qw, dtype=torch.float32),
+            )
+        ctx.dtypes = (x2d.dtype, weight.dtype)
+        return y.to(x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step = ctx.options
+        x2d, weight = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        dy = dy.contiguous()
+        grad_x = grad_w = grad_b = None
+        if not quantize_backward:
+            dy32 = dy.float()
+            if ctx.needs_input_grad[0]:
+                grad_x = (dy32 @ weight).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (dy32.t() @ x2d).to(w_dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                qdy = _quantize(dy, grad_rounding, philox_key(seed, "dgrad"), step)
+                qwt = _quantize(weight.t(), "nearest", 0, step)
+                grad_x = fp4_gemm(qdy, qwt).to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                dyt = _pad_last(dy.t(), BLOCK)
+                xt = _pad_last(x2d.t(), BLOCK)
+                if hadamard_wgrad:  # the same orthogonal transform of both operands
+                    signs = philox_key(seed, "hadamard")
+                    dyt = fp4_kernels.hadamard(
+                        dyt.float().contiguous(), group_size=HADAMARD_GROUP, signs=signs
+                    )
+                    xt = fp4_kernels.hadamard(
+                        xt.float().contiguous(), group_size=HADAMARD_GROUP, signs=signs
+                    )
+                qdyt = _quantize(dyt, grad_rounding, philox_key(seed, "wgrad"), step)
+                qxt = _quantize(xt, "nearest", 0, step)
+                grad_w = fp4_gemm(qdyt, qxt).to(w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy.float().sum(0).to(w_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _check(x, weight, bias):
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("fp4_linear: x and weight must be torch tensors")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"fp4_linear: {name} has dtype {t.dtype}; use float32, bfloat16 or float16"
+            )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"fp4_linear: weight must be (out_features, in_features), got {tuple(weight.shape)}"
+        )
+    out_features, in_features = weight.shape
+    for name, n in (("in_features", in_features), ("out_features", out_features)):
+        if n % BLOCK:
+            raise ValueError(
+                f"fp4_linear: {name}={n} is not a multiple of the NVFP4 block size {BLOCK} "
+                "(the GEMMs contract over it)"
+            )
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"fp4_linear: x has shape {tuple(x.shape)}, expected (..., {in_features}) for a weight "
+            f"of shape {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(
+            f"fp4_linear: bias has shape {tuple(bias.shape)}, expected ({out_features},)"
+        )
+    devices = {t.device for t in (x, weight, bias) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fp4_linear: x, weight and bias are on different devices: {sorted(map(str, devices))}"
+        )
+
+
+def fp4_linear(
+    x,
+    weight,
+    bias=None,
+    *,
+    rounding="nearest",
+    grad_rounding="stochastic",
+    quantize_backward=True,
+    hadamard_wgrad=False,
+    seed=0,
+    step=0,
+):
+    """``x @ weight^T + bias`` with NVFP4 operands in the forward and backward GEMMs.
+
+    Args:
+        x: (..., in_features), float32 / bfloat16 / float16; the output has x's dtype.
+        weight: (out_features, in_features), both multiples of 16 (the full-precision master).
+        bias: (out_features,) or None; added in float32.
+        rounding: how the forward operands x and W are rounded ("nearest" or "stochastic").
+        grad_rounding: how the output gradient dy is rounded in the backward GEMMs
+            ("stochastic", the recipe's choice, or "nearest").
+        quantize_backward: run dgrad and wgrad on NVFP4 operands (True) or in full precision
+            with the forward's dequantized x and W (False).
+        hadamard_wgrad: apply the random Hadamard transform (``fp4_kernels.hadamard``, signs
+            drawn from ``seed``) to both wgrad operands over groups of 16 tokens.
+        seed, step: stochastic rounding's seed and counter (pass the training step).
+    """
+    for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
+        if value not in ROUNDINGS:
+            raise ValueError(f"fp4_linear: {name}={value!r} is not one of {ROUNDINGS}")
+    _check(x, weight, bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if not isinstance(hadamard_wgrad, bool) or not isinstance(quantize_backward, bool):
+        raise TypeError("fp4_linear: hadamard_wgrad and quantize_backward are True or False")
+    options = (rounding, grad_rounding, quantize_backward, hadamard_wgrad, int(seed), int(step))
+    y = _FP4LinearFunction.apply(x2d, weight, bias, options)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class FP4Linear(torch.nn.Module):
+    """``torch.nn.Linear`` with NVFP4 GEMMs (``fp4_linear``) and full-precision master weights.
+
+    Args:
+        in_features, out_features: multiples of 16.
+        bias: add a learnable bias.
+        rounding, grad_rounding, quantize_backward, hadamard_wgrad: as in ``fp4_linear``.
+        seed: stochastic rounding's seed; the counter is the number of training-mode forward
+            calls so far (``self.step``, saved in the state dict).
+        device, dtype: of the master weights (default float32).
+    """
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        *,
+        rounding="nearest",
+        grad_rounding="stochastic",
+        quantize_backward=True,
+        hadamard_wgrad=False,
+        seed=0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        for name, n in (("in_features", in_features), ("out_features", out_features)):
+            if n % BLOCK:
+                raise ValueError(f"FP4Linear: {name}={n} is not a multiple of {BLOCK}")
+        for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
+            if value not in ROUNDINGS:
+                raise ValueError(f"FP4Linear: {name}={value!r} is not one of {ROUNDINGS}")
+        reference = torch.nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = reference.weight
+        self.bias = reference.bias
+        self.rounding = rounding
+        self.grad_rounding = grad_rounding
+        self.quantize_backward = quantize_backward
+        self.hadamard_wgrad = hadamard_wgrad
+        self.seed = int(seed)
+        self.step = 0
+
+    @classmethod
+    def from_linear(cls, linear, **options):
+        """An FP4Linear holding (sharing) ``linear``'s weight and bias."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **options)
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        return layer
+
+    def forward(self, x):
+        y = fp4_linear(
+            x,
+            self.weight,
+            self.bias,
+            rounding=self.rounding,
+            grad_rounding=self.grad_rounding,
+            quantize_backward=self.quantize_backward,
+            hadamard_wgrad=self.hadamard_wgrad,
+            seed=self.seed,
+            step=self.step,
+        )
+        if self.training:
+            self.step += 1
+        return y
+
+    def get_extra_state(self):
+        return {"step": self.step, "seed": self.seed}
+
+    def set_extra_state(self, state):
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+
+    def extra_repr(self):
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, rounding={self.rounding!r}, "
+            f"grad_rounding={self.grad_rounding!r}, quantize_backward={self.quantize_backward}, "
+            f"hadamard_wgrad={self.hadamard_wgrad}"
+        )
