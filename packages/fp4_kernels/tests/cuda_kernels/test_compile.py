@@ -15,6 +15,8 @@ if config.ENABLE_CUDASIM:
 
 from fp4_kernels.cuda.amax import amax_kernel
 from fp4_kernels.cuda.dequantize import dequantize_kernel
+from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
+from fp4_kernels.cuda.hadamard import hadamard_kernel
 from fp4_kernels.cuda.quantize import FMT_MXFP4, FMT_NVFP4, quantize_kernel
 from fp4_kernels.testing import compile_ptx
 
@@ -30,6 +32,19 @@ U32 = types.uint32
 QUANTIZE_SIG = (U64, U16, U8, U64, I64, I64, I64, F32, I64, types.float32, F32, U32, U32, U32)
 DEQUANTIZE_SIG = (U16, U8, F32, U64, I64, I64, I64)
 AMAX_SIG = (U64, I64, F32)
+HADAMARD_SIG = (U64, U64, I64, types.Array(types.uint32, 1, "C"))
+ENCODE_SIG = (U64, U16, U16, I64, U32, U32, U32)
+DECODE_SIG = (U16, U16, U64, I64)
+GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
+# every group size in bfloat16, and the other element kinds at a shuffle-only and a
+# shared-memory group size
+GROUP_CASES = [(1, g) for g in GROUP_SIZES] + [(k, g) for k in (0, 2) for g in (64, 2048)]
+
+
+def _stage_instructions(ptx, g):
+    """The three stage kinds appear exactly where the group size needs them."""
+    assert "shfl.sync.bfly" in ptx  # every group spans lanes (g = 16: 4 lanes, 2 stages)
+    assert ("bar.sync" in ptx) == (g > 512)  # shared-memory stages only above a warp's 512
 
 
 def _check_ptx(ptx):
@@ -98,3 +113,36 @@ def test_a_float64_leak_is_a_compile_error():
 
     with pytest.raises(Exception, match="float32 argument"):
         compile_ptx(leaky, (types.Array(types.uint32, 1, "C"),))
+
+
+@pytest.mark.parametrize("kind,g", GROUP_CASES)
+def test_hadamard_kernel_compiles_clean(kind, g):
+    ptx = compile_ptx(hadamard_kernel(kind, g, False, True), HADAMARD_SIG)
+    _check_ptx(ptx)
+    _stage_instructions(ptx, g)
+    assert "st.global.u64" in ptx
+
+
+@pytest.mark.parametrize("kind,g", GROUP_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp4quant_encode_kernel_compiles_clean(kind, g, stochastic):
+    ptx = compile_ptx(fp4quant_encode_kernel(kind, g, True, stochastic), ENCODE_SIG)
+    _check_ptx(ptx)
+    _stage_instructions(ptx, g)
+    assert "st.global.u16" in ptx  # four codes per 2-byte store, one bf16 scale per group
+
+
+@pytest.mark.parametrize("g", [16, 256, 2048])
+def test_fp4quant_encode_without_transform_compiles_clean(g):
+    ptx = compile_ptx(fp4quant_encode_kernel(1, g, False, False), ENCODE_SIG)
+    _check_ptx(ptx)
+    assert ("bar.sync" in ptx) == (g > 512)  # only the cross-warp amax
+
+
+@pytest.mark.parametrize("kind,g", GROUP_CASES)
+def test_fp4quant_decode_kernel_compiles_clean(kind, g):
+    ptx = compile_ptx(fp4quant_decode_kernel(kind, g, True), DECODE_SIG)
+    assert ".local" not in ptx
+    assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
+    _stage_instructions(ptx, g)
+    assert "ld.global.u16" in ptx and "st.global.u64" in ptx

@@ -1,0 +1,189 @@
+"""Walsh–Hadamard transform and FP4Quant codec on the GPU, as multiples of a D2D copy of the same
+tensor timed in the same run, beside the peers.
+
+    python benchmarks/hadamard_throughput.py [--log2n 28] [--out DIR] [--fht-loader FILE]
+
+Every op is timed on a bf16 tensor of 2^log2n elements (rows of 8192), median of CUDA-graph
+replays between CUDA events (``_timing.graph_time_ms``), inputs rotating among buffers larger
+than the L2.  ``ratio_to_copy`` = op time / time of ``dst.copy_(x)`` for the same tensor.
+
+Peers: a torch bf16 matmul by the (normalized) Hadamard matrix (tensor cores), and Dao-AILab's
+fast-hadamard-transform when ``--fht-loader`` names a Python file whose ``load()`` returns its
+``hadamard_transform(x, scale)`` (built on the machine for sm_90; its code is not part of this
+repository).  Host time per call is measured on a 64 x 1024 tensor.  Writes
+``hadamard_throughput.json`` / ``.md`` (device, commit, date) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import fp4_kernels as fk
+
+try:  # imported by asv as part of the benchmarks package
+    from ._timing import ROTATE, cuda_time_ms, graph_time_ms, host_time_us
+except ImportError:  # run as a script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _timing import ROTATE, cuda_time_ms, graph_time_ms, host_time_us
+
+GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
+K = 8192
+
+
+def _commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("FP4_COMMIT", "unknown")
+
+
+def _load_fht(path):
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("fht_loader", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.load()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--log2n", type=int, default=28)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--fht-loader", default=None, help="file with load() -> hadamard_transform")
+    ap.add_argument("--groups", default=",".join(map(str, GROUP_SIZES)))
+    args = ap.parse_args()
+    import scipy.linalg
+    import torch
+
+    groups = [int(g) for g in args.groups.split(",")]
+    n = 1 << args.log2n
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    xs = [torch.randn(n // K, K, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
+    dst = torch.empty_like(xs[0])
+    copy_ms, _, _ = graph_time_ms(lambda x: dst.copy_(x), [(x,) for x in xs])
+    print(f"copy bf16 {n} elements: {copy_ms:.3f} ms ({4 * n / copy_ms / 1e6:.0f} GB/s)")
+    small = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)
+    fht = _load_fht(args.fht_loader)
+    results = []
+
+    def record(op, g, fn, host=True, small_fn=None):
+        try:
+            med, lo, hi = graph_time_ms(fn, [(x,) for x in xs])
+            eager, _, _ = cuda_time_ms(fn, [(x,) for x in xs])
+        except Exception as e:  # a peer that cannot run this size: say so, keep going
+            print(f"{op:40s} g={g:5d}  failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"op": op, "group_size": g, "error": f"{type(e).__name__}: {e}"})
+            return
+        row = {
+            "op": op,
+            "group_size": g,
+            "elements": n,
+            "median_ms": med,
+            "min_ms": lo,
+            "max_ms": hi,
+            "eager_ms": eager,
+            "ratio_to_copy": med / copy_ms,
+        }
+        if host and small_fn is not None and small.shape[-1] % g == 0:
+            row["host_us_per_call"] = host_time_us(small_fn, (small,))
+        results.append(row)
+        print(
+            f"{op:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy"
+            + (f"  host {row['host_us_per_call']:.0f} us" if "host_us_per_call" in row else ""),
+            flush=True,
+        )
+
+    for g in groups:
+        f = lambda x, g=g: fk.hadamard(x, group_size=g)  # noqa: E731
+        record("fp4_kernels.hadamard", g, f, small_fn=f)
+        f = lambda x, g=g: fk.hadamard(x, group_size=g, signs=1234)  # noqa: E731
+        record("fp4_kernels.hadamard signs", g, f)
+        hm = torch.tensor(scipy.linalg.hadamard(g) / math.sqrt(g), dtype=torch.bfloat16, device=dev)
+        f = lambda x, g=g, hm=hm: x.view(-1, g) @ hm  # noqa: E731
+        record("torch bf16 matmul by H", g, f, small_fn=f)
+        if fht is not None:
+            f = lambda x, g=g: fht(x.view(-1, g), 1 / math.sqrt(g))  # noqa: E731
+            record("fast-hadamard-transform", g, f, small_fn=f)
+    for g in groups:
+        for had in (True, False):
+            if not had and g not in (16, 64, 256, 1024):
+                continue
+            fmt = fk.FP4Quant(g, had)
+            enc = lambda x, fmt=fmt: fk.quantize(x, fmt=fmt)  # noqa: E731
+            record(f"FP4Quant encode{'' if had else ' no-hadamard'}", g, enc, small_fn=enc)
+            qs = [fk.quantize(x, fmt=fmt) for x in xs]
+            med, lo, hi = graph_time_ms(lambda q: fk.dequantize(q), [(q,) for q in qs])
+            row = {
+                "op": f"FP4Quant decode{'' if had else ' no-hadamard'}",
+                "group_size": g,
+                "elements": n,
+                "median_ms": med,
+                "min_ms": lo,
+                "max_ms": hi,
+                "ratio_to_copy": med / copy_ms,
+            }
+            qsmall = fk.quantize(small, fmt=fmt) if small.shape[-1] % g == 0 else None
+            if qsmall is not None:
+                row["host_us_per_call"] = host_time_us(lambda q: fk.dequantize(q), (qsmall,))
+            results.append(row)
+            print(
+                f"{row['op']:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy", flush=True
+            )
+            del qs
+        if g == 64:
+            fmt = fk.FP4Quant(64)
+            f = lambda x, fmt=fmt: fk.quantize(x, fmt=fmt, rounding="stochastic")  # noqa: E731
+            record("FP4Quant encode stochastic", g, f)
+    f = lambda x: fk.quantize(x, fmt="nvfp4", global_amax=4.5)  # noqa: E731
+    record("NVFP4 quantize (context)", 16, f)
+
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "device": props.name,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "elements": n,
+        "dtype": "bfloat16",
+        "row_length": K,
+        "copy_ms": copy_ms,
+        "copy_gbps": 4 * n / copy_ms / 1e6,
+        "torch": torch.__version__,
+        "fast_hadamard_transform": fht is not None,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hadamard_throughput.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    lines = [
+        f"# Hadamard / FP4Quant throughput: {meta['device']}, commit {meta['commit']}, "
+        f"{meta['date']}",
+        "",
+        f"2^{args.log2n} bf16 elements; copy of the same tensor {copy_ms:.3f} ms "
+        f"({meta['copy_gbps']:.0f} GB/s).",
+        "",
+        "| op | g | ms | x copy | host us/call |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['group_size']} | failed | | |")
+            continue
+        host = f"{r['host_us_per_call']:.0f}" if "host_us_per_call" in r else ""
+        lines.append(
+            f"| {r['op']} | {r['group_size']} | {r['median_ms']:.3f} | "
+            f"{r['ratio_to_copy']:.2f} | {host} |"
+        )
+    with open(os.path.join(args.out, "hadamard_throughput.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

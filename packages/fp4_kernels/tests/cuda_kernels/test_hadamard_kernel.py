@@ -1,0 +1,75 @@
+"""cuda/hadamard.py: the transform kernel against the numpy reference, bit for bit (same
+butterfly order), in the simulator (small: one or two CTAs) and on a real GPU (full sizes)."""
+
+import numpy as np
+import pytest
+from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
+from conftest import REAL_GPU, SIMULATOR
+
+import fp4_kernels as fk
+from fp4_kernels.formats import hadamard as h
+from fp4_kernels.testing import same_bits
+
+KINDS = available_kinds(REAL_GPU)
+# every group size in bfloat16; float32 and float16 at register/shuffle and shared-memory sizes
+FULL_CASES = [("bfloat16", 16 << i) for i in range(10)] + [
+    (dt, g) for dt in ("float32", "float16") for g in (64, 512, 2048)
+]
+
+
+def _reference(x, g, inverse, seed):
+    signs = None if seed is None else h.hadamard_signs(g, seed)
+    y = h.hadamard_reference(np.asarray(x, np.float32), g, inverse=inverse, signs=signs)
+    return y.astype(x.dtype)
+
+
+# the simulator runs a CTA of 32 * g / 512 Python threads above g = 512: keep those few
+SIM_CASES = [
+    (16, "float32", False, None, 3),
+    (32, "bfloat16", True, 5, 5),
+    (128, "float16", False, 5, 1),
+    (256, "bfloat16", False, None, 3),
+    (512, "float32", True, 2**63 + 1, 2),
+    (1024, "bfloat16", False, 7, 2),
+    (2048, "float32", True, None, 1),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("g,dtype,inverse,seed,rows", SIM_CASES)
+def test_kernel_matches_reference(kernels, rng, kind, g, dtype, inverse, seed, rows):
+    x = (rng.standard_normal((rows, g)) * 2).astype(NP_DTYPES[dtype])
+    x.reshape(-1)[:3] = [0.0, -0.0, 1e4]  # signed zeros and a value that dominates a group
+    y = fk.hadamard(to_gpu(x, kind), group_size=g, inverse=inverse, signs=seed)
+    assert same_bits(to_host(y), _reference(x, g, inverse, seed))
+
+
+def test_kernel_nan_stays_in_its_group(kernels):
+    x = np.ones((2, 64), np.float32)
+    x[0, 3] = np.nan
+    y = to_host(fk.hadamard(to_gpu(x, "numba"), group_size=32))
+    assert np.all(np.isnan(y[0, :32])) and np.all(np.isfinite(y[0, 32:]))
+    assert np.all(np.isfinite(y[1]))
+
+
+@pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,g", FULL_CASES)
+def test_full_size_matches_reference(gpu, rng, kind, dtype, g):
+    n = (1 << 22) + 3 * 8192  # not a multiple of the CTA tile: a partial last tile
+    x = (rng.standard_normal(n) * 4).astype(NP_DTYPES[dtype]).reshape(-1, g)
+    for inverse, seed in ((False, 1234), (True, None)):
+        y = to_host(fk.hadamard(to_gpu(x, kind), group_size=g, inverse=inverse, signs=seed))
+        assert same_bits(y, _reference(x, g, inverse, seed)), (g, dtype, inverse)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="torch streams: real GPU only")
+def test_runs_on_the_callers_stream(gpu):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(64, 4096, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = fk.hadamard(x, group_size=1024, signs=3)
+        z = fk.hadamard(y, group_size=1024, signs=3, inverse=True)
+    s.synchronize()
+    torch.testing.assert_close(z, x, rtol=0, atol=1e-5)
