@@ -1,5 +1,5 @@
 """fp4_kernels.hadamard on the CPU path: bit-exact against the reference, against float64 scipy
-within the dtype's error, input validation.  (The GPU kernels: cuda_kernels/test_hadamard_kernel.)"""
+within the dtype's error, input validation.  (GPU kernels: cuda_kernels/test_hadamard_kernel.)"""
 
 import ml_dtypes
 import numpy as np
