@@ -100,7 +100,7 @@ class Cluster:
         return self._collect(timeout_s)
 
     def close(self, force=False):
-        for conn, p in zip(self.conns, self.procs):
+        for conn in self.conns:
             if not force:
                 try:
                     conn.send(None)

@@ -206,8 +206,10 @@ def _run_all_gather(comms, world, xs, codec_name):
     return comm.all_gather(xs[comm.rank], codec=codec_name).float().numpy()
 
 
-@pytest.mark.parametrize(("world", "shape", "codec_name"),
-                         [(3, (2, 7), "nvfp4"), (2, (3, 32), "mxfp4"), (3, (4,), "none")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("world", "shape", "codec_name"),
+    [(3, (2, 7), "nvfp4"), (2, (3, 32), "mxfp4"), (3, (4,), "none")],
+)
 def test_all_gather_decodes_every_ranks_tensor(cluster, world, shape, codec_name):
     xs = _inputs(world, shape, seed=23)
     results = cluster.run(_run_all_gather, world, xs, codec_name)

@@ -13,7 +13,7 @@ communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions).
 from importlib.metadata import version as _version
 
 from ._transport import CommTimeoutError
-from .codecs import Codec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
+from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
 from .communicator import Communicator
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
@@ -23,6 +23,7 @@ __version__ = _version("fp4-comm")
 __all__ = [
     "Codec",
     "CommTimeoutError",
+    "FP4QuantCodec",
     "Communicator",
     "ErrorFeedback",
     "HopStats",

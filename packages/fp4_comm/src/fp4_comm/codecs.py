@@ -16,6 +16,8 @@ Codecs:
   scale 1/S of the encoded tensor, sent with every chunk (4 bytes), so that ranks need not agree
   on a tensor amax before they quantize.
 - ``MXFP4Codec`` ("mxfp4"): E2M1 codes and an E8M0 scale per 32 elements.
+- ``FP4QuantCodec(group_size, hadamard)`` (or an ``fp4_kernels.FP4Quant`` passed as codec):
+  E2M1 codes and a bfloat16 scale per group, after a Walsh-Hadamard transform of each group.
 
 All work on torch tensors, CPU (numba CPU path of fp4_kernels) or CUDA (its kernels, on the
 current stream); bit-identical on both.
@@ -45,6 +47,7 @@ NVFP4_S_NUMERATOR = 448.0 * 6.0  # S = 2688 / amax (E4M3 max times E2M1 max)
 FLOAT32_ROUNDING_SLACK = 2.0**-20
 # Half an ulp of a float dtype, relative: the last rounding of a decode to that dtype.
 # (p significand bits: 2^-p; bfloat16 has 8, float16 11, float32 24; normal range only).
+FLOAT32_REL_HALF_ULP = 2.0**-24
 REL_HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -83,7 +86,8 @@ class Codec(ABC):
 
     def error_bound(self, x, rounding="nearest", dtype=torch.float32):
         """Per-element bound on |decode(encode(x)) - x| for a (chunks, n) float32 numpy array
-        of finite values, derived from the format (docs/formats.md); decoding to ``dtype``."""
+        of finite values, derived from the format (docs/formats.md); decoding to ``dtype``.
+        (FP4Quant with the transform: for groups whose sum of |x| stays below FLT_MAX.)"""
         raise NotImplementedError(f"{self.name}: no error bound")
 
     def __repr__(self):
@@ -236,6 +240,83 @@ class MXFP4Codec(_FP4BlockCodec):
         return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
 
 
+class FP4QuantCodec(Codec):
+    """FP4Quant on the wire: codes (n/2 bytes) and bfloat16 group scales (2n/g bytes).
+
+    ``fp4_kernels.FP4Quant`` lays one tensor out as codes then scales in one payload; the
+    sections here are that payload's two parts, so chunk i of each is contiguous.
+    """
+
+    def __init__(self, group_size=64, hadamard=True):
+        self.fmt = fp4_kernels.FP4Quant(group_size=group_size, hadamard=hadamard)
+        self.granularity = self.fmt.group_size
+        self.name = f"fp4quant-g{group_size}" + ("" if hadamard else "-nohadamard")
+
+    def section_nbytes(self, n):
+        return (n // 2, 2 * (n // self.granularity))
+
+    def encode(self, x, rounding="nearest", seed=0, step=0):
+        _check_rounding(rounding)
+        q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
+        chunks = x.shape[0]
+        return [q.data, q.scales.view(torch.uint8).reshape(chunks, -1)]
+
+    def decode(self, sections, n, dtype=torch.float32):
+        codes, scales = sections
+        chunks = codes.shape[0]
+        q = fp4_kernels.QuantizedTensor(
+            codes.reshape(chunks, n // 2),
+            scales.reshape(chunks, -1).view(torch.uint16),
+            None,
+            self.fmt,
+            (chunks, n),
+            "float32",
+            "linear",
+        )
+        return fp4_kernels.dequantize(q, _dtype_name(dtype))
+
+    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+        g = self.granularity
+        stages = g.bit_length() - 1 if self.fmt.hadamard else 0
+        groups = np.abs(x.astype(np.float64)).reshape(-1, g)
+        amax_x = groups.max(axis=1)
+        t = _hadamard_f64(x.astype(np.float64).reshape(-1, g)) if self.fmt.hadamard else groups
+        # float32 butterflies: each of the log2(g) stages rounds partial sums no larger than
+        # g * amax_x, and every output collects one rounding per stage of that size.
+        transform_err = stages * FLOAT32_REL_HALF_ULP * g * amax_x
+        # s = bf16 rounding *up* of amax(t) * fp32(1/6): never below amax(t) / 6 (no element
+        # clips), at most 2^-7 (one bfloat16 ulp) above it.
+        s_hi = (np.abs(t).max(axis=1) + transform_err) / E2M1_MAX * (1 + 2.0**-7)
+        s_hi *= 1 + FLOAT32_ROUNDING_SLACK
+        steps = 1.0 if rounding == "nearest" else 2.0
+        # The inverse transform divided by g maps a code-domain error bounded by e elementwise
+        # to one bounded by e again (a mean of +-e), and rounds like the forward one.
+        per_group = steps * s_hi + transform_err + stages * FLOAT32_REL_HALF_ULP * 6 * s_hi
+        bound = np.repeat(per_group, g).reshape(x.shape)
+        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+
+    @property
+    def key(self):
+        return self.name
+
+    def __repr__(self):
+        return f"FP4QuantCodec(group_size={self.granularity}, hadamard={self.fmt.hadamard})"
+
+
+def _hadamard_f64(groups):
+    """Unnormalized Walsh-Hadamard transform of each row, in float64 (the exact reference)."""
+    t = groups.copy()
+    g = t.shape[1]
+    h = 1
+    while h < g:
+        t = t.reshape(-1, g // (2 * h), 2, h)
+        a, b = t[:, :, 0, :].copy(), t[:, :, 1, :].copy()
+        t[:, :, 0, :], t[:, :, 1, :] = a + b, a - b
+        t = t.reshape(-1, g)
+        h *= 2
+    return t
+
+
 _ONES = {}
 
 
@@ -262,17 +343,19 @@ _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
 
 def get_codec(spec) -> Codec:
     """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
-    / ``"none-float16"``, or a ``Codec`` instance (returned as is)."""
+    / ``"none-float16"``, an ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
     if isinstance(spec, Codec):
         return spec
+    if isinstance(spec, fp4_kernels.FP4Quant):
+        return FP4QuantCodec(spec.group_size, spec.hadamard)
     if isinstance(spec, str):
         if spec in _BY_NAME:
             return _BY_NAME[spec]()
         if spec.startswith("none-"):
             return NoneCodec(spec[len("none-") :])
     raise ValueError(
-        f"codec: {spec!r} is not a Codec nor one of 'nvfp4', 'mxfp4', 'none', 'none-float32', "
-        "'none-float16'"
+        f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of 'nvfp4', 'mxfp4', "
+        "'none', 'none-float32', 'none-float16'"
     )
 
 

@@ -63,7 +63,7 @@ def receive_sections(codec: Codec, chunks: int, n: int, device):
         offsets.append(total)
         total += -(-(chunks * s) // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
     flat = torch.empty(total, dtype=torch.uint8, device=device)
-    return [flat[o : o + chunks * s].view(chunks, s) for o, s in zip(offsets, sizes)]
+    return [flat[o : o + chunks * s].view(chunks, s) for o, s in zip(offsets, sizes, strict=True)]
 
 
 def _padded(x2d, c):
@@ -108,13 +108,13 @@ def _sum_rows(d):
 
 def _exchange_and_reduce(transport, sections, c, codec):
     recv = receive_sections(codec, transport.world_size, c, sections[0].device)
-    transport.all_to_all(list(zip(sections, recv)))
+    transport.all_to_all(list(zip(sections, recv, strict=True)))
     return _sum_rows(codec.decode(recv, c))
 
 
 def _gather_and_decode(transport, sections, c, codec, dtype):
     recv = receive_sections(codec, transport.world_size, c, sections[0].device)
-    transport.all_gather(list(zip(sections, recv)))
+    transport.all_gather(list(zip(sections, recv, strict=True)))
     return codec.decode(recv, c, dtype)
 
 

@@ -1,0 +1,144 @@
+"""Codecs in one process: sections of the advertised sizes, decode equal bit for bit to
+fp4_kernels' own round trip (also across chunks whose NVFP4 tensor scales differ), and the
+per-element error bound that the collectives' tests rely on holds for adversarial inputs."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+import fp4_kernels
+from fp4_comm import codecs
+from fp4_comm.codecs import get_codec
+
+CODECS = ["nvfp4", "mxfp4", "none", "none-float32", "fp4quant64", "fp4quant16-plain"]
+
+
+def _codec(name):
+    if name == "fp4quant64":
+        return get_codec(fp4_kernels.FP4Quant(64))
+    if name == "fp4quant16-plain":
+        return codecs.FP4QuantCodec(16, hadamard=False)
+    return get_codec(name)
+
+
+def _fmt(codec):
+    return getattr(codec, "fmt", None)
+
+
+def _data(rng, chunks, n):
+    # Per-block magnitudes from 2^-20 to 2^20, so blocks of one tensor differ a lot.
+    scale = np.exp2(rng.integers(-20, 21, size=(chunks, n // 16, 1)))
+    x = rng.standard_normal((chunks, n // 16, 16)) * scale
+    return torch.from_numpy(x.reshape(chunks, n).astype(np.float32))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", CODECS)
+def test_sections_and_round_trip(name, rounding):
+    codec = _codec(name)
+    x = _data(np.random.default_rng(1), 3, 128)
+    sections = codec.encode(x, rounding, seed=5, step=2)
+    assert [tuple(s.shape) for s in sections] == [(3, b) for b in codec.section_nbytes(128)]
+    assert all(s.dtype == torch.uint8 and s.is_contiguous() for s in sections)
+    assert codec.encoded_nbytes(128) == sum(codec.section_nbytes(128))
+    y = codec.decode(sections, 128)
+    if name.startswith("none"):
+        expected = x.to(codec.dtype).float()
+    else:
+        expected = fp4_kernels.quantize_dequantize(x, fmt=_fmt(codec), rounding=rounding,
+                                                   seed=5, step=2)  # fmt: skip
+    assert torch.equal(y.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "fp4quant64"])
+def test_decode_of_chunks_from_separate_encodes(name):
+    # A receiver decodes chunks that different ranks encoded (NVFP4: different tensor scales)
+    # in one call; each must equal its own encoder's round trip.
+    codec = _codec(name)
+    rng = np.random.default_rng(2)
+    parts = [_data(rng, 1, 64) * 1000.0**i for i in range(3)]
+    encoded = [codec.encode(p) for p in parts]
+    joined = [torch.cat([e[i] for e in encoded]) for i in range(len(encoded[0]))]
+    y = codec.decode(joined, 64, torch.bfloat16)
+    for i, p in enumerate(parts):
+        ref = fp4_kernels.quantize_dequantize(p, fmt=_fmt(codec)).to(torch.bfloat16)
+        assert torch.equal(y[i : i + 1].view(torch.int16), ref.view(torch.int16))
+
+
+def test_nvfp4_sections_carry_the_tensor_scale():
+    x = _data(np.random.default_rng(3), 2, 32)
+    q = fp4_kernels.quantize(x, fmt="nvfp4")
+    codes, scales, inv_s = codecs.NVFP4Codec().encode(x)
+    assert torch.equal(codes, q.data) and torch.equal(scales, q.scales)
+    assert torch.equal(inv_s.view(torch.float32).reshape(-1), q.global_scale.expand(2))
+
+
+def test_saturated_marks_the_largest_code():
+    # Block amax 6: the element 6 gets code 7 (+6), -6 gets 0xF; nothing else does.
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 3], x[0, 5] = 6.0, -6.0, 5.0
+    codec = codecs.MXFP4Codec()
+    sat = codec.saturated(codec.encode(x), 32)[0]
+    # 5.0 is a tie between 4 and 6, which rounds to even (4): not saturated
+    assert sat.nonzero().reshape(-1).tolist() == [0, 3]
+
+
+def _bound_check(codec, x, rounding, dtype):
+    y = codec.decode(codec.encode(x, rounding, seed=9, step=1), x.shape[1], dtype)
+    err = (y.double() - x.double()).abs().numpy()
+    bound = codec.error_bound(x.numpy(), rounding, dtype)
+    assert (err <= bound).all(), float(np.max(err / np.maximum(bound, 1e-300)))
+    return float(np.max(err / np.maximum(bound, np.finfo(np.float64).tiny)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", CODECS)
+def test_error_bound_holds_and_is_tight(name, rounding, dtype):
+    codec = _codec(name)
+    x = _data(np.random.default_rng(4), 16, 256)
+    worst = _bound_check(codec, x, rounding, dtype)
+    if name == "none-float32" and dtype == torch.float32:
+        assert worst == 0  # float32 through float32: nothing is lost
+        return
+    # A bound far above the errors would let broken collectives pass their tests: without a
+    # Hadamard transform the worst element reaches half of it (the transform's bound is an
+    # elementwise worst case that averaging over a group never reaches).
+    hadamard = getattr(getattr(codec, "fmt", None), "hadamard", False)
+    assert worst > (0.03 if hadamard else 0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["nvfp4", "mxfp4", "fp4quant64"]),
+    st.sampled_from(["nearest", "stochastic"]),
+    st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=64, max_size=64),
+)
+def test_error_bound_on_arbitrary_finite_values(name, rounding, values):
+    x = torch.tensor(values, dtype=torch.float32).view(1, 64)
+    if name.startswith("fp4quant"):
+        # The float32 Hadamard transform of a group sums up to g values: it overflows beyond
+        # FLT_MAX / g, a range limit of the format (fp4_kernels.formats.fp4quant).
+        assume(float(x.abs().sum()) < float(np.finfo(np.float32).max))
+    _bound_check(_codec(name), x, rounding, torch.float32)
+
+
+def test_get_codec():
+    assert isinstance(get_codec("nvfp4"), codecs.NVFP4Codec)
+    assert get_codec("none").dtype == torch.bfloat16
+    assert get_codec("none-float16").dtype == torch.float16
+    c = codecs.MXFP4Codec()
+    assert get_codec(c) is c
+    fq = get_codec(fp4_kernels.FP4Quant(256, hadamard=False))
+    assert fq.granularity == 256 and fq.key != get_codec(fp4_kernels.FP4Quant(256)).key
+    with pytest.raises(ValueError, match="codec"):
+        get_codec("fp8")
+    with pytest.raises(ValueError, match="rounding"):
+        c.encode(torch.zeros(1, 32), rounding="up")
+
+
+def test_padded_chunk():
+    assert codecs.padded_chunk(1000, 3, 16) == 336  # ceil(1000/3) = 334 -> 336
+    assert codecs.padded_chunk(1, 4, 32) == 32
+    assert codecs.padded_chunk(96, 3, 32) == 32  # divides evenly: no padding
