@@ -80,3 +80,42 @@ def test_tensor_scale_is_applied_once_to_the_result():
     expected = dequantize_f64(a) @ dequantize_f64(b).T
     got = fp4_gemm(a, b).double().numpy()
     assert np.all(np.abs(got - expected) <= gemm_bound(dequantize_f64(a), dequantize_f64(b), 32))
+
+
+def _cuda_capability():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m, n, k", [(130, 70, 96), (512, 384, 4096)])
+def test_cuda_exact_gemm_within_float32_accumulation_bound(fmt, m, n, k):
+    rng = np.random.default_rng([m, n, k, 1])
+    a = _operand(rng, m, k, fmt, "numpy")
+    b = _operand(rng, n, k, fmt, "numpy")
+    to_cuda = lambda q: dataclasses.replace(  # noqa: E731
+        q,
+        data=torch.from_numpy(q.data).cuda(),
+        scales=torch.from_numpy(q.scales).cuda(),
+        global_scale=torch.from_numpy(q.global_scale).cuda(),
+    )
+    out = fp4_gemm(to_cuda(a), to_cuda(b))
+    assert out.is_cuda and out.dtype == torch.float32
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
+    assert np.all(err <= gemm_bound(a64, b64, k))
+    out_bf16 = fp4_gemm(to_cuda(a), to_cuda(b), out_dtype="bfloat16")
+    assert torch.equal(out_bf16, out.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+def test_cuda_exact_gemm_quantizes_and_multiplies_on_the_device():
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    qa, qb = fp4_kernels.quantize(x), fp4_kernels.quantize(y)
+    out = fp4_gemm(qa, qb)
+    a64, b64 = dequantize_f64(qa), dequantize_f64(qb)
+    err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
+    assert np.all(err <= gemm_bound(a64, b64, 512))
