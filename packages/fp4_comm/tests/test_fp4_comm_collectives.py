@@ -28,9 +28,12 @@ def _inputs(world, shape, seed, dtype=torch.float32):
     return xs
 
 
+FP4QUANT = fp4_kernels.FP4Quant(64)
+
+
 def _qdq(x2d, codec_name, rounding, seed, step):
     """The reference round trip of one encode call: fp4_kernels itself, or the plain cast."""
-    if codec_name.startswith("none"):
+    if isinstance(codec_name, str) and codec_name.startswith("none"):
         wire = get_codec(codec_name).dtype
         return x2d.to(wire).float()
     return fp4_kernels.quantize_dequantize(
@@ -108,13 +111,14 @@ CASES = [
     (3, (7, 33), "nvfp4"),
     (2, (4, 64), "mxfp4"),
     (3, (1000,), "mxfp4"),
+    (2, (3, 50), FP4QUANT),
 ]
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize(("world", "shape", "codec_name"), CASES)
 def test_all_reduce_matches_reference_and_bound(cluster, world, shape, codec_name, rounding):
-    xs = _inputs(world, shape, seed=hash((world, shape, codec_name)) % 2**32)
+    xs = _inputs(world, shape, seed=world * 1000 + shape[0])
     seed, step = 11, 3
     results = cluster.run(_run_all_reduce, world, xs, codec_name, rounding, seed, step)
     results = [r for r in results if r is not None]
@@ -279,3 +283,94 @@ def test_stats_per_hop(cluster, codec_name):
         sat = codecs.NVFP4Codec().saturated([q.data, q.scales], 192).reshape(-1)[: x.numel()]
         clipped = float((sat & (d.abs() < x.abs())).double().mean())
         assert hop["clipped"] == clipped
+
+
+def _run_error_feedback(comms, xs, codec_name, steps, name):
+    comm = comms[2]
+    if comm is None:
+        return None
+    total = np.zeros(xs[0].shape)
+    for _ in range(steps):
+        y = comm.all_reduce(xs[comm.rank], codec=codec_name, error_feedback=name)
+        total += y.double().numpy()
+    residuals = [comm.error_feedback.residual(name, hop) for hop in ("worker", "server")]
+    comm.error_feedback.reset(name)
+    return total / steps, [None if r is None else r.double().numpy() for r in residuals]
+
+
+@pytest.mark.parametrize("codec_name", ["nvfp4", "mxfp4"])
+def test_error_feedback_converges(cluster, codec_name):
+    # The same input every step: without error feedback (nearest rounding) every step makes
+    # the same error; with it, the mean of T outputs differs from the exact sum by the final
+    # residuals / T (they telescope), plus the float32 roundings of the corrections.
+    xs = _inputs(2, (4, 64), seed=51)
+    exact = sum(x.double().numpy() for x in xs)
+    steps = 16
+    plain = cluster.run(_run_error_feedback, xs, codec_name, 1, None)[0][0]
+    runs = cluster.run(_run_error_feedback, xs, codec_name, steps, "grads")
+    mean = runs[0][0]
+    assert np.array_equal(mean, runs[1][0])
+    n = exact.size
+    worker = sum(r[1][0].reshape(-1)[:n] for r in runs[:2])
+    server = np.concatenate([r[1][1].reshape(-1) for r in runs[:2]])[:n]
+    # x + e in float32 and the float32 sum of the decoded chunks each round once per step,
+    # relative to magnitudes below |x| + |e|; their errors do not telescope.
+    magnitude = sum(np.abs(x.double().numpy()) for x in xs).reshape(-1) + 2 * (
+        np.abs(worker) + np.abs(server)
+    )
+    rounding = 4 * FLOAT32_REL_HALF_ULP * magnitude
+    bound = (np.abs(worker + server) / steps + rounding).reshape(exact.shape)
+    err = np.abs(mean - exact)
+    assert (err <= bound).all()
+    assert np.abs(plain - exact).max() > 4 * err.max()  # the feedback is what removed the bias
+
+
+def _run_mismatch(comms, kind):
+    comm = comms[3]
+    r = comm.rank
+    shape, dtype, codec = (4, 32), torch.float32, "nvfp4"
+    if kind == "shape" and r == 1:
+        shape = (4, 48)
+    if kind == "dtype" and r == 2:
+        dtype = torch.bfloat16
+    if kind == "codec" and r == 0:
+        codec = "mxfp4"
+    try:
+        comm.all_reduce(torch.ones(shape, dtype=dtype), codec=codec)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "codec"])
+def test_mismatched_arguments_raise_on_every_rank(cluster, kind):
+    messages = cluster.run(_run_mismatch, kind)
+    for m in messages:
+        assert m is not None and "ranks disagree" in m
+    # and the group is still usable afterwards
+    assert all(m is None for m in cluster.run(_run_mismatch, "none"))
+
+
+def _run_bad_inputs(comms):
+    comm = comms[2]
+    if comm is None:
+        return None
+    errors = []
+    for bad in (
+        lambda: comm.all_reduce(torch.ones(4, 32, device="meta")),
+        lambda: comm.all_reduce(torch.ones(4, 32, dtype=torch.float64)),
+        lambda: comm.reduce_scatter(torch.ones(3, 32)),
+        lambda: comm.send(torch.ones(4), dst=comm.rank),
+        lambda: comm.all_reduce(torch.ones(())),
+    ):
+        try:
+            bad()
+            errors.append(None)
+        except (ValueError, TypeError) as err:
+            errors.append(type(err).__name__)
+    return errors
+
+
+def test_bad_inputs_raise_before_any_exchange(cluster):
+    for errors in cluster.run(_run_bad_inputs)[:2]:
+        assert errors == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError"]

@@ -87,7 +87,8 @@ class Codec(ABC):
     def error_bound(self, x, rounding="nearest", dtype=torch.float32):
         """Per-element bound on |decode(encode(x)) - x| for a (chunks, n) float32 numpy array
         of finite values, derived from the format (docs/formats.md); decoding to ``dtype``.
-        (FP4Quant with the transform: for groups whose sum of |x| stays below FLT_MAX.)"""
+        (FP4Quant with the transform: for groups with g * sum |x| < FLT_MAX; the inverse
+        transform sums before it divides by g and overflows beyond.)"""
         raise NotImplementedError(f"{self.name}: no error bound")
 
     def __repr__(self):
