@@ -135,14 +135,15 @@ def _smem_stage(group_size):
         for i in range(REGISTERS):
             sm[lane + 32 * (i + REGISTERS * w)] = v[i]
         cuda.syncthreads()  # all of the group is in shared memory
-        c = cuda.local.array(REGISTERS, np.float32)
+        # v's own values are in shared memory now, so v holds the gathered slots (no second
+        # register array: the CTA keeps more threads resident)
         for k in range(per_warp):
             for h in range(warps):
-                c[k * warps + h] = sm[lane + 32 * (w * per_warp + k + REGISTERS * h)]
-        slot_stages(c)
+                v[k * warps + h] = sm[lane + 32 * (w * per_warp + k + REGISTERS * h)]
+        slot_stages(v)
         for k in range(per_warp):
             for h in range(warps):
-                sm[lane + 32 * (w * per_warp + k + REGISTERS * h)] = c[k * warps + h]
+                sm[lane + 32 * (w * per_warp + k + REGISTERS * h)] = v[k * warps + h]
         cuda.syncthreads()  # every slot is transformed before threads read their own back
         # A thread only ever writes its own words before the next tile's first barrier, so no
         # barrier is needed between this read and the next tile's writes.
