@@ -1,0 +1,96 @@
+"""Autograd functions for tensor and sequence parallelism, whose collectives are compressed.
+
+Megatron-LM's pairs (Shoeybi et al. 2019; Korthikanti et al. 2022), each backward doing the
+collective that matches its forward:
+
+| function | forward | backward |
+| --- | --- | --- |
+| ``copy_to_tensor_parallel`` (column-parallel input) | identity | all-reduce |
+| ``reduce_from_tensor_parallel`` (row-parallel output) | all-reduce | identity |
+| ``gather_from_sequence_parallel`` (dim 0) | all-gather | reduce-scatter |
+| ``reduce_scatter_to_sequence_parallel`` (dim 0) | reduce-scatter | all-gather |
+
+Each takes the communicator of the tensor-parallel group and the codec options of the forward
+collective (``codec``, ``rounding``, ``seed``); ``grad_codec`` (default: ``codec``) is used for
+the backward one.  The sequence dimension is dim 0 (Megatron's [s, b, h] layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .communicator import Communicator
+
+
+def _opts(codec, rounding, seed):
+    return {"codec": codec, "rounding": rounding, "seed": seed}
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, grad_opts):
+        ctx.comm, ctx.grad_opts = comm, grad_opts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.contiguous(), **ctx.grad_opts), None, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, opts):
+        return comm.all_reduce(x.contiguous(), **opts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, opts, grad_opts):
+        ctx.comm, ctx.grad_opts = comm, grad_opts
+        return comm.all_gather(x.contiguous(), **opts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter(grad.contiguous(), **ctx.grad_opts), None, None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, opts, grad_opts):
+        ctx.comm, ctx.grad_opts = comm, grad_opts
+        return comm.reduce_scatter(x.contiguous(), **opts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad.contiguous(), **ctx.grad_opts), None, None, None
+
+
+def copy_to_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
+                            grad_codec=None):  # fmt: skip
+    """Identity forward; backward all-reduces the gradient (a column-parallel layer's input)."""
+    return _CopyToTensorParallel.apply(x, comm, _opts(grad_codec or codec, rounding, seed))
+
+
+def reduce_from_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0):
+    """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
+    return _ReduceFromTensorParallel.apply(x, comm, _opts(codec, rounding, seed))
+
+
+def gather_from_sequence_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest",
+                                  seed=0, grad_codec=None):  # fmt: skip
+    """All-gather along dim 0 forward; reduce-scatter of the gradient backward."""
+    return _GatherFromSequenceParallel.apply(
+        x, comm, _opts(codec, rounding, seed), _opts(grad_codec or codec, rounding, seed)
+    )
+
+
+def reduce_scatter_to_sequence_parallel(x, comm: Communicator, codec="nvfp4",
+                                        rounding="nearest", seed=0, grad_codec=None):  # fmt: skip
+    """Reduce-scatter along dim 0 forward; all-gather of the gradient backward."""
+    return _ReduceScatterToSequenceParallel.apply(
+        x, comm, _opts(codec, rounding, seed), _opts(grad_codec or codec, rounding, seed)
+    )
