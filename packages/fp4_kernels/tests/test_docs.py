@@ -15,7 +15,12 @@ import pytest
 from conftest import REAL_GPU
 
 REPO_ROOT = Path(__file__).resolve().parents[3]  # packages/fp4_kernels/tests/ -> the root
-DOCUMENTS = ("docs/formats.md", "packages/fp4_kernels/README.md", "README.md")
+DOCUMENTS = (
+    "docs/formats.md",
+    "docs/fp4quant.md",
+    "packages/fp4_kernels/README.md",
+    "README.md",
+)
 GPU_MARKER = "# doc-test: gpu"
 
 # An opening fence of exactly "```python" at the start of a line, up to the next closing fence.
