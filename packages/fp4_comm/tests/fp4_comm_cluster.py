@@ -4,7 +4,8 @@ test sends them, each with this rank's communicators.
 Starting a process costs seconds here (importing torch, compiling fp4_kernels' CPU path with
 numba), so the tests share one cluster instead of spawning per test.  Each worker holds one
 communicator per group size: ``comms[3]`` over all three ranks, ``comms[2]`` over ranks 0 and 1
-(a subgroup; None on rank 2).
+(a subgroup; None on rank 2); with ``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks,
+rank r on GPU r.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, conn, timeout_s, sizes):
+def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -49,6 +50,12 @@ def _worker(rank, world, port, conn, timeout_s, sizes):
             if rank in members
             else None
         )
+    if gpu:
+        # One GPU per rank, NCCL through CuPy, beside the gloo communicators.
+        torch.cuda.set_device(rank)
+        comms["cuda"] = fp4_comm.Communicator.from_process_group(
+            None, torch.device("cuda", rank), timeout_s
+        )
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -63,7 +70,7 @@ def _worker(rank, world, port, conn, timeout_s, sizes):
 
 
 class Cluster:
-    def __init__(self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0):
+    def __init__(self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0, gpu=False):
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world = world
@@ -72,7 +79,7 @@ class Cluster:
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=_worker, args=(rank, world, port, child, timeout_s, sizes), daemon=True
+                target=_worker, args=(rank, world, port, child, timeout_s, sizes, gpu), daemon=True
             )
             p.start()
             self.conns.append(parent)

@@ -1,0 +1,219 @@
+"""The NCCL path (CuPy), on real GPUs: marked ``gpu``, skipped with the reason elsewhere.
+
+One GPU (world size 1, in this process): the CUDA data path against the gloo/CPU path, bit for
+bit (fp4_kernels' kernels equal its CPU path bit for bit, and the reductions are plain float32
+adds), CuPy arrays on a CuPy stream, CUDA-graph capture and replay.  Two or more GPUs (worker
+processes, rank r on GPU r): every collective against the gloo run of the same inputs, bit for
+bit, identical bits on every rank, argument mismatches, and a missing rank ending in
+CommTimeoutError through ``synchronize``.
+"""
+
+import datetime
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fp4_kernels
+import fp4_comm
+from fp4_comm.nccl import _nccl
+
+pytestmark = pytest.mark.gpu
+
+
+def _nccl_missing():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        _nccl()
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def _skip_without(gpus):
+    reason = _nccl_missing()
+    if reason:
+        pytest.skip(reason)
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+
+
+CODECS = ["nvfp4", "mxfp4", "none", "none-float32", fp4_kernels.FP4Quant(64)]
+
+
+@pytest.fixture(scope="module")
+def single():
+    """World size 1 in this process: an NCCL communicator on GPU 0 and a gloo one."""
+    _skip_without(1)
+    import torch.distributed as dist
+    from fp4_comm_cluster import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+    torch.cuda.set_device(0)
+    gpu = fp4_comm.Communicator.from_process_group(None, "cuda:0")
+    cpu = fp4_comm.Communicator.from_process_group(None, "cpu")
+    yield gpu, cpu
+    gpu.close()
+
+
+def _x(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 10.0 ** torch.randint(-3, 4, shape, generator=g)).to(
+        dtype
+    )
+
+
+def _bits(t):
+    return t.detach().cpu().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("codec", CODECS, ids=str)
+def test_single_gpu_equals_cpu_path(single, codec, rounding, dtype):
+    gpu, cpu = single
+    x = _x((37, 64), dtype)
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        y_gpu = getattr(gpu, op)(x.cuda(), codec=codec, rounding=rounding, seed=3, step=5)
+        y_cpu = getattr(cpu, op)(x, codec=codec, rounding=rounding, seed=3, step=5)
+        assert y_gpu.is_cuda and y_gpu.dtype == dtype and y_gpu.shape == y_cpu.shape
+        assert torch.equal(_bits(y_gpu), _bits(y_cpu)), op
+
+
+def test_single_gpu_error_feedback_and_stats(single):
+    gpu, cpu = single
+    x = _x((8, 256))
+    for _ in range(3):
+        y_gpu, s_gpu = gpu.all_reduce(x.cuda(), error_feedback="w", stats=True)
+        y_cpu, s_cpu = cpu.all_reduce(x, error_feedback="w", stats=True)
+        assert torch.equal(_bits(y_gpu), _bits(y_cpu))
+    for hop in s_cpu:
+        assert s_gpu[hop].as_floats() == pytest.approx(s_cpu[hop].as_floats(), rel=1e-12)
+
+
+def test_single_gpu_cupy_arrays_on_a_cupy_stream(single):
+    cupy = pytest.importorskip("cupy")
+    gpu, cpu = single
+    x = _x((16, 64))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        xc = cupy.asarray(x.numpy())
+        yc = gpu.all_reduce(xc, codec="nvfp4")
+        assert isinstance(yc, cupy.ndarray)
+    stream.synchronize()
+    y_cpu = cpu.all_reduce(x, codec="nvfp4")
+    assert np.array_equal(cupy.asnumpy(yc).view(np.int32), y_cpu.numpy().view(np.int32))
+
+
+def test_single_gpu_cuda_graph_capture(single):
+    gpu, cpu = single
+    x = _x((64, 128)).cuda()
+    ref = gpu.all_reduce(x, codec="nvfp4", step=0)  # warm-up: kernels compiled, tables made
+    torch.cuda.synchronize()
+    old = gpu.validate
+    gpu.validate = "never"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            y = gpu.all_reduce(x, codec="nvfp4", step=0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(ref))
+        x.mul_(2)  # replays read the captured input buffer
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(cpu.all_reduce(x.cpu(), codec="nvfp4", step=0)))
+    finally:
+        gpu.validate = old
+
+
+def test_single_gpu_wrong_device_is_an_error(single):
+    gpu, _ = single
+    with pytest.raises(ValueError, match="on cpu"):
+        gpu.all_reduce(torch.ones(4, 32))
+
+
+# ---------------------------------------------------------------- two or more GPUs
+
+
+@pytest.fixture(scope="module")
+def multi():
+    _skip_without(2)
+    from fp4_comm_cluster import Cluster
+
+    world = min(torch.cuda.device_count(), int(os.environ.get("FP4_COMM_TEST_GPUS", "2")))
+    c = Cluster(world, timeout_s=30.0, gpu=True)
+    yield c
+    c.close()
+
+
+def _run_equal_paths(comms, codec, rounding, dtype, shape):
+    gpu, cpu = comms["cuda"], comms[max(k for k in comms if isinstance(k, int))]
+    r = gpu.rank
+    x = _x(shape, dtype, seed=r)
+    out = []
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        y_gpu = getattr(gpu, op)(x.cuda(), codec=codec, rounding=rounding, seed=1, step=2)
+        y_cpu = getattr(cpu, op)(x, codec=codec, rounding=rounding, seed=1, step=2)
+        out.append((_bits(y_gpu).numpy(), _bits(y_cpu).numpy()))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", CODECS, ids=str)
+def test_multi_gpu_equals_gloo(multi, codec, dtype):
+    shape = (multi.world * 13, 96)  # 13 rows per rank: padding in every collective
+    res = multi.run(_run_equal_paths, codec, "stochastic", dtype, shape)
+    for per_rank in res:
+        for y_gpu, y_cpu in per_rank:
+            assert np.array_equal(y_gpu, y_cpu)
+    for i in (0, 2):  # all_reduce and all_gather: the same bits on every rank
+        for per_rank in res[1:]:
+            assert np.array_equal(per_rank[i][0], res[0][i][0])
+
+
+def _run_send_recv(comms):
+    gpu = comms["cuda"]
+    x = _x((5, 40), seed=7).cuda()
+    if gpu.rank == 0:
+        gpu.send(x, dst=1, codec="nvfp4")
+        gpu.synchronize()
+        return None
+    if gpu.rank == 1:
+        y = gpu.recv(x.shape, x.dtype, src=0, codec="nvfp4")
+        gpu.synchronize()
+        return _bits(y).numpy()
+    return None
+
+
+def test_multi_gpu_send_recv(multi):
+    got = multi.run(_run_send_recv)[1]
+    x = _x((5, 40), seed=7)
+    ref = fp4_kernels.quantize_dequantize(
+        torch.nn.functional.pad(x.reshape(1, -1), (0, 8)),
+        fmt="nvfp4",
+        seed=fp4_comm.collectives.rank_seed(0, 0, "send"),
+    )[0, :200].reshape(5, 40)
+    assert np.array_equal(got, _bits(ref).numpy())
+
+
+def _run_mismatch(comms):
+    gpu = comms["cuda"]
+    shape = (4, 64) if gpu.rank else (4, 32)
+    try:
+        gpu.all_reduce(torch.ones(shape, device="cuda"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_multi_gpu_mismatch_is_an_error_not_a_hang(multi):
+    for message in multi.run(_run_mismatch):
+        assert message and "ranks disagree" in message
