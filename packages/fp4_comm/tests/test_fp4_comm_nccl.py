@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-import fp4_kernels
 import fp4_comm
+import fp4_kernels
 from fp4_comm.nccl import _nccl
 
 pytestmark = pytest.mark.gpu
