@@ -103,8 +103,9 @@ def tests_kernels(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests_comm(session: nox.Session) -> None:
-    """fp4_comm tests."""
-    session.install(KERNELS, f"{COMM}[test]")
+    """fp4_comm tests (gloo processes on the CPU; the `gpu`-marked NCCL tests skip)."""
+    # fp4-comm depends on torch: the pinned CPU wheel, or pip would download a CUDA build.
+    session.install(KERNELS, f"{COMM}[test]", TORCH)
     _pytest(session, COMM_TESTS)
 
 

@@ -10,7 +10,7 @@ group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_co
 communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions).
 """
 
-from importlib.metadata import version as _version
+from importlib.metadata import PackageNotFoundError, version as _version
 
 from ._transport import CommTimeoutError
 from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
@@ -18,7 +18,10 @@ from .communicator import Communicator
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
 
-__version__ = _version("fp4-comm")
+try:
+    __version__ = _version("fp4-comm")
+except PackageNotFoundError:  # running from a source tree (PYTHONPATH=packages/fp4_comm/src)
+    __version__ = "0+unknown"
 
 __all__ = [
     "Codec",

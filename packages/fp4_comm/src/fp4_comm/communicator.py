@@ -187,9 +187,12 @@ class Communicator:
 
     def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None):
         codec = get_codec(codec)
-        if step is None:
-            step = self._calls
-        self._calls += 1
+        if peer is None:
+            # Only collectives count: every rank makes them, so the default step stays the same
+            # on every rank (a send/recv involves two ranks and would put the others behind).
+            if step is None:
+                step = self._calls
+            self._calls += 1
         with _stream_of(x) as back:
             t = back.tensor
             self._check_input(op, t)
