@@ -217,3 +217,53 @@ def _run_mismatch(comms):
 def test_multi_gpu_mismatch_is_an_error_not_a_hang(multi):
     for message in multi.run(_run_mismatch):
         assert message and "ranks disagree" in message
+
+
+def _run_ddp(comms):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fp4_comm import ddp
+
+    gpu = comms["cuda"]
+    dev = torch.device("cuda", gpu.rank)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(40, 9).to(dev)  # 369 parameters: padding in the bucket
+    wrapped = DDP(model, device_ids=[gpu.rank])  # over the gloo default group
+    ddp.register(wrapped, gpu, codec="none-float32", error_feedback=False)
+    g = torch.Generator().manual_seed(7 + gpu.rank)
+    x = torch.randn(6, 40, generator=g).to(dev)
+    wrapped(x).square().sum().backward()
+    torch.manual_seed(0)
+    local = torch.nn.Linear(40, 9).to(dev)
+    local(x).square().sum().backward()
+    flat = lambda m: torch.cat([p.grad.reshape(-1) for p in m.parameters()]).cpu().numpy()  # noqa: E731
+    return flat(model), flat(local)
+
+
+def test_multi_gpu_ddp_hook_averages(multi):
+    out = multi.run(_run_ddp)
+    mean = sum(o[1] for o in out)  # rank order, float32, as the all-reduce adds
+    mean = mean / np.float32(multi.world)
+    for got, _ in out:
+        assert np.array_equal(got, out[0][0])
+    if multi.world == 2:  # (a + b) / 2 in float32 is what both compute; beyond 2 the order
+        assert np.array_equal(out[0][0], mean)  # of numpy's sum is not guaranteed
+
+
+def _run_missing_rank(comms):
+    gpu = comms["cuda"]
+    if gpu.rank != 0:
+        return "absent"
+    gpu.validate = "never"  # so that the data path itself waits for the missing peers
+    gpu.all_reduce(torch.ones(1 << 20, device="cuda"), codec="nvfp4")
+    try:
+        gpu.synchronize(timeout_s=5.0)
+    except fp4_comm.CommTimeoutError as err:
+        return str(err)
+    return None
+
+
+def test_multi_gpu_missing_rank_times_out_last(multi):
+    # Last in this module: the NCCL communicator is aborted afterwards.
+    message = multi.run(_run_missing_rank, timeout_s=120)[0]
+    assert message and "aborted" in message
