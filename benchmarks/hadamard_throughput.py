@@ -39,10 +39,13 @@ K = 8192
 
 
 def _commit():
+    # FP4_COMMIT first: the GPU machine's copy of the tree may carry a stale .git
+    if os.environ.get("FP4_COMMIT"):
+        return os.environ["FP4_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
-        return os.environ.get("FP4_COMMIT", "unknown")
+        return "unknown"
 
 
 def _load_fht(path):

@@ -14,7 +14,7 @@ bfloat16 rounded *up* (so no element is clipped by the scale's rounding): 16 bit
 ``docs/fp4quant_study.md`` measures the alternatives (two scales, float32 scale, bf16 rounded to
 nearest).
 
-Encode, per group of g elements (float32 throughout, in this order):
+Encode, per group of g elements (float32 throughout, in this order)::
 
     t   = fwht(x)                                 # unnormalized, the kernels' stage order
                                                   # (t = x when hadamard=False)
@@ -24,7 +24,7 @@ Encode, per group of g elements (float32 throughout, in this order):
     code = e2m1(t * inv)                          # nearest-even, or stochastic with Philox
                                                   # word i of stochastic_bits(seed, step, n)
 
-Decode (exact up to the butterflies' float32 roundings):
+Decode (exact up to the butterflies' float32 roundings)::
 
     v = e2m1_value(code) * float32(s)  # exact: 2 significant bits times 8
     y = fwht(v) * 2^-log2(g)           # (y = v when hadamard=False), then rounded to the dtype

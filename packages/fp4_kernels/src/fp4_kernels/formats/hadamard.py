@@ -1,6 +1,7 @@
 """The Walsh–Hadamard transform over contiguous groups (reference implementation).
 
-For a group size g (a power of two), the normalized transform of a row vector x of g elements is
+For a group size g (a power of two), the normalized transform of a row vector x of g elements
+is::
 
     y = (x * signs) @ H_g / sqrt(g)        H_g = scipy.linalg.hadamard(g) (Sylvester order)
 
