@@ -1,0 +1,184 @@
+"""NcclTransport's bookkeeping without a GPU: a stand-in for ``cupy.cuda.nccl`` that executes
+each group of send / recv / allGather calls on host memory, with the ranks as threads of this
+process, and checks what NCCL would need (a recv for every send, equal counts, matching
+collectives).  The real collective algorithms run over it and must give what the one-process
+reference gives; the real NCCL runs in test_fp4_comm_nccl.py on GPUs."""
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import torch
+from test_fp4_comm_collectives import _inputs, reference_all_reduce
+
+from fp4_comm import collectives
+from fp4_comm.codecs import get_codec
+from fp4_comm.nccl import NcclTransport
+
+UINT8 = 1  # cupy.cuda.nccl.NCCL_UINT8
+
+
+class FakeNcclWorld:
+    """The ranks' posted groups; executed when every rank has ended its group."""
+
+    def __init__(self, world):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.groups = [None] * world
+        self.errors = []
+
+    def end_group(self, rank, ops):
+        self.groups[rank] = ops
+        self.barrier.wait()
+        try:
+            self._run(rank)
+        except AssertionError as err:
+            self.errors.append(f"rank {rank}: {err}")
+        self.barrier.wait()
+        if self.errors:
+            raise RuntimeError("; ".join(self.errors))
+
+    def _run(self, rank):
+        mine = self.groups[rank]
+        recv_count = {}
+        for op in mine:
+            if op[0] == "recv":
+                _, ptr, count, peer = op
+                k = recv_count.get(peer, 0)
+                recv_count[peer] = k + 1
+                sends = [o for o in self.groups[peer] if o[0] == "send" and o[3] == rank]
+                assert k < len(sends), f"recv #{k} from {peer} has no matching send"
+                _, sptr, scount, _ = sends[k]
+                assert scount == count, f"send of {scount} bytes, recv of {count}"
+                ctypes.memmove(ptr, sptr, count)
+        for peer in range(self.world):
+            sends = [o for o in self.groups[peer] if o[0] == "send" and o[3] == rank]
+            n_recv = sum(1 for o in mine if o[0] == "recv" and o[3] == peer)
+            assert len(sends) == n_recv, f"{len(sends)} sends from {peer}, {n_recv} recvs"
+        gathers = [o for o in mine if o[0] == "allgather"]
+        for i, (_, _, rptr, count) in enumerate(gathers):
+            for peer in range(self.world):
+                theirs = [o for o in self.groups[peer] if o[0] == "allgather"]
+                assert len(theirs) == len(gathers), "allGather calls differ across ranks"
+                sptr, pcount = theirs[i][1], theirs[i][3]
+                assert pcount == count, f"allGather of {pcount} vs {count} bytes"
+                ctypes.memmove(rptr + peer * count, sptr, count)
+
+
+class FakeNccl:
+    """The module-level functions and the communicator of one rank."""
+
+    NCCL_UINT8 = UINT8
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.ops = None
+
+    def groupStart(self):  # noqa: N802 - cupy's names
+        assert self.ops is None, "nested group"
+        self.ops = []
+
+    def groupEnd(self):  # noqa: N802
+        ops, self.ops = self.ops, None
+        self.world.end_group(self.rank, ops)
+
+    def send(self, ptr, count, dtype, peer, stream):
+        assert dtype == UINT8 and self.ops is not None and peer != self.rank
+        self.ops.append(("send", ptr, count, peer))
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        assert dtype == UINT8 and self.ops is not None and peer != self.rank
+        self.ops.append(("recv", ptr, count, peer))
+
+    def allGather(self, sptr, rptr, count, dtype, stream):  # noqa: N802
+        assert dtype == UINT8 and self.ops is not None
+        self.ops.append(("allgather", sptr, rptr, count))
+
+
+def _transports(world):
+    shared = FakeNcclWorld(world)
+    out = []
+    for rank in range(world):
+        fake = FakeNccl(shared, rank)
+        t = NcclTransport.__new__(NcclTransport)  # no cupy, no GPU, no process group
+        t._nccl, t.comm, t._uint8 = fake, fake, UINT8
+        t.rank, t.world_size, t.device, t.timeout_s = rank, world, torch.device("cpu"), 60.0
+        t._stream = lambda: 0
+        out.append(t)
+    return out
+
+
+def _on_threads(world, fn):
+    results, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize(("world", "codec_name"), [(2, "nvfp4"), (3, "mxfp4"), (4, "none")])
+def test_all_reduce_over_the_nccl_transport(world, codec_name):
+    xs = _inputs(world, (5, 20), seed=world)
+    transports = _transports(world)
+    opts = lambda: collectives.Options(get_codec(codec_name), "stochastic", 6, 1)  # noqa: E731
+    ys = _on_threads(world, lambda r: collectives.all_reduce(transports[r], xs[r], opts()))
+    ref, _ = reference_all_reduce(xs, codec_name, "stochastic", 6, 1)
+    for y in ys:
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+
+
+def test_reduce_scatter_and_all_gather_over_the_nccl_transport():
+    world = 3
+    xs = _inputs(world, (6, 16), seed=8)
+    transports = _transports(world)
+    opts = lambda: collectives.Options(get_codec("none-float32"))  # noqa: E731
+    rs = _on_threads(world, lambda r: collectives.reduce_scatter(transports[r], xs[r], opts()))
+    for r, y in enumerate(rs):  # float32 through float32: the exact rank-order sum
+        assert torch.equal(y, (xs[0] + xs[1] + xs[2])[2 * r : 2 * r + 2])
+    ag = _on_threads(world, lambda r: collectives.all_gather(transports[r], xs[r], opts()))
+    for y in ag:
+        assert torch.equal(y, torch.cat(xs))
+
+
+def test_send_recv_over_the_nccl_transport():
+    x = _inputs(1, (3, 7), seed=9)[0]
+    transports = _transports(2)
+    codec = get_codec("mxfp4")
+
+    def run(rank):
+        opts = collectives.Options(codec)
+        if rank == 0:
+            return collectives.send(transports[0], x, 1, opts)
+        return collectives.recv(transports[1], x.shape, x.dtype, 0, opts)
+
+    got = _on_threads(2, run)[1]
+    sent = codec.decode(codec.encode(torch.nn.functional.pad(x.reshape(1, -1), (0, 11)),
+                                     seed=collectives.rank_seed(0, 0, "send")), 32)  # fmt: skip
+    assert np.array_equal(got.numpy(), sent[0, :21].reshape(3, 7).numpy())
+
+
+def test_mismatched_counts_are_caught_by_the_stand_in():
+    # The stand-in must be able to fail, or the tests above prove nothing about pairing.
+    transports = _transports(2)
+    a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+
+    def run(rank):
+        if rank == 0:
+            transports[0].send([a], 1)
+        else:
+            transports[1].recv([b], 0)
+
+    with pytest.raises(RuntimeError, match="send of 8 bytes, recv of 16"):
+        _on_threads(2, run)
