@@ -267,3 +267,17 @@ def test_multi_gpu_missing_rank_times_out_last(multi):
     # Last in this module: the NCCL communicator is aborted afterwards.
     message = multi.run(_run_missing_rank, timeout_s=120)[0]
     assert message and "aborted" in message
+
+
+def test_single_gpu_capture_with_error_feedback(single):
+    gpu, cpu = single
+    x = _x((16, 256)).cuda()
+    captured = gpu.capture("all_reduce", x, codec="nvfp4", step=1, error_feedback="cap")
+    # Residual updates: the warm-up call made one (the capture itself runs nothing), each
+    # replay makes one; the CPU path mirrors them call for call.
+    cpu.all_reduce(x.cpu(), codec="nvfp4", step=1, error_feedback="cap")
+    for _ in range(3):
+        y = captured.replay()
+        ref = cpu.all_reduce(x.cpu(), codec="nvfp4", step=1, error_feedback="cap")
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(ref))

@@ -183,6 +183,19 @@ class Communicator:
             y = collectives.recv(self.transport, shape, dtype, src, opts)
             return back(y)
 
+    def capture(self, op, x, **kwargs) -> CapturedCollective:
+        """Capture the collective ``op`` ("all_reduce", "reduce_scatter", "all_gather") of the
+        CUDA tensor ``x`` in a CUDA graph: ``replay()`` then reruns it on whatever ``x`` holds,
+        for a few microseconds of host time, and returns the same ``output`` tensor.
+
+        Collective: every rank captures the same ops in the same order, and replays them in
+        the same order.  A warm-up call first (it compiles the kernels and checks the
+        arguments across ranks); the capture itself skips the check.  ``step`` is fixed at
+        capture (stochastic rounding draws the same words on every replay unless ``step`` is
+        left to vary per capture); error-feedback residuals are updated in place by replays.
+        """
+        return CapturedCollective(self, op, x, kwargs)
+
     # ------------------------------------------------------------------ plumbing
 
     def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None):
@@ -297,6 +310,35 @@ class Communicator:
         self._validated.add(key)
 
 
+class CapturedCollective:
+    """A collective captured in a CUDA graph (``Communicator.capture``)."""
+
+    def __init__(self, comm, op, x, kwargs):
+        if op not in ("all_reduce", "reduce_scatter", "all_gather"):
+            raise ValueError(f"capture: {op!r} is not all_reduce, reduce_scatter or all_gather")
+        if not (isinstance(x, torch.Tensor) and x.is_cuda):
+            raise ValueError("capture: needs a torch CUDA tensor (the graph's static input)")
+        fn = getattr(comm, op)
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            fn(x, **kwargs)  # warm-up: compiles kernels, checks arguments across ranks
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        self.input = x
+        validate, comm.validate = comm.validate, "never"
+        try:
+            with torch.cuda.graph(self.graph):
+                self.output = fn(x, **kwargs)
+        finally:
+            comm.validate = validate
+
+    def replay(self):
+        """Run the captured collective on the current contents of ``input``."""
+        self.graph.replay()
+        return self.output
+
+
 def _describe(rows):
     names = {v: k for k, v in _DTYPES.items()}
     lines = []
@@ -357,4 +399,4 @@ class _stream_of:
         return self.ctx.__exit__(*exc)
 
 
-__all__ = ["CommTimeoutError", "Communicator"]
+__all__ = ["CapturedCollective", "CommTimeoutError", "Communicator"]

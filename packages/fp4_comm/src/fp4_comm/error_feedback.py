@@ -37,8 +37,15 @@ class ErrorFeedback:
         return x + e  # bfloat16/float16 + float32 promotes to float32: one op, a new tensor
 
     def store(self, name, hop, corrected, decoded):
-        """Keep corrected - decoded as the residual of (name, hop); ``corrected`` is consumed."""
-        self._residuals[(name, hop)] = corrected.sub_(decoded)
+        """Keep corrected - decoded as the residual of (name, hop); ``corrected`` is consumed.
+
+        An existing residual is overwritten in place, so a collective captured in a CUDA graph
+        reads and writes the same residual tensor on every replay."""
+        e = self._residuals.get((name, hop))
+        if e is None:
+            self._residuals[(name, hop)] = corrected.sub_(decoded)
+        else:
+            torch.sub(corrected, decoded, out=e)
 
     def residual(self, name, hop="worker"):
         """The stored residual (None before the first use of the name)."""
