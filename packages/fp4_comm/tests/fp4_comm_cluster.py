@@ -3,9 +3,9 @@ test sends them, each with this rank's communicators.
 
 Starting a process costs seconds here (importing torch, compiling fp4_kernels' CPU path with
 numba), so the tests share one cluster instead of spawning per test.  Each worker holds one
-communicator per group size: ``comms[3]`` over all three ranks, ``comms[2]`` over ranks 0 and 1
-(a subgroup; None on rank 2); with ``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks,
-rank r on GPU r.
+communicator per group size: ``comms[4]`` over all four ranks, ``comms[3]`` over ranks 0-2 and
+``comms[2]`` over ranks 0 and 1 (subgroups; None on the ranks outside them); with
+``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks, rank r on GPU r.
 """
 
 from __future__ import annotations
