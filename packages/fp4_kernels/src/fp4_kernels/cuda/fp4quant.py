@@ -19,7 +19,6 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._scalar import F32_ZERO
 from ._chunk import U32, U64, make_chunk_io, max4_abs_bits
 from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, u32_as_f32
 from .hadamard import (
@@ -28,6 +27,7 @@ from .hadamard import (
     TILE_CHUNKS,
     group_warps,
     make_butterflies,
+    make_tile_io,
     smem_words,
 )
 
@@ -36,7 +36,7 @@ _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
 
 @functools.cache
 def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic):
-    load_chunk = make_chunk_io(kind)[0]
+    load_tile_raw, unpack_tile = make_tile_io(kind)
     butterflies = make_butterflies(group_size) if hadamard else None
     n_smem = smem_words(group_size)
     warps_per_group = group_warps(group_size)
@@ -96,14 +96,13 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic):
         v = cuda.local.array(REGISTERS, np.float32)
         tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
         n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            base = t * tile_chunks + warp * TILE_CHUNKS + lane
-            for j in range(CHUNKS):
-                a0, a1, a2, a3 = load_chunk(words, base + 32 * j, n_chunks)
-                v[4 * j] = a0
-                v[4 * j + 1] = a1
-                v[4 * j + 2] = a2
-                v[4 * j + 3] = a3
+        t = cuda.blockIdx.x
+        base = t * tile_chunks + warp * TILE_CHUNKS + lane
+        stride = cuda.gridDim.x * tile_chunks
+        w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base, n_chunks)
+        while t < n_tiles:
+            unpack_tile(v, w0, w1, w2, w3, w4, w5, w6, w7)
+            w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base + stride, n_chunks)
             if hadamard:
                 butterflies(v, lane, sm)
             # |t| bits (int32: shuffles move signed words); NaN bits exceed Inf's
@@ -164,6 +163,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic):
                     codes16[U64(c)] = packed
                     if c % group_chunks == 0:  # the group's first chunk stores its scale
                         scales16[U64(c // group_chunks)] = np.uint16(s)
+            t += cuda.gridDim.x
+            base += stride
 
     return kernel
 
@@ -177,6 +178,28 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     e2m1_decode = OPS.e2m1_decode
 
+    @device_jit
+    def load_one(codes16, scales16, c, n_chunks):
+        """Chunk c's packed codes and its group's scale bits (zeros past the end), loaded
+        a tile ahead of their use."""
+        if c >= n_chunks:
+            return U32(0), U32(0)
+        return U32(codes16[U64(c)]), U32(scales16[U64(c // group_chunks)])
+
+    @device_jit
+    def load_codes(codes16, scales16, base, n_chunks):
+        c0, s0 = load_one(codes16, scales16, base, n_chunks)
+        c1, s1 = load_one(codes16, scales16, base + 32, n_chunks)
+        c2, s2 = load_one(codes16, scales16, base + 64, n_chunks)
+        c3, s3 = load_one(codes16, scales16, base + 96, n_chunks)
+        return c0, s0, c1, s1, c2, s2, c3, s3
+
+    @device_jit
+    def decode_chunk(v, j, code, sbits):
+        s = u32_as_f32(U32(sbits << 16))
+        for r in range(4):
+            v[4 * j + r] = e2m1_decode(U32(U32(code >> U32(4 * r)) & 15)) * s
+
     @cuda.jit
     def kernel(codes16, scales16, out_words, n_chunks):
         tid = cuda.threadIdx.x
@@ -186,19 +209,18 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
         v = cuda.local.array(REGISTERS, np.float32)
         tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
         n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            base = t * tile_chunks + warp * TILE_CHUNKS + lane
-            for j in range(CHUNKS):
-                c = base + 32 * j
-                code = U32(0)
-                s = F32_ZERO
-                if c < n_chunks:
-                    code = U32(codes16[U64(c)])
-                    s = u32_as_f32(U32(U32(scales16[U64(c // group_chunks)]) << 16))
-                # e2m1 (2 significant bits) times a bf16 scale (8) is exact in float32, so an
-                # FMA formed with a following add rounds exactly as the reference does
-                for r in range(4):
-                    v[4 * j + r] = e2m1_decode(U32(U32(code >> U32(4 * r)) & 15)) * s
+        t = cuda.blockIdx.x
+        base = t * tile_chunks + warp * TILE_CHUNKS + lane
+        stride = cuda.gridDim.x * tile_chunks
+        c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base, n_chunks)
+        while t < n_tiles:
+            # e2m1 (2 significant bits) times a bf16 scale (8) is exact in float32, so an
+            # FMA formed with a following add rounds exactly as the reference does
+            decode_chunk(v, 0, c0, s0)
+            decode_chunk(v, 1, c1, s1)
+            decode_chunk(v, 2, c2, s2)
+            decode_chunk(v, 3, c3, s3)
+            c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base + stride, n_chunks)
             if hadamard:
                 butterflies(v, lane, sm)
                 for i in range(REGISTERS):
@@ -207,5 +229,7 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
                 c = base + 32 * j
                 if c < n_chunks:
                     store_chunk(out_words, c, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3])
+            t += cuda.gridDim.x
+            base += stride
 
     return kernel

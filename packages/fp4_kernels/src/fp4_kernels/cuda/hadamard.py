@@ -181,12 +181,39 @@ def tile_position(i, lane, warp):
 
 
 @functools.cache
+def make_tile_io(kind):
+    """``(load_tile_raw, unpack_tile)``: a thread's 4 chunks as 8 raw words (zeros past the end;
+    the second word of each pair is unused for 16-bit data), and their conversion into the 16
+    float32 registers.  Loading the next tile's raw words before transforming the current one
+    keeps twice the bytes in flight (the kernels are otherwise latency-bound between tiles)."""
+    _, _, load_raw, unpack = make_chunk_io(kind)
+
+    @device_jit
+    def load_tile_raw(words, base, n_chunks):
+        a0, a1 = load_raw(words, base, n_chunks)
+        b0, b1 = load_raw(words, base + 32, n_chunks)
+        c0, c1 = load_raw(words, base + 64, n_chunks)
+        d0, d1 = load_raw(words, base + 96, n_chunks)
+        return a0, a1, b0, b1, c0, c1, d0, d1
+
+    @device_jit
+    def unpack_tile(v, a0, a1, b0, b1, c0, c1, d0, d1):
+        v[0], v[1], v[2], v[3] = unpack(a0, a1)
+        v[4], v[5], v[6], v[7] = unpack(b0, b1)
+        v[8], v[9], v[10], v[11] = unpack(c0, c1)
+        v[12], v[13], v[14], v[15] = unpack(d0, d1)
+
+    return load_tile_raw, unpack_tile
+
+
+@functools.cache
 def hadamard_kernel(kind, group_size, inverse, signed):
     """The normalized transform (or its inverse) of float32 / bf16 / fp16 ``words`` into
     ``out_words`` (same kind; may alias): forward fwht(x * signs) * fp32(1/sqrt(g)), inverse
     fwht(y) * fp32(1/sqrt(g)) * signs, rounded once to the kind.  ``sign_words``: the signs as
     bits (``formats.hadamard.sign_words``), read only when ``signed``."""
-    load_chunk, store_chunk, _, _ = make_chunk_io(kind)
+    store_chunk = make_chunk_io(kind)[1]
+    load_tile_raw, unpack_tile = make_tile_io(kind)
     butterflies = make_butterflies(group_size)
     n_smem = smem_words(group_size)
     scale = inv_sqrt_group_size(group_size)
@@ -208,14 +235,13 @@ def hadamard_kernel(kind, group_size, inverse, signed):
                 mask |= U32(U32(U32(sign_words[p >> 5] >> U32(p & 31)) & 1) << i)
         tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
         n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            base = t * tile_chunks + warp * TILE_CHUNKS + lane
-            for j in range(CHUNKS):
-                a0, a1, a2, a3 = load_chunk(words, base + 32 * j, n_chunks)
-                v[4 * j] = a0
-                v[4 * j + 1] = a1
-                v[4 * j + 2] = a2
-                v[4 * j + 3] = a3
+        t = cuda.blockIdx.x
+        base = t * tile_chunks + warp * TILE_CHUNKS + lane
+        stride = cuda.gridDim.x * tile_chunks
+        w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base, n_chunks)
+        while t < n_tiles:
+            unpack_tile(v, w0, w1, w2, w3, w4, w5, w6, w7)
+            w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base + stride, n_chunks)
             if signed and not inverse:
                 flip_signs(v, mask)
             butterflies(v, lane, sm)
@@ -227,5 +253,7 @@ def hadamard_kernel(kind, group_size, inverse, signed):
                 c = base + 32 * j
                 if c < n_chunks:
                     store_chunk(out_words, c, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3])
+            t += cuda.gridDim.x
+            base += stride
 
     return kernel
