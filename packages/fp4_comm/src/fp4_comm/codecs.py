@@ -193,13 +193,15 @@ class NVFP4Codec(_FP4BlockCodec):
 
     def decode(self, sections, n, dtype=torch.float32):
         chunks = sections[0].shape[0]
-        # Decode with 1/S = 1, then multiply by each chunk's own 1/S: (e2m1 * s) is exact in
-        # float32, so this is the kernel's ((e2m1 * s) * (1/S)) with its one rounding, bit for
-        # bit, and one dequantize call serves chunks whose tensor scales differ.
-        y = fp4_kernels.dequantize(self._quantized(sections, n, chunks), "float32")
+        # Decode with 1/S = 1, then multiply by each chunk's own 1/S: one dequantize call serves
+        # chunks whose tensor scales differ.  e2m1 * s (2 by 4 significant bits, between 2^-10
+        # and 2688) is exact in float32, bfloat16 and float16 alike, so it is decoded straight
+        # to the output dtype; the in-place product with the float32 1/S is computed in float32
+        # (torch's type promotion) and rounded once: the kernel's ((e2m1 * s) * (1/S)) rounded
+        # to the dtype, bit for bit, without a float32 copy of the whole tensor.
+        y = fp4_kernels.dequantize(self._quantized(sections, n, chunks), _dtype_name(dtype))
         inv_s = sections[2].reshape(chunks, 4).view(torch.float32)
-        y.mul_(inv_s)
-        return y if dtype == torch.float32 else y.to(dtype)
+        return y.mul_(inv_s)
 
     def error_bound(self, x, rounding="nearest", dtype=torch.float32):
         finite = np.abs(x[np.isfinite(x)])
