@@ -1,0 +1,86 @@
+"""What every experiment script shares: arguments, metadata, writing JSON / CSV / PNG."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_OUT = REPO / "docs" / "results"
+
+
+def parse_args(doc, **extra):
+    # One torch thread: the FP4 codec's numba CPU path has threads of its own, and on a small
+    # machine torch's OpenMP pool competing with them made these runs 3x slower.
+    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    for name, (kind, default, help_text) in extra.items():
+        ap.add_argument(f"--{name}", type=kind, default=default, help=help_text)
+    return ap.parse_args()
+
+
+def commit():
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL
+        ).strip()
+    except Exception:
+        return os.environ.get("FP4_COMMIT", "unknown")
+
+
+def metadata(device):
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "device": f"{dev.type}: {name}",
+        "torch": torch.__version__,
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(path, obj):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_csv(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def progress(iterable, **kw):
+    """A progress bar where tqdm is installed (the [examples] extra), the bare iterable else."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, mininterval=1.0, **kw)
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
