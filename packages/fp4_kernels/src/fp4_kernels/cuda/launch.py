@@ -100,10 +100,15 @@ def _numba_type(a):
 
 def _launch(kernel, blocks, threads, stream, args):
     """Queue ``kernel`` on ``stream``; ``args`` are DeviceBuffers (GPU) or numba arrays (sim)
-    and numpy scalars."""
+    and numpy scalars.  Returns the number of blocks launched.
+
+    On a GPU the grid is capped at the blocks that can be resident at once (occupancy API):
+    the kernels are grid-stride loops, so a persistent grid of exactly one wave does the same
+    work without a partly filled second wave at the end.
+    """
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
-        return
+        return blocks
     from cuda.core import LaunchConfig, launch
 
     key = (
@@ -116,6 +121,11 @@ def _launch(kernel, blocks, threads, stream, args):
         compiled = kernel.compile(tuple(_numba_type(a) for a in args))
         compiled.bind()
         cu_kernel = _compiled[key] = compiled._codelibrary.get_cufunc().kernel
+    resident = _resident.get((key, threads))
+    if resident is None:
+        per_sm = cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+        resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(None)
+    blocks = min(blocks, resident)
     params = []
     for a in args:
         if isinstance(a, DeviceBuffer):
@@ -124,6 +134,10 @@ def _launch(kernel, blocks, threads, stream, args):
         else:
             params.append(_SCALAR_CTYPES[a.dtype](a))
     launch(stream, LaunchConfig(grid=blocks, block=threads), cu_kernel, *params)
+    return blocks
+
+
+_resident = {}
 
 
 # ---------------------------------------------------------------------- the ops
@@ -133,8 +147,7 @@ def amax_partials(words, n_chunks, kind, stream, parts, device_id):
     """Queue the amax kernel writing ``parts[:blocks]``; returns how many partials it wrote."""
     blocks, threads = _grid(lambda t: t * AMAX_UNROLL, n_chunks, device_id)
     blocks = min(blocks, parts.n if isinstance(parts, DeviceBuffer) else parts.shape[0])
-    _launch(amax_kernel(kind), blocks, threads, stream, (words, np.int64(n_chunks), parts))
-    return blocks
+    return _launch(amax_kernel(kind), blocks, threads, stream, (words, np.int64(n_chunks), parts))
 
 
 # Which quantize layout runs (see ``quantize.quantize_kernel``): a thread per block or lanes
