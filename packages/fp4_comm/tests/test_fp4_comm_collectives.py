@@ -236,7 +236,7 @@ def _run_send_recv(comms, x, codec_name):
     if comm is None:
         return None
     if comm.rank == 0:
-        comm.send(x, dst=2, codec=codec_name, rounding="stochastic", seed=4)
+        comm.send(x, dst=2, codec=codec_name, rounding="stochastic", seed=4, step=5)
         return None
     if comm.rank == 2:
         return comm.recv(x.shape, x.dtype, src=0, codec=codec_name).float().numpy()
@@ -250,7 +250,7 @@ def test_send_recv(cluster, codec_name):
     n = x.numel()
     c = padded_chunk(n, 1, get_codec(codec_name).granularity)
     expected = _qdq(F.pad(x.reshape(1, n), (0, c - n)), codec_name, "stochastic",
-                    rank_seed(4, 0, "send"), 0)[0, :n].reshape(x.shape)  # fmt: skip
+                    rank_seed(4, 0, "send"), 5)[0, :n].reshape(x.shape)  # fmt: skip
     assert np.array_equal(got, expected.numpy())
 
 

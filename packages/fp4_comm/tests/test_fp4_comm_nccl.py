@@ -183,7 +183,7 @@ def _run_send_recv(comms):
     gpu = comms["cuda"]
     x = _x((5, 40), seed=7).cuda()
     if gpu.rank == 0:
-        gpu.send(x, dst=1, codec="nvfp4")
+        gpu.send(x, dst=1, codec="nvfp4", step=0)
         gpu.synchronize()
         return None
     if gpu.rank == 1:

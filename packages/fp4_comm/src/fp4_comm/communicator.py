@@ -64,7 +64,8 @@ class Communicator:
         self.validate = validate
         self.error_feedback = ErrorFeedback()
         self._validated: set[tuple] = set()
-        self._calls = 0
+        self._calls = 0  # collectives made: the default stochastic-rounding step
+        self._sends = 0
 
     # ------------------------------------------------------------------ construction
 
@@ -167,8 +168,12 @@ class Communicator:
 
     def send(self, x, dst, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
         """Send ``x`` encoded to rank ``dst``, which calls ``recv`` with its shape and dtype.
-        ``step`` defaults to 0 here (point-to-point calls are not counted on every rank)."""
-        return self._run("send", x, codec, rounding, seed, step or 0, None, stats, peer=dst)
+        ``step`` defaults to the number of sends this rank has made (only the sender draws
+        random words; the receiver needs no step)."""
+        if step is None:
+            step = self._sends
+        self._sends += 1
+        return self._run("send", x, codec, rounding, seed, step, None, stats, peer=dst)
 
     def recv(self, shape, dtype, src, codec="nvfp4", like=None):
         """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``.
@@ -250,11 +255,11 @@ class Communicator:
             raise ValueError(f"peer {peer}: not another rank of 0..{self.world_size - 1}")
 
     def _signature(self, op, shape, dtype, codec, rounding):
-        if len(shape) > _MAX_DIMS:
-            shape = (*shape[: _MAX_DIMS - 1], -1)
         numel = 1
         for s in shape:
             numel *= s
+        if len(shape) > _MAX_DIMS:  # the leading dims and the element count still compare
+            shape = (*shape[: _MAX_DIMS - 1], -1)
         sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), len(shape), numel]
         return sig + list(shape) + [0] * (_MAX_DIMS - len(shape))
 
