@@ -131,7 +131,8 @@ def main():
     ap.add_argument("--ops", nargs="+", default=list(BUS_FACTOR))
     ap.add_argument("--codecs", nargs="+",
                     default=["nccl-bf16", "none", "nvfp4", "mxfp4", "fp4quant64"])  # fmt: skip
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=15, help="timed repeats (events, graphs)")
+    ap.add_argument("--host-reps", type=int, default=HOST_REPS, help="calls timed on the host")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -151,7 +152,7 @@ def main():
         for op in args.ops:
             if op == "send_recv" and world < 2:
                 continue
-            rows += _measure_op(comm, base, op, n, args.codecs, args.reps, gen)
+            rows += _measure_op(comm, base, op, n, args.codecs, args.reps, args.host_reps, gen)
             torch.cuda.empty_cache()
     if rank == 0:
         _write(args.out, rows, world)
@@ -168,7 +169,7 @@ def _slowest(comm, value):
     return every
 
 
-def _measure_op(comm, base, op, n, codecs, reps, gen):
+def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
     import torch
 
     world, rank, dev = comm.world_size, comm.rank, comm.device
@@ -195,7 +196,7 @@ def _measure_op(comm, base, op, n, codecs, reps, gen):
         arg_list = [(x,) for x in xs]
         eager_ms = cuda_time_ms(fn, arg_list, reps=reps)[0]
         graph_ms = graph_time_ms(fn, arg_list, reps=reps)[0]
-        host_us = host_time_us(fn, arg_list)
+        host_us = host_time_us(fn, arg_list, host_reps)
         every = _slowest(comm, (graph_ms, eager_ms, host_us, err))
         graph_ms, eager_ms, host_us = (max(e[i] for e in every) for i in range(3))
         err = every[1][3] if op == "send_recv" else every[0][3]  # the receiver's for send/recv

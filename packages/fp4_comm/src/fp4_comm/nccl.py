@@ -58,8 +58,11 @@ class NcclTransport(Transport):
             dist.broadcast_object_list(box, src=root, group=control_group)
         except RuntimeError as err:
             reraise_timeout(err, "NCCL unique id broadcast")
-        with torch.cuda.device(self.device):
-            # ncclCommInitRank binds the communicator to the current CUDA device.
+        import cupy
+
+        with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
+            # ncclCommInitRank binds the communicator to the current CUDA device (made current
+            # through both libraries, which may load CUDA runtimes of their own).
             self.comm = nccl.NcclCommunicator(self.world_size, tuple(box[0]), self.rank)
         self._uint8 = nccl.NCCL_UINT8
 
