@@ -10,6 +10,7 @@ CommTimeoutError through ``synchronize``.
 
 import datetime
 import os
+import time
 
 import numpy as np
 import pytest
@@ -254,17 +255,39 @@ def _run_missing_rank(comms):
     gpu = comms["cuda"]
     if gpu.rank != 0:
         return "absent"
-    gpu.validate = "never"  # so that the data path itself waits for the missing peers
-    gpu.all_reduce(torch.ones(1 << 20, device="cuda"), codec="nvfp4")
-    try:
+    try:  # the communicator was aborted by the watchdog in the test before
         gpu.synchronize(timeout_s=5.0)
     except fp4_comm.CommTimeoutError as err:
         return str(err)
     return None
 
 
+def _run_missing_rank_watchdog(comms, timeout_s):
+    gpu = comms["cuda"]
+    if gpu.rank != 0:
+        return "absent"
+    gpu.validate = "never"
+    gpu.transport.timeout_s = timeout_s
+    gpu.all_reduce(torch.ones(1 << 20, device="cuda"), codec="mxfp4")
+    start = time.monotonic()
+    torch.cuda.synchronize()  # no synchronize(timeout_s): only the watchdog can end the wait
+    waited = time.monotonic() - start
+    try:
+        gpu.all_reduce(torch.ones(8, 32, device="cuda"), codec="mxfp4")
+    except fp4_comm.CommTimeoutError as err:
+        return (waited, str(err))
+    return (waited, None)
+
+
+def test_multi_gpu_watchdog_ends_a_hang_last(multi):
+    # Last but one: the NCCL communicator is aborted afterwards, and the next test expects it.
+    waited, message = multi.run(_run_missing_rank_watchdog, 5.0, timeout_s=120)[0]
+    assert message and "aborted" in message
+    assert waited < 5.0 + 30  # the watchdog's timeout plus its polling and the abort
+
+
 def test_multi_gpu_missing_rank_times_out_last(multi):
-    # Last in this module: the NCCL communicator is aborted afterwards.
+    # After the watchdog aborted the communicator, synchronize says so instead of waiting.
     message = multi.run(_run_missing_rank, timeout_s=120)[0]
     assert message and "aborted" in message
 

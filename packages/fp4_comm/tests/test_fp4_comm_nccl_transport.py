@@ -105,6 +105,7 @@ def _transports(world):
         t._nccl, t.comm, t._uint8 = fake, fake, UINT8
         t.rank, t.world_size, t.device, t.timeout_s = rank, world, torch.device("cpu"), 60.0
         t._stream = lambda: 0
+        t._watchdog, t._failed = False, None  # CUDA events: tested on GPUs
         out.append(t)
     return out
 

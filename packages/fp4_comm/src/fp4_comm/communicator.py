@@ -75,7 +75,8 @@ class Communicator:
 
         ``device``: a CUDA device (this rank's GPU) for an NCCL communicator through CuPy, or
         "cpu" (default when CUDA is unavailable) for gloo.  ``timeout_s`` bounds every check
-        and every gloo transfer; NCCL transfers are bounded through ``synchronize``.
+        and every gloo transfer; NCCL transfers are bounded by ``synchronize`` and by a
+        watchdog thread that aborts the NCCL communicator when a transfer is not done in time.
         """
         if not dist.is_initialized():
             raise RuntimeError(

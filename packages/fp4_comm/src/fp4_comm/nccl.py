@@ -9,6 +9,8 @@ waits for the GPU, except ``synchronize``.
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 
 import torch
@@ -18,6 +20,8 @@ from ._transport import CommTimeoutError, Transport, reraise_timeout
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
+# How often the watchdog looks at the oldest unfinished transfer.
+_WATCHDOG_INTERVAL_S = 1e-3
 
 
 def _nccl():
@@ -41,7 +45,7 @@ class NcclTransport(Transport):
     Collective: every rank of the group must construct it, each with its own device.
     """
 
-    def __init__(self, control_group, device, timeout_s=300.0):
+    def __init__(self, control_group, device, timeout_s=300.0, watchdog=True):
         nccl = _nccl()
         self._nccl = nccl
         self.device = torch.device(device)
@@ -65,9 +69,53 @@ class NcclTransport(Transport):
             # through both libraries, which may load CUDA runtimes of their own).
             self.comm = nccl.NcclCommunicator(self.world_size, tuple(box[0]), self.rank)
         self._uint8 = nccl.NCCL_UINT8
+        # Watchdog: an event after every group of transfers; a daemon thread aborts the
+        # communicator when the oldest one has not completed timeout_s after it became the
+        # oldest (so a queue of long legitimate transfers does not trip it), which ends the
+        # NCCL kernels that wait for a peer that never comes: no hang, even for a caller who
+        # never calls synchronize().  Not under CUDA-graph capture (nothing runs then).
+        self._watchdog = watchdog and timeout_s is not None
+        self._pending = collections.deque()
+        self._failed = None
+        self._closing = False
+        self._thread = None
 
     def _stream(self):
+        if self._failed is not None:
+            raise CommTimeoutError(self._failed)
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _watch(self):
+        if not self._watchdog or torch.cuda.is_current_stream_capturing():
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._pending.append(event)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch_loop, daemon=True)
+            self._thread.start()
+
+    def _watch_loop(self):
+        head, since = None, 0.0
+        while not self._closing:
+            if not self._pending:
+                time.sleep(_WATCHDOG_INTERVAL_S)
+                continue
+            event = self._pending[0]
+            if event is not head:
+                head, since = event, time.monotonic()
+            if event.query():
+                self._pending.popleft()
+                continue
+            if time.monotonic() - since > self.timeout_s:
+                self._failed = (
+                    f"NCCL: a transfer did not finish within {self.timeout_s} s (a peer "
+                    "missing from a collective, or called with other sizes); the communicator "
+                    "was aborted"
+                )
+                self.comm.abort()
+                return
+            time.sleep(_WATCHDOG_INTERVAL_S)
 
     def all_to_all(self, pairs):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
@@ -87,6 +135,7 @@ class NcclTransport(Transport):
                     comm.recv(recv[p].data_ptr(), b, u8, p, stream)
         finally:
             self._nccl.groupEnd()
+        self._watch()
 
     def all_gather(self, pairs):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
@@ -98,6 +147,7 @@ class NcclTransport(Transport):
                     comm.allGather(send.data_ptr(), recv.data_ptr(), b, u8, stream)
         finally:
             self._nccl.groupEnd()
+        self._watch()
 
     def send(self, tensors, peer):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
@@ -108,6 +158,7 @@ class NcclTransport(Transport):
                     comm.send(t.data_ptr(), t.numel(), u8, peer, stream)
         finally:
             self._nccl.groupEnd()
+        self._watch()
 
     def recv(self, tensors, peer):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
@@ -118,25 +169,35 @@ class NcclTransport(Transport):
                     comm.recv(t.data_ptr(), t.numel(), u8, peer, stream)
         finally:
             self._nccl.groupEnd()
+        self._watch()
 
     def synchronize(self, timeout_s=None):
         """Wait for the current stream; on timeout abort the communicator (so no later call can
         hang on it either) and raise CommTimeoutError."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self._failed is not None:
+            raise CommTimeoutError(self._failed)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         deadline = time.monotonic() + timeout_s
         while not event.query():
+            if self._failed is not None:  # the watchdog aborted meanwhile
+                raise CommTimeoutError(self._failed)
             self.comm.check_async_error()
             if time.monotonic() > deadline:
-                self.comm.abort()
-                raise CommTimeoutError(
+                self._failed = (
                     f"NCCL: the stream did not finish within {timeout_s} s (a peer missing from "
-                    "a collective, or called with other sizes); the communicator is aborted"
+                    "a collective, or called with other sizes); the communicator was aborted"
                 )
+                self._closing = True  # the watchdog has nothing left to watch
+                self.comm.abort()
+                raise CommTimeoutError(self._failed)
             time.sleep(_POLL_INTERVAL_S)
 
     def close(self):
+        self._closing = True
+        if self._thread is not None:
+            self._thread.join()
         if getattr(self, "comm", None) is not None:
             self.comm.destroy()
             self.comm = None
