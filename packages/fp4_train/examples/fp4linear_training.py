@@ -5,10 +5,12 @@ master weights.  Does the rounding choice still matter?
 
 The same teacher-student task (64 -> 256 -> 256 -> 16, ReLU, AdamW lr 1e-3, batch 256, 3 seeds)
 with every ``nn.Linear`` replaced by ``FP4Linear``: the forward, dgrad and wgrad GEMMs run on
-NVFP4-quantized operands, while the master weights are full ``torch.bfloat16`` parameters that
-AdamW updates in place.  Configurations:
+NVFP4-quantized operands, while the master weights are kept in bfloat16: AdamW (float32
+moments) updates them and every update is rounded to nearest bfloat16, as for the ``bf16``
+method of stored_weight_training.py.  Activations stay float32 (bfloat16 matmuls are slow on a
+CPU; the FP4 GEMM operands are quantized from them either way).  Configurations:
 
-- ``bf16 nn.Linear``: the reference, no FP4 anywhere, bfloat16 master weights;
+- ``bf16 nn.Linear``: the reference, no FP4 anywhere, the same bfloat16 master weights;
 - ``fp4 nearest``: forward operands and gradients rounded to nearest;
 - ``fp4 stochastic grads``: forward to nearest, gradients stochastically (the recipe);
 - ``fp4 stochastic all``: forward operands and gradients stochastically;
@@ -47,7 +49,16 @@ def fp4_model(dims, options, seed, device):
         if isinstance(m, torch.nn.Linear) and options is not None:
             m = FP4Linear.from_linear(m, seed=seed * 100 + i, **options)
         layers.append(m)
-    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+    model = torch.nn.Sequential(*layers)
+    round_to_bfloat16(model)
+    return model
+
+
+@torch.no_grad()
+def round_to_bfloat16(model):
+    """The master weights are stored in bfloat16: round them (to nearest) after every update."""
+    for p in model.parameters():
+        p.copy_(p.bfloat16().float())
 
 
 def train(name, seed, device):
@@ -62,15 +73,16 @@ def train(name, seed, device):
         if step % EVAL_EVERY == 0:
             with torch.no_grad():
                 model.eval()
-                curve.append(loss_fn(model(x_test.bfloat16()).float(), y_test).item())
+                curve.append(loss_fn(model(x_test), y_test).item())
                 model.train()
         if step == steps:
             break
         idx = torch.randint(0, x.shape[0], (BATCH,), generator=g, device=device)
-        loss = loss_fn(model(x[idx].bfloat16()).float(), y[idx])
+        loss = loss_fn(model(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
+        round_to_bfloat16(model)
     return np.array(curve)
 
 

@@ -102,8 +102,18 @@ def train(task_name, method, seed, device):
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.bfloat16().float())
-    memory = opt.memory_report() if isinstance(opt, FP4StoredWeights) else None
-    return np.array(curve), memory
+        if step == steps - 1 and isinstance(opt, FP4StoredWeights):
+            memory = opt.memory_report()  # at rest: after a step, before the next forward
+    if not isinstance(opt, FP4StoredWeights):
+        memory = {"float32_bytes": sum(4 * p.numel() for p in model.parameters())}
+        memory["optimizer_state_bytes"] = sum(
+            v.numel() * v.element_size()
+            for st in inner.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        )
+    max_abs_weight = max(p.detach().abs().max().item() for p in model.parameters())
+    return np.array(curve), memory, max_abs_weight
 
 
 def main():
@@ -114,7 +124,7 @@ def main():
         results[task_name] = {}
         for method in progress(METHODS, desc=task_name):
             runs = [train(task_name, method, s, args.device) for s in SEEDS]
-            curves = np.stack([c for c, _ in runs])
+            curves = np.stack([c for c, _, _ in runs])
             final = curves[:, -1]
             results[task_name][method] = {
                 "final_test_loss_mean": float(final.mean()),
@@ -122,6 +132,7 @@ def main():
                 "final_test_loss_per_seed": final.tolist(),
                 "curve_mean": curves.mean(0).tolist(),
                 "memory": runs[0][1],
+                "final_max_abs_weight_per_seed": [m for _, _, m in runs],
             }
             rows.append(
                 {
@@ -130,6 +141,7 @@ def main():
                     "final_test_loss_mean": f"{final.mean():.5g}",
                     "final_test_loss_std": f"{final.std():.2g}",
                     "ratio_to_float32": "",
+                    "final_max_abs_weight": f"{np.mean([m for _, _, m in runs]):.3g}",
                 }
             )
         base = results[task_name]["float32"]["final_test_loss_mean"]
@@ -159,20 +171,21 @@ def main():
     plt.close(fig)
     print(
         markdown_table(
-            ["task", "method", "final test MSE (mean ± std, 3 seeds)", "/ float32"],
+            ["task", "method", "final test MSE (mean ± std, 3 seeds)", "/ float32", "max abs w"],
             [
                 [
                     r["task"],
                     r["method"],
                     f"{r['final_test_loss_mean']} ± {r['final_test_loss_std']}",
                     r["ratio_to_float32"],
+                    r["final_max_abs_weight"],
                 ]
                 for r in rows
             ],
         )
     )
-    mem = results["mlp"]["error_feedback"]["memory"]
-    print(f"MLP memory (bytes): {mem}")
+    for method in METHODS:
+        print(f"MLP memory, {method} (bytes): {results['mlp'][method]['memory']}")
 
 
 if __name__ == "__main__":
