@@ -84,6 +84,9 @@ def accumulate(rounding, rows, device):
         opt.step()
         opt.materialize()
         path[t + 1] = p.detach()[:, 1].cpu().numpy()
+    if rounding == "error_feedback":  # element 1 of the flattened, padded weight
+        residual = float(opt._error_feedback.residual("param0")[1])
+        return path, residual
     return path
 
 
@@ -116,8 +119,9 @@ def main():
     paths = {
         "nearest": accumulate("nearest", 1, args.device)[:, 0],
         "stochastic": accumulate("stochastic", SR_RUNS, args.device),
-        "error_feedback": accumulate("error_feedback", 1, args.device)[:, 0],
     }
+    ef_path, ef_residual = accumulate("error_feedback", 1, args.device)
+    paths["error_feedback"] = ef_path[:, 0]
     exact = START + INCREMENT * np.arange(T_ACCUMULATE + 1)
     sr_final = paths["stochastic"][-1]
     summary = {
@@ -130,6 +134,8 @@ def main():
         "stochastic_final_std": float(sr_final.std()),
         "stochastic_runs": SR_RUNS,
         "error_feedback_final": float(paths["error_feedback"][-1]),
+        "error_feedback_final_residual": ef_residual,
+        "error_feedback_stored_plus_residual": float(paths["error_feedback"][-1]) + ef_residual,
     }
     write_json(args.out / "fp4_train_accumulation.json", {"meta": meta, **summary})
     write_csv(
