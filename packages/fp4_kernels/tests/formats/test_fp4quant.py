@@ -85,3 +85,19 @@ def test_without_transform_codes_are_plain_absmax_scaling():
     codes, scales = fq.quantize_reference(x, 16, hadamard=False)
     assert fq.bf16_bits_to_f32(scales)[0, 0] == 1.0
     np.testing.assert_array_equal(decode_e2m1(codes)[0, :4], [6.0, -3.0, 1.5, 0.0])
+
+
+def test_decode_does_not_overflow_near_the_top_of_float32():
+    """The inverse butterflies run on the e2m1 values (exact), the scale comes last: a group
+    whose transform is near FLT_MAX still decodes to finite values."""
+    x = np.zeros((1, 64), np.float32)
+    x[0, 5] = 5.3e36  # t = H x is 5.3e36 everywhere, < FLT_MAX; 64 * that would overflow
+    codes, scales = fq.quantize_reference(x, 64)
+    y = fq.dequantize_reference(codes, scales, 64)
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y[0, 5], x[0, 5], rtol=2**-7)
+    assert np.abs(np.delete(y[0], 5)).max() <= 2**-7 * x[0, 5]
+    # and beyond FLT_MAX / g the encoder's transform overflows: the group is NaN, not garbage
+    x[0, 6:8] = 3.3e38  # their sum overflows
+    codes, scales = fq.quantize_reference(x, 64)
+    assert scales[0, 0] == fq.BF16_NAN_BITS

@@ -93,14 +93,13 @@ def encode(bits, kind, g, strides, hadamard, stochastic, seed_lo, seed_hi, step,
 def decode(codes, scales, g, strides, hadamard, inv_g, out_bits, kind):
     buf = np.empty(g, np.float32)
     for q in range(out_bits.shape[0] // g):
-        s = u32_as_f32(np.uint32(np.uint32(scales[q]) << 16))
         for i in range(g // 2):
             byte = np.uint32(codes[(q * g) // 2 + i])
-            buf[2 * i] = _e2m1_decode(byte & 15) * s
-            buf[2 * i + 1] = _e2m1_decode(byte >> 4) * s
+            buf[2 * i] = _e2m1_decode(byte & 15)
+            buf[2 * i + 1] = _e2m1_decode(byte >> 4)
+        s = u32_as_f32(np.uint32(np.uint32(scales[q]) << 16))
         if hadamard:
-            fwht_group(buf, strides)
-            for i in range(g):
-                buf[i] = buf[i] * inv_g
+            fwht_group(buf, strides)  # exact: sums of halves below 6 * 8192
+            s = s * inv_g
         for i in range(g):
-            store(out_bits, q * g + i, kind, buf[i])
+            store(out_bits, q * g + i, kind, buf[i] * s)

@@ -2,8 +2,8 @@
 
 encode: read x once -> (optional) butterflies -> group amax -> bf16 scale -> e2m1 codes; write
         the packed codes (4 per uint16, element 4c + r in nibble r) and one uint16 scale per group.
-decode: read codes and scales once -> e2m1 * scale -> (optional) butterflies -> * 2^-log2(g);
-        write the tensor.
+decode: read codes and scales once -> (optional) butterflies on the e2m1 values (exact) ->
+        * (scale * 2^-log2(g)); write the tensor.
 
 Element layout, launch contract and butterfly order are those of ``cuda.hadamard``.  The group
 amax is reduced like the transform: over a chunk's 4 registers, over the thread's chunks that
@@ -195,10 +195,23 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
         return c0, s0, c1, s1, c2, s2, c3, s3
 
     @device_jit
-    def decode_chunk(v, j, code, sbits):
-        s = u32_as_f32(U32(sbits << 16))
+    def decode_chunk(v, j, code):
         for r in range(4):
-            v[4 * j + r] = e2m1_decode(U32(U32(code >> U32(4 * r)) & 15)) * s
+            v[4 * j + r] = e2m1_decode(U32(U32(code >> U32(4 * r)) & 15))
+
+    @device_jit
+    def group_scale(sbits):
+        """The factor the group's e2m1 values (or their transform) are multiplied by."""
+        s = u32_as_f32(U32(sbits << 16))
+        if hadamard:
+            return s * inv_g  # exact unless s < 2^-126 * g (a float32 subnormal)
+        return s
+
+    @device_jit
+    def scale_chunk(v, j, sbits):
+        s = group_scale(sbits)
+        for r in range(4):
+            v[4 * j + r] = v[4 * j + r] * s
 
     @cuda.jit
     def kernel(codes16, scales16, out_words, n_chunks):
@@ -214,17 +227,20 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
         stride = cuda.gridDim.x * tile_chunks
         c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base, n_chunks)
         while t < n_tiles:
-            # e2m1 (2 significant bits) times a bf16 scale (8) is exact in float32, so an
-            # FMA formed with a following add rounds exactly as the reference does
-            decode_chunk(v, 0, c0, s0)
-            decode_chunk(v, 1, c1, s1)
-            decode_chunk(v, 2, c2, s2)
-            decode_chunk(v, 3, c3, s3)
-            c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base + stride, n_chunks)
+            decode_chunk(v, 0, c0)
+            decode_chunk(v, 1, c1)
+            decode_chunk(v, 2, c2)
+            decode_chunk(v, 3, c3)
             if hadamard:
+                # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below
+                # 6 are exact in float32, so the butterflies round nothing and cannot overflow
                 butterflies(v, lane, sm)
-                for i in range(REGISTERS):
-                    v[i] = v[i] * inv_g  # after the last add: a plain multiply
+            # one rounding: a plain multiply after the last add, never part of an FMA
+            scale_chunk(v, 0, s0)
+            scale_chunk(v, 1, s1)
+            scale_chunk(v, 2, s2)
+            scale_chunk(v, 3, s3)
+            c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base + stride, n_chunks)
             for j in range(CHUNKS):
                 c = base + 32 * j
                 if c < n_chunks:

@@ -24,15 +24,18 @@ Encode, per group of g elements (float32 throughout, in this order)::
     code = e2m1(t * inv)                          # nearest-even, or stochastic with Philox
                                                   # word i of stochastic_bits(seed, step, n)
 
-Decode (exact up to the butterflies' float32 roundings)::
+Decode::
 
-    v = e2m1_value(code) * float32(s)  # exact: 2 significant bits times 8
-    y = fwht(v) * 2^-log2(g)           # (y = v when hadamard=False), then rounded to the dtype
+    y = fwht(e2m1_value(code)) * (float32(s) * 2^-log2(g))   # y = e2m1_value(code) * s without
 
-Every product that feeds a sum is exact (v above; x times +-1), so whether the compiler fuses a
-multiply and an add into an FMA cannot change a bit; the final power-of-two scaling is a plain
-multiplication.  Non-finite input makes the group's scale NaN and the whole group decodes to NaN
-(the transform spreads a NaN over its group anyway); codes there are 0.
+The butterflies run on the e2m1 values themselves (multiples of 0.5 below 6; their sums over
+at most 8192 elements are exact in float32), so they round nothing, in any order, and cannot
+overflow; the one rounding is the final multiplication, by s * 2^-log2(g), which is exact
+unless s < 2^-126 g (float32 subnormals), and is never part of an FMA (it follows the last
+add).  Non-finite input makes the group's scale NaN and the whole group decodes to NaN (the
+transform spreads a NaN over its group anyway); codes there are 0.  The encoder's transform
+overflows float32 for |x| above about FLT_MAX / g (1e34 at g = 8192): such a group is
+non-finite and decodes to NaN.
 
 Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes of packed codes
 (element 2i in the low nibble of byte i), then n/g little-endian uint16 bfloat16 scales:
@@ -103,8 +106,9 @@ def dequantize_reference(codes, scales, group_size, *, hadamard=True):
     codes = np.asarray(codes)
     g = check_group_size(group_size)
     s = bf16_bits_to_f32(np.asarray(scales)).reshape(-1, 1)
-    v = decode_e2m1(codes).reshape(-1, g) * s
+    v = decode_e2m1(codes).reshape(-1, g)
     if hadamard:
-        with np.errstate(invalid="ignore", over="ignore"):
-            v = fwht(v, g) * np.float32(2.0 ** -(g.bit_length() - 1))
-    return v.reshape(codes.shape)
+        v = fwht(v, g)  # exact (see the module docstring)
+        s = s * np.float32(2.0 ** -(g.bit_length() - 1))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (v * s).reshape(codes.shape)
