@@ -67,7 +67,9 @@ class NcclTransport(Transport):
         with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
             # ncclCommInitRank binds the communicator to the current CUDA device (made current
             # through both libraries, which may load CUDA runtimes of their own).
-            self.comm = nccl.NcclCommunicator(self.world_size, tuple(box[0]), self.rank)
+            # get_unique_id's type differs across CuPy versions (a tuple of ints, or bytes);
+            # hand the constructor back exactly what this CuPy produced
+            self.comm = nccl.NcclCommunicator(self.world_size, box[0], self.rank)
         self._uint8 = nccl.NCCL_UINT8
         # Watchdog: an event after every group of transfers; a daemon thread aborts the
         # communicator when the oldest one has not completed timeout_s after it became the

@@ -10,14 +10,17 @@
   compute capability >= 10.0).
 """
 
-from importlib.metadata import version as _version
+from importlib.metadata import PackageNotFoundError, version as _version
 
 from .error_feedback import ErrorFeedback
 from .gemm import NativeGemmUnavailable, fp4_gemm
 from .linear import FP4Linear, fp4_linear
 from .optim import FP4StoredWeights
 
-__version__ = _version("fp4-train")
+try:
+    __version__ = _version("fp4-train")
+except PackageNotFoundError:  # running from a source tree (e.g. on PYTHONPATH)
+    __version__ = "0+unknown"
 
 __all__ = [
     "ErrorFeedback",
