@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -388,9 +389,17 @@ def _fill_one(gs, ctx):
 _GPU_COUNT = []
 
 
+_THREAD = threading.local()  # .bound: the devices whose context this thread has made current
+
+
 class _device:
     """Make the input's GPU numba's current device for the duration of the call (a no-op on a
-    one-GPU process, which skips the context query on the hot path)."""
+    one-GPU process, which skips the context query on the hot path).
+
+    The first call on a thread binds the device's primary context (the one torch, CuPy and
+    numba share) to that thread: a thread that only ever used the runtime API through torch,
+    such as the autograd engine's backward thread, may have none, and the kernels launch
+    through the driver API."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -401,6 +410,14 @@ class _device:
             return
         from numba import cuda
 
+        bound = getattr(_THREAD, "bound", None)
+        if bound is None:
+            bound = _THREAD.bound = set()
+        if self.ctx.device_id not in bound:
+            from cuda.core import Device
+
+            Device(self.ctx.device_id).set_current()
+            bound.add(self.ctx.device_id)
         if not _GPU_COUNT:
             _GPU_COUNT.append(len(cuda.gpus))
         if _GPU_COUNT[0] > 1 and cuda.get_current_device().id != self.ctx.device_id:
