@@ -73,3 +73,30 @@ def test_runs_on_the_callers_stream(gpu):
         z = fk.hadamard(y, group_size=1024, signs=3, inverse=True)
     s.synchronize()
     torch.testing.assert_close(z, x, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="CUDA contexts: real GPU only")
+def test_a_thread_without_a_current_context(gpu):
+    """torch's autograd runs backward on a thread of its own, which may have no current CUDA
+    context; the kernels launch through the driver API, so the first call binds one."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    x = torch.randn(64, 1024, device="cuda")
+    expected = fk.hadamard(x, group_size=256)
+    q_expected = fk.quantize_dequantize(x, fmt="nvfp4")
+    out = {}
+
+    def work():
+        try:
+            out["h"] = fk.hadamard(x, group_size=256)
+            out["q"] = fk.quantize_dequantize(x, fmt="nvfp4")
+            torch.cuda.current_stream().synchronize()
+        except Exception as e:  # surfaced in the main thread below
+            out["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert torch.equal(out["h"], expected) and torch.equal(out["q"], q_expected)
