@@ -6,7 +6,9 @@ For each size n (M = N = K = n): the bf16 GEMM ``torch.mm(a, b.T)`` (bf16 out, t
 the same GEMM with a float32 result (``out_dtype=torch.float32``, what the exact path runs),
 and ``fp4_gemm`` on NVFP4 operands by the exact path (decode both operands to bf16 without
 their tensor scales, the bf16 GEMM with float32 output, alpha applied once) with a float32 and
-a bf16 result, plus the two decodes alone.  Device time: each call captured in a CUDA graph and
+a bf16 result, plus the two decodes alone; where nvmath-python is installed, also the exact
+path with alpha applied inside one cuBLASLt bf16 GEMM (``bf16_gemm_device_alpha``, no separate
+pass over the result; experimental).  Device time: each call captured in a CUDA graph and
 replayed between CUDA events (``_timing.graph_time_ms``), median of 15 replays after warm-up,
 inputs rotated among 3 buffer sets; eager CUDA-event medians beside them.  The native cuBLASLt
 FP4 path runs where the device has FP4 tensor cores (compute capability >= 10.0) and is
@@ -83,6 +85,18 @@ def main():
             ),
             "decode_both_operands": (decode_both, qpairs),
         }
+        try:  # experimental: alpha applied inside one cuBLASLt bf16 GEMM (nvmath-python)
+            from fp4_train.gemm._cublaslt import bf16_gemm_device_alpha
+
+            def exact_lt(x, y):
+                x1 = fp4_kernels.dequantize(_without_tensor_scale(x, "torch"), dtype=torch.bfloat16)
+                y1 = fp4_kernels.dequantize(_without_tensor_scale(y, "torch"), dtype=torch.bfloat16)
+                return bf16_gemm_device_alpha(x1, y1, x.global_scale * y.global_scale)
+
+            exact_lt(*qpairs[0])
+            ops["fp4_exact_cublaslt_alpha_fp32_out"] = (exact_lt, qpairs)
+        except Exception as e:  # recorded, not fatal: the main comparison stands without it
+            print(f"exact path with cuBLASLt device alpha unavailable: {e!r}", flush=True)
         row = {"n": n, "ms": {}, "eager_ms": {}, "tflops": {}}
         for name, (fn, arg_list) in ops.items():
             med, lo, hi = graph_time_ms(fn, arg_list)
@@ -135,8 +149,8 @@ def main():
         f"commit {meta['commit']}, {meta['date']}",
         "",
         "| n = M = N = K | bf16 GEMM ms | bf16 GEMM, fp32 out | exact, fp32 out | "
-        "exact, bf16 out | decode both | native |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "exact, bf16 out | exact, cuBLASLt alpha | decode both | native |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ratio = r["ratio_to_bf16_gemm"]
@@ -148,7 +162,9 @@ def main():
         lines.append(
             f"| {r['n']} | {r['ms']['bf16_gemm']['median']:.3f} "
             f"| {ratio['bf16_gemm_fp32_out']:.3f}x | {ratio['fp4_exact_fp32_out']:.3f}x "
-            f"| {ratio['fp4_exact_bf16_out']:.3f}x | {ratio['decode_both_operands']:.3f}x "
+            f"| {ratio['fp4_exact_bf16_out']:.3f}x "
+            f"| {ratio.get('fp4_exact_cublaslt_alpha_fp32_out', float('nan')):.3f}x "
+            f"| {ratio['decode_both_operands']:.3f}x "
             f"| {native} |"
         )
     with open(os.path.join(args.out, "gemm_throughput.md"), "w") as f:

@@ -148,3 +148,21 @@ def test_native_matches_exact(fmt):
     a64, b64 = dequantize_f64(a), dequantize_f64(b)
     err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
     assert np.all(err <= gemm_bound(a64, b64, 1024))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_CC is None, reason="needs a CUDA GPU (none visible)")
+def test_bf16_gemm_with_device_alpha_is_the_exact_path():
+    pytest.importorskip("nvmath", reason="nvmath-python (the [native] extra) not installed")
+    from fp4_train.gemm._exact import _without_tensor_scale
+
+    x_a = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16)
+    x_b = torch.randn(200, 1024, device="cuda", dtype=torch.bfloat16)
+    a, b = fp4_kernels.quantize(x_a), fp4_kernels.quantize(x_b)
+    a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "torch"), dtype=torch.bfloat16)
+    b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.bfloat16)
+    out = native.bf16_gemm_device_alpha(a1, b1, a.global_scale * b.global_scale)
+    assert out.shape == (384, 200) and out.dtype == torch.float32
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
+    assert np.all(err <= gemm_bound(a64, b64, 1024))

@@ -165,22 +165,90 @@ def _set(setter, dtype_of, obj, attr, value):
 def native_gemm(a, b, out_dtype):
     """Run ``plan_native(a, b, out_dtype)`` with cuBLASLt on torch's current stream."""
     cublasLt, device = _require_native(a)
-    import numpy as np
     import torch
 
     plan = plan_native(a, b, out_dtype)
-    desc_attr = cublasLt.MatmulDescAttribute
-    out = torch.empty(
-        (plan.n, plan.m), dtype=getattr(torch, out_dtype), device=device
-    )  # row-major (M, N)
     if plan.alpha_from_tensor_scales:
         alpha = a.global_scale * b.global_scale
     else:
         alpha = torch.ones(1, dtype=torch.float32, device=device)
+    scale_mode = int(getattr(cublasLt.MatmulMatrixScale, plan.scale_mode))
+    attr = cublasLt.MatmulDescAttribute
+    return _lt_matmul(
+        cublasLt,
+        device,
+        plan,
+        a_ptr=b.data.data_ptr(),
+        b_ptr=a.data.data_ptr(),
+        alpha=alpha,
+        out_dtype=out_dtype,
+        extra_desc={
+            attr.A_SCALE_MODE: scale_mode,
+            attr.B_SCALE_MODE: scale_mode,
+            attr.A_SCALE_POINTER: b.scales.data_ptr(),
+            attr.B_SCALE_POINTER: a.scales.data_ptr(),
+        },
+    )
+
+
+def bf16_gemm_device_alpha(a1, b1, alpha):
+    """``alpha * (a1 @ b1^T)`` in float32 for bfloat16 CUDA tensors a1 (M, K), b1 (N, K), with
+    ``alpha`` a one-element float32 tensor on the device: one cuBLASLt call (bf16 operands,
+    float32 accumulation and output, alpha read from device memory), so the exact path needs no
+    separate pass over the result to apply the tensor scales.  Any compute capability.
+
+    Experimental: measured by ``benchmarks/gemm_throughput.py`` and tested on a GPU; not yet
+    what ``fp4_gemm`` calls.
+    """
+    import torch
+
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        raise NativeGemmUnavailable(f"needs nvmath-python's cuBLASLt bindings: {e}") from e
+    (m_rows, k), (n_rows, _) = a1.shape, b1.shape
+    plan = NativePlan(
+        m=n_rows,
+        n=m_rows,
+        k=k,
+        trans_a=CUBLAS_OP_T,
+        trans_b=CUBLAS_OP_N,
+        layout_a=MatrixLayout(CUDA_R_16BF, k, n_rows, k),
+        layout_b=MatrixLayout(CUDA_R_16BF, k, m_rows, k),
+        layout_d=MatrixLayout(CUDA_R_32F, n_rows, m_rows, n_rows),
+        scale_mode="",
+        scale_bytes_a=0,
+        scale_bytes_b=0,
+        compute_type=CUBLAS_COMPUTE_32F,
+        scale_type=CUDA_R_32F,
+        alpha_from_tensor_scales=True,
+    )
+    a1, b1 = a1.contiguous(), b1.contiguous()
+    if a1.dtype != torch.bfloat16 or b1.dtype != torch.bfloat16:
+        raise TypeError(f"a1, b1: expected bfloat16, got {a1.dtype}, {b1.dtype}")
+    return _lt_matmul(
+        cublasLt,
+        a1.device,
+        plan,
+        a_ptr=b1.data_ptr(),
+        b_ptr=a1.data_ptr(),
+        alpha=alpha,
+        out_dtype="float32",
+        extra_desc={},
+    )
+
+
+def _lt_matmul(cublasLt, device, plan, *, a_ptr, b_ptr, alpha, out_dtype, extra_desc):
+    """D = alpha op(A) op(B) (beta = 0) as ``plan`` describes it, on torch's current stream;
+    returns D as the row-major (plan.n, plan.m) torch tensor."""
+    import numpy as np
+    import torch
+
+    attr = cublasLt.MatmulDescAttribute
+    out = torch.empty((plan.n, plan.m), dtype=getattr(torch, out_dtype), device=device)
     beta = torch.zeros(1, dtype=torch.float32, device=device)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream
-    scale_mode = int(getattr(cublasLt.MatmulMatrixScale, plan.scale_mode))
     with torch.cuda.device(device):
         handle = _handle(cublasLt, device)
         desc = cublasLt.matmul_desc_create(plan.compute_type, plan.scale_type)
@@ -190,23 +258,21 @@ def native_gemm(a, b, out_dtype):
         ]
         pref = cublasLt.matmul_preference_create()
         try:
-
-            def set_desc(attr, value):
+            settings = {
+                attr.TRANSA: plan.trans_a,
+                attr.TRANSB: plan.trans_b,
+                # alpha and beta in device memory: nothing waits for the host
+                attr.POINTER_MODE: int(cublasLt.PointerMode.DEVICE),
+                **extra_desc,
+            }
+            for key, value in settings.items():
                 _set(
                     cublasLt.matmul_desc_set_attribute,
                     cublasLt.get_matmul_desc_attribute_dtype,
                     desc,
-                    attr,
+                    key,
                     value,
                 )
-
-            set_desc(desc_attr.TRANSA, plan.trans_a)
-            set_desc(desc_attr.TRANSB, plan.trans_b)
-            set_desc(desc_attr.A_SCALE_MODE, scale_mode)
-            set_desc(desc_attr.B_SCALE_MODE, scale_mode)
-            set_desc(desc_attr.A_SCALE_POINTER, b.scales.data_ptr())
-            set_desc(desc_attr.B_SCALE_POINTER, a.scales.data_ptr())
-            set_desc(desc_attr.POINTER_MODE, int(cublasLt.PointerMode.DEVICE))
             _set(
                 cublasLt.matmul_preference_set_attribute,
                 cublasLt.get_matmul_preference_attribute_dtype,
@@ -222,17 +288,18 @@ def native_gemm(a, b, out_dtype):
             )
             if count[0] == 0:
                 raise NativeGemmUnavailable(
-                    f"cuBLASLt has no FP4 kernel for M={plan.n}, N={plan.m}, K={plan.k}, "
-                    f"{plan.scale_mode}, output {out_dtype}"
+                    f"cuBLASLt has no kernel for M={plan.n}, N={plan.m}, K={plan.k}, "
+                    f"A type {plan.layout_a.data_type}, scales {plan.scale_mode or 'none'}, "
+                    f"output {out_dtype}"
                 )
             # the heuristic result struct starts with its cublasLtMatmulAlgo_t
             cublasLt.matmul(
                 handle,
                 desc,
                 alpha.data_ptr(),
-                b.data.data_ptr(),
+                a_ptr,
                 la,
-                a.data.data_ptr(),
+                b_ptr,
                 lb,
                 beta.data_ptr(),
                 out.data_ptr(),
