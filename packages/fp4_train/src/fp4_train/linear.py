@@ -61,14 +61,14 @@ class _FP4LinearFunction(torch.autograd.Function):
                 fp4_kernels.dequantize(qx, dtype=torch.float32),
                 fp4_kernels.dequantize(qw, dtype=torch.float32),
             )
-        ctx.dtypes = (x2d.dtype, weight.dtype)
+        ctx.dtypes = (x2d.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x2d.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step = ctx.options
         x2d, weight = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
         dy = dy.contiguous()
         grad_x = grad_w = grad_b = None
         if not quantize_backward:
@@ -97,7 +97,7 @@ class _FP4LinearFunction(torch.autograd.Function):
                 qxt = _quantize(xt, "nearest", 0, step)
                 grad_w = fp4_gemm(qdyt, qxt).to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = dy.float().sum(0).to(w_dtype)
+            grad_b = dy.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None
 
 
