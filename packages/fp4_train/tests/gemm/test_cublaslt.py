@@ -118,6 +118,18 @@ def test_constants_match_nvmath_bindings():
 _CC = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
+def _cublaslt_or_skip():
+    """nvmath-python's cuBLASLt bindings with their library loaded, or a skip saying why."""
+    pytest.importorskip("nvmath", reason="nvmath-python (the [native] extra) not installed")
+    from nvmath.bindings import cublasLt
+
+    try:
+        cublasLt.get_version()
+    except Exception as e:  # the bindings import, but libcublasLt does not load
+        pytest.skip(f"nvmath-python cannot load cuBLASLt here: {e}")
+    return cublasLt
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_CC is None, reason="needs a CUDA GPU (none visible)")
 @pytest.mark.skipif(
@@ -139,7 +151,7 @@ def test_native_names_the_compute_capability_it_lacks():
 )
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_native_matches_exact(fmt):
-    pytest.importorskip("nvmath", reason="nvmath-python (the [native] extra) not installed")
+    _cublaslt_or_skip()
     x_a = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     x_b = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     a = fp4_kernels.quantize(x_a, fmt=fmt, scale_layout="swizzled")
@@ -153,7 +165,7 @@ def test_native_matches_exact(fmt):
 @pytest.mark.gpu
 @pytest.mark.skipif(_CC is None, reason="needs a CUDA GPU (none visible)")
 def test_bf16_gemm_with_device_alpha_is_the_exact_path():
-    pytest.importorskip("nvmath", reason="nvmath-python (the [native] extra) not installed")
+    _cublaslt_or_skip()
     from fp4_train.gemm._exact import _without_tensor_scale
 
     x_a = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16)
