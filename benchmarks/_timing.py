@@ -8,7 +8,9 @@ baseline.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 
 ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
@@ -106,3 +108,16 @@ def host_time_us(fn, args, reps=200):
             torch.cuda.synchronize()  # keep the queue short so launches are not throttled
     torch.cuda.synchronize()
     return statistics.median(ts)
+
+
+def commit_id():
+    """The commit a result belongs to: ``FP4_COMMIT`` when set (the GPU machine gets a copy of
+    the tree whose .git, if any, may be stale), else ``git rev-parse --short HEAD``."""
+    if os.environ.get("FP4_COMMIT"):
+        return os.environ["FP4_COMMIT"]
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
+    except Exception:
+        return "unknown"

@@ -29,12 +29,11 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import cuda_time_ms, graph_time_ms  # noqa: E402
+from _timing import commit_id, cuda_time_ms, graph_time_ms  # noqa: E402
 
 ROTATE = 3
 BUS_FACTOR = {
@@ -45,13 +44,6 @@ BUS_FACTOR = {
 }
 HOST_REPS = 50
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO")
-
-
-def _commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return os.environ.get("FP4_COMMIT", "unknown")
 
 
 def _codec(name):
@@ -248,7 +240,7 @@ def _write(out_dir, rows, world):
     meta = {
         "device": torch.cuda.get_device_name(),
         "gpus": world,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
         "torch": torch.__version__,

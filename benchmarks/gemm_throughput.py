@@ -23,25 +23,15 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 try:  # imported as part of the benchmarks package
-    from ._timing import ROTATE, cuda_time_ms, graph_time_ms
+    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, cuda_time_ms, graph_time_ms
+    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms
 
 TARGET_RATIO = 1.15  # issue 5: the exact path within 1.15x the bf16 GEMM at 8192^3
-
-
-def _commit():
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except Exception:
-        return os.environ.get("FP4_COMMIT", "unknown")
 
 
 def main():
@@ -136,7 +126,7 @@ def main():
         "device": torch.cuda.get_device_name(dev),
         "compute_capability": f"{cc[0]}.{cc[1]}",
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": "CUDA-graph replay between CUDA events, median of 15, 3 rotating input sets",
         "target": f"fp4_exact <= {TARGET_RATIO}x bf16_gemm at 8192^3",

@@ -18,7 +18,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import fp4_kernels as fk
@@ -26,6 +25,7 @@ import fp4_kernels as fk
 try:  # imported by asv as part of the benchmarks package
     from ._timing import (
         ROTATE,
+        commit_id,
         copy_gbps as measure_copy_gbps,
         cuda_time_ms,
         graph_time_ms,
@@ -35,21 +35,12 @@ except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _timing import (
         ROTATE,
+        commit_id,
         copy_gbps as measure_copy_gbps,
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
     )
-
-
-def _commit():
-    # FP4_COMMIT first: the GPU machine's copy of the tree may carry a stale .git
-    if os.environ.get("FP4_COMMIT"):
-        return os.environ["FP4_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def main():
@@ -194,7 +185,7 @@ def main():
 
     meta = {
         "device": torch.cuda.get_device_name(),
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_gbps": copy_gbps,
         "torch": torch.__version__,

@@ -23,29 +23,18 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
-    from ._timing import ROTATE, cuda_time_ms, graph_time_ms, host_time_us
+    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, host_time_us
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, cuda_time_ms, graph_time_ms, host_time_us
+    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, host_time_us
 
 GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 K = 8192
-
-
-def _commit():
-    # FP4_COMMIT first: the GPU machine's copy of the tree may carry a stale .git
-    if os.environ.get("FP4_COMMIT"):
-        return os.environ["FP4_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def _load_fht(path):
@@ -161,7 +150,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     meta = {
         "device": props.name,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "elements": n,
         "dtype": "bfloat16",
