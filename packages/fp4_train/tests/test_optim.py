@@ -180,3 +180,26 @@ def test_release_frees_device_memory():
     # rounding of the small tensor scale)
     assert before - after >= 4 * 4096 * 4096 - (4096 * 4096 // 2 + 4096 * 256 + 512)
     assert opt.memory_report()["resident_weight_bytes"] == 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rounding", ["stochastic", "error_feedback"])
+def test_cuda_storage_matches_the_cpu_bit_for_bit(rounding):
+    # the update w - lr g is one IEEE float32 operation per element on either device and the
+    # codec is bit exact across devices, so the packed weights agree after every step
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal((64, 96)).astype(np.float32)
+    grads = [rng.standard_normal((64, 96)).astype(np.float32) for _ in range(3)]
+    packed = {}
+    for device in ("cpu", "cuda"):
+        p = torch.nn.Parameter(torch.from_numpy(w0).to(device))
+        opt = FP4StoredWeights(torch.optim.SGD([p], lr=0.01), rounding=rounding, seed=4)
+        for g in grads:
+            opt.materialize()
+            p.grad = torch.from_numpy(g).to(device)
+            opt.step()
+        q = opt.packed[0]
+        packed[device] = (q.data.cpu(), q.scales.cpu(), q.global_scale.cpu())
+    for cpu_part, cuda_part in zip(packed["cpu"], packed["cuda"], strict=True):
+        assert torch.equal(cpu_part, cuda_part)
