@@ -45,7 +45,11 @@ def exact_gemm(a, b, out_dtype):
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.bfloat16)
     # bf16 operands, float32 accumulation and a float32 result (no bfloat16 rounding of the
     # partial sums or of the result before alpha is applied).
-    acc = torch.mm(a1, b1.t(), out_dtype=torch.float32)
+    try:
+        acc = torch.mm(a1, b1.t(), out_dtype=torch.float32)
+    except TypeError:  # a torch without mm's out_dtype (before 2.8): a float32 GEMM of the
+        # same decoded values, exact in float32 and in TF32 (11 significant bits >= 6) alike
+        acc = torch.mm(a1.float(), b1.float().t())
     alpha = a.global_scale * b.global_scale  # on the device: no host synchronization
     if out_dtype == "float32":
         return acc.mul_(alpha)
