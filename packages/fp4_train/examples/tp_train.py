@@ -95,7 +95,7 @@ def parse_args(argv=None):
     a("--eval-every", type=int, default=50)
     a("--eval-batches", type=int, default=8)
     a("--dtype", choices=("float32", "bfloat16"), default=None,
-      help="compute dtype (autocast on CUDA); default bfloat16 on CUDA, float32 on the CPU")  # fmt: skip
+      help="compute dtype (autocast); default bfloat16 on CUDA, float32 on the CPU")  # fmt: skip
     a("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a("--threads", type=int, default=1, help="torch CPU threads per process")
     a("--timing-warmup", type=int, default=5, help="steps left out of the throughput means")
@@ -399,8 +399,9 @@ class Runner:
         else:
             self.opt = torch.optim.SGD(params, lr=args.lr)
         warmup = args.steps // 10 if args.warmup is None else args.warmup
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: _lr_factor(s, warmup,
-                                                                                       args.steps))  # fmt: skip
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: _lr_factor(s, warmup, args.steps)
+        )
         dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         self.autocast = dtype == "bfloat16"
 
