@@ -1,0 +1,93 @@
+"""Run tp_train.py under torchrun once per communication configuration, then tp_summary.py.
+
+    cd packages/fp4_train/examples
+    python tp_sweep.py --preset cpu-smoke --out ../../../docs/results/tp_cpu_smoke
+    python tp_sweep.py --preset h200 --out ../../../docs/results/tp_h200
+
+A preset is a model / schedule (the arguments every run shares) and a list of configurations;
+arguments after ``--`` are added to every run (they override the preset's).  Runs whose JSON
+already exists in ``--out`` are skipped (``--force`` reruns them), so an interrupted sweep
+resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# (name, extra arguments); the baseline twice, with two seeds, for the seed noise.
+CODECS = [
+    ("tp_bf16_s0", ["--codec", "none"]),
+    ("tp_bf16_s1", ["--codec", "none", "--seed", "1"]),
+    ("tp_nvfp4_s0", ["--codec", "nvfp4"]),
+    ("tp_mxfp4_s0", ["--codec", "mxfp4"]),
+    ("tp_fp4quant-g64_s0", ["--codec", "fp4quant", "--group-size", "64"]),
+    ("tp_fp4quant-g64-nohad_s0", ["--codec", "fp4quant", "--group-size", "64", "--no-hadamard"]),
+    ("tp_fp4quant-g256_s0", ["--codec", "fp4quant", "--group-size", "256"]),
+    ("tp_fp4quant-g256-nohad_s0", ["--codec", "fp4quant", "--group-size", "256", "--no-hadamard"]),
+]
+# the pushes of the issue: can stochastic rounding or error feedback close the gap?
+PUSHES = [
+    ("tp_fp4quant-g256_sr_s0",
+     ["--codec", "fp4quant", "--group-size", "256", "--rounding", "stochastic"]),
+    ("tp_fp4quant-g256_ef_s0", ["--codec", "fp4quant", "--group-size", "256", "--error-feedback"]),
+    ("tp_fp4quant-g512_s0", ["--codec", "fp4quant", "--group-size", "512"]),
+    ("tp_nvfp4_sr_s0", ["--codec", "nvfp4", "--rounding", "stochastic"]),
+    ("tp-sp_fp4quant-g64_s0",
+     ["--codec", "fp4quant", "--group-size", "64", "--sequence-parallel"]),
+    ("pp_bf16_s0", ["--codec", "none", "--parallel", "pp"]),
+    ("pp_fp4quant-g64_s0", ["--codec", "fp4quant", "--group-size", "64", "--parallel", "pp"]),
+]  # fmt: skip
+
+PRESETS = {
+    # 2 CPU cores, gloo: a smoke study (tokens/s mean nothing for GPUs; losses show the codec)
+    "cpu-smoke": {
+        "common": ["--device", "cpu", "--layers", "2", "--d-model", "64", "--heads", "2",
+                   "--seq-len", "64", "--batch", "8", "--steps", "300", "--lr", "3e-3",
+                   "--eval-every", "50", "--eval-batches", "8"],
+        "runs": CODECS + PUSHES[:1],
+    },
+    # 2 x H200, NCCL through fp4_comm: a ~100M-parameter model, long enough for seed noise
+    "h200": {
+        "common": ["--device", "cuda", "--layers", "12", "--d-model", "768", "--heads", "12",
+                   "--seq-len", "1024", "--batch", "32", "--steps", "3000", "--lr", "6e-4",
+                   "--eval-every", "250", "--eval-batches", "16"],
+        "runs": CODECS + PUSHES,
+    },
+}  # fmt: skip
+
+
+def main():
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--only", nargs="*", help="run names to run (default: the preset's all)")
+    ap.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    for name, run_args in preset["runs"]:
+        if args.only and name not in args.only:
+            continue
+        if (args.out / f"{name}.json").exists() and not args.force:
+            print(f"{name}: done already", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc}", str(HERE / "tp_train.py"), *preset["common"],
+               *run_args, *extra, "--name", name, "--out", str(args.out)]  # fmt: skip
+        print(" ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, env=env)
+    subprocess.run([sys.executable, str(HERE / "tp_summary.py"), str(args.out)], check=True)
+
+
+if __name__ == "__main__":
+    main()
