@@ -84,12 +84,19 @@ def main():
         if args.device_alpha:  # experimental: alpha inside one cuBLASLt bf16 GEMM (nvmath)
             from fp4_train.gemm._cublaslt import bf16_gemm_device_alpha
 
-            def exact_lt(x, y):
+            def exact_lt(x, y, out_dtype):
                 x1 = fp4_kernels.dequantize(_without_tensor_scale(x, "torch"), dtype=torch.bfloat16)
                 y1 = fp4_kernels.dequantize(_without_tensor_scale(y, "torch"), dtype=torch.bfloat16)
-                return bf16_gemm_device_alpha(x1, y1, x.global_scale * y.global_scale)
+                return bf16_gemm_device_alpha(x1, y1, x.global_scale * y.global_scale, out_dtype)
 
-            ops["fp4_exact_cublaslt_alpha_fp32_out"] = (exact_lt, qpairs)
+            ops["fp4_exact_cublaslt_alpha_fp32_out"] = (
+                lambda x, y: exact_lt(x, y, "float32"),
+                qpairs,
+            )
+            ops["fp4_exact_cublaslt_alpha_bf16_out"] = (
+                lambda x, y: exact_lt(x, y, "bfloat16"),
+                qpairs,
+            )
         try:
             torch.mm(a[0][:16, :16], b[0][:16, :16].t(), out_dtype=torch.float32)
         except TypeError:  # torch before 2.8: fp4_gemm falls back to a float32 GEMM
@@ -147,8 +154,9 @@ def main():
         f"commit {meta['commit']}, {meta['date']}",
         "",
         "| n = M = N = K | bf16 GEMM ms | bf16 GEMM, fp32 out | exact, fp32 out | "
-        "exact, bf16 out | exact, cuBLASLt alpha | decode both | native |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "exact, bf16 out | cuBLASLt alpha, fp32 out | cuBLASLt alpha, bf16 out | decode both "
+        "| native |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ratio = r["ratio_to_bf16_gemm"]
@@ -163,6 +171,7 @@ def main():
             f"| {ratio['fp4_exact_fp32_out']:.3f}x "
             f"| {ratio['fp4_exact_bf16_out']:.3f}x "
             f"| {ratio.get('fp4_exact_cublaslt_alpha_fp32_out', float('nan')):.3f}x "
+            f"| {ratio.get('fp4_exact_cublaslt_alpha_bf16_out', float('nan')):.3f}x "
             f"| {ratio['decode_both_operands']:.3f}x "
             f"| {native} |"
         )

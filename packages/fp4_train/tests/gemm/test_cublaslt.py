@@ -173,8 +173,14 @@ def test_bf16_gemm_with_device_alpha_is_the_exact_path():
     a, b = fp4_kernels.quantize(x_a), fp4_kernels.quantize(x_b)
     a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "torch"), dtype=torch.bfloat16)
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.bfloat16)
-    out = native.bf16_gemm_device_alpha(a1, b1, a.global_scale * b.global_scale)
+    alpha = a.global_scale * b.global_scale
+    out = native.bf16_gemm_device_alpha(a1, b1, alpha)
     assert out.shape == (384, 200) and out.dtype == torch.float32
     a64, b64 = dequantize_f64(a), dequantize_f64(b)
-    err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
-    assert np.all(err <= gemm_bound(a64, b64, 1024))
+    exact = a64 @ b64.T
+    bound = gemm_bound(a64, b64, 1024)
+    assert np.all(np.abs(out.cpu().double().numpy() - exact) <= bound)
+    # a bfloat16 result: the float32 one rounded once, so within half a bfloat16 ulp of it
+    # (2^-9 relative) plus the float32 bound
+    out_bf16 = native.bf16_gemm_device_alpha(a1, b1, alpha, "bfloat16").cpu().double().numpy()
+    assert np.all(np.abs(out_bf16 - exact) <= bound * (1 + 2.0**-8) + 2.0**-9 * np.abs(exact))

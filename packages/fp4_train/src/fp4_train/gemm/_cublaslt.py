@@ -191,11 +191,13 @@ def native_gemm(a, b, out_dtype):
     )
 
 
-def bf16_gemm_device_alpha(a1, b1, alpha):
-    """``alpha * (a1 @ b1^T)`` in float32 for bfloat16 CUDA tensors a1 (M, K), b1 (N, K), with
-    ``alpha`` a one-element float32 tensor on the device: one cuBLASLt call (bf16 operands,
-    float32 accumulation and output, alpha read from device memory), so the exact path needs no
-    separate pass over the result to apply the tensor scales.  Any compute capability.
+def bf16_gemm_device_alpha(a1, b1, alpha, out_dtype="float32"):
+    """``alpha * (a1 @ b1^T)`` for bfloat16 CUDA tensors a1 (M, K), b1 (N, K), with ``alpha`` a
+    one-element float32 tensor on the device: one cuBLASLt call (bf16 operands, float32
+    accumulation, alpha read from device memory, the result rounded once to ``out_dtype``,
+    "float32" or "bfloat16"), so the exact path needs no separate pass over the result to apply
+    the tensor scales, and a bfloat16 result comes from the same kind of kernel as a plain bf16
+    GEMM.  Any compute capability.
 
     Experimental: measured by ``benchmarks/gemm_throughput.py`` and tested on a GPU; not yet
     what ``fp4_gemm`` calls.
@@ -215,7 +217,7 @@ def bf16_gemm_device_alpha(a1, b1, alpha):
         trans_b=CUBLAS_OP_N,
         layout_a=MatrixLayout(CUDA_R_16BF, k, n_rows, k),
         layout_b=MatrixLayout(CUDA_R_16BF, k, m_rows, k),
-        layout_d=MatrixLayout(CUDA_R_32F, n_rows, m_rows, n_rows),
+        layout_d=MatrixLayout(_OUT_TYPES[out_dtype], n_rows, m_rows, n_rows),
         scale_mode="",
         scale_bytes_a=0,
         scale_bytes_b=0,
@@ -233,7 +235,7 @@ def bf16_gemm_device_alpha(a1, b1, alpha):
         a_ptr=b1.data_ptr(),
         b_ptr=a1.data_ptr(),
         alpha=alpha,
-        out_dtype="float32",
+        out_dtype=out_dtype,
         extra_desc={},
     )
 
