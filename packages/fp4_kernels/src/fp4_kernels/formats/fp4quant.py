@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from .e2m1 import decode_e2m1, encode_e2m1, encode_e2m1_stochastic
-from .hadamard import check_group_size, fwht
+from .hadamard import check_group_size, check_groups, fwht
 from .philox import stochastic_bits
 
 E2M1_MAX = np.float32(6.0)
@@ -75,12 +75,7 @@ def bf16_bits_to_f32(bits):
 def quantize_reference(x, group_size, *, hadamard=True, rounding="nearest", seed=0, step=0):
     """float32 ``x`` (..., K), K % g == 0 -> (codes uint8 (..., K) unpacked, scales uint16
     (..., K // g) bfloat16 bits)."""
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    g = check_group_size(group_size)
-    if x.ndim == 0 or x.shape[-1] % g:
-        raise ValueError(f"x: last dimension of shape {x.shape} is not a multiple of {g}")
+    x, g = check_groups(x, group_size)
     groups = x.reshape(-1, g)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         t = fwht(groups, g) if hadamard else groups.copy()

@@ -54,6 +54,17 @@ def check_group_size(group_size, name="group_size"):
     return g
 
 
+def check_groups(x, group_size):
+    """``(x, g)`` for a float32 array whose last dimension is a whole number of groups."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+    g = check_group_size(group_size)
+    if x.ndim == 0 or x.shape[-1] % g:
+        raise ValueError(f"x: last dimension of shape {x.shape} is not a multiple of {g}")
+    return x, g
+
+
 def stage_order(group_size):
     """The index bits of the butterfly stages in the order the kernels apply them.
 
@@ -72,12 +83,7 @@ def fwht(x, group_size, order=None):
     One float32 rounding per stage per element, stages in ``order`` (default: the kernels'
     ``stage_order(g)``).  ``x`` float32 with a last dimension divisible by g; same shape out.
     """
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    g = check_group_size(group_size)
-    if x.ndim == 0 or x.shape[-1] % g:
-        raise ValueError(f"x: last dimension of shape {x.shape} is not a multiple of {g}")
+    x, g = check_groups(x, group_size)
     y = x.reshape(-1, g).copy()
     for b in stage_order(g) if order is None else order:
         h = 1 << b
