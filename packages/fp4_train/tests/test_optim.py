@@ -176,9 +176,13 @@ def test_release_frees_device_memory():
     opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1), rounding="stochastic")
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
-    # 64 MiB of float32 weights replaced by 8 MiB of codes + 1 MiB of scales (+ allocator
-    # rounding of the small tensor scale)
-    assert before - after >= 4 * 4096 * 4096 - (4096 * 4096 // 2 + 4096 * 256 + 512)
+    # 64 MiB of float32 weights replaced by 8 MiB of codes + 1 MiB of scales + the tensor
+    # scale: fp4_kernels returns it as a view of its one float32 scratch buffer (the scale and
+    # the amax pass's per-CTA partials, at most 8 per SM), which stays allocated with it:
+    # at most 1 + 8 * 132 floats on an H200, rounded up to the allocator's 512-byte blocks.
+    # (Measured on the H200: 57,667,072 bytes freed, the scratch taking 4,608.)
+    scratch = -(-4 * (1 + 8 * torch.cuda.get_device_properties(0).multi_processor_count) // 512)
+    assert before - after >= 4 * 4096 * 4096 - (4096 * 4096 // 2 + 4096 * 256 + 512 * scratch)
     assert opt.memory_report()["resident_weight_bytes"] == 0
 
 

@@ -34,7 +34,7 @@ overflow; the one rounding is the final multiplication, by s * 2^-log2(g), which
 unless s < 2^-126 g (float32 subnormals), and is never part of an FMA (it follows the last
 add).  Non-finite input makes the group's scale NaN and the whole group decodes to NaN (the
 transform spreads a NaN over its group anyway); codes there are 0.  The encoder's transform
-overflows float32 for |x| above about FLT_MAX / g (1e34 at g = 8192): such a group is
+overflows float32 for ``|x|`` above about FLT_MAX / g (1e34 at g = 8192): such a group is
 non-finite and decodes to NaN.
 
 Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes of packed codes
