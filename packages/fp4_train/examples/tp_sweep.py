@@ -20,8 +20,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# (name, extra arguments); the baseline twice, with two seeds, for the seed noise.
+# (name, extra arguments).  "native": torch.distributed's own all-reduce (NCCL on GPUs) in the
+# compute dtype; "bf16": bfloat16 values through fp4_comm's path, the baseline of the table,
+# twice, with two seeds, for the seed noise.
 CODECS = [
+    ("tp_native_s0", ["--codec", "native"]),
     ("tp_bf16_s0", ["--codec", "none"]),
     ("tp_bf16_s1", ["--codec", "none", "--seed", "1"]),
     ("tp_nvfp4_s0", ["--codec", "nvfp4"]),
@@ -72,6 +75,7 @@ def main():
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="run names to run (default: the preset's all)")
     ap.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
+    ap.add_argument("--no-summary", action="store_true", help="skip tp_summary.py (matplotlib)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -86,7 +90,8 @@ def main():
                *run_args, *extra, "--name", name, "--out", str(args.out)]  # fmt: skip
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, env=env)
-    subprocess.run([sys.executable, str(HERE / "tp_summary.py"), str(args.out)], check=True)
+    if not args.no_summary:
+        subprocess.run([sys.executable, str(HERE / "tp_summary.py"), str(args.out)], check=True)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def parse_args(argv=None):
     a = ap.add_argument
     a("--parallel", choices=("tp", "pp"), default="tp")
     a("--sequence-parallel", action="store_true", help="TP with the sequence split (Megatron SP)")
-    a("--codec", default="none", choices=("none", "none-float32", "nvfp4", "mxfp4", "fp4quant"))
+    a("--codec", default="none",
+      choices=("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native"))  # fmt: skip
     a("--group-size", type=int, default=64, help="FP4Quant group size g")
     a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
     a("--rounding", choices=("nearest", "stochastic"), default="nearest")
@@ -114,14 +115,14 @@ def codec_of(args):
 def codec_label(args):
     if args.codec == "fp4quant":
         return f"fp4quant-g{args.group_size}" + ("-nohad" if args.no_hadamard else "")
-    return {"none": "bf16", "none-float32": "fp32"}.get(args.codec, args.codec)
+    return {"none": "bf16", "none-float32": "fp32", "native": "native"}.get(args.codec, args.codec)
 
 
 def run_name(args):
     if args.name:
         return args.name
     parts = [args.parallel + ("-sp" if args.sequence_parallel else ""), codec_label(args)]
-    if args.rounding == "stochastic" and not args.codec.startswith("none"):
+    if args.rounding == "stochastic" and args.codec not in ("none", "none-float32", "native"):
         parts.append("sr")
     if args.error_feedback:
         parts.append("ef")
@@ -216,6 +217,17 @@ class TimedComm:
     def recv(self, *a, **k):
         return self._timed(self.comm.recv, *a, **k)
 
+    def native_all_reduce(self, x, group):
+        """torch.distributed's own all-reduce (NCCL's ring on GPUs, gloo on the CPU), in x's
+        dtype: the reference the compressed collectives have to beat."""
+
+        def run(x):
+            y = x.contiguous().clone()
+            dist.all_reduce(y, group=group)
+            return y
+
+        return self._timed(run, x)
+
     def take_ms(self):
         """Milliseconds in calls since the last take (call after the device synchronized)."""
         ms = 1e3 * self.cpu_s + sum(s.elapsed_time(e) for s, e in self.events)
@@ -242,6 +254,21 @@ class _AllReduceEF(torch.autograd.Function):
         return g, None, None, None, None
 
 
+class _NativeAllReduce(torch.autograd.Function):
+    """Megatron's copy_to (``forward=False``) / reduce_from (``forward=True``) pair through
+    torch.distributed's own all-reduce, for ``--codec native``."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, forward):
+        ctx.comm, ctx.group, ctx.forward = comm, group, forward
+        return comm.native_all_reduce(x, group) if forward else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad if ctx.forward else ctx.comm.native_all_reduce(grad, ctx.group)
+        return g, None, None, None
+
+
 class TensorParallel:
     """This rank's place in the tensor-parallel group and the collectives a block needs."""
 
@@ -254,11 +281,20 @@ class TensorParallel:
         self.ef = error_feedback
         if self.ef and self.sp:
             raise ValueError("--error-feedback is implemented for TP without --sequence-parallel")
+        self.native_group = None
+        if codec == "native" and self.size > 1:
+            if self.sp or self.ef:
+                raise ValueError("--codec native is implemented for TP without SP or EF")
+            # every rank of the default group takes part; NCCL for CUDA tensors
+            backend = "nccl" if comm.device.type == "cuda" else "gloo"
+            self.native_group = dist.new_group(backend=backend)
 
     def enter(self, x, site):
         """A block's input, replicated before its column-parallel linear."""
         if self.size == 1:
             return x
+        if self.native_group is not None:
+            return _NativeAllReduce.apply(x, self.comm, self.native_group, False)
         if self.sp:
             return tp.gather_from_sequence_parallel(x, self.comm, **self.opts)
         if self.ef and torch.is_grad_enabled():
@@ -269,6 +305,8 @@ class TensorParallel:
         """A row-parallel linear's partial output, summed over the ranks."""
         if self.size == 1:
             return x
+        if self.native_group is not None:
+            return _NativeAllReduce.apply(x, self.comm, self.native_group, True)
         if self.sp:
             return tp.reduce_scatter_to_sequence_parallel(x, self.comm, **self.opts)
         if self.ef and torch.is_grad_enabled():
@@ -381,6 +419,8 @@ class Runner:
         if self.pp:
             if comm.world_size != 2:
                 raise ValueError("--parallel pp runs on exactly 2 ranks")
+            if args.codec == "native":
+                raise ValueError("--codec native is implemented for --parallel tp only")
             self.stage = comm.rank
             half = args.layers // 2
             layers = range(half) if self.stage == 0 else range(half, args.layers)

@@ -72,6 +72,7 @@ def _worker(rank, port, corpus, out, conn):
         exact = ["--steps", str(EXACT_STEPS), "--codec", "none-float32"]
         res["tp_fp32"] = run(*exact)
         res["sp_fp32"] = run(*exact, "--sequence-parallel")
+        res["native"] = run("--steps", str(EXACT_STEPS), "--codec", "native")
         res["pp_fp32"] = run(*exact, "--parallel", "pp", "--microbatches", "2")
         res["pp_fp4"] = run("--steps", "3", "--parallel", "pp", "--codec", "nvfp4")
         if rank == 0:
@@ -127,7 +128,7 @@ def test_trains(runs, config):
     assert results[1][config] == losses  # every rank ends the all-reduce with the same bits
 
 
-@pytest.mark.parametrize("config", ["tp_fp32", "sp_fp32", "pp_fp32"])
+@pytest.mark.parametrize("config", ["tp_fp32", "sp_fp32", "pp_fp32", "native"])
 def test_exact_communication_matches_one_process(runs, config):
     results, _ = runs
     single, parallel = results[0]["single"], results[0][config]
