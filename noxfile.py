@@ -25,6 +25,7 @@ TRAIN = "./packages/fp4_train"
 KERNELS_TESTS = "packages/fp4_kernels/tests"
 COMM_TESTS = "packages/fp4_comm/tests"
 TRAIN_TESTS = "packages/fp4_train/tests"
+COMM_NCCL_TESTS = "packages/fp4_comm/tests/test_fp4_comm_nccl.py"
 
 # Exactly this torch: a CPU wheel of it lies on the development and CI machines' disk, and any
 # other spec makes pip download a CUDA build of several GB.
@@ -45,6 +46,8 @@ COMPILE_CHECK_MARKS = "compile_check or gpu"
 GPU_MARKS = "not compile_check"
 SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "1"}
 NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
+# NVLink multicast (NVLS) off for NCCL on the GPU machines, unless the caller says otherwise.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
 
 # For the GPU machine, which has no package registry: the packages alone, built offline with the
 # build backend (hatchling) that the interpreter running nox already has.
@@ -126,9 +129,15 @@ def compile_check(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """fp4_kernels on a real GPU, in the Python that runs nox (the GPU machine; no venv)."""
+    """fp4_kernels, fp4_comm NCCL and fp4_train tests on a real GPU, in the Python running nox.
+
+    For the GPU machine (no venv)."""
     env = _install_offline(session)
     _pytest(session, KERNELS_TESTS, "-m", GPU_MARKS, python=sys.executable, env=env, external=True)
+    # fp4_comm's multi-GPU tests use every GPU up to FP4_COMM_TEST_GPUS (default 2); fp4_train's
+    # tests run whole (its GPU tests beside the CPU ones).
+    _pytest(session, COMM_NCCL_TESTS, TRAIN_TESTS, python=sys.executable, env={**env, **NCCL_ENV},
+            external=True)  # fmt: skip
 
 
 @nox.session(venv_backend="none")
@@ -137,6 +146,24 @@ def benchmark_gpu(session: nox.Session) -> None:
     env = _install_offline(session)
     script = "benchmarks/gpu_throughput.py"
     session.run(sys.executable, script, *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def benchmark_comm(session: nox.Session) -> None:
+    """torchrun benchmarks/comm_throughput.py, one process per GPU, with the args after `--`.
+
+    `FP4_COMM_NPROC=N`, or `--nproc-per-node N` first after `--`, sets the number of processes;
+    default: every visible GPU.  In the Python that runs nox (the GPU machine; no venv)."""
+    env = _install_offline(session)
+    args = list(session.posargs)
+    nproc = os.environ.get("FP4_COMM_NPROC", "gpu")  # torchrun's "gpu": one per visible GPU
+    if args[:1] == ["--nproc-per-node"] and len(args) >= 2:
+        nproc, args = args[1], args[2:]
+    elif args and args[0].startswith("--nproc-per-node="):
+        nproc, args = args[0].split("=", 1)[1], args[1:]
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node")
+    session.run(*torchrun, nproc, "benchmarks/comm_throughput.py", *args,
+                env={**env, **NCCL_ENV}, external=True)  # fmt: skip
 
 
 @nox.session(python=PYTHON)

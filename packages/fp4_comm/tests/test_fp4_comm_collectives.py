@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fp4_kernels
 from fp4_comm import codecs
 from fp4_comm.codecs import get_codec, padded_chunk
-from fp4_comm.collectives import rank_seed
+from fp4_comm.collectives import rank_seed, shard_rows
 
 FLOAT32_REL_HALF_ULP = 2.0**-24
 
@@ -341,17 +341,23 @@ def _run_mismatch(comms, kind):
     if kind == "codec" and r == 0:
         codec = "mxfp4"
     try:
-        comm.all_reduce(torch.ones(shape, dtype=dtype), codec=codec)
+        if kind == "shard":  # 5 rows on 3 ranks are shards of 2, 2, 1; rank 1 passes 1
+            rows = 1 if r == 1 else shard_rows(5, 3)[r]
+            comm.all_gather(torch.ones(rows, 32), codec=codec, total_dim0=5)
+        else:
+            comm.all_reduce(torch.ones(shape, dtype=dtype), codec=codec)
     except ValueError as err:
         return str(err)
     return None
 
 
-@pytest.mark.parametrize("kind", ["shape", "dtype", "codec"])
+@pytest.mark.parametrize("kind", ["shape", "dtype", "codec", "shard"])
 def test_mismatched_arguments_raise_on_every_rank(cluster, kind):
     messages = cluster.run(_run_mismatch, kind)[:3]
     for m in messages:
         assert m is not None and "ranks disagree" in m
+    if kind == "shard":  # the rank at fault says what it should have passed
+        assert "should hold 2" in messages[1]
     # and the group is still usable afterwards
     assert all(m is None for m in cluster.run(_run_mismatch, "none")[:3])
 
@@ -364,7 +370,7 @@ def _run_bad_inputs(comms):
     for bad in (
         lambda: comm.all_reduce(torch.ones(4, 32, device="meta")),
         lambda: comm.all_reduce(torch.ones(4, 32, dtype=torch.float64)),
-        lambda: comm.reduce_scatter(torch.ones(3, 32)),
+        lambda: comm.all_gather(torch.ones(3, 32), total_dim0=-1),
         lambda: comm.send(torch.ones(4), dst=comm.rank),
         lambda: comm.all_reduce(torch.ones(())),
     ):
@@ -379,3 +385,134 @@ def _run_bad_inputs(comms):
 def test_bad_inputs_raise_before_any_exchange(cluster):
     for errors in cluster.run(_run_bad_inputs)[:2]:
         assert errors == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError"]
+
+
+def test_shard_rows():
+    # ceil(d0 / W) rows per rank, the last ranks fewer or none: torch.chunk's pieces, then
+    # empty ones (torch.chunk of 6 rows into 4 gives three pieces of 2)
+    assert shard_rows(5, 4) == [2, 2, 1, 0]
+    assert shard_rows(6, 4) == [2, 2, 2, 0]
+    assert shard_rows(8, 4) == [2, 2, 2, 2]
+    assert shard_rows(1, 3) == [1, 0, 0]
+    assert shard_rows(0, 2) == [0, 0]
+    for d0 in range(12):
+        for world in (1, 2, 3, 4):
+            pieces = [len(p) for p in torch.chunk(torch.arange(d0), world)] if d0 else []
+            assert shard_rows(d0, world) == pieces + [0] * (world - len(pieces))
+
+
+def reference_reduce_scatter(xs, codec_name, rounding, seed, step):
+    """One process: rank j's reduce_scatter result, its bound against the exact sum, and that
+    exact sum (float64), for every j.  dim 0 padded with zero rows to W ceil(d0 / W)."""
+    codec = get_codec(codec_name)
+    world, d0, rest = len(xs), xs[0].shape[0], tuple(xs[0].shape[1:])
+    m = -(-d0 // world)
+    padded = [torch.cat([x.float(), torch.zeros((world * m - d0, *rest))]) for x in xs]
+    row = padded[0][0].numel() if d0 else 0
+    per = m * row
+    c = padded_chunk(per, 1, codec.granularity)
+    payloads = [F.pad(p.reshape(world, per), (0, c - per)) for p in padded]
+    decoded = [
+        _qdq(p, codec_name, rounding, rank_seed(seed, r, "reduce_scatter"), step)
+        for r, p in enumerate(payloads)
+    ]
+    hop1 = sum(codec.error_bound(p.numpy(), rounding) for p in payloads)
+    magnitude = sum(np.abs(p.double().numpy()) for p in payloads) + hop1
+    bound = hop1 + (world - 1) * FLOAT32_REL_HALF_ULP * magnitude
+    exact = sum(p.double().numpy() for p in payloads)
+    out = []
+    for j, rows in enumerate(shard_rows(d0, world)):
+        acc = decoded[0][j].clone()
+        for r in range(1, world):
+            acc += decoded[r][j]
+        k = slice(0, rows * row)
+        b, e = bound[j, k], exact[j, k]
+        y = acc[k].to(xs[0].dtype)
+        if xs[0].dtype != torch.float32:  # the cast of the float32 sum
+            b = b + (np.abs(e) + b) * codecs.REL_HALF_ULP[xs[0].dtype]
+        out.append((y.view((rows, *rest)), b.reshape((rows, *rest)), e.reshape((rows, *rest))))
+    return out
+
+
+def _run_reduce_scatter_and_gather(comms, world, xs, codec_name, rounding):
+    comm = comms[world]
+    if comm is None:
+        return None
+    x = xs[comm.rank]
+    kw = {"codec": codec_name, "rounding": rounding, "seed": 2}
+    shard = comm.reduce_scatter(x, step=7, **kw)
+    whole = comm.all_gather(shard, step=8, total_dim0=x.shape[0], **kw)
+    assert shard.dtype == x.dtype and whole.dtype == x.dtype
+    return shard, whole
+
+
+UNEVEN = [
+    # world, shape, codec, rounding: dim 0 no multiple of the world size (and, for 3, 4 and
+    # 1000, elements per shard no multiple of the block size); (2, 40) on 3 ranks leaves
+    # rank 2 without rows
+    (3, (5, 9), "nvfp4", "nearest"),
+    (4, (7, 33), "nvfp4", "stochastic"),
+    (3, (2, 40), "mxfp4", "stochastic"),
+    (3, (1000,), "mxfp4", "nearest"),
+    (2, (3, 50), FP4QUANT, "stochastic"),
+    (4, (9, 16), FP4QUANT, "nearest"),
+    (3, (4, 7), "none", "nearest"),
+    (4, (5, 3), "none-float32", "nearest"),
+    (3, (6, 10), "nvfp4", "stochastic"),  # even, for comparison
+]
+
+
+@pytest.mark.parametrize(("world", "shape", "codec_name", "rounding"), UNEVEN)
+def test_reduce_scatter_uneven_and_all_gather_inverse(cluster, world, shape, codec_name,
+                                                      rounding):  # fmt: skip
+    xs = _inputs(world, shape, seed=100 + world * 10 + shape[0])
+    results = cluster.run(_run_reduce_scatter_and_gather, world, xs, codec_name, rounding)
+    codec = get_codec(codec_name)
+    ref = reference_reduce_scatter(xs, codec_name, rounding, 2, 7)
+    for j in range(world):
+        shard, _ = results[j]
+        y, bound, exact = ref[j]
+        assert shard.shape == (shard_rows(shape[0], world)[j], *shape[1:])
+        assert torch.equal(shard.view(torch.int32), y.view(torch.int32))
+        err = np.abs(shard.double().numpy() - exact)
+        assert (err <= bound).all(), f"rank {j}: max err/bound {np.max(err / bound)}"
+    # all_gather(total_dim0) is the inverse: the whole (d0, ...) tensor, the same bits on every
+    # rank, each shard through one more encode (hop all_gather) of the rank that holds it
+    wholes = [results[j][1] for j in range(world)]
+    _same_on_every_rank([w.numpy() for w in wholes])
+    assert wholes[0].shape == shape
+    m = -(-shape[0] // world)
+    row = xs[0][0].numel() if len(shape) > 1 else 1
+    c = padded_chunk(m * row, 1, codec.granularity)
+    expected, bound2 = [], []
+    for j in range(world):
+        shard = results[j][0].reshape(1, -1)
+        n = shard.numel()
+        payload = F.pad(shard, (0, c - n))
+        expected.append(_qdq(payload, codec_name, rounding, rank_seed(2, j, "all_gather"),
+                             8)[0, :n])  # fmt: skip
+        bound2.append(codec.error_bound(payload.numpy(), rounding)[0, :n])
+    got = wholes[0].reshape(-1).view(torch.int32)
+    assert torch.equal(got, torch.cat(expected).view(torch.int32))
+    exact = np.concatenate([ref[j][2].reshape(-1) for j in range(world)])
+    bound = np.concatenate([ref[j][1].reshape(-1) for j in range(world)]) + np.concatenate(bound2)
+    err = np.abs(wholes[0].double().numpy().reshape(-1) - exact)
+    assert (err <= bound).all(), f"max err/bound {np.max(err / bound)}"
+    if codec_name == "none-float32":  # float32 on the wire: the rank-order float32 sum itself
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            acc += x
+        assert torch.equal(wholes[0], acc)
+
+
+def test_reduce_scatter_uneven_bfloat16(cluster):
+    xs = _inputs(3, (7, 24), seed=61, dtype=torch.bfloat16)
+    results = cluster.run(_run_reduce_scatter_and_gather, 3, xs, "nvfp4", "nearest")
+    ref = reference_reduce_scatter(xs, "nvfp4", "nearest", 2, 7)
+    for j in range(3):
+        shard = results[j][0]
+        y, bound, exact = ref[j]
+        assert shard.dtype == torch.bfloat16 and shard.shape == y.shape
+        assert torch.equal(shard.view(torch.int16), y.view(torch.int16))
+        assert (np.abs(shard.double().numpy() - exact) <= bound).all()
+    _same_on_every_rank([r[1].float().numpy() for r in results[:3]])

@@ -167,10 +167,13 @@ def _run_equal_paths(comms, codec, rounding, dtype, shape):
     return out
 
 
+@pytest.mark.parametrize("extra_rows", [0, 1], ids=["even", "uneven"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("codec", CODECS, ids=str)
-def test_multi_gpu_equals_gloo(multi, codec, dtype):
-    shape = (multi.world * 13, 96)  # 13 rows per rank: padding in every collective
+def test_multi_gpu_equals_gloo(multi, codec, dtype, extra_rows):
+    # 13 rows per rank: padding in every collective; one more row: reduce_scatter's shards
+    # differ (ceil(rows / W) on the first ranks, fewer on the last)
+    shape = (multi.world * 13 + extra_rows, 96)
     res = multi.run(_run_equal_paths, codec, "stochastic", dtype, shape)
     for per_rank in res:
         for y_gpu, y_cpu in per_rank:

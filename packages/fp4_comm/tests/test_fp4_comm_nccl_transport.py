@@ -2,17 +2,22 @@
 each group of send / recv / allGather calls on host memory, with the ranks as threads of this
 process, and checks what NCCL would need (a recv for every send, equal counts, matching
 collectives).  The real collective algorithms run over it and must give what the one-process
-reference gives; the real NCCL runs in test_fp4_comm_nccl.py on GPUs."""
+reference gives; the real NCCL runs in test_fp4_comm_nccl.py on GPUs.  The construction (the
+unique id made on rank 0, broadcast over gloo, handed to ``NcclCommunicator``) runs in the gloo
+cluster against a stand-in that, like cupy-cuda13x, accepts only the id's own type."""
 
+import contextlib
 import ctypes
+import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 import torch
 from test_fp4_comm_collectives import _inputs, reference_all_reduce
 
-from fp4_comm import collectives
+from fp4_comm import collectives, nccl as nccl_module
 from fp4_comm.codecs import get_codec
 from fp4_comm.nccl import NcclTransport
 
@@ -183,3 +188,54 @@ def test_mismatched_counts_are_caught_by_the_stand_in():
 
     with pytest.raises(RuntimeError, match="send of 8 bytes, recv of 16"):
         _on_threads(2, run)
+
+
+def _run_unique_id_handoff(comms, id_kind):
+    """NcclTransport.__init__ on a gloo rank, with cupy, its nccl module and torch.cuda.device
+    replaced for the duration: what reaches NcclCommunicator."""
+    comm = comms[2]
+    if comm is None:
+        return None
+    # cupy-cuda13x's get_unique_id gives bytes (128), older CuPy a tuple of 128 ints; each
+    # NcclCommunicator takes only its own kind back
+    made = bytes(range(128)) if id_kind == "bytes" else tuple(range(-64, 64))
+
+    class StandInNccl:
+        NCCL_UINT8 = UINT8
+        available = True
+
+        @staticmethod
+        def get_unique_id():
+            assert comm.rank == 0, "only group rank 0 makes the id"
+            return made
+
+        class NcclCommunicator:
+            def __init__(self, ndev, comm_id, rank):
+                if type(comm_id) is not type(made):
+                    raise TypeError(f"unique id of type {type(comm_id).__name__}")
+                self.args = (ndev, comm_id, rank)
+
+    cupy = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext())
+    )
+    saved = nccl_module._nccl, sys.modules.get("cupy"), torch.cuda.device
+    nccl_module._nccl = lambda: StandInNccl
+    sys.modules["cupy"] = cupy
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    try:
+        t = NcclTransport(comm.control_group, torch.device("cuda", comm.rank), watchdog=False)
+    finally:
+        nccl_module._nccl, torch.cuda.device = saved[0], saved[2]
+        if saved[1] is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved[1]
+    return t.comm.args, made
+
+
+@pytest.mark.parametrize("id_kind", ["bytes", "tuple"])
+def test_unique_id_reaches_the_communicator_as_made(cluster, id_kind):
+    out = cluster.run(_run_unique_id_handoff, id_kind)[:2]
+    for rank, ((ndev, comm_id, got_rank), made) in enumerate(out):
+        assert (ndev, got_rank) == (2, rank)
+        assert type(comm_id) is type(made) and comm_id == made

@@ -1,12 +1,13 @@
 """Each autograd function runs its collective forward and the matching one backward: compared,
 bit for bit, with the Communicator calls themselves (same step, same codec), and exactly with
-the sums where the codec is exact (float32 values, integer-valued tensors)."""
+the sums where the codec is exact (float32 values, integer-valued tensors).  The sequence
+parallel pairs also with a sequence length that is no multiple of the world size."""
 
 import numpy as np
 import pytest
 import torch
 
-from fp4_comm import tensor_parallel as tp
+from fp4_comm import shard_rows, tensor_parallel as tp
 
 
 def _ints(seed, shape):
@@ -14,15 +15,23 @@ def _ints(seed, shape):
     return torch.randint(-20, 21, shape, generator=g).float()
 
 
-def _run(comms, fn_name, codec, shape):
+def _shape(fn_name, shape, total, rank):
+    """The input of ``rank``: a shard of ``total`` rows where the function gathers them."""
+    if fn_name == "gather_from_sequence_parallel" and total is not None:
+        return (shard_rows(total, 2)[rank], *shape[1:])
+    return shape
+
+
+def _run(comms, fn_name, codec, shape, total):
     comm = comms[2]
     if comm is None:
         return None
     r = comm.rank
-    x = _ints(10 + r, shape).requires_grad_()
+    x = _ints(10 + r, _shape(fn_name, shape, total, r)).requires_grad_()
     fn = getattr(tp, fn_name)
     start = comm._calls
-    y = fn(x, comm, codec=codec)
+    kw = {"total_dim0": total} if total is not None else {}
+    y = fn(x, comm, codec=codec, **kw)
     upstream = _ints(20 + r, tuple(y.shape))
     (y * upstream).sum().backward()
     # the same collectives, by hand, with the steps the autograd functions used
@@ -31,32 +40,36 @@ def _run(comms, fn_name, codec, shape):
     elif fn_name == "reduce_from_tensor_parallel":
         y_ref, g_ref = comm.all_reduce(x.detach(), codec=codec, step=start), upstream
     elif fn_name == "gather_from_sequence_parallel":
-        y_ref = comm.all_gather(x.detach(), codec=codec, step=start)
+        y_ref = comm.all_gather(x.detach(), codec=codec, step=start, total_dim0=total)
         g_ref = comm.reduce_scatter(upstream, codec=codec, step=start + 1)
     else:
         y_ref = comm.reduce_scatter(x.detach(), codec=codec, step=start)
-        g_ref = comm.all_gather(upstream, codec=codec, step=start + 1)
+        g_ref = comm.all_gather(upstream, codec=codec, step=start + 1, total_dim0=shape[0])
     return (y.detach().numpy(), x.grad.numpy(), y_ref.numpy(), g_ref.numpy(), upstream.numpy())
 
 
 FUNCTIONS = [
-    ("copy_to_tensor_parallel", (4, 32)),
-    ("reduce_from_tensor_parallel", (4, 32)),
-    ("gather_from_sequence_parallel", (3, 32)),
-    ("reduce_scatter_to_sequence_parallel", (4, 32)),
+    # name, shape (gather: of each rank's shard), total_dim0 (gather: the gathered length)
+    ("copy_to_tensor_parallel", (4, 32), None),
+    ("reduce_from_tensor_parallel", (4, 32), None),
+    ("gather_from_sequence_parallel", (3, 32), None),
+    ("gather_from_sequence_parallel", (0, 32), 5),  # shards of 3 and 2 rows
+    ("reduce_scatter_to_sequence_parallel", (4, 32), None),
+    ("reduce_scatter_to_sequence_parallel", (5, 32), None),  # 3 and 2 rows
 ]
 
 
 @pytest.mark.parametrize("codec", ["nvfp4", "none-float32"])
-@pytest.mark.parametrize(("fn_name", "shape"), FUNCTIONS)
-def test_forward_and_backward_collectives(cluster, fn_name, shape, codec):
-    out = cluster.run(_run, fn_name, codec, shape)[:2]
-    for y, grad, y_ref, g_ref, _ in out:
+@pytest.mark.parametrize(("fn_name", "shape", "total"), FUNCTIONS)
+def test_forward_and_backward_collectives(cluster, fn_name, shape, total, codec):
+    out = cluster.run(_run, fn_name, codec, shape, total)[:2]
+    for r, (y, grad, y_ref, g_ref, _) in enumerate(out):
         assert np.array_equal(y, y_ref) and np.array_equal(grad, g_ref)
+        assert grad.shape == _shape(fn_name, shape, total, r)  # x's shape
     if codec != "none-float32":
         return
     # Exact codec: the sums themselves.
-    xs = [_ints(10 + r, shape).numpy() for r in range(2)]
+    xs = [_ints(10 + r, _shape(fn_name, shape, total, r)).numpy() for r in range(2)]
     ups = [o[4] for o in out]
     for r, (y, grad, *_rest) in enumerate(out):
         if fn_name == "copy_to_tensor_parallel":
@@ -65,9 +78,11 @@ def test_forward_and_backward_collectives(cluster, fn_name, shape, codec):
             assert np.array_equal(y, xs[0] + xs[1]) and np.array_equal(grad, ups[r])
         elif fn_name == "gather_from_sequence_parallel":
             assert np.array_equal(y, np.concatenate(xs))
-            m = shape[0]
-            assert np.array_equal(grad, ups[0][r * m : (r + 1) * m] + ups[1][r * m : (r + 1) * m])
+            m = xs[0].shape[0]  # rank 0 holds the largest shard
+            rows = slice(r * m, r * m + xs[r].shape[0])
+            assert np.array_equal(grad, ups[0][rows] + ups[1][rows])
         else:
-            m = shape[0] // 2
-            assert np.array_equal(y, xs[0][r * m : (r + 1) * m] + xs[1][r * m : (r + 1) * m])
+            m = -(-shape[0] // 2)
+            rows = slice(r * m, r * m + shard_rows(shape[0], 2)[r])
+            assert np.array_equal(y, xs[0][rows] + xs[1][rows])
             assert np.array_equal(grad, np.concatenate(ups))

@@ -4,6 +4,7 @@
     y = comm.all_reduce(x, codec="nvfp4")            # every rank gets the same bits
     y = comm.reduce_scatter(x, codec="mxfp4", error_feedback="grads")
     y = comm.all_gather(x, codec="none")             # bfloat16 baseline through the same path
+    y = comm.all_gather(shard, total_dim0=d0)        # the inverse of a reduce_scatter of d0 rows
 
 The same algorithms run over NCCL (through ``cupy.cuda.nccl``) for CUDA tensors and over a gloo
 group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_comm.ddp`` (a DDP
@@ -14,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from ._transport import CommTimeoutError
 from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
+from .collectives import shard_rows
 from .communicator import Communicator
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
@@ -34,5 +36,6 @@ __all__ = [
     "NVFP4Codec",
     "NoneCodec",
     "get_codec",
+    "shard_rows",
     "__version__",
 ]

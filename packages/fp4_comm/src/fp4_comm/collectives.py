@@ -13,7 +13,10 @@ all_reduce (W ranks, payload of W chunks):
     5. all-gather of the encoded reduced chunks
     6. every rank decodes the same W encoded chunks: bit-identical results on all ranks.
 
-reduce_scatter is steps 1-3; all_gather is steps 4-6 on each rank's own tensor.
+reduce_scatter is steps 1-3; all_gather is steps 4-6 on each rank's own tensor.  Both split
+dim 0 as ``shard_rows`` says: ceil(d0 / W) rows per rank, the last ranks fewer or none (dim 0
+padded with zero rows to a multiple of W, as a ``reduce_scatter_tensor`` of the padded tensor,
+the padding dropped); ``all_gather`` with ``total_dim0`` is the inverse.
 
 Buffers come from torch's caching allocator (on a GPU: stream-ordered reuse, no cudaMalloc per
 call, and a CUDA graph's private pool under capture).
@@ -134,29 +137,72 @@ def all_reduce(transport, x, opts: Options):
     return y.reshape(-1)[:n].view(x.shape)
 
 
+def shard_rows(dim0: int, world_size: int) -> list[int]:
+    """Rows of dim 0 that each rank holds when ``dim0`` rows are split over ``world_size`` ranks:
+    ``m = ceil(dim0 / W)`` rows each, rank r rows [r m, min((r + 1) m, dim0)), the last ranks
+    fewer or none.  The pieces of ``torch.chunk(x, W)``, with empty ones for the ranks past its
+    last chunk; equivalently, dim 0 zero-padded to W m rows, split evenly as
+    ``torch.distributed.reduce_scatter_tensor`` does, and the padding rows dropped."""
+    m = -(-dim0 // world_size)
+    return [max(0, min(m, dim0 - r * m)) for r in range(world_size)]
+
+
 def reduce_scatter(transport, x, opts: Options):
-    """x (W * m, ...) on every rank -> (m, ...): rank r gets the sum of the ranks' r-th slices."""
+    """x (d0, ...) on every rank -> (shard_rows(d0, W)[r], ...) on rank r: the sum over the
+    ranks of rows [r m, r m + that), m = ceil(d0 / W).  With d0 a multiple of W, every rank gets
+    d0 / W rows, as ``torch.distributed.reduce_scatter_tensor``."""
     W, rank = transport.world_size, transport.rank
-    m_rows = x.shape[0] // W
-    per_rank = x.numel() // W
+    d0 = x.shape[0]
+    row = x.numel() // d0 if d0 else 0
+    m = -(-d0 // W)
+    per_rank = m * row  # elements of one shard, padding rows included
     c = padded_chunk(per_rank, 1, opts.codec.granularity)
-    payload = _padded(x.reshape(W, per_rank), c)
-    sections = _encode(payload, rank, "reduce_scatter", opts, lambda t: t[:, :per_rank])
+    flat = x.reshape(-1)
+    if W * m != d0:
+        # Zero rows pad dim 0 to W m rows (zeros encode exactly and change no amax): chunk j
+        # is shard j, whole rows, so no rank's shard straddles two chunks.
+        flat = F.pad(flat, (0, W * per_rank - d0 * row))
+    payload = _padded(flat.view(W, per_rank), c)
+
+    def valid(t):  # the elements of x in a (W, c) payload: neither padding rows nor columns
+        return t[:, :per_rank].reshape(-1)[: d0 * row]
+
+    sections = _encode(payload, rank, "reduce_scatter", opts, valid)
     reduced = _exchange_and_reduce(transport, sections, c, opts.codec)
-    return reduced[:per_rank].to(x.dtype).view((m_rows,) + tuple(x.shape[1:]))
+    rows = shard_rows(d0, W)[rank]
+    return reduced[: rows * row].to(x.dtype).view((rows,) + tuple(x.shape[1:]))
 
 
-def all_gather(transport, x, opts: Options):
-    """x (d0, ...) on every rank -> (W * d0, ...), rank r's tensor at rows [r d0, (r+1) d0)."""
+def all_gather(transport, x, opts: Options, total_dim0=None):
+    """The inverse of ``reduce_scatter``'s split: rank r holds rows [r m, r m + d_r) of a
+    (total_dim0, ...) tensor, d_r = shard_rows(total_dim0, W)[r]; every rank gets the whole
+    tensor, decoded.  ``total_dim0`` None: every rank holds d0 rows, the result has W d0."""
     W, rank = transport.world_size, transport.rank
+    d0 = x.shape[0]
+    if total_dim0 is None:
+        total_dim0 = W * d0
+    m = -(-total_dim0 // W)  # rows of the largest shard (rank 0's)
+    row = x.numel() // d0 if d0 else _numel(x.shape[1:])
     n = x.numel()
-    c = padded_chunk(n, 1, opts.codec.granularity)
+    # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts): the
+    # largest shard, padded to whole blocks; the shorter shards are zero-padded.
+    c = padded_chunk(m * row, 1, opts.codec.granularity)
     payload = _padded(x.reshape(1, n), c)
     sections = _encode(payload, rank, "all_gather", opts, _prefix(n))
     y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
-    if c != n:
-        y = y[:, :n].contiguous()
-    return y.view((W * x.shape[0],) + tuple(x.shape[1:]))
+    if c != m * row:
+        y = y[:, : m * row]
+    # Shards before the last non-empty one are full (m rows), so the valid rows are the first
+    # total_dim0 of the W m rows.
+    y = y.reshape((W * m,) + tuple(x.shape[1:]))
+    return y if W * m == total_dim0 else y[:total_dim0].contiguous()
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def send(transport, x, peer, opts: Options):

@@ -159,13 +159,23 @@ class Communicator:
 
     def reduce_scatter(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
                        error_feedback=None, stats=False):  # fmt: skip
-        """``x`` (W * m, ...) -> (m, ...): rank r gets the sum over ranks of rows
-        [r m, (r + 1) m), decoded once and added in float32 (no requantization)."""
+        """``x`` (d0, ...) -> (d_r, ...): rank r gets the sum over ranks of rows
+        [r m, r m + d_r), m = ceil(d0 / W), d_r = ``shard_rows(d0, W)[r]`` (m, or fewer or none
+        on the last ranks), decoded once and added in float32 (no requantization).  That is
+        ``torch.distributed.reduce_scatter_tensor`` of x zero-padded to W m rows, with the
+        padding rows dropped; for d0 a multiple of W, exactly its split (d0 / W rows each)."""
         return self._run("reduce_scatter", x, codec, rounding, seed, step, error_feedback, stats)
 
-    def all_gather(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
-        """``x`` (d0, ...) -> (W * d0, ...): the ranks' tensors along dim 0, decoded."""
-        return self._run("all_gather", x, codec, rounding, seed, step, None, stats)
+    def all_gather(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False,
+                   total_dim0=None):  # fmt: skip
+        """``x`` (d0, ...) -> (W * d0, ...): the ranks' tensors along dim 0, decoded.
+
+        ``total_dim0``: the inverse of ``reduce_scatter``'s split of a (total_dim0, ...)
+        tensor: rank r passes its d_r = ``shard_rows(total_dim0, W)[r]`` rows (trailing dims
+        equal on every rank) and every rank gets the (total_dim0, ...) tensor."""
+        total_dim0 = None if total_dim0 is None else int(total_dim0)
+        return self._run("all_gather", x, codec, rounding, seed, step, None, stats,
+                         total_dim0=total_dim0)  # fmt: skip
 
     def send(self, x, dst, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
         """Send ``x`` encoded to rank ``dst``, which calls ``recv`` with its shape and dtype.
@@ -204,7 +214,8 @@ class Communicator:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None):
+    def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None,
+             total_dim0=None):  # fmt: skip
         codec = get_codec(codec)
         if peer is None:
             # Only collectives count: every rank makes them, so the default step stays the same
@@ -218,8 +229,10 @@ class Communicator:
             if peer is not None:
                 self._check_peer(peer)
                 self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
+            elif op == "all_gather":
+                self._validate_all_gather(t, codec, rounding, total_dim0)
             else:
-                self._validate_collective(op, t, codec, rounding)
+                self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding)
             opts = collectives.Options(
                 codec, rounding, seed, step, self.error_feedback if ef_name else None,
                 ef_name, stats,
@@ -228,6 +241,8 @@ class Communicator:
             if op == "send":
                 fn(self.transport, t, peer, opts)
                 out = None
+            elif op == "all_gather":
+                out = back(fn(self.transport, t, opts, total_dim0))
             else:
                 out = back(fn(self.transport, t, opts))
             if stats:
@@ -245,11 +260,6 @@ class Communicator:
             )
         if t.dim() == 0:
             raise ValueError(f"{op}: a 0-d tensor; reshape to (1,)")
-        if op == "reduce_scatter" and t.shape[0] % self.world_size:
-            raise ValueError(
-                f"reduce_scatter: dim 0 ({t.shape[0]}) is not a multiple of the world size "
-                f"({self.world_size}); pad it, or all_reduce and slice"
-            )
 
     def _check_peer(self, peer):
         if not (0 <= peer < self.world_size) or peer == self.rank:
@@ -271,8 +281,35 @@ class Communicator:
             return False  # host-side exchanges cannot be captured; the graph replays data only
         return self.validate == "always" or key not in self._validated
 
-    def _validate_collective(self, op, t, codec, rounding):
-        sig = self._signature(op, tuple(t.shape), t.dtype, codec, rounding)
+    def _validate_all_gather(self, t, codec, rounding, total_dim0):
+        """The ranks compare the gathered shape; a rank whose shard does not have the rows
+        ``shard_rows`` gives it sends a shape no other rank has, so every rank raises."""
+        rest = tuple(t.shape[1:])
+        if total_dim0 is None:
+            total_dim0, wrong = self.world_size * t.shape[0], None
+        else:
+            if total_dim0 < 0:
+                raise ValueError(f"all_gather: total_dim0 ({total_dim0}) is negative")
+            rows = collectives.shard_rows(total_dim0, self.world_size)[self.rank]
+            wrong = None
+            if t.shape[0] != rows:
+                wrong = (
+                    f"all_gather: rank {self.rank} holds {t.shape[0]} rows; of total_dim0 = "
+                    f"{total_dim0} rows on {self.world_size} ranks it should hold {rows} "
+                    "(fp4_comm.shard_rows)"
+                )
+        if wrong is None:
+            self._validate_collective("all_gather", (total_dim0, *rest), t.dtype, codec,
+                                      rounding)  # fmt: skip
+            return
+        try:
+            self._validate_collective("all_gather", (-1, *rest), t.dtype, codec, rounding)
+        except ValueError as err:
+            raise ValueError(f"{wrong}\n{err}") from None
+        raise ValueError(wrong)
+
+    def _validate_collective(self, op, shape, dtype, codec, rounding):
+        sig = self._signature(op, shape, dtype, codec, rounding)
         key = tuple(sig)
         if not self._should_validate(key):
             return

@@ -12,7 +12,10 @@ collective that matches its forward:
 
 Each takes the communicator of the tensor-parallel group and the codec options of the forward
 collective (``codec``, ``rounding``, ``seed``); ``grad_codec`` (default: ``codec``) is used for
-the backward one.  The sequence dimension is dim 0 (Megatron's [s, b, h] layout).
+the backward one.  The sequence dimension is dim 0 (Megatron's [s, b, h] layout); its length
+need not be a multiple of the world size: rank r holds ``fp4_comm.shard_rows(s, W)[r]`` rows
+(ceil(s / W), the last ranks fewer or none), as ``Communicator.reduce_scatter`` splits it, and
+``gather_from_sequence_parallel`` takes the full length as ``total_dim0`` when the shards differ.
 """
 
 from __future__ import annotations
@@ -49,24 +52,26 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, opts, grad_opts):
+    def forward(ctx, x, comm, opts, grad_opts, total_dim0):
         ctx.comm, ctx.grad_opts = comm, grad_opts
-        return comm.all_gather(x.contiguous(), **opts)
+        return comm.all_gather(x.contiguous(), total_dim0=total_dim0, **opts)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad.contiguous(), **ctx.grad_opts), None, None, None
+        # reduce_scatter splits dim 0 as shard_rows does: this rank's rows, x's shape
+        return ctx.comm.reduce_scatter(grad.contiguous(), **ctx.grad_opts), None, None, None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, opts, grad_opts):
-        ctx.comm, ctx.grad_opts = comm, grad_opts
+        ctx.comm, ctx.grad_opts, ctx.dim0 = comm, grad_opts, x.shape[0]
         return comm.reduce_scatter(x.contiguous(), **opts)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_gather(grad.contiguous(), **ctx.grad_opts), None, None, None
+        grad = ctx.comm.all_gather(grad.contiguous(), total_dim0=ctx.dim0, **ctx.grad_opts)
+        return grad, None, None, None
 
 
 def copy_to_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
@@ -81,16 +86,22 @@ def reduce_from_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="
 
 
 def gather_from_sequence_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest",
-                                  seed=0, grad_codec=None):  # fmt: skip
-    """All-gather along dim 0 forward; reduce-scatter of the gradient backward."""
+                                  seed=0, grad_codec=None, total_dim0=None):  # fmt: skip
+    """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
+    ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
     return _GatherFromSequenceParallel.apply(
-        x, comm, _opts(codec, rounding, seed), _opts(grad_codec or codec, rounding, seed)
+        x,
+        comm,
+        _opts(codec, rounding, seed),
+        _opts(grad_codec or codec, rounding, seed),
+        total_dim0,
     )
 
 
 def reduce_scatter_to_sequence_parallel(x, comm: Communicator, codec="nvfp4",
                                         rounding="nearest", seed=0, grad_codec=None):  # fmt: skip
-    """Reduce-scatter along dim 0 forward; all-gather of the gradient backward."""
+    """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
+    gradient back to x's length backward."""
     return _ReduceScatterToSequenceParallel.apply(
         x, comm, _opts(codec, rounding, seed), _opts(grad_codec or codec, rounding, seed)
     )
