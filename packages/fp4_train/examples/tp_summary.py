@@ -17,6 +17,10 @@ from pathlib import Path
 from _common import pyplot, write_csv
 
 SMOOTH = 20  # training-loss moving average, steps
+# table order: references first, then by format and group size
+CODEC_ORDER = ["native", "bf16", "fp32", "nvfp4", "mxfp4"] + [
+    f"fp4quant-g{g}{had}" for g in (64, 256, 512) for had in ("", "-nohad")
+]
 
 
 def load(folder):
@@ -25,7 +29,12 @@ def load(folder):
         record = json.loads(path.read_text())
         if "summary" in record and "steps" in record:
             runs.append(record)
-    return runs
+
+    def order(r):
+        codec = r["codec"]
+        return (layout(r), CODEC_ORDER.index(codec) if codec in CODEC_ORDER else 99, r["name"])
+
+    return sorted(runs, key=order)
 
 
 def layout(record):
@@ -75,12 +84,14 @@ def markdown(rows, runs):
         lines.append("| " + " | ".join(cells) + " |")
     meta = runs[0].get("meta", {})
     cfg = runs[0]["config"]
+    commits = sorted({r.get("meta", {}).get("commit", "?") for r in runs})
+    dates = sorted(r.get("meta", {}).get("date", "?") for r in runs)
     lines += [
         "",
         f"Model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, "
         f"sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
         f"{runs[0]['world_size']} ranks. Device: {meta.get('device', '?')}; torch "
-        f"{meta.get('torch', '?')}; commit {meta.get('commit', '?')}; {meta.get('date', '?')}.",
+        f"{meta.get('torch', '?')}; commits {', '.join(commits)}; {dates[0]} to {dates[-1]}.",
     ]
     return "\n".join(lines) + "\n"
 
