@@ -4,8 +4,9 @@
 
 Reads every ``<name>.json`` there and writes ``summary.md`` (a Markdown table), ``summary.csv``
 and ``loss.png`` (validation loss against step; training loss, smoothed, beside it).  Speedup
-and loss gap are relative to the mean of the bf16 runs (codec "none") of the same parallel
-layout; the spread of those baseline runs (different seeds) is the seed noise.
+is relative to the mean of the bf16 runs (codec "none") of the same parallel layout, the loss
+gap to the bf16 run of the same seed (same initialization and batches); the spread of the
+bf16 runs over seeds is the seed noise.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ def rows_of(runs):
         }
         if base:
             tps = sum(b["summary"]["tokens_per_s_per_rank"] for b in base) / len(base)
-            loss = sum(b["summary"]["final_val_loss"] for b in base) / len(base)
             row["speedup_vs_bf16"] = round(s["tokens_per_s_per_rank"] / tps, 3)
+            # paired: the bf16 run with the same seed (same initialization and batches)
+            paired = [b for b in base if b["config"]["seed"] == c["seed"]] or base
+            loss = sum(b["summary"]["final_val_loss"] for b in paired) / len(paired)
             row["val_loss_minus_bf16"] = round(s["final_val_loss"] - loss, 4)
         rows.append(row)
     return rows
@@ -73,7 +76,7 @@ def rows_of(runs):
 
 def markdown(rows, runs):
     head = ["run", "tokens/s per rank", "speedup vs bf16", "comm share", "val loss",
-            "Δ vs bf16", "val ppl"]  # fmt: skip
+            "Δ vs bf16 same seed", "val ppl"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"`{r['run']}`", str(r["tokens_per_s_per_rank"]),
