@@ -202,7 +202,11 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench_site(session: nox.Session) -> None:
-    """The asv history site from the results committed under .asv/results (`asv publish`)."""
+    """The asv history site from the results committed under .asv/results (`asv publish`);
+    `-- --check`: then render it in headless Chromium (benchmarks/site_check.py)."""
+    check = "--check" in session.posargs
     session.install(ASV)
-    session.run("asv", "publish", *session.posargs)
+    session.run("asv", "publish", *(a for a in session.posargs if a != "--check"))
+    if check:
+        session.run("python", "benchmarks/site_check.py")
     session.log("open .asv/html/index.html, or `nox -s bench -- preview`")
