@@ -55,11 +55,13 @@ PRESETS = {
                    "--eval-every", "50", "--eval-batches", "8"],
         "runs": CODECS + PUSHES[:1],
     },
-    # 2 x H200, NCCL through fp4_comm: a ~100M-parameter model, long enough for seed noise
+    # 2 x H200, NCCL through fp4_comm: 8 layers of d 1024 (~100M parameters), 16k tokens a
+    # step (each all-reduce: 16M bf16 values, 32 MB); 1000 steps are ~11 passes over the
+    # Jargon File's 1.5 MB training split
     "h200": {
-        "common": ["--device", "cuda", "--layers", "12", "--d-model", "768", "--heads", "12",
-                   "--seq-len", "1024", "--batch", "32", "--steps", "3000", "--lr", "6e-4",
-                   "--eval-every", "250", "--eval-batches", "16"],
+        "common": ["--device", "cuda", "--layers", "8", "--d-model", "1024", "--heads", "16",
+                   "--seq-len", "1024", "--batch", "16", "--steps", "1000", "--lr", "6e-4",
+                   "--eval-every", "100", "--eval-batches", "16"],
         "runs": CODECS + PUSHES,
     },
 }  # fmt: skip
