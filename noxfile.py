@@ -194,7 +194,8 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """The docs site: Sphinx + MyST from docs/ into docs/_build/html, every warning an error."""
-    session.install(f"{KERNELS}[report]", *SPHINX)
+    # all three packages: the API pages document each (torch pinned to the CPU wheel on disk)
+    session.install(f"{KERNELS}[report]", COMM, TRAIN, TORCH, *SPHINX)
     out = "docs/_build/html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
     session.log(f"open {out}/index.html")

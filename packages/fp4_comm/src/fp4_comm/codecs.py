@@ -85,10 +85,10 @@ class Codec(ABC):
         return None
 
     def error_bound(self, x, rounding="nearest", dtype=torch.float32):
-        """Per-element bound on |decode(encode(x)) - x| for a (chunks, n) float32 numpy array
-        of finite values, derived from the format (docs/formats.md); decoding to ``dtype``.
-        (FP4Quant with the transform: for groups with g * sum |x| < FLT_MAX; the inverse
-        transform sums before it divides by g and overflows beyond.)"""
+        """Per-element bound on ``|decode(encode(x)) - x|`` for a (chunks, n) float32 numpy
+        array of finite values, derived from the format (docs/formats.md); decoding to
+        ``dtype``.  (FP4Quant with the transform: for groups whose transform stays below
+        FLT_MAX, about ``|x| < FLT_MAX / g``; beyond, the encoder marks the group NaN.)"""
         raise NotImplementedError(f"{self.name}: no error bound")
 
     def __repr__(self):

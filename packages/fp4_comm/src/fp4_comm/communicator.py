@@ -44,16 +44,17 @@ class Communicator:
     rank of the group must do so (it is collective).  Calls are collective too: every rank calls
     the same collectives in the same order.
 
-    Args of every collective:
-        codec: "nvfp4", "mxfp4", "none" (bfloat16 values: the baseline through the same path),
-            "none-float32", or a ``Codec`` instance (``fp4_comm.codecs``).
-        rounding: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own random
-            words, keyed by ``seed``, rank and hop, at counter ``step``).
-        seed: 0 <= seed < 2^64.  step: the stochastic-rounding counter; default: the number of
-            collectives this communicator has run (the same on every rank).
-        error_feedback: a buffer name (reduce_scatter, all_reduce): the residual of each
-            quantization of that buffer is added before its next one (``comm.error_feedback``).
-        stats: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this rank.
+    Arguments every collective takes:
+
+    - ``codec``: "nvfp4", "mxfp4", "none" (bfloat16 values: the baseline through the same
+      path), "none-float32", or a ``Codec`` instance (``fp4_comm.codecs``).
+    - ``rounding``: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own
+      random words, keyed by ``seed``, rank and hop, at counter ``step``).
+    - ``seed``: 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter; default: the
+      number of collectives this communicator has run (the same on every rank).
+    - ``error_feedback``: a buffer name (reduce_scatter, all_reduce): the residual of each
+      quantization of that buffer is added before its next one (``comm.error_feedback``).
+    - ``stats``: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this rank.
     """
 
     def __init__(self, transport, control_group=None, validate="always"):
