@@ -23,8 +23,9 @@ layout.  Parallelism (one process per rank, ``--parallel``):
 
 Communication (``--codec``): ``none`` (bfloat16 values, the baseline), ``none-float32`` (exact
 up to the float32 sums), ``nvfp4``, ``mxfp4``, ``fp4quant`` (``--group-size`` 64/256/512,
-``--no-hadamard``); ``--rounding nearest|stochastic``; ``--error-feedback`` (TP only: each
-all-reduce site keeps the residual of its quantization and adds it to the next one).
+``--no-hadamard``), ``native`` (torch.distributed's own all-reduce: NCCL's on GPUs; TP
+only); ``--rounding nearest|stochastic``; ``--error-feedback`` (TP only: each all-reduce site
+keeps the residual of its quantization and adds it to the next one).
 
 Data: the bytes of a text file (``--data``; default the Jargon File that Debian's
 ``jargon-text`` package installs, gzip read transparently); the last ``--val-fraction`` is the
@@ -452,6 +453,9 @@ class Runner:
     def _tp_step(self, inputs, targets):
         with self._ctx():
             loss = lm_loss(self.model(inputs), targets, self.par)
+        # Under SP each rank's loss is the mean over its shard of the sequence and the model's
+        # loss their mean; the backward collectives already sum over the ranks, so each rank
+        # backpropagates its loss / W.
         scale = 1.0 / self.par.size if self.par.sp else 1.0
         (loss * scale).backward()
         if self.par.sp:  # partial over the sequence shards: sum (float32, exact up to the adds)
