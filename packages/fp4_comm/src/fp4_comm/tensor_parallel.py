@@ -12,7 +12,13 @@ collective that matches its forward:
 
 Each takes the communicator of the tensor-parallel group and the codec options of the forward
 collective (``codec``, ``rounding``, ``seed``); ``grad_codec`` (default: ``codec``) is used for
-the backward one.  The sequence dimension is dim 0 (Megatron's [s, b, h] layout); its length
+the backward one.  ``error_feedback``, a buffer name unique to the call site (e.g. the layer's
+name), turns on error feedback (``Communicator.all_reduce``) for the function's all-reduce or
+reduce-scatter, whichever direction it runs in: forward for ``reduce_from_tensor_parallel`` and
+``reduce_scatter_to_sequence_parallel``, backward (the gradient) for ``copy_to_tensor_parallel``
+and ``gather_from_sequence_parallel``.  All-gathers have none: their payload is not a sum.
+
+The sequence dimension is dim 0 (Megatron's [s, b, h] layout); its length
 need not be a multiple of the world size: rank r holds ``fp4_comm.shard_rows(s, W)[r]`` rows
 (ceil(s / W), the last ranks fewer or none), as ``Communicator.reduce_scatter`` splits it, and
 ``gather_from_sequence_parallel`` takes the full length as ``total_dim0`` when the shards differ.
@@ -25,8 +31,11 @@ import torch
 from .communicator import Communicator
 
 
-def _opts(codec, rounding, seed):
-    return {"codec": codec, "rounding": rounding, "seed": seed}
+def _opts(codec, rounding, seed, error_feedback=None):
+    opts = {"codec": codec, "rounding": rounding, "seed": seed}
+    if error_feedback is not None:
+        opts["error_feedback"] = error_feedback
+    return opts
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -75,33 +84,40 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
-                            grad_codec=None):  # fmt: skip
+                            grad_codec=None, error_feedback=None):  # fmt: skip
     """Identity forward; backward all-reduces the gradient (a column-parallel layer's input)."""
-    return _CopyToTensorParallel.apply(x, comm, _opts(grad_codec or codec, rounding, seed))
+    opts = _opts(grad_codec or codec, rounding, seed, error_feedback)
+    return _CopyToTensorParallel.apply(x, comm, opts)
 
 
-def reduce_from_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0):
+def reduce_from_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
+                                error_feedback=None):  # fmt: skip
     """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
-    return _ReduceFromTensorParallel.apply(x, comm, _opts(codec, rounding, seed))
+    return _ReduceFromTensorParallel.apply(x, comm, _opts(codec, rounding, seed, error_feedback))
 
 
 def gather_from_sequence_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest",
-                                  seed=0, grad_codec=None, total_dim0=None):  # fmt: skip
+                                  seed=0, grad_codec=None, total_dim0=None,
+                                  error_feedback=None):  # fmt: skip
     """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
     ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
     return _GatherFromSequenceParallel.apply(
         x,
         comm,
         _opts(codec, rounding, seed),
-        _opts(grad_codec or codec, rounding, seed),
+        _opts(grad_codec or codec, rounding, seed, error_feedback),
         total_dim0,
     )
 
 
 def reduce_scatter_to_sequence_parallel(x, comm: Communicator, codec="nvfp4",
-                                        rounding="nearest", seed=0, grad_codec=None):  # fmt: skip
+                                        rounding="nearest", seed=0, grad_codec=None,
+                                        error_feedback=None):  # fmt: skip
     """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
     gradient back to x's length backward."""
     return _ReduceScatterToSequenceParallel.apply(
-        x, comm, _opts(codec, rounding, seed), _opts(grad_codec or codec, rounding, seed)
+        x,
+        comm,
+        _opts(codec, rounding, seed, error_feedback),
+        _opts(grad_codec or codec, rounding, seed),
     )
