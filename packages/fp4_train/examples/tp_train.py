@@ -24,8 +24,10 @@ layout.  Parallelism (one process per rank, ``--parallel``):
 Communication (``--codec``): ``none`` (bfloat16 values, the baseline), ``none-float32`` (exact
 up to the float32 sums), ``nvfp4``, ``mxfp4``, ``fp4quant`` (``--group-size`` 64/256/512,
 ``--no-hadamard``), ``native`` (torch.distributed's own all-reduce: NCCL's on GPUs; TP
-only); ``--rounding nearest|stochastic``; ``--error-feedback`` (TP only: each all-reduce site
-keeps the residual of its quantization and adds it to the next one).
+only); ``--rounding nearest|stochastic``; ``--error-feedback`` (tensor parallelism, with or
+without ``--sequence-parallel``: each all-reduce / reduce-scatter site keeps the residual of
+its quantization and adds it to the next one; the all-gathers and the pipeline's send/recv
+carry none).
 
 Data: the bytes of a text file (``--data``; default the Jargon File that Debian's
 ``jargon-text`` package installs, gzip read transparently); the last ``--val-fraction`` is the
@@ -79,7 +81,7 @@ def parse_args(argv=None):
     a("--group-size", type=int, default=64, help="FP4Quant group size g")
     a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
     a("--rounding", choices=("nearest", "stochastic"), default="nearest")
-    a("--error-feedback", action="store_true", help="residual per all-reduce site (TP)")
+    a("--error-feedback", action="store_true", help="residual per all-reduce/reduce-scatter site")
     a("--layers", type=int, default=4)
     a("--d-model", type=int, default=256)
     a("--heads", type=int, default=4)
@@ -236,25 +238,6 @@ class TimedComm:
         return ms
 
 
-class _AllReduceEF(torch.autograd.Function):
-    """Megatron's copy_to / reduce_from pair with an error-feedback buffer per site, for
-    ``--error-feedback`` (fp4_comm.tensor_parallel's functions take no buffer name)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, opts, fwd_name, bwd_name):
-        ctx.comm, ctx.opts, ctx.bwd_name = comm, opts, bwd_name
-        if fwd_name is None:
-            return x.view_as(x)
-        return comm.all_reduce(x.contiguous(), error_feedback=fwd_name, **opts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.bwd_name is None:
-            return grad, None, None, None, None
-        g = ctx.comm.all_reduce(grad.contiguous(), error_feedback=ctx.bwd_name, **ctx.opts)
-        return g, None, None, None, None
-
-
 class _NativeAllReduce(torch.autograd.Function):
     """Megatron's copy_to (``forward=False``) / reduce_from (``forward=True``) pair through
     torch.distributed's own all-reduce, for ``--codec native``."""
@@ -280,8 +263,6 @@ class TensorParallel:
         self.opts = {"codec": codec, "rounding": rounding, "seed": seed}
         self.sp = sequence_parallel and self.size > 1
         self.ef = error_feedback
-        if self.ef and self.sp:
-            raise ValueError("--error-feedback is implemented for TP without --sequence-parallel")
         self.native_group = None
         if codec == "native" and self.size > 1:
             if self.sp or self.ef:
@@ -296,11 +277,11 @@ class TensorParallel:
             return x
         if self.native_group is not None:
             return _NativeAllReduce.apply(x, self.comm, self.native_group, False)
+        # error feedback on the gradient's sum (backward): one residual buffer per site
+        ef = f"{site}.in.grad" if self.ef else None
         if self.sp:
-            return tp.gather_from_sequence_parallel(x, self.comm, **self.opts)
-        if self.ef and torch.is_grad_enabled():
-            return _AllReduceEF.apply(x, self.comm, self.opts, None, f"{site}.in.grad")
-        return tp.copy_to_tensor_parallel(x, self.comm, **self.opts)
+            return tp.gather_from_sequence_parallel(x, self.comm, **self.opts, error_feedback=ef)
+        return tp.copy_to_tensor_parallel(x, self.comm, **self.opts, error_feedback=ef)
 
     def exit(self, x, site):
         """A row-parallel linear's partial output, summed over the ranks."""
@@ -308,11 +289,14 @@ class TensorParallel:
             return x
         if self.native_group is not None:
             return _NativeAllReduce.apply(x, self.comm, self.native_group, True)
+        # error feedback on the forward sum, in training only: a validation pass must not
+        # move the residuals
+        ef = f"{site}.out" if self.ef and torch.is_grad_enabled() else None
         if self.sp:
-            return tp.reduce_scatter_to_sequence_parallel(x, self.comm, **self.opts)
-        if self.ef and torch.is_grad_enabled():
-            return _AllReduceEF.apply(x, self.comm, self.opts, f"{site}.out", None)
-        return tp.reduce_from_tensor_parallel(x, self.comm, **self.opts)
+            return tp.reduce_scatter_to_sequence_parallel(
+                x, self.comm, **self.opts, error_feedback=ef
+            )
+        return tp.reduce_from_tensor_parallel(x, self.comm, **self.opts, error_feedback=ef)
 
     def shard(self, w, dim=0):
         """This rank's slice of a full weight along ``dim``."""
@@ -557,6 +541,8 @@ def _sync(device):
 def train(args, comm, device=None):
     """Run one configuration on this rank (every rank of ``comm`` calls it); the record."""
     device = device or (comm.device if comm is not None else torch.device("cpu"))
+    if comm is not None:
+        comm.error_feedback.reset()  # a run starts without residuals left by an earlier one
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     tokens = load_corpus(args.data, args.max_bytes)

@@ -75,6 +75,10 @@ def _worker(rank, port, corpus, out, conn):
         res["native"] = run("--steps", str(EXACT_STEPS), "--codec", "native")
         res["pp_fp32"] = run(*exact, "--parallel", "pp", "--microbatches", "2")
         res["pp_fp4"] = run("--steps", "3", "--parallel", "pp", "--codec", "nvfp4")
+        ef = ("--steps", "3", "--codec", "nvfp4", "--error-feedback")
+        res["tp_ef"] = run(*ef)
+        res["sp_ef"] = run(*ef, "--sequence-parallel")
+        res["ef_buffers"] = sorted(comm.error_feedback.names())
         if rank == 0:
             args = tp_train.parse_args([*base, *exact])
             res["single"] = _losses(tp_train.train(args, comm1))
@@ -156,3 +160,15 @@ def test_entry_point_writes_the_record(runs):
     assert 0 < summary["comm_share"] < 1 and summary["tokens_per_s_per_rank"] > 0
     assert math.isclose(summary["final_val_ppl"], math.exp(summary["final_val_loss"]))
     assert (out / "tp_bf16_s0.csv").read_text().startswith("step,loss,")
+
+
+@pytest.mark.parametrize("config", ["tp_ef", "sp_ef"])
+def test_error_feedback_runs_with_and_without_sequence_parallelism(runs, config):
+    results, _ = runs
+    losses = results[0][config]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert results[1][config] == losses
+    # a residual buffer per site: the gradient's sum at each block input, the forward sum at
+    # each block output (with SP too: reduce-scatter forward, reduce-scatter of the gradient)
+    names = results[0]["ef_buffers"]
+    assert any(n.endswith(".in.grad") for n in names) and any(n.endswith(".out") for n in names)
