@@ -4,17 +4,17 @@ after they validated the input."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import _arrays as arrays
 from ._api import QuantizedTensor, _device, _to_numpy
 
 
-def _payload_views(payload, shape, g, lib):
-    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer."""
-    n = 1
-    for d in shape:
-        n *= d
+def _payload_views(payload, shape, n, g, lib):
+    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer of the ``n``
+    elements of ``shape``."""
     codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
     tail = payload[n // 2 :]
     if lib == "torch":
@@ -28,15 +28,13 @@ def _payload_views(payload, shape, g, lib):
 
 def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
     g = fmt.group_size
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     nbytes = n // 2 + 2 * (n // g)
     if backend.gpu:
         ctx = arrays.GpuContext(x, backend)
         with _device(ctx):
             payload = ctx.empty((nbytes,), np.uint8)
-            codes, scales = _payload_views(payload, shape, g, backend.lib)
+            codes, scales = _payload_views(payload, shape, n, g, backend.lib)
             if n:
                 ctx.launch.fp4quant_encode(
                     ctx.view(x, np.uint64),
@@ -54,15 +52,14 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
                 )
         return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
     from .cpu import fp4quant as cpu
-    from .formats.hadamard import stage_order
 
     payload = np.empty(nbytes, np.uint8)
-    codes, scales = _payload_views(payload, shape, g, "numpy")
+    codes, scales = _payload_views(payload, shape, n, g, "numpy")
     cpu.encode(
         arrays.cpu_bits(x, dt),
         arrays.KIND_OF_DTYPE[dt],
         g,
-        np.array([1 << b for b in stage_order(g)], np.int64),
+        cpu.stage_strides(g),
         fmt.hadamard,
         stochastic,
         np.uint32(seed & 0xFFFFFFFF),
@@ -75,7 +72,7 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
         import torch
 
         payload = torch.from_numpy(payload)
-        codes, scales = _payload_views(payload, shape, g, "torch")
+        codes, scales = _payload_views(payload, shape, n, g, "torch")
     return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
 
 
@@ -90,9 +87,7 @@ def dequantize_fp4quant(q, dt):
         raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {expected}")
     if arrays.backend_of(q.scales, "q.scales") != backend:
         raise ValueError("q.scales: must live where q.data lives (same array kind and device)")
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if backend.gpu:
         ctx = arrays.GpuContext(q.data, backend)
         with _device(ctx):
@@ -111,7 +106,6 @@ def dequantize_fp4quant(q, dt):
                 )
         return out
     from .cpu import fp4quant as cpu
-    from .formats.hadamard import stage_order
 
     codes = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1).view(np.uint8)
     scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1).view(np.uint16)
@@ -120,7 +114,7 @@ def dequantize_fp4quant(q, dt):
         codes,
         scales,
         g,
-        np.array([1 << b for b in stage_order(g)], np.int64),
+        cpu.stage_strides(g),
         q.fmt.hadamard,
         np.float32(2.0 ** -(g.bit_length() - 1)),
         out_bits,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -48,7 +49,7 @@ def hadamard(x, *, group_size, inverse=False, signs=None):
     if not arrays.is_c_contiguous(x, backend):
         raise ValueError("x: must be C-contiguous; call .contiguous() / np.ascontiguousarray")
     words = _sign_words(signs, g)
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     kind = arrays.KIND_OF_DTYPE[dt]
     if backend.gpu:
         ctx = arrays.GpuContext(x, backend)
@@ -79,7 +80,7 @@ def hadamard(x, *, group_size, inverse=False, signs=None):
         arrays.cpu_bits(x, dt),
         kind,
         g,
-        np.array([1 << b for b in spec.stage_order(g)], np.int64),
+        cpu.stage_strides(g),
         spec.inv_sqrt_group_size(g),
         inverse,
         mask,

@@ -8,8 +8,11 @@ too.  Inputs and outputs are flat arrays of raw bits (see ``cpu.codec``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from ..formats.hadamard import stage_order
 from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
 from .codec import load, store
 
@@ -18,6 +21,14 @@ _e2m1_encode_sr = OPS.e2m1_encode_sr
 _e2m1_decode = OPS.e2m1_decode
 _fp4quant_scale = OPS.fp4quant_scale
 _philox = OPS.philox4x32_10
+
+
+@functools.cache
+def stage_strides(group_size):
+    """The butterfly strides (1 << bit) in ``stage_order(g)``: what ``fwht_group`` takes."""
+    strides = np.array([1 << b for b in stage_order(group_size)], np.int64)
+    strides.flags.writeable = False  # shared by every call
+    return strides
 
 
 @cpu_jit
