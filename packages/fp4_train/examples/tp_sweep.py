@@ -7,7 +7,9 @@
 A preset is a model / schedule (the arguments every run shares) and a list of configurations;
 arguments after ``--`` are added to every run (they override the preset's).  Runs whose JSON
 already exists in ``--out`` are skipped (``--force`` reruns them), so an interrupted sweep
-resumes.
+resumes.  ``--budget-s`` stops starting runs once the next one (estimated from the longest
+run so far) would end past the budget; the runs left out are printed, so a sweep split over
+several sessions says what it did not run.  ``--order`` runs the named runs first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -78,20 +81,39 @@ def main():
     ap.add_argument("--only", nargs="*", help="run names to run (default: the preset's all)")
     ap.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
     ap.add_argument("--no-summary", action="store_true", help="skip tp_summary.py (matplotlib)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no run that would end past this many seconds (estimate: the "
+                         "longest run so far)")  # fmt: skip
+    ap.add_argument("--order", nargs="*", default=[], help="run these names first, in this order")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    for name, run_args in preset["runs"]:
-        if args.only and name not in args.only:
-            continue
+    runs = [r for r in preset["runs"] if not args.only or r[0] in args.only]
+    rank = {name: i for i, name in enumerate(args.order)}
+    runs.sort(key=lambda r: rank.get(r[0], len(rank)))  # stable: the preset's order otherwise
+    t_start, longest, left_out, failed = time.monotonic(), 0.0, [], []
+    for name, run_args in runs:
         if (args.out / f"{name}.json").exists() and not args.force:
             print(f"{name}: done already", flush=True)
+            continue
+        elapsed = time.monotonic() - t_start
+        if args.budget_s is not None and elapsed + longest > args.budget_s:
+            left_out.append(name)
             continue
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.nproc}", str(HERE / "tp_train.py"), *preset["common"],
                *run_args, *extra, "--name", name, "--out", str(args.out)]  # fmt: skip
         print(" ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, env=env)
+        t0 = time.monotonic()
+        rc = subprocess.run(cmd, env=env).returncode
+        longest = max(longest, time.monotonic() - t0)
+        print(f"{name}: {time.monotonic() - t0:.0f} s, exit status {rc}", flush=True)
+        if rc:
+            failed.append(name)  # the other runs still go: one bad configuration costs one run
+    if left_out:
+        print(f"not run (budget {args.budget_s:.0f} s): {' '.join(left_out)}", flush=True)
+    if failed:
+        sys.exit(f"failed: {' '.join(failed)}")
     if not args.no_summary:
         subprocess.run([sys.executable, str(HERE / "tp_summary.py"), str(args.out)], check=True)
 
