@@ -189,8 +189,8 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
         eager_ms = cuda_time_ms(fn, arg_list, reps=reps)[0]
         try:
             graph_ms = graph_time_ms(fn, arg_list, reps=reps)[0]
-        except RuntimeError as err:  # a transport that cannot be captured: say so, go on
-            print(f"rank {rank}: {op} {codec}: CUDA graph capture failed: {err}", flush=True)
+        except RuntimeError as capture_err:  # a transport that cannot be captured: say so
+            print(f"rank {rank}: {op} {codec}: graph capture failed: {capture_err}", flush=True)
             graph_ms = math.nan
         host_us = host_time_us(fn, arg_list, host_reps)
         every = _slowest(comm, (graph_ms, eager_ms, host_us, err))

@@ -105,6 +105,10 @@ def parse_args(argv=None):
     a("--timing-warmup", type=int, default=5, help="steps left out of the throughput means")
     a("--name", default=None, help="run name (default: from the configuration)")
     a("--out", type=Path, default=None, help="folder for <name>.json/.csv (rank 0)")
+    a("--cuda-graph", action="store_true",
+      help="TP, GPU: capture the whole training step (forward, backward with its collectives, "
+           "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
+           "time of the collectives' launches (nearest rounding only)")  # fmt: skip
     a("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -188,17 +192,22 @@ class TimedComm:
         self.comm = comm
         self.cuda = comm.device.type == "cuda"
         self.events, self.cpu_s = [], 0.0
+        # events recorded inside a CUDA-graph capture ("external": the replay records them
+        # again, so their elapsed times are those of the latest replay)
+        self.graph_events = []
 
     def __getattr__(self, name):
         return getattr(self.comm, name)
 
     def _timed(self, fn, *args, **kwargs):
         if self.cuda:
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            capturing = torch.cuda.is_current_stream_capturing()
+            start, end = (torch.cuda.Event(enable_timing=True, external=capturing)
+                          for _ in range(2))  # fmt: skip
             start.record()
             out = fn(*args, **kwargs)
             end.record()
-            self.events.append((start, end))
+            (self.graph_events if capturing else self.events).append((start, end))
             return out
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
@@ -231,9 +240,12 @@ class TimedComm:
 
         return self._timed(run, x)
 
-    def take_ms(self):
-        """Milliseconds in calls since the last take (call after the device synchronized)."""
+    def take_ms(self, replayed=False):
+        """Milliseconds in calls since the last take (call after the device synchronized);
+        ``replayed``: a captured step was replayed since, add its calls."""
         ms = 1e3 * self.cpu_s + sum(s.elapsed_time(e) for s, e in self.events)
+        if replayed:
+            ms += sum(s.elapsed_time(e) for s, e in self.graph_events)
         self.events, self.cpu_s = [], 0.0
         return ms
 
@@ -419,19 +431,37 @@ class Runner:
         self.par = par
         self.model.to(device)
         params = list(self.model.parameters())
+        self.graphed = args.cuda_graph
+        if self.graphed:
+            _check_graph_args(args, device)
+        self.warmup = args.steps // 10 if args.warmup is None else args.warmup
         if args.optimizer == "adamw":
-            self.opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+            # capturable: Adam's step count and bias corrections live on the device, and the
+            # learning rate is a device tensor the schedule fills between replays
+            lr = torch.tensor(args.lr, device=device) if self.graphed else args.lr
+            self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                         capturable=self.graphed)  # fmt: skip
         else:
             self.opt = torch.optim.SGD(params, lr=args.lr)
-        warmup = args.steps // 10 if args.warmup is None else args.warmup
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: _lr_factor(s, warmup, args.steps)
-        )
+        self.sched = None
+        if not self.graphed:
+            self.sched = torch.optim.lr_scheduler.LambdaLR(
+                self.opt, lambda s: _lr_factor(s, self.warmup, args.steps)
+            )
         dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         self.autocast = dtype == "bfloat16"
+        self.graph, self.steps_done = None, 0
 
     def _ctx(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+        # autocast's cast cache must be off in a graph capture (its casts are captured too)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
+                              cache_enabled=not self.graphed)  # fmt: skip
+
+    def lr(self):
+        """The learning rate of the next step."""
+        if self.sched is not None:
+            return self.sched.get_last_lr()[0]
+        return self.args.lr * _lr_factor(self.steps_done, self.warmup, self.args.steps)
 
     # --- tensor parallel (and the single-rank reference)
     def _tp_step(self, inputs, targets):
@@ -488,6 +518,8 @@ class Runner:
         return torch.zeros((), device=self.device)
 
     def step(self, inputs, targets):
+        if self.graphed:
+            return self._graphed_step(inputs, targets)
         self.opt.zero_grad(set_to_none=True)
         if self.pp:
             loss = self._pp_step(inputs, targets)
@@ -495,6 +527,38 @@ class Runner:
             loss = self._tp_step(inputs, targets)
         self.opt.step()
         self.sched.step()
+        self.steps_done += 1
+        return loss
+
+    def _graphed_step(self, inputs, targets):
+        """GRAPH_WARMUP eager steps on a side stream (kernels compiled and loaded, Adam's state
+        and the error-feedback residuals allocated), then the next step captured once, as in
+        PyTorch's whole-network capture, and every step from there a replay.  The same
+        arithmetic as the eager step: grads are set to None before the capture, so the captured
+        backward writes them rather than adding to them."""
+        for group in self.opt.param_groups:
+            group["lr"].fill_(self.lr())
+        if self.steps_done < GRAPH_WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.opt.zero_grad(set_to_none=True)
+                loss = self._tp_step(inputs, targets)
+                self.opt.step()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            if self.graph is None:
+                self.static = (inputs.clone(), targets.clone())
+                self.opt.zero_grad(set_to_none=True)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.static_loss = self._tp_step(*self.static)
+                    self.opt.step()
+            self.static[0].copy_(inputs)
+            self.static[1].copy_(targets)
+            self.graph.replay()
+            loss = self.static_loss
+        self.steps_done += 1
         return loss
 
     @torch.no_grad()
@@ -524,6 +588,26 @@ class Runner:
             dist.all_reduce(t, group=group)
             t /= self.timed.world_size
         return float(t)
+
+
+GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's default 5)
+
+
+def _check_graph_args(args, device):
+    """What --cuda-graph does not do, named before anything runs."""
+    why = []
+    if device.type != "cuda":
+        why.append("it needs a GPU (--device cuda)")
+    if args.parallel != "tp":
+        why.append("it captures the tensor-parallel step only (--parallel tp)")
+    if args.rounding != "nearest":
+        # the step number that seeds the random rounding would be frozen into the graph: every
+        # replay would draw the same rounding words
+        why.append("stochastic rounding would replay the same random words every step")
+    if args.optimizer != "adamw":
+        why.append("it needs --optimizer adamw (capturable)")
+    if why:
+        raise SystemExit("--cuda-graph: " + "; ".join(why))
 
 
 def _lr_factor(step, warmup, steps):
@@ -558,13 +642,15 @@ def train(args, comm, device=None):
         x, y = x.to(device), y.to(device)
         _sync(device)
         t0 = time.perf_counter()
+        lr = runner.lr()
         loss = runner.step(x, y)
         _sync(device)
         step_ms = 1e3 * (time.perf_counter() - t0)
-        comm_ms = runner.timed.take_ms() if runner.timed is not None else 0.0
+        replayed = runner.graph is not None
+        comm_ms = runner.timed.take_ms(replayed) if runner.timed is not None else 0.0
         loss = runner._mean_over_ranks(float(loss))
         steps.append({
-            "step": step, "loss": loss, "lr": runner.sched.get_last_lr()[0],
+            "step": step, "loss": loss, "lr": lr,
             "step_ms": step_ms, "comm_ms": comm_ms,
             "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
         })  # fmt: skip

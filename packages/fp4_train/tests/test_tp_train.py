@@ -172,3 +172,22 @@ def test_error_feedback_runs_with_and_without_sequence_parallelism(runs, config)
     # each block output (with SP too: reduce-scatter forward, reduce-scatter of the gradient)
     names = results[0]["ef_buffers"]
     assert any(n.endswith(".in.grad") for n in names) and any(n.endswith(".out") for n in names)
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["--device", "cpu"], "needs a GPU"),
+        (["--parallel", "pp"], "tensor-parallel step only"),
+        (["--rounding", "stochastic"], "same random words"),
+        (["--optimizer", "sgd"], "adamw"),
+    ],
+)
+def test_cuda_graph_refuses_what_it_cannot_replay(extra, why):
+    sys.path.insert(0, str(EXAMPLES))
+    import tp_train
+
+    args = tp_train.parse_args(["--cuda-graph", *extra])
+    device = __import__("torch").device("cuda" if "--device" not in extra else "cpu")
+    with pytest.raises(SystemExit, match=why):
+        tp_train._check_graph_args(args, device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,22 @@ from ._transport import CommTimeoutError, Transport, reraise_timeout
 _POLL_INTERVAL_S = 1e-4
 # How often the watchdog looks at the oldest unfinished transfer.
 _WATCHDOG_INTERVAL_S = 1e-3
+
+
+def _relax_capture_mode():
+    """Let this thread's CUDA calls (the watchdog's event queries) run while another thread
+    captures a CUDA graph.  In the default (global) capture mode, a query of any event from any
+    thread during a capture invalidates that capture (cudaErrorStreamCaptureInvalidated: seen on
+    the H200 with torch.cuda.graph around an fp4_comm collective while the watchdog polled).
+    The events it queries were recorded outside any capture, so the relaxed mode is safe."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python < 12.6 names the module cuda.cuda
+        from cuda import cuda as driver
+    mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    err, _ = driver.cuThreadExchangeStreamCaptureMode(mode)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode: {err}")
 
 
 def _nccl():
@@ -98,6 +115,11 @@ class NcclTransport(Transport):
             self._thread.start()
 
     def _watch_loop(self):
+        try:
+            _relax_capture_mode()
+        except Exception as err:  # noqa: BLE001 - keep watching; only captures are at risk
+            warnings.warn(f"fp4_comm watchdog: {err}; a CUDA-graph capture in another thread "
+                          "may be invalidated by its event queries", stacklevel=1)  # fmt: skip
         head, since = None, 0.0
         while not self._closing:
             if not self._pending:
