@@ -146,8 +146,8 @@ def main():
                 continue
             rows += _measure_op(comm, base, op, n, args.codecs, args.reps, args.host_reps, gen)
             torch.cuda.empty_cache()
-    if rank == 0:
-        _write(args.out, rows, world)
+            if rank == 0:  # after every operation: a run cut short keeps what it measured
+                _write(args.out, rows, world)
     comm.synchronize()
     torch.distributed.barrier(comm.control_group)
 
