@@ -105,7 +105,7 @@ def parse_args(argv=None):
     a("--timing-warmup", type=int, default=5, help="steps left out of the throughput means")
     a("--name", default=None, help="run name (default: from the configuration)")
     a("--out", type=Path, default=None, help="folder for <name>.json/.csv (rank 0)")
-    a("--cuda-graph", action="store_true",
+    a("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
       help="TP, GPU: capture the whole training step (forward, backward with its collectives, "
            "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
            "time of the collectives' launches (nearest rounding only)")  # fmt: skip
