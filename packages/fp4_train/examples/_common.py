@@ -30,12 +30,16 @@ def parse_args(doc, **extra):
 
 
 def commit():
+    """The commit measured: $FP4_COMMIT first (set by whoever copied the tree to a GPU machine,
+    where a stale .git can say another commit), else git's HEAD."""
+    if os.environ.get("FP4_COMMIT"):
+        return os.environ["FP4_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL
         ).strip()
     except Exception:
-        return os.environ.get("FP4_COMMIT", "unknown")
+        return "unknown"
 
 
 def metadata(device):
