@@ -2,12 +2,18 @@
 and its errors for paths that are not models."""
 
 import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
+from conftest import REAL_GPU
 
 import fp4_kernels as fk
-from fp4_kernels import report
+from fp4_kernels import _throughput, report
 from fp4_kernels.formats import e2m1
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -105,3 +111,143 @@ def test_cli_help_and_errors(tmp_path, capsys):
     assert report.main(["report", str(tmp_path / "nolinear.safetensors")]) == 2
     assert "no linear weight matrix" in capsys.readouterr().err
     assert report.main(["report", "--formats", "fp8", str(tmp_path)]) == 2
+
+
+# ---------------------------------------------------------------------- GPU throughput
+
+
+def _cli_json(tmp_path, rng, *extra):
+    _model(tmp_path / "m.safetensors", rng)
+    out = tmp_path / "out"
+    argv = ["report", str(tmp_path / "m.safetensors"), "--out", str(out), "--no-progress"]
+    assert report.main([*argv, *extra]) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def test_throughput_skipped_without_a_gpu(tmp_path, rng, capsys):
+    """No GPU (or only the simulator): no number, the reason in the JSON and one printed line."""
+    if REAL_GPU:
+        pytest.skip("a real GPU measures the throughput (test_throughput_on_a_gpu)")
+    data = _cli_json(tmp_path, rng)  # the default --throughput-elements, 2^26
+    printed = capsys.readouterr().out
+    assert data["throughput"] is None
+    reason = data["throughput_skipped"]
+    assert ("no CUDA GPU" in reason or "simulator" in reason) and "\n" not in reason
+    skipped = [line for line in printed.splitlines() if line.startswith("GPU throughput")]
+    assert skipped == [f"GPU throughput: skipped: {reason}"]
+    assert "x D2D copy" not in printed
+    with pytest.raises(_throughput.ThroughputUnavailable):
+        _throughput.measure_throughput(256)
+
+
+def test_throughput_off_and_bad_counts(tmp_path, rng, capsys):
+    data = _cli_json(tmp_path, rng, "--throughput-elements", "0")
+    assert data["throughput"] is None and "not measured" in data["throughput_skipped"]
+    assert "GPU throughput: skipped: not measured" in capsys.readouterr().out
+    data = _cli_json(tmp_path, rng, "--formats", "e2m1,e2m1/tensor")
+    assert data["throughput"] is None and "GPU path" in data["throughput_skipped"]
+    for bad in ("100", "-256"):
+        assert report.main(["report", str(tmp_path), "--throughput-elements", bad]) == 2
+        assert "--throughput-elements" in capsys.readouterr().err
+    # the library default measures nothing: run_report's callers keep their cost
+    r = report.run_report(tmp_path / "m.safetensors", progress=False)
+    assert r["throughput"] is None
+
+
+def test_throughput_failure_keeps_the_report(monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY\nsecond line")
+
+    monkeypatch.setattr(report, "measure_throughput", fail)
+    t, reason = report.throughput_section(1 << 26)
+    assert t is None
+    assert reason == "the measurement failed: RuntimeError: CUDA_ERROR_OUT_OF_MEMORY second line"
+
+
+def test_cli_help_lists_throughput_elements(capsys):
+    with pytest.raises(SystemExit):
+        report.main(["report", "--help"])
+    assert "--throughput-elements" in capsys.readouterr().out
+
+
+ROW_TIMES = {"ms", "min_ms", "max_ms"}
+
+
+def _check_throughput(t, formats, elements):
+    assert t["elements"] == elements and t["dtype"] == "bfloat16"
+    assert t["input_bytes"] == 2 * elements and math.prod(t["shape"]) == elements
+    assert t["copy"]["bytes"] == 4 * elements
+    assert math.isfinite(t["copy"]["ms"]) and t["copy"]["ms"] > 0
+    pairs = [(r["format"], r["direction"]) for r in t["rows"]]
+    assert pairs == [(f, d) for f in formats for d in ("quantize", "dequantize")]
+    for r in t["rows"]:
+        assert set(r) == {"format", "direction", "bytes", "gbps", "x_copy"} | ROW_TIMES
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in (*ROW_TIMES, "gbps"))
+        assert r["min_ms"] <= r["ms"] <= r["max_ms"]
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
+        assert r["x_copy"] == pytest.approx(r["ms"] / t["copy"]["ms"])
+    by_fmt = {r["format"]: r["bytes"] for r in t["rows"]}
+    n = elements
+    expected = {
+        "mxfp4": 2 * n + n // 2 + n // 32,
+        "nvfp4": 2 * n + n // 2 + n // 16 + 4,
+        "fp4quant-g64": 2 * n + n // 2 + 2 * n // 64,
+        "fp4quant-g256": 2 * n + n // 2 + 2 * n // 256,
+    }
+    assert by_fmt == {f: expected[f] for f in formats}
+    lines = report.format_throughput({"throughput": t})
+    assert "x D2D copy" in lines[2] and lines[3].startswith("D2D copy")
+    for line, r in zip(lines[4 : 4 + len(t["rows"])], t["rows"], strict=True):
+        assert line.split()[:2] == [r["format"], r["direction"]]
+
+
+_SIMULATOR_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from fp4_kernels.testing import install_simulator_warp_intrinsics
+    install_simulator_warp_intrinsics()
+    from fp4_kernels.cuda import launch
+    launch.launch_override = (64, 2)  # as the tests' `kernels` fixture: small simulated grids
+    from fp4_kernels import _throughput as t
+    refused = t.unavailable_reason()
+    try:
+        t.measure_throughput(256)
+        raised = False
+    except t.ThroughputUnavailable:
+        raised = True
+    r = t.measure_throughput(256, warmup=1, reps=1, allow_simulator=True)
+    print(json.dumps({"refused": refused, "raised": raised, "result": r}))
+    """
+)
+
+
+def test_throughput_timing_runs_in_the_simulator():
+    """The whole measuring path (inputs, copy, quantize / dequantize of every GPU format,
+    timing) in numba's CUDA simulator, which must be on before numba is imported: a
+    subprocess.  256 elements: the simulator takes about a second per FP4Quant call."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIMULATOR_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "simulator" in out["refused"] and out["raised"]  # only when asked for
+    t = out["result"]
+    assert t["device"] == "CUDA simulator" and t["timer"].startswith("host clock")
+    assert (t["warmup"], t["repeats"]) == (1, 1)
+    _check_throughput(t, _throughput.THROUGHPUT_FORMATS, 256)
+
+
+def test_throughput_on_a_gpu(tmp_path, rng, capsys, gpu):
+    elements = 1 << 20
+    data = _cli_json(tmp_path, rng, "--throughput-elements", str(elements))
+    t = data["throughput"]
+    assert t is not None and data["throughput_skipped"] is None
+    assert t["timer"] == "CUDA events" and t["device"]
+    _check_throughput(t, _throughput.THROUGHPUT_FORMATS, elements)
+    printed = capsys.readouterr().out
+    assert f"GPU throughput on {t['device']}" in printed and "x D2D copy" in printed

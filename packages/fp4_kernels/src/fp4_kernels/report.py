@@ -15,6 +15,12 @@ Formats (blocks run along a matrix's last dimension, the input features of ``nn.
 - ``fp4quant-g64``, ``fp4quant-g256``: FP4Quant groups of 64 / 256 with the Walsh–Hadamard
   transform (``fp4_kernels.FP4Quant``; one bf16 scale per group), a communication codec, so
   its groups run over the flattened matrix, across rows.
+
+On a CUDA GPU it also times ``quantize`` and ``dequantize`` of the formats with a GPU path
+(mxfp4, nvfp4, fp4quant-g64, fp4quant-g256) on a synthetic bf16 tensor of
+``--throughput-elements`` elements (default 2^26; 0: not measured), against a device-to-device
+copy of the same bytes timed in the same run (``fp4_kernels._throughput``).  Without a GPU that
+section is skipped, with the reason, and ``report.json`` has ``"throughput": null``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from . import FORMATS, FP4Quant, dequantize, quantize
+from ._throughput import (
+    DEFAULT_ELEMENTS as DEFAULT_THROUGHPUT_ELEMENTS,
+    THROUGHPUT_FORMATS,
+    ThroughputUnavailable,
+    check_elements,
+    measure_throughput,
+)
 from .formats import e2m1
 
 REPORT_FORMATS = ("e2m1", "e2m1/tensor", "mxfp4", "nvfp4", "fp4quant-g64", "fp4quant-g256")
@@ -148,8 +161,34 @@ def matrix_stats(w, q, nbytes):
 # ---------------------------------------------------------------------- the report
 
 
-def run_report(path=None, formats=REPORT_FORMATS, include_embeddings=False, progress=True):
-    """Compute the report; returns the dict written to report.json."""
+def throughput_section(elements, formats=REPORT_FORMATS):
+    """(the ``"throughput"`` entry of the report, or None; None, or why it is None)."""
+    elements = check_elements(elements)
+    if elements == 0:
+        return None, "not measured (throughput elements: 0)"
+    gpu_formats = [f for f in formats if f in THROUGHPUT_FORMATS]
+    if not gpu_formats:
+        return None, f"none of the formats has a GPU path (those that do: {THROUGHPUT_FORMATS})"
+    try:
+        return measure_throughput(elements, gpu_formats), None
+    except ThroughputUnavailable as e:
+        return None, str(e)
+    except Exception as e:  # a GPU error: keep the report, say what happened
+        detail = " ".join(str(e).split())
+        return None, f"the measurement failed: {type(e).__name__}: {detail}"
+
+
+def run_report(
+    path=None,
+    formats=REPORT_FORMATS,
+    include_embeddings=False,
+    progress=True,
+    throughput_elements=0,
+):
+    """Compute the report; returns the dict written to report.json.
+
+    ``throughput_elements`` > 0: also time the GPU kernels (``throughput_section``); the
+    ``fp4 report`` command's default is 2^26."""
     path = default_model_path() if path is None else path
     files = weight_files(path)
     tensors = load_tensors(files)
@@ -173,6 +212,7 @@ def run_report(path=None, formats=REPORT_FORMATS, include_embeddings=False, prog
             row["formats"][fmt] = matrix_stats(w, q, nbytes)
         matrices.append(row)
     seconds = time.perf_counter() - t0
+    throughput, throughput_skipped = throughput_section(throughput_elements, formats)
     n_total = sum(m["elements"] for m in matrices)
     summary = {}
     for fmt in formats:
@@ -201,6 +241,8 @@ def run_report(path=None, formats=REPORT_FORMATS, include_embeddings=False, prog
         "seconds": seconds,
         "backend": "cpu (numba)",
         "summary": summary,
+        "throughput": throughput,
+        "throughput_skipped": throughput_skipped,
         "matrices": matrices,
     }
 
@@ -224,7 +266,36 @@ def format_table(result):
         "zeros: fraction of weights that quantize to 0; rel. error: mean|w - q(w)| / mean|w|; "
         "model MiB: quantized linear weights + every other tensor as stored"
     )
+    lines.append("")
+    lines.extend(format_throughput(result))
     return "\n".join(lines)
+
+
+def format_throughput(result):
+    """The lines of the GPU throughput section (one line when it was skipped)."""
+    t = result.get("throughput")
+    if t is None:
+        return [f"GPU throughput: skipped: {result.get('throughput_skipped') or 'not measured'}"]
+    c = t["copy"]
+    lines = [
+        f"GPU throughput on {t['device']}: {t['elements']:,} {t['dtype']} elements "
+        f"({t['input_bytes'] / 2**20:.1f} MiB, shape {tuple(t['shape'])}); {t['timer']}, "
+        f"{t['statistic']} of {t['repeats']} after {t['warmup']} warm-up",
+        "",
+        f"{'format':<14} {'direction':<11} {'ms':>9} {'GB/s':>9} {'x D2D copy':>11}",
+        f"{'D2D copy':<14} {'':<11} {c['ms']:>9.4f} {c['gbps']:>9.1f} {1.0:>11.2f}",
+    ]
+    for r in t["rows"]:
+        lines.append(
+            f"{r['format']:<14} {r['direction']:<11} {r['ms']:>9.4f} {r['gbps']:>9.1f} "
+            f"{r['x_copy']:>11.2f}"
+        )
+    lines.append("")
+    lines.append(
+        "GB/s: bytes read + written (the input and the quantized tensor; the copy: its input "
+        "twice); x D2D copy: time / the copy's time, same bytes of input"
+    )
+    return lines
 
 
 def write_outputs(result, out_dir):
@@ -304,6 +375,16 @@ def _parser():
     )
     r.add_argument("--include-embeddings", action="store_true", help="also report embedding tables")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--throughput-elements",
+        type=int,
+        default=DEFAULT_THROUGHPUT_ELEMENTS,
+        metavar="N",
+        help="on a CUDA GPU, time quantize / dequantize of the formats with a GPU path on a "
+        "synthetic bf16 tensor of N elements against a device-to-device copy of it (a "
+        "multiple of 256; default: %(default)s = 2^26; 0: not measured; skipped, with the "
+        "reason, without a GPU)",
+    )
     return p
 
 
@@ -318,7 +399,18 @@ def main(argv=None):
         )
         return 2
     try:
-        result = run_report(args.path, formats, args.include_embeddings, not args.no_progress)
+        check_elements(args.throughput_elements)
+    except ValueError as e:
+        print(f"fp4 report: --throughput-elements: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = run_report(
+            args.path,
+            formats,
+            args.include_embeddings,
+            not args.no_progress,
+            args.throughput_elements,
+        )
     except ReportError as e:
         print(f"fp4 report: {e}", file=sys.stderr)
         return 2
