@@ -174,9 +174,9 @@ ROW_TIMES = {"ms", "min_ms", "max_ms"}
 
 
 def _check_throughput(t, formats, elements):
-    assert t["elements"] == elements and t["dtype"] == "bfloat16"
-    assert t["input_bytes"] == 2 * elements and math.prod(t["shape"]) == elements
-    assert t["copy"]["bytes"] == 4 * elements
+    assert t["elements"] == elements and t["dtype"] == "float32"
+    assert t["input_bytes"] == 4 * elements and math.prod(t["shape"]) == elements
+    assert t["copy"]["bytes"] == 8 * elements
     assert math.isfinite(t["copy"]["ms"]) and t["copy"]["ms"] > 0
     pairs = [(r["format"], r["direction"]) for r in t["rows"]]
     assert pairs == [(f, d) for f in formats for d in ("quantize", "dequantize")]
@@ -189,10 +189,10 @@ def _check_throughput(t, formats, elements):
     by_fmt = {r["format"]: r["bytes"] for r in t["rows"]}
     n = elements
     expected = {
-        "mxfp4": 2 * n + n // 2 + n // 32,
-        "nvfp4": 2 * n + n // 2 + n // 16 + 4,
-        "fp4quant-g64": 2 * n + n // 2 + 2 * n // 64,
-        "fp4quant-g256": 2 * n + n // 2 + 2 * n // 256,
+        "mxfp4": 4 * n + n // 2 + n // 32,
+        "nvfp4": 4 * n + n // 2 + n // 16 + 4,
+        "fp4quant-g64": 4 * n + n // 2 + 2 * n // 64,
+        "fp4quant-g256": 4 * n + n // 2 + 2 * n // 256,
     }
     assert by_fmt == {f: expected[f] for f in formats}
     lines = report.format_throughput({"throughput": t})

@@ -17,7 +17,7 @@ Formats (blocks run along a matrix's last dimension, the input features of ``nn.
   its groups run over the flattened matrix, across rows.
 
 On a CUDA GPU it also times ``quantize`` and ``dequantize`` of the formats with a GPU path
-(mxfp4, nvfp4, fp4quant-g64, fp4quant-g256) on a synthetic bf16 tensor of
+(mxfp4, nvfp4, fp4quant-g64, fp4quant-g256) on a synthetic float32 tensor of
 ``--throughput-elements`` elements (default 2^26; 0: not measured), against a device-to-device
 copy of the same bytes timed in the same run (``fp4_kernels._throughput``).  Without a GPU that
 section is skipped, with the reason, and ``report.json`` has ``"throughput": null``.
@@ -381,7 +381,7 @@ def _parser():
         default=DEFAULT_THROUGHPUT_ELEMENTS,
         metavar="N",
         help="on a CUDA GPU, time quantize / dequantize of the formats with a GPU path on a "
-        "synthetic bf16 tensor of N elements against a device-to-device copy of it (a "
+        "synthetic float32 tensor of N elements against a device-to-device copy of it (a "
         "multiple of 256; default: %(default)s = 2^26; 0: not measured; skipped, with the "
         "reason, without a GPU)",
     )
