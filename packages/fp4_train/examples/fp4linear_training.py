@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
-from stored_weight_training import BATCH, EVAL_EVERY, SEEDS, mlp, task
+from stored_weight_training import EVAL_EVERY, SEEDS, fit, mlp, round_to_bfloat16, task
 
 from fp4_train import FP4Linear
 
@@ -54,36 +54,13 @@ def fp4_model(dims, options, seed, device):
     return model
 
 
-@torch.no_grad()
-def round_to_bfloat16(model):
-    """The master weights are stored in bfloat16: round them (to nearest) after every update."""
-    for p in model.parameters():
-        p.copy_(p.bfloat16().float())
-
-
 def train(name, seed, device):
-    dims, make_opt, steps, x, y, x_test, y_test = task("mlp", seed, device)
+    dims, make_opt, steps, *data = task("mlp", seed, device)
     torch.manual_seed(seed)
     model = fp4_model(dims, CONFIGS[name], seed, device)
     opt = make_opt(model.parameters())
-    g = torch.Generator(device=device).manual_seed(seed)
-    loss_fn = torch.nn.functional.mse_loss
-    curve = []
-    for step in progress(range(steps + 1), desc=f"{name} seed {seed}", leave=False):
-        if step % EVAL_EVERY == 0:
-            with torch.no_grad():
-                model.eval()
-                curve.append(loss_fn(model(x_test), y_test).item())
-                model.train()
-        if step == steps:
-            break
-        idx = torch.randint(0, x.shape[0], (BATCH,), generator=g, device=device)
-        loss = loss_fn(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        round_to_bfloat16(model)
-    return np.array(curve)
+    return fit(model, opt, data, steps, seed, device, f"{name} seed {seed}",
+               after_step=lambda step: round_to_bfloat16(model))  # fmt: skip
 
 
 def main():

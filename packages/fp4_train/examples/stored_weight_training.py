@@ -70,27 +70,27 @@ def task(name, seed, device):
     return dims, make_opt, steps, x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
-def train(task_name, method, seed, device):
-    dims, make_opt, steps, x, y, x_test, y_test = task(task_name, seed, device)
-    torch.manual_seed(seed)
-    model = mlp(dims, device)
-    inner = make_opt(model.parameters())
-    if method in ("float32", "bf16"):
-        opt = inner
-        if method == "bf16":
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(p.bfloat16().float())
-    else:
-        opt = FP4StoredWeights(inner, rounding=method, seed=seed)
-        opt.attach(model)
+@torch.no_grad()
+def round_to_bfloat16(model):
+    """Weights stored in bfloat16: round them (to nearest) after every update."""
+    for p in model.parameters():
+        p.copy_(p.bfloat16().float())
+
+
+def fit(model, opt, data, steps, seed, device, desc, after_step=None):
+    """Minibatch MSE training on ``data`` = (x, y, x_test, y_test), batches drawn from
+    ``seed``; the held-out loss every EVAL_EVERY steps (model in eval mode), ``after_step(step)``
+    after each optimizer step.  Returns the held-out loss curve."""
+    x, y, x_test, y_test = data
     g = torch.Generator(device=device).manual_seed(seed)
-    curve = []
     loss_fn = torch.nn.functional.mse_loss
-    for step in progress(range(steps + 1), desc=f"{task_name} {method} seed {seed}", leave=False):
+    curve = []
+    for step in progress(range(steps + 1), desc=desc, leave=False):
         if step % EVAL_EVERY == 0:
             with torch.no_grad():
+                model.eval()
                 curve.append(loss_fn(model(x_test), y_test).item())
+                model.train()
         if step == steps:
             break
         idx = torch.randint(0, x.shape[0], (BATCH,), generator=g, device=device)
@@ -98,12 +98,33 @@ def train(task_name, method, seed, device):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step(step)
+    return np.array(curve)
+
+
+def train(task_name, method, seed, device):
+    dims, make_opt, steps, *data = task(task_name, seed, device)
+    torch.manual_seed(seed)
+    model = mlp(dims, device)
+    inner = make_opt(model.parameters())
+    if method in ("float32", "bf16"):
+        opt = inner
+        if method == "bf16":
+            round_to_bfloat16(model)
+    else:
+        opt = FP4StoredWeights(inner, rounding=method, seed=seed)
+        opt.attach(model)
+    memory = {}
+
+    def after_step(step):
         if method == "bf16":  # the weights are stored in bfloat16: round every update
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(p.bfloat16().float())
+            round_to_bfloat16(model)
         if step == steps - 1 and isinstance(opt, FP4StoredWeights):
-            memory = opt.memory_report()  # at rest: after a step, before the next forward
+            memory.update(opt.memory_report())  # at rest: after a step, before the next forward
+
+    desc = f"{task_name} {method} seed {seed}"
+    curve = fit(model, opt, data, steps, seed, device, desc, after_step)
     if not isinstance(opt, FP4StoredWeights):
         memory = {"float32_bytes": sum(4 * p.numel() for p in model.parameters())}
         memory["optimizer_state_bytes"] = sum(
@@ -113,7 +134,7 @@ def train(task_name, method, seed, device):
             if torch.is_tensor(v)
         )
     max_abs_weight = max(p.detach().abs().max().item() for p in model.parameters())
-    return np.array(curve), memory, max_abs_weight
+    return curve, memory, max_abs_weight
 
 
 def main():
