@@ -95,21 +95,39 @@ def plan_native(a, b, out_dtype):
             f"swizzled scales of b and a hold {got} bytes, expected {expected} for "
             f"N={n_rows}, M={m_rows}, K={k}"
         )
+    return _abt_plan(
+        m_rows,
+        n_rows,
+        k,
+        CUDA_R_4F_E2M1,
+        out_dtype,
+        scale_mode=_SCALE_MODES[a.fmt],
+        scale_bytes=expected,
+        alpha_from_tensor_scales=a.fmt == "nvfp4",
+    )
+
+
+def _abt_plan(m_rows, n_rows, k, in_type, out_dtype, *, scale_mode, scale_bytes,
+              alpha_from_tensor_scales):  # fmt: skip
+    """``a (M, K) @ b (N, K)^T`` in cuBLASLt's column-major terms: the row-major (M, N) result
+    is the column-major N x M matrix ``op_T(b) @ op_N(a)``, so cuBLAS's A is b and its B is a,
+    both K x rows column-major (leading dim K); float32 accumulation and alpha.
+    ``scale_bytes``: the block-scale bytes of (b, a)."""
     return NativePlan(
         m=n_rows,
         n=m_rows,
         k=k,
         trans_a=CUBLAS_OP_T,
         trans_b=CUBLAS_OP_N,
-        layout_a=MatrixLayout(CUDA_R_4F_E2M1, k, n_rows, k),
-        layout_b=MatrixLayout(CUDA_R_4F_E2M1, k, m_rows, k),
+        layout_a=MatrixLayout(in_type, k, n_rows, k),
+        layout_b=MatrixLayout(in_type, k, m_rows, k),
         layout_d=MatrixLayout(_OUT_TYPES[out_dtype], n_rows, m_rows, n_rows),
-        scale_mode=_SCALE_MODES[a.fmt],
-        scale_bytes_a=expected[0],
-        scale_bytes_b=expected[1],
+        scale_mode=scale_mode,
+        scale_bytes_a=scale_bytes[0],
+        scale_bytes_b=scale_bytes[1],
         compute_type=CUBLAS_COMPUTE_32F,
         scale_type=CUDA_R_32F,
-        alpha_from_tensor_scales=a.fmt == "nvfp4",
+        alpha_from_tensor_scales=alpha_from_tensor_scales,
     )
 
 
@@ -209,22 +227,8 @@ def bf16_gemm_device_alpha(a1, b1, alpha, out_dtype="float32"):
     except ImportError as e:
         raise NativeGemmUnavailable(f"needs nvmath-python's cuBLASLt bindings: {e}") from e
     (m_rows, k), (n_rows, _) = a1.shape, b1.shape
-    plan = NativePlan(
-        m=n_rows,
-        n=m_rows,
-        k=k,
-        trans_a=CUBLAS_OP_T,
-        trans_b=CUBLAS_OP_N,
-        layout_a=MatrixLayout(CUDA_R_16BF, k, n_rows, k),
-        layout_b=MatrixLayout(CUDA_R_16BF, k, m_rows, k),
-        layout_d=MatrixLayout(_OUT_TYPES[out_dtype], n_rows, m_rows, n_rows),
-        scale_mode="",
-        scale_bytes_a=0,
-        scale_bytes_b=0,
-        compute_type=CUBLAS_COMPUTE_32F,
-        scale_type=CUDA_R_32F,
-        alpha_from_tensor_scales=True,
-    )
+    plan = _abt_plan(m_rows, n_rows, k, CUDA_R_16BF, out_dtype, scale_mode="", scale_bytes=(0, 0),
+                     alpha_from_tensor_scales=True)  # fmt: skip
     a1, b1 = a1.contiguous(), b1.contiguous()
     if a1.dtype != torch.bfloat16 or b1.dtype != torch.bfloat16:
         raise TypeError(f"a1, b1: expected bfloat16, got {a1.dtype}, {b1.dtype}")
