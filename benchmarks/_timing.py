@@ -8,6 +8,7 @@ baseline.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -121,3 +122,20 @@ def commit_id():
         ).strip()
     except Exception:
         return "unknown"
+
+
+def write_json(out_dir, stem, record, indent=1):
+    """``<out_dir>/<stem>.json``, the folder made if missing.  Scripts write it before their
+    Markdown table, so the raw figures survive a failure in formatting them."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(record, f, indent=indent)
+
+
+def write_markdown(out_dir, stem, lines, echo=False):
+    """``<out_dir>/<stem>.md`` from table lines (and the same text on stdout with ``echo``)."""
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text)
+    if echo:
+        print(text, end="")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import statistics
@@ -33,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import commit_id, cuda_time_ms, graph_time_ms  # noqa: E402
+from _timing import commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown  # noqa: E402
 
 ROTATE = 3
 BUS_FACTOR = {
@@ -240,7 +239,6 @@ def _ours(comm, op, codec):
 def _write(out_dir, rows, world):
     import torch
 
-    os.makedirs(out_dir, exist_ok=True)
     meta = {
         "device": torch.cuda.get_device_name(),
         "gpus": world,
@@ -249,8 +247,7 @@ def _write(out_dir, rows, world):
         "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
         "torch": torch.__version__,
     }
-    with open(os.path.join(out_dir, "comm_throughput.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_json(out_dir, "comm_throughput", {"meta": meta, "rows": rows})
     lines = [
         f"# fp4_comm collectives vs NCCL bf16: {world} x {meta['device']}",
         "",
@@ -267,8 +264,7 @@ def _write(out_dir, rows, world):
             f"| {r.get('speedup_graph', float('nan')):.2f} "
             f"| {r.get('speedup_eager', float('nan')):.2f} | {r['sqnr_db']:.2f} |"
         )
-    with open(os.path.join(out_dir, "comm_throughput.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(out_dir, "comm_throughput", lines)
 
 
 if __name__ == "__main__":

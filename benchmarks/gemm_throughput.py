@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 try:  # imported as part of the benchmarks package
-    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms
+    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms
+    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
 
 TARGET_RATIO = 1.15  # issue 5: the exact path within 1.15x the bf16 GEMM at 8192^3
 
@@ -146,9 +145,7 @@ def main():
         "method": "CUDA-graph replay between CUDA events, median of 15, 3 rotating input sets",
         "target": f"fp4_exact <= {TARGET_RATIO}x bf16_gemm at 8192^3",
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemm_throughput.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
+    write_json(args.out, "gemm_throughput", {"meta": meta, "results": rows}, indent=2)
     lines = [
         f"# fp4_gemm vs bf16 GEMM: {meta['device']} (cc {meta['compute_capability']}), "
         f"commit {meta['commit']}, {meta['date']}",
@@ -175,9 +172,7 @@ def main():
             f"| {ratio['decode_both_operands']:.3f}x "
             f"| {native} |"
         )
-    with open(os.path.join(args.out, "gemm_throughput.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(args.out, "gemm_throughput", lines, echo=True)
 
 
 if __name__ == "__main__":

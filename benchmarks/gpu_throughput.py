@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import sys
 
@@ -30,6 +29,8 @@ try:  # imported by asv as part of the benchmarks package
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        write_json,
+        write_markdown,
     )
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,8 @@ except ImportError:  # run as a script
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        write_json,
+        write_markdown,
     )
 
 
@@ -191,9 +194,7 @@ def main():
         "torch": torch.__version__,
         "fp4_kernels": fk.__version__,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_json(args.out, "gpu_throughput", {"meta": meta, "results": results})
     lines = [
         f"Device {meta['device']}, commit {meta['commit']}, {meta['date']}; "
         f"D2D copy {copy_gbps:.0f} GB/s (read + write); {n} elements (2^{args.log2n}), "
@@ -212,9 +213,7 @@ def main():
             f"| {r['op']} | {r['median_ms']:.3f} | {r['eager_ms']:.3f} | {r['gbps']:.0f} | "
             f"{r['ratio_to_copy']:.2f} | {host} |"
         )
-    with open(os.path.join(args.out, "gpu_throughput.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_markdown(args.out, "gpu_throughput", lines, echo=True)
 
 
 if __name__ == "__main__":

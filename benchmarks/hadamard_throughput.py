@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -28,10 +27,26 @@ import sys
 import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
-    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, host_time_us
+    from ._timing import (
+        ROTATE,
+        commit_id,
+        cuda_time_ms,
+        graph_time_ms,
+        host_time_us,
+        write_json,
+        write_markdown,
+    )
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, host_time_us
+    from _timing import (
+        ROTATE,
+        commit_id,
+        cuda_time_ms,
+        graph_time_ms,
+        host_time_us,
+        write_json,
+        write_markdown,
+    )
 
 GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 K = 8192
@@ -162,9 +177,7 @@ def main():
         "torch": torch.__version__,
         "fast_hadamard_transform": fht is not None,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hadamard_throughput.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_json(args.out, "hadamard_throughput", {"meta": meta, "results": results})
     lines = [
         f"# Hadamard / FP4Quant throughput: {meta['device']}, commit {meta['commit']}, "
         f"{meta['date']}",
@@ -184,8 +197,7 @@ def main():
             f"| {r['op']} | {r['group_size']} | {r['median_ms']:.3f} | "
             f"{r['ratio_to_copy']:.2f} | {host} |"
         )
-    with open(os.path.join(args.out, "hadamard_throughput.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_markdown(args.out, "hadamard_throughput", lines)
 
 
 if __name__ == "__main__":
