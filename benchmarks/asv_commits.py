@@ -31,9 +31,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +76,24 @@ def prepare(hashes):
     (ROOT / ".asvrun" / "asv.conf.json").write_text(json.dumps(_config(), indent=1) + "\n")
 
 
-def run(hashes, machine, bench, quick, out):
+def _asv_cmd(root_conf, machine, full, bench, quick):
+    cmd = [sys.executable, "-m", "asv", "run", "--config", str(root_conf),
+           "-E", f"existing:{sys.executable}", "--machine", machine,
+           "--set-commit-hash", full, "--show-stderr"]  # fmt: skip
+    if bench:
+        cmd += ["--bench", bench]
+    if quick:
+        cmd.append("--quick")
+    return cmd
+
+
+def run(hashes, machine, benches, quick, out, gpus=0, budget_s=None):
+    """asv run for each commit (and each --bench expression, one asv process each, so that a
+    stopped run keeps the results of the processes before it: asv saves a commit's results when
+    its process ends).  With ``gpus`` > 0, one worker per GPU (CUDA_VISIBLE_DEVICES) takes
+    whole commits from a queue, so no two processes write the same commit's result file; only
+    for benchmarks that use one GPU each.  ``budget_s``: no asv process starts after that many
+    seconds and a running one is stopped at it."""
     conf = RUN / "asv.conf.json"
     if not conf.exists():
         sys.exit(f"{conf} is missing: run `python benchmarks/asv_commits.py prepare ...` first")
@@ -82,35 +102,85 @@ def run(hashes, machine, bench, quick, out):
     asv = [sys.executable, "-m", "asv"]
     subprocess.run([*asv, "machine", "--yes", "--machine", machine, "--config", str(root_conf)],
                    cwd=ROOT, check=True)  # fmt: skip
-    failed = []
+    commits = []
     for h in hashes:
         full = _git("rev-parse", "--verify", f"{h}^{{commit}}", cwd=RUN / "git")
         src = RUN / "src" / full[:8] / "packages"
         if not src.is_dir():
             sys.exit(f"{src} is missing: prepare {h} first")
-        paths = [str(src / p / "src") for p in PACKAGES]
-        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths + rest))
-        cmd = [*asv, "run", "--config", str(root_conf), "-E", f"existing:{sys.executable}",
-               "--machine", machine, "--set-commit-hash", full, "--show-stderr"]  # fmt: skip
-        if bench:
-            cmd += ["--bench", bench]
-        if quick:
-            cmd.append("--quick")
-        print(" ".join(cmd[2:]), flush=True)
-        if subprocess.run(cmd, cwd=ROOT, env=env).returncode:
-            failed.append(h)
-    results = RUN / "results" / machine
+        commits.append((h, full, src))
     out = Path(out or os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    queue = list(commits)
+    lock = threading.Lock()
+    failed, stopped = [], []
+
+    def worker(gpu):
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        log = open(out / f"asv_gpu{gpu}.log", "a") if gpu is not None else None
+        while True:
+            with lock:
+                if not queue:
+                    break
+                h, full, src = queue.pop(0)
+            paths = [str(src / p / "src") for p in PACKAGES]
+            rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            env["PYTHONPATH"] = os.pathsep.join(paths + rest)
+            # asv drops PYTHONPATH from its benchmark processes and uses ASV_PYTHONPATH
+            env["ASV_PYTHONPATH"] = env["PYTHONPATH"]
+            probe = "import fp4_kernels; print(fp4_kernels.__file__)"
+            where = subprocess.run([sys.executable, "-c", probe], env=env,
+                                   capture_output=True, text=True).stdout.strip()  # fmt: skip
+            if not where.startswith(str(src)):
+                failed.append(f"{h}: fp4_kernels imports from {where or '(nowhere)'}, not {src}")
+                continue
+            for bench in benches or [None]:
+                what = f"{h} {bench or 'all'}" + ("" if gpu is None else f" (GPU {gpu})")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left < 1:
+                    stopped.append(what)
+                    continue
+                cmd = _asv_cmd(root_conf, machine, full, bench, quick)
+                print(f"start {what}", flush=True)
+                t0 = time.monotonic()
+                # own process group: a stop takes asv's benchmark processes with it
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT if log else None,
+                                        start_new_session=True)  # fmt: skip
+                try:
+                    rc = proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    stopped.append(what)
+                    continue
+                print(f"done  {what}: rc {rc}, {time.monotonic() - t0:.0f} s", flush=True)
+                if rc:
+                    failed.append(what)
+        if log:
+            log.close()
+
+    threads = [
+        threading.Thread(target=worker, args=(g,)) for g in (range(gpus) if gpus else [None])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = RUN / "results" / machine
     with tarfile.open(out / f"asv_{machine}.tgz", "w:gz") as tar:
         tar.add(results, arcname=machine)
         # the suite as discovered there (GPU benchmarks with their parameters): asv publish
         # reads the benchmark list from it
         tar.add(RUN / "results" / "benchmarks.json", arcname="benchmarks.json")
     print(f"wrote {out / f'asv_{machine}.tgz'}")
+    if stopped:
+        print("not run or stopped by the budget: " + "; ".join(stopped))
     if failed:
-        sys.exit(f"asv failed for {' '.join(failed)}")
+        sys.exit("asv failed for " + "; ".join(failed))
 
 
 def main(argv=None):
@@ -121,14 +191,32 @@ def main(argv=None):
     r = sub.add_parser("run", help="there: asv run for each commit, results packed")
     r.add_argument("hashes", nargs="+")
     r.add_argument("--machine", required=True)
-    r.add_argument("--bench", default=None, help="asv --bench regular expression")
+    r.add_argument(
+        "--bench",
+        action="append",
+        default=None,
+        help="asv --bench regular expression; repeat it for one asv process each",
+    )
+    r.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="spread the commits over this many GPUs, one at a time on each "
+        "(benchmarks that use one GPU only)",
+    )
+    r.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start nothing after this many seconds, stop what is running",
+    )
     r.add_argument("--quick", action="store_true", help="asv --quick (one repeat)")
     r.add_argument("--out", default=None, help="folder for the .tgz (default $OUT or .)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.hashes)
     else:
-        run(args.hashes, args.machine, args.bench, args.quick, args.out)
+        run(args.hashes, args.machine, args.bench, args.quick, args.out, args.gpus, args.budget_s)
 
 
 if __name__ == "__main__":
