@@ -8,6 +8,7 @@ baseline.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -139,3 +140,27 @@ def write_markdown(out_dir, stem, lines, echo=False):
         f.write(text)
     if echo:
         print(text, end="")
+
+
+def measure_params(params, measure):
+    """The body of a GPU class's ``setup_cache``: ``measure(*p)`` (a dict of figures) for every
+    parameter combination, in one process, with the D2D copy bandwidth measured once beside
+    them.  asv runs each ``track_*`` method in a process of its own; measuring in
+    ``setup_cache`` compiles each kernel configuration once per class instead of once per
+    method (numba compiles in every process), and all of a class's figures come from the
+    same measurement.  Without a GPU: ``{"skip": reason}``, which ``cached_row`` turns into
+    NotImplementedError in ``setup`` (asv reports the benchmarks skipped; an exception in
+    ``setup_cache`` itself would count as a failure)."""
+    try:
+        require_gpu()
+    except NotImplementedError as e:
+        return {"skip": str(e)}
+    rows = {tuple(p): measure(*p) for p in itertools.product(*params)}
+    return {"copy_gbps": copy_gbps(), "rows": rows}
+
+
+def cached_row(cache, params):
+    """A ``setup``'s view of ``measure_params``' result: the figures of one combination."""
+    if "skip" in cache:
+        raise NotImplementedError(cache["skip"])
+    return dict(cache["rows"][tuple(params)], copy_gbps=cache["copy_gbps"])

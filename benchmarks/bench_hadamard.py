@@ -2,42 +2,74 @@
 
 GPU classes report CUDA-graph device time and the time as a multiple of a device-to-device
 copy of the same tensor (bytes read + written by the copy / copy bandwidth measured in the same
-process), as ``track_*`` values with units; they skip (NotImplementedError in setup) where
-there is no GPU.  The CPU classes time the numba CPU path.
+process), as ``track_*`` values with units, measured once per class in ``setup_cache``; they
+skip (NotImplementedError in setup) where there is no GPU.  The CPU classes time the numba CPU path.
 """
 
 import numpy as np
 
 import fp4_kernels as fk
 
-from ._timing import CPU_ELEMENTS, GPU_ELEMENTS, ROTATE, K, copy_gbps, graph_time_ms, require_gpu
+from ._timing import (
+    CPU_ELEMENTS,
+    GPU_ELEMENTS,
+    ROTATE,
+    K,
+    cached_row,
+    graph_time_ms,
+    measure_params,
+    require_gpu,
+)
 
 GROUP_SIZES = [16, 64, 256, 1024, 4096]
 
 
-def _copy_ms(nbytes):
-    """Time a copy of a tensor of ``nbytes`` takes (read + write) at the measured bandwidth."""
-    return 2 * nbytes / copy_gbps() / 1e6
+def _inputs():
+    torch = require_gpu()
+    return [
+        torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=torch.bfloat16)
+        for _ in range(ROTATE)
+    ]
+
+
+def _measure(fn, args_list):
+    return {"ms": graph_time_ms(fn, args_list)[0], "bytes": GPU_ELEMENTS * 2}
+
+
+def _measure_hadamard(group_size, signs):
+    kw = dict(group_size=group_size, signs=1234 if signs else None)
+    return _measure(lambda x: fk.hadamard(x, **kw), [(x,) for x in _inputs()])
+
+
+def _measure_encode(group_size, hadamard):
+    fmt = fk.FP4Quant(group_size, hadamard)
+    return _measure(lambda x: fk.quantize(x, fmt=fmt), [(x,) for x in _inputs()])
+
+
+def _measure_decode(group_size, hadamard):
+    fmt = fk.FP4Quant(group_size, hadamard)
+    qs = [fk.quantize(x, fmt=fmt) for x in _inputs()]
+    return _measure(lambda q: fk.dequantize(q), [(q,) for q in qs])
 
 
 class _GPU:
-    timeout = 300
+    """Figures measured once per class (``setup_cache`` in each subclass: asv keys the cache
+    by where the method is defined, so an inherited one would be shared by all three)."""
 
-    def _inputs(self):
-        torch = require_gpu()
-        self.xs = [
-            torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=torch.bfloat16)
-            for _ in range(ROTATE)
-        ]
-        self.nbytes = GPU_ELEMENTS * 2
+    timeout = 900
 
-    def track_device_ms(self, *params):
-        return self._device_ms()
+    def setup(self, cache, *params):
+        self.m = cached_row(cache, params)
+
+    def track_device_ms(self, cache, *params):
+        return self.m["ms"]
 
     track_device_ms.unit = "ms"
 
-    def track_ratio_to_copy(self, *params):
-        return self._device_ms() / _copy_ms(self.nbytes)
+    def track_ratio_to_copy(self, cache, *params):
+        # the time a copy of the bf16 tensor takes (read + write) at the measured bandwidth
+        copy_ms = 2 * self.m["bytes"] / self.m["copy_gbps"] / 1e6
+        return self.m["ms"] / copy_ms
 
     track_ratio_to_copy.unit = "x D2D copy time"
 
@@ -46,37 +78,24 @@ class HadamardGPU(_GPU):
     params = (GROUP_SIZES, [False, True])
     param_names = ["group_size", "signs"]
 
-    def setup(self, group_size, signs):
-        self._inputs()
-        self.kw = dict(group_size=group_size, signs=1234 if signs else None)
-
-    def _device_ms(self):
-        return graph_time_ms(lambda x: fk.hadamard(x, **self.kw), [(x,) for x in self.xs])[0]
+    def setup_cache(self):
+        return measure_params(self.params, _measure_hadamard)
 
 
 class FP4QuantEncodeGPU(_GPU):
     params = (GROUP_SIZES, [True, False])
     param_names = ["group_size", "hadamard"]
 
-    def setup(self, group_size, hadamard):
-        self._inputs()
-        self.fmt = fk.FP4Quant(group_size, hadamard)
-
-    def _device_ms(self):
-        return graph_time_ms(lambda x: fk.quantize(x, fmt=self.fmt), [(x,) for x in self.xs])[0]
+    def setup_cache(self):
+        return measure_params(self.params, _measure_encode)
 
 
 class FP4QuantDecodeGPU(_GPU):
     params = (GROUP_SIZES, [True, False])
     param_names = ["group_size", "hadamard"]
 
-    def setup(self, group_size, hadamard):
-        self._inputs()
-        fmt = fk.FP4Quant(group_size, hadamard)
-        self.qs = [fk.quantize(x, fmt=fmt) for x in self.xs]
-
-    def _device_ms(self):
-        return graph_time_ms(lambda q: fk.dequantize(q), [(q,) for q in self.qs])[0]
+    def setup_cache(self):
+        return measure_params(self.params, _measure_decode)
 
 
 class HadamardCPU:

@@ -1,7 +1,8 @@
 """asv: fp4_kernels.quantize and quantize_dequantize (mirrors the public API).
 
 GPU classes report CUDA-graph device time, GB/s of the minimum bytes moved and the ratio to a
-device-to-device copy measured in the same process, as ``track_*`` values with units; they skip
+device-to-device copy measured in the same process, as ``track_*`` values with units, all
+measured once per class in ``setup_cache`` (``_timing.measure_params``); they skip
 (NotImplementedError in setup) where there is no GPU.  The CPU class times the numba CPU path.
 """
 
@@ -14,9 +15,10 @@ from ._timing import (
     GPU_ELEMENTS,
     ROTATE,
     K,
-    copy_gbps,
+    cached_row,
     graph_time_ms,
     host_time_us,
+    measure_params,
     require_gpu,
 )
 
@@ -27,70 +29,82 @@ def _min_bytes(fmt, itemsize, n, fused=False):
     return itemsize * n + n // 2 + n // fk.FORMATS[fmt]
 
 
+def _inputs(torch, dtype):
+    return [torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=dtype) for _ in range(ROTATE)]
+
+
+def _measure_quantize(fmt, rounding, dtype):
+    torch = require_gpu()
+    xs = _inputs(torch, getattr(torch, dtype))
+    fn = lambda x: fk.quantize(x, fmt=fmt, rounding=rounding)  # noqa: E731
+    return {
+        "ms": graph_time_ms(fn, [(x,) for x in xs])[0],
+        "bytes": _min_bytes(fmt, xs[0].element_size(), GPU_ELEMENTS),
+        # 64K elements: host-bound, the launch path's own cost
+        "host_us": host_time_us(fn, (xs[0][:16],)),
+    }
+
+
 class QuantizeGPU:
     params = (["nvfp4", "mxfp4"], ["nearest", "stochastic"], ["bfloat16", "float32"])
     param_names = ["fmt", "rounding", "dtype"]
-    timeout = 300
+    timeout = 900
 
-    def setup(self, fmt, rounding, dtype):
-        torch = require_gpu()
-        dt = getattr(torch, dtype)
-        self.xs = [
-            torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=dt) for _ in range(ROTATE)
-        ]
-        self.kw = dict(fmt=fmt, rounding=rounding)
-        self.nbytes = _min_bytes(fmt, self.xs[0].element_size(), GPU_ELEMENTS)
+    def setup_cache(self):
+        return measure_params(self.params, _measure_quantize)
 
-    def _device_ms(self):
-        return graph_time_ms(lambda x: fk.quantize(x, **self.kw), [(x,) for x in self.xs])[0]
+    def setup(self, cache, *params):
+        self.m = cached_row(cache, params)
 
-    def track_device_ms(self, *params):
-        return self._device_ms()
+    def track_device_ms(self, cache, *params):
+        return self.m["ms"]
 
     track_device_ms.unit = "ms"
 
-    def track_gbps(self, *params):
-        return self.nbytes / self._device_ms() / 1e6
+    def track_gbps(self, cache, *params):
+        return self.m["bytes"] / self.m["ms"] / 1e6
 
     track_gbps.unit = "GB/s"
 
-    def track_ratio_to_copy(self, *params):
-        return self.nbytes / self._device_ms() / 1e6 / copy_gbps()
+    def track_ratio_to_copy(self, cache, *params):
+        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
 
     track_ratio_to_copy.unit = "x D2D copy"
 
-    def track_host_us(self, *params):
-        small = self.xs[0][:16]  # 64K elements: host-bound, the launch path's own cost
-        return host_time_us(lambda x: fk.quantize(x, **self.kw), (small,))
+    def track_host_us(self, cache, *params):
+        return self.m["host_us"]
 
     track_host_us.unit = "us"
+
+
+def _measure_quantize_dequantize(fmt):
+    torch = require_gpu()
+    xs = _inputs(torch, torch.bfloat16)
+    fn = lambda x: fk.quantize_dequantize(x, fmt=fmt)  # noqa: E731
+    return {
+        "ms": graph_time_ms(fn, [(x,) for x in xs])[0],
+        "bytes": _min_bytes(fmt, 2, GPU_ELEMENTS, fused=True),
+    }
 
 
 class QuantizeDequantizeGPU:
     params = (["nvfp4", "mxfp4"],)
     param_names = ["fmt"]
-    timeout = 300
+    timeout = 600
 
-    def setup(self, fmt):
-        torch = require_gpu()
-        self.xs = [
-            torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=torch.bfloat16)
-            for _ in range(ROTATE)
-        ]
-        self.fmt = fmt
+    def setup_cache(self):
+        return measure_params(self.params, _measure_quantize_dequantize)
 
-    def _device_ms(self):
-        fn = lambda x: fk.quantize_dequantize(x, fmt=self.fmt)  # noqa: E731
-        return graph_time_ms(fn, [(x,) for x in self.xs])[0]
+    def setup(self, cache, fmt):
+        self.m = cached_row(cache, (fmt,))
 
-    def track_device_ms(self, fmt):
-        return self._device_ms()
+    def track_device_ms(self, cache, fmt):
+        return self.m["ms"]
 
     track_device_ms.unit = "ms"
 
-    def track_ratio_to_copy(self, fmt):
-        nbytes = _min_bytes(fmt, 2, GPU_ELEMENTS, fused=True)
-        return nbytes / self._device_ms() / 1e6 / copy_gbps()
+    def track_ratio_to_copy(self, cache, fmt):
+        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
 
     track_ratio_to_copy.unit = "x D2D copy"
 
