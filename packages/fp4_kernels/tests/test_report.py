@@ -171,6 +171,7 @@ def test_cli_help_lists_throughput_elements(capsys):
 
 
 ROW_TIMES = {"ms", "min_ms", "max_ms"}
+HOST = {"host_ms", "host_bound_repeats"}  # the host part of a call (None in the simulator)
 
 
 def _check_throughput(t, formats, elements):
@@ -181,7 +182,8 @@ def _check_throughput(t, formats, elements):
     pairs = [(r["format"], r["direction"]) for r in t["rows"]]
     assert pairs == [(f, d) for f in formats for d in ("quantize", "dequantize")]
     for r in t["rows"]:
-        assert set(r) == {"format", "direction", "bytes", "gbps", "x_copy"} | ROW_TIMES
+        assert set(r) == {"format", "direction", "bytes", "gbps", "x_copy"} | ROW_TIMES | HOST
+        assert isinstance(r["host_bound_repeats"], int) and r["host_bound_repeats"] >= 0
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in (*ROW_TIMES, "gbps"))
         assert r["min_ms"] <= r["ms"] <= r["max_ms"]
         assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
@@ -247,7 +249,9 @@ def test_throughput_on_a_gpu(tmp_path, rng, capsys, gpu):
     data = _cli_json(tmp_path, rng, "--throughput-elements", str(elements))
     t = data["throughput"]
     assert t is not None and data["throughput_skipped"] is None
-    assert t["timer"] == "CUDA events" and t["device"]
+    assert t["timer"].startswith("CUDA events, each call queued behind") and t["device"]
+    # the blocking kernel hid the host part of every timed call: the times are device time
+    assert all(r["host_ms"] > 0 and r["host_bound_repeats"] == 0 for r in (t["copy"], *t["rows"]))
     _check_throughput(t, _throughput.THROUGHPUT_FORMATS, elements)
     printed = capsys.readouterr().out
     assert f"GPU throughput on {t['device']}" in printed and "x D2D copy" in printed

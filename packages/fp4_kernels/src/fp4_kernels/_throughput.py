@@ -6,11 +6,17 @@ events and device arrays instead of torch's, so that torch stays optional): one 
 tensor (standard normal values, rows of 4096 elements, or of 256 when the element count is
 not a multiple of 4096) copied to ``ROTATE`` device buffers that the calls cycle through (at
 the default size each is larger than an H100 / H200 L2; one buffer in the simulator), warm-up
-calls, then the median of CUDA-event timings of one call each.  A timed call includes what
-``quantize`` / ``dequantize`` do on the host (checks, the allocation of the output through
-numba), which shows in the time only where it takes longer than the kernels; the copy
-allocates nothing.  Output buffers are freed outside the timed intervals (numba's deferred
-deallocation would otherwise run ``cuMemFree``, which synchronizes, inside one).
+calls, then the median of CUDA-event timings of one call each.  What ``quantize`` /
+``dequantize`` do on the host (checks, numba's launch, the allocation of the output) takes
+longer than their kernels at these sizes, so events around an eager call would time an idle
+GPU.  Each timed call is therefore queued behind a blocking kernel (nvbench's method): a
+one-thread kernel that sleeps ``BLOCK_MS`` on the GPU, launched before the start event, so the
+host has queued the whole call before the GPU reaches the start event and the interval holds
+device time only.  Each repeat also times the host's part; a repeat whose host part outlasted
+its blocking kernel is counted in ``host_bound_repeats`` (its time may include idle GPU).
+The copy is ``cuMemcpyDtoDAsync`` on the same stream.  Output buffers are freed outside the
+timed intervals (numba's deferred deallocation would otherwise run ``cuMemFree``, which
+synchronizes, inside one).
 
 GB/s counts the bytes a call must read and write at least: the input and the quantized tensor
 (codes, scales and, for NVFP4, the tensor scale) for ``quantize``, the other way round for
@@ -36,6 +42,7 @@ GRANULE = 256  # the element count must be a multiple of the largest block (FP4Q
 # report format -> what ``quantize`` takes as ``fmt``: the formats with a GPU path
 THROUGHPUT_FORMATS = ("mxfp4", "nvfp4", "fp4quant-g64", "fp4quant-g256")
 DIRECTIONS = ("quantize", "dequantize")
+BLOCK_MS = 5.0  # the blocking kernel's sleep: several times the ~1 ms host part of a call
 
 
 class ThroughputUnavailable(Exception):
@@ -86,17 +93,40 @@ def _device_name(cuda):
     return str(name)
 
 
-def cuda_time_ms(fn, args_list, warmup=3, reps=15, simulator=False):
+_BLOCKING = None
+
+
+def blocking_kernel():
+    """A one-thread kernel that sleeps ``n`` microseconds (``nanosleep`` of 1 us, n times: the
+    hardware may sleep up to twice as long, which only lengthens the head start)."""
+    global _BLOCKING
+    if _BLOCKING is None:
+        from numba import cuda, uint32
+
+        @cuda.jit
+        def block(n):
+            for _ in range(n):
+                cuda.nanosleep(uint32(1000))
+
+        _BLOCKING = block
+    return _BLOCKING
+
+
+def cuda_time_ms(fn, args_list, warmup=3, reps=15, simulator=False, stats=None):
     """(median, min, max) device time of ``fn(*args)`` in ms, cycling through ``args_list``:
     ``warmup`` untimed calls, then ``reps`` calls each between two CUDA events on the legacy
-    default stream (where the kernels run for numba device arrays).  What ``fn`` returns is
-    kept until its end event has completed, so freeing it never falls inside an interval."""
+    default stream (where the kernels run for numba device arrays), queued behind the blocking
+    kernel.  What ``fn`` returns is kept until its end event has completed, so freeing it never
+    falls inside an interval.  ``stats`` (a dict), if given, receives the host part's median
+    (``host_ms``) and ``host_bound_repeats``."""
     from numba import cuda
 
     for i in range(warmup):
         fn(*args_list[i % len(args_list)])
     cuda.synchronize()
-    times = []
+    block = None if simulator else blocking_kernel()
+    block_us = int(BLOCK_MS * 1000)
+    times, host, host_bound = [], [], 0
     for i in range(reps):
         a = args_list[i % len(args_list)]
         if simulator:  # synchronous, and its events record nothing: the host clock
@@ -107,12 +137,20 @@ def cuda_time_ms(fn, args_list, warmup=3, reps=15, simulator=False):
         else:
             start, end = cuda.event(), cuda.event()
             with cuda.defer_cleanup():  # no cuMemFree (which synchronizes) in the interval
+                block[1, 1](block_us)
+                t0 = time.perf_counter()
                 start.record()
                 out = fn(*a)
                 end.record()
+                host_ms = (time.perf_counter() - t0) * 1e3
             end.synchronize()
             times.append(cuda.event_elapsed_time(start, end))
+            host.append(host_ms)
+            host_bound += host_ms >= BLOCK_MS
         del out  # freed (or queued for freeing) outside the interval
+    if stats is not None:
+        stats.update(host_ms=statistics.median(host) if host else None,
+                     host_bound_repeats=host_bound)  # fmt: skip
     return statistics.median(times), min(times), max(times)
 
 
@@ -172,9 +210,12 @@ def measure_throughput(
     in_bytes = int(bits.nbytes)
 
     copy_dst = cuda.device_array_like(raw[0])
+    stream = cuda.default_stream()  # a stream object: cuMemcpyDtoDAsync, not the blocking copy
+    copy_stats = {}
     copy_ms, copy_min, copy_max = cuda_time_ms(
-        lambda src: copy_dst.copy_to_device(src), [(r,) for r in raw], warmup, reps, simulator
-    )
+        lambda src: copy_dst.copy_to_device(src, stream=stream),
+        [(r,) for r in raw], warmup, reps, simulator, copy_stats,
+    )  # fmt: skip
     copy_bytes = 2 * in_bytes
     rows = []
     for name in formats:
@@ -186,7 +227,8 @@ def measure_throughput(
             ("dequantize", dequantize, [(q,) for q in quantized]),
         )
         for direction, fn, args_list in timed:
-            ms, lo, hi = cuda_time_ms(fn, args_list, warmup, reps, simulator)
+            stats = {}
+            ms, lo, hi = cuda_time_ms(fn, args_list, warmup, reps, simulator, stats)
             nbytes = in_bytes + q_bytes
             rows.append(
                 {
@@ -198,6 +240,7 @@ def measure_throughput(
                     "bytes": nbytes,
                     "gbps": nbytes / ms / 1e6,
                     "x_copy": ms / copy_ms,
+                    **stats,
                 }
             )
         del quantized
@@ -207,7 +250,9 @@ def measure_throughput(
         "shape": list(shape),
         "dtype": dtype,
         "input_bytes": in_bytes,
-        "timer": "host clock (CUDA simulator)" if simulator else "CUDA events",
+        "timer": "host clock (CUDA simulator)"
+        if simulator
+        else f"CUDA events, each call queued behind a {BLOCK_MS:g} ms blocking kernel",
         "warmup": warmup,
         "repeats": reps,
         "statistic": "median",
@@ -218,6 +263,7 @@ def measure_throughput(
             "max_ms": copy_max,
             "bytes": copy_bytes,
             "gbps": copy_bytes / copy_ms / 1e6,
+            **copy_stats,
         },
         "rows": rows,
     }

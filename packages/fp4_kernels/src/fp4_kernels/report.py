@@ -282,20 +282,33 @@ def format_throughput(result):
         f"({t['input_bytes'] / 2**20:.1f} MiB, shape {tuple(t['shape'])}); {t['timer']}, "
         f"{t['statistic']} of {t['repeats']} after {t['warmup']} warm-up",
         "",
-        f"{'format':<14} {'direction':<11} {'ms':>9} {'GB/s':>9} {'x D2D copy':>11}",
-        f"{'D2D copy':<14} {'':<11} {c['ms']:>9.4f} {c['gbps']:>9.1f} {1.0:>11.2f}",
+        f"{'format':<14} {'direction':<11} {'ms':>9} {'GB/s':>9} {'x D2D copy':>11} "
+        f"{'host ms':>8}",
+        f"{'D2D copy':<14} {'':<11} {c['ms']:>9.4f} {c['gbps']:>9.1f} {1.0:>11.2f} "
+        f"{_ms(c.get('host_ms')):>8}",
     ]
     for r in t["rows"]:
         lines.append(
             f"{r['format']:<14} {r['direction']:<11} {r['ms']:>9.4f} {r['gbps']:>9.1f} "
-            f"{r['x_copy']:>11.2f}"
+            f"{r['x_copy']:>11.2f} {_ms(r.get('host_ms')):>8}"
         )
     lines.append("")
     lines.append(
-        "GB/s: bytes read + written (the input and the quantized tensor; the copy: its input "
-        "twice); x D2D copy: time / the copy's time, same bytes of input"
+        "ms: device time; GB/s: bytes read + written (the input and the quantized tensor; the "
+        "copy: its input twice); x D2D copy: time / the copy's time, same bytes of input; "
+        "host ms: the call's host part (checks, launch, allocation), hidden by the blocking kernel"
     )
+    bound = sum(r.get("host_bound_repeats") or 0 for r in (c, *t["rows"]))
+    if bound:
+        lines.append(
+            f"warning: in {bound} repeats the host part outlasted the blocking kernel: "
+            "those times may include idle GPU"
+        )
     return lines
+
+
+def _ms(v):
+    return "-" if v is None else f"{v:.3f}"
 
 
 def write_outputs(result, out_dir):

@@ -146,3 +146,11 @@ def test_fp4quant_decode_kernel_compiles_clean(kind, g):
     assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
     _stage_instructions(ptx, g)
     assert "ld.global.u16" in ptx and "st.global.u64" in ptx
+
+
+def test_blocking_kernel_compiles_to_a_sleep_loop():
+    """fp4 report's timing queues each call behind this kernel (fp4_kernels._throughput)."""
+    from fp4_kernels._throughput import blocking_kernel
+
+    ptx = compile_ptx(blocking_kernel(), (I64,))
+    assert "nanosleep.u32" in ptx and ".local" not in ptx
