@@ -142,3 +142,24 @@ def test_padded_chunk():
     assert codecs.padded_chunk(1000, 3, 16) == 336  # ceil(1000/3) = 334 -> 336
     assert codecs.padded_chunk(1, 4, 32) == 32
     assert codecs.padded_chunk(96, 3, 32) == 32  # divides evenly: no padding
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+def test_mxfp4_requantized_sum_is_encode_of_the_decoded_sum(chunks):
+    """The all-reduce's fused middle step against its three steps: decode the chunks, add them
+    in rank order in float32, encode the sum (nearest)."""
+    codec = get_codec("mxfp4")
+    g = torch.Generator().manual_seed(chunks)
+    x = torch.randn(chunks, 256, generator=g) * torch.logspace(-3, 3, 256)
+    x[:, :32] = -0.0  # a block of -0 in every chunk: -0 + -0 stays -0
+    sections = codec.encode(x)
+    d = codec.decode(sections, 256)
+    acc = d[0] if chunks == 1 else d[0] + d[1]
+    for i in range(2, chunks):
+        acc = acc + d[i]
+    expect = codec.encode(acc.view(1, 256))
+    got = codec.requantized_sum(sections, 256)
+    assert [tuple(t.shape) for t in got] == [(1, 128), (1, 8)]
+    for a, b in zip(got, expect, strict=True):
+        assert torch.equal(a, b)
+    assert torch.all(got[0][0, :16] == 0x88)

@@ -232,6 +232,14 @@ class MXFP4Codec(_FP4BlockCodec):
         chunks = sections[0].shape[0]
         return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
 
+    def requantized_sum(self, sections, n):
+        """The received chunks decoded, added in float32 in rank order and encoded again with
+        nearest rounding: the sections of one chunk, bit for bit ``encode(decode(...) summed)``
+        (``fp4_kernels.requantized_sum``: one kernel on a GPU, no float32 intermediate)."""
+        chunks = sections[0].shape[0]
+        q = fp4_kernels.requantized_sum(self._quantized(sections, n, chunks))
+        return self._sections(q, 1)
+
     def error_bound(self, x, rounding="nearest", dtype=torch.float32):
         amax_b = self._block_amax(x)
         with np.errstate(divide="ignore"):

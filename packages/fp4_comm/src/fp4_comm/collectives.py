@@ -121,6 +121,18 @@ def _gather_and_decode(transport, sections, c, codec, dtype):
     return codec.decode(recv, c, dtype)
 
 
+def _fused_reduction(opts: Options):
+    """Whether the all-reduce's middle step (decode the received chunks, add, encode again)
+    can be the codec's one-pass ``requantized_sum``: nearest rounding (its encode draws no
+    random words), no error feedback and no statistics (both need the float32 sum)."""
+    return (
+        hasattr(opts.codec, "requantized_sum")
+        and opts.rounding == "nearest"
+        and opts.error_feedback_name is None
+        and not opts.stats
+    )
+
+
 def all_reduce(transport, x, opts: Options):
     """Sum of ``x`` over the ranks, same shape and dtype, identical bits on every rank."""
     W, rank = transport.world_size, transport.rank
@@ -129,10 +141,16 @@ def all_reduce(transport, x, opts: Options):
     flat = x.reshape(-1)
     payload = flat.view(W, c) if n == W * c else F.pad(flat, (0, W * c - n)).view(W, c)
     sections = _encode(payload, rank, "reduce_scatter", opts, _prefix(n))
-    reduced = _exchange_and_reduce(transport, sections, c, opts.codec)
-    # The valid elements of this rank's chunk (the last chunks hold padding, or nothing).
-    own_valid = max(0, min(c, n - rank * c))
-    sections = _encode(reduced.view(1, c), rank, "all_gather", opts, _prefix(own_valid))
+    if _fused_reduction(opts):
+        # decode + float32 sum + encode in one pass (same bits as the three steps below)
+        recv = receive_sections(opts.codec, W, c, sections[0].device)
+        transport.all_to_all(list(zip(sections, recv, strict=True)))
+        sections = opts.codec.requantized_sum(recv, c)
+    else:
+        reduced = _exchange_and_reduce(transport, sections, c, opts.codec)
+        # The valid elements of this rank's chunk (the last chunks hold padding, or nothing).
+        own_valid = max(0, min(c, n - rank * c))
+        sections = _encode(reduced.view(1, c), rank, "all_gather", opts, _prefix(own_valid))
     y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
     return y.reshape(-1)[:n].view(x.shape)
 

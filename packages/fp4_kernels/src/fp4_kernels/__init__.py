@@ -6,6 +6,7 @@ numba-cuda kernels, with a CPU path.
     y = fp4_kernels.quantize_dequantize(x, fmt="mxfp4")
     q = fp4_kernels.quantize(x, fmt=fp4_kernels.FP4Quant(group_size=64))
     h = fp4_kernels.hadamard(x, group_size=256, signs=1234)
+    s = fp4_kernels.requantized_sum(q)  # rows added in float32, quantized again
 
 The plain-numpy references that define each format (the test oracles) live in
 ``fp4_kernels.formats``.
@@ -23,6 +24,7 @@ from ._api import (
     swizzled_scale_shape,
 )
 from ._hadamard import hadamard
+from ._reduce import requantized_sum
 
 try:
     __version__ = version("fp4-kernels")
@@ -37,6 +39,7 @@ __all__ = [
     "dequantize",
     "quantize",
     "quantize_dequantize",
+    "requantized_sum",
     "swizzled_scale_shape",
     "__version__",
 ]

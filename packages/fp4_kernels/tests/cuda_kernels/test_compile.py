@@ -154,3 +154,19 @@ def test_blocking_kernel_compiles_to_a_sleep_loop():
 
     ptx = compile_ptx(blocking_kernel(), (I64,))
     assert "nanosleep.u32" in ptx and ".local" not in ptx
+
+
+def test_requantized_sum_kernel_compiles_clean():
+    from fp4_kernels.cuda.reduce import requantized_sum_mxfp4_kernel
+
+    sig = (U16, U8, I64, U16, U8, F32, I64)
+    ptx = compile_ptx(requantized_sum_mxfp4_kernel(), sig)
+    assert ".local" not in ptx, "local memory in the kernel (spill or run-time-indexed array)"
+    assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M), "float64 arithmetic"
+    assert "div.approx" not in ptx and "div.full" not in ptx, "non-IEEE float division"
+    # the rows' codes are read as uint16 (a chunk of 4 codes); the decode products stay
+    # separate instructions and the sums plain IEEE adds (no FMA: see cuda/reduce.py)
+    assert "ld.global.u16" in ptx or "ld.global.nc.u16" in ptx
+    assert "mul.rn.f32" in ptx
+    assert "add.f32" in ptx or "add.rn.f32" in ptx
+    assert "shfl.sync.bfly" in ptx and "st.global.u16" in ptx

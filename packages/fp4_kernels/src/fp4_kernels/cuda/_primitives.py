@@ -19,6 +19,9 @@ if SIMULATOR:
     f32_as_u32, u32_as_f32 = py_f32_as_u32, py_u32_as_f32
     e4m3_satfinite = None  # the simulator runs the integer encoder
     cvt_bf16x2 = cvt_f16x2 = cvt_f16_to_f32 = None  # and the integer conversions
+
+    def mul_rn_f32(a, b):
+        return a * b  # numpy float32: one rounded product, nothing fuses it with an add
 else:
     from llvmlite import ir
     from numba.core import types
@@ -73,6 +76,21 @@ else:
 
     cvt_bf16x2 = _cvt_x2("bf16")
     cvt_f16x2 = _cvt_x2("f16")
+
+    @intrinsic
+    def mul_rn_f32(typingctx, a, b):
+        """a * b rounded to nearest even, as a product that is never contracted into an FMA
+        with a following add: ``mul.rn.f32`` in inline PTX is opaque to NVVM's contraction,
+        and ptxas leaves instructions with an explicit rounding modifier unfused."""
+        if a != types.float32 or b != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(f32, [f32, f32]), "mul.rn.f32 $0, $1, $2;", "=f,f,f")
+            return builder.call(asm, list(args))
+
+        return types.float32(types.float32, types.float32), codegen
 
     @intrinsic
     def cvt_f16_to_f32(typingctx, h):

@@ -247,6 +247,23 @@ def dequantize(
     )
 
 
+def requantized_sum_mxfp4(
+    codes16, scales, rows, codes_out16, scales_out, global_scale, n_chunks, *, stream, device_id
+):
+    """Queue the one-pass sum of ``rows`` MXFP4 rows of ``n_chunks`` chunks, requantized."""
+    from .reduce import requantized_sum_mxfp4_kernel
+
+    blocks, threads = _grid(lambda t: t, n_chunks, device_id)
+    _launch(
+        requantized_sum_mxfp4_kernel(),
+        blocks,
+        threads,
+        stream,
+        (codes16, scales, np.int64(rows), codes_out16, scales_out, global_scale,
+         np.int64(n_chunks)),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------- Hadamard, FP4Quant
 
 

@@ -1,0 +1,94 @@
+"""``requantized_sum``: the rows of a quantized tensor added in float32 and quantized again.
+
+This is the reduction step of a compressed all-reduce (each rank receives every rank's encoded
+chunk, adds them, and encodes the sum for the all-gather).  Its definition is the composition
+in ``requantized_sum_reference``; for MXFP4 on a GPU one kernel (``cuda/reduce.py``) computes
+the same bits in one pass over the encoded rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays as arrays
+from ._api import (
+    FP4Quant,
+    QuantizedTensor,
+    _check_fmt,
+    _device,
+    _fill_one,
+    dequantize,
+    quantize,
+)
+
+
+def _rows_and_n(q):
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q: expected a QuantizedTensor from quantize(), got {type(q).__name__}")
+    _check_fmt(q.fmt, "q.fmt")
+    if len(q.shape) != 2 or q.shape[0] < 1:
+        raise ValueError(
+            f"q.shape: {tuple(q.shape)}: expected (rows, n) with rows >= 1 (the rows are "
+            "summed); reshape the tensor that was quantized to two dimensions"
+        )
+    return q.shape[0], q.shape[1]
+
+
+def requantized_sum_reference(q):
+    """The definition: ``d = dequantize(q, "float32")``, ``acc = d[0]`` then ``acc + d[1]``,
+    ``+ d[2]``, ... (IEEE float32 adds in row order; row 0 alone is not added to a zero, so -0
+    stays -0), then ``quantize(acc[None], q.fmt)`` with round-to-nearest-even and q's scale
+    layout.  numpy, torch and CuPy arrays."""
+    rows, n = _rows_and_n(q)
+    if arrays.backend_of(q.data, "q.data").lib == "numba":
+        raise TypeError(
+            "q.data: numba device arrays have no elementwise add; requantized_sum runs on them "
+            "for MXFP4 with the linear scale layout only (use torch or CuPy for the others)"
+        )
+    d = dequantize(q, "float32")
+    acc = d[0] if rows == 1 else d[0] + d[1]
+    for i in range(2, rows):
+        acc = acc + d[i]
+    acc = acc.reshape(1, n)
+    if isinstance(q.fmt, FP4Quant):
+        return quantize(acc, fmt=q.fmt)
+    return quantize(acc, fmt=q.fmt, scale_layout=q.scale_layout)
+
+
+def requantized_sum(q):
+    """Sum over the rows of a (rows, n) ``QuantizedTensor``, in float32, quantized again to the
+    same format (round to nearest even): a (1, n) ``QuantizedTensor`` of dtype float32.
+
+    Bit for bit ``requantized_sum_reference(q)`` (decode, add the rows in order, encode).  MXFP4
+    with the linear scale layout on a GPU runs one kernel that reads the encoded rows once and
+    writes the encoded sum (no float32 intermediate); every other case runs the composition.
+    A block whose sum is not finite (a NaN-scale row block, or an overflow) gets the NaN scale.
+    """
+    rows, n = _rows_and_n(q)
+    backend = arrays.backend_of(q.data, "q.data")
+    if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
+        return requantized_sum_reference(q)
+    if tuple(int(s) for s in q.data.shape) != (rows, n // 2):
+        raise ValueError(f"q.data: shape {tuple(q.data.shape)} does not match q.shape {q.shape}")
+    if tuple(int(s) for s in q.scales.shape) != (rows, n // 32):
+        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {(rows, n // 32)}")
+    ctx = arrays.GpuContext(q.data, backend)
+    with _device(ctx):
+        codes = ctx.empty((1, n // 2), np.uint8)
+        scales = ctx.empty((1, n // 32), np.uint8)
+        gs = ctx.empty((1,), np.float32)
+        if n == 0:
+            _fill_one(gs, ctx)
+        else:
+            ctx.launch.requantized_sum_mxfp4(
+                ctx.view(q.data, np.uint16),
+                ctx.view(q.scales),
+                rows,
+                ctx.view(codes, np.uint16),
+                ctx.view(scales),
+                ctx.view(gs),
+                n // 4,
+                stream=ctx.stream,
+                device_id=ctx.device_id,
+            )
+    return QuantizedTensor(codes, scales, gs, "mxfp4", (1, n), "float32", "linear")
