@@ -64,10 +64,13 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def _benchmark_with_results(html):
-    """A benchmark name that has a graph: the first in the site's index with any result."""
+def _benchmark_with_results(html, preferred=None):
+    """A benchmark name that has a graph: ``preferred`` if it has one, else the first in the
+    site's index with any result."""
     index = json.loads((html / "index.json").read_text())
     graphs = sorted(p.name for p in (html / "graphs").rglob("*.json"))
+    if preferred and f"{preferred}.json" in graphs:
+        return preferred
     for name in sorted(index["benchmarks"]):
         if f"{name}.json" in graphs:
             return name
@@ -127,11 +130,17 @@ def main(argv=None):
         default="/usr/share/javascript",
         help="folder of Debian's libjs-* files to use instead of the CDNs, or '' for the CDNs",
     )
+    ap.add_argument(
+        "--benchmark",
+        default="bench_quantize.QuantizeGPU.track_gbps",
+        help="the graph page to open (default: %(default)s, which has the H200 history; "
+        "the first benchmark with results if it has none)",
+    )
     args = ap.parse_args(argv)
     html = Path(args.html).resolve()
     if not (html / "index.html").exists():
         raise SystemExit(f"site_check: {html}/index.html not found; run `asv publish` first")
-    name = _benchmark_with_results(html)
+    name = _benchmark_with_results(html, args.benchmark)
     browser = _browser()
 
     workdir = tempfile.mkdtemp(prefix="site_check_")
