@@ -282,8 +282,7 @@ def format_throughput(result):
         f"({t['input_bytes'] / 2**20:.1f} MiB, shape {tuple(t['shape'])}); {t['timer']}, "
         f"{t['statistic']} of {t['repeats']} after {t['warmup']} warm-up",
         "",
-        f"{'format':<14} {'direction':<11} {'ms':>9} {'GB/s':>9} {'x D2D copy':>11} "
-        f"{'host ms':>8}",
+        f"{'format':<14} {'direction':<11} {'ms':>9} {'GB/s':>9} {'x D2D copy':>11} {'host ms':>8}",
         f"{'D2D copy':<14} {'':<11} {c['ms']:>9.4f} {c['gbps']:>9.1f} {1.0:>11.2f} "
         f"{_ms(c.get('host_ms')):>8}",
     ]
