@@ -30,6 +30,7 @@ nothing about a GPU.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -93,23 +94,18 @@ def _device_name(cuda):
     return str(name)
 
 
-_BLOCKING = None
-
-
+@functools.cache
 def blocking_kernel():
     """A one-thread kernel that sleeps ``n`` microseconds (``nanosleep`` of 1 us, n times: the
     hardware may sleep up to twice as long, which only lengthens the head start)."""
-    global _BLOCKING
-    if _BLOCKING is None:
-        from numba import cuda, uint32
+    from numba import cuda, uint32
 
-        @cuda.jit
-        def block(n):
-            for _ in range(n):
-                cuda.nanosleep(uint32(1000))
+    @cuda.jit
+    def block(n):
+        for _ in range(n):
+            cuda.nanosleep(uint32(1000))
 
-        _BLOCKING = block
-    return _BLOCKING
+    return block
 
 
 def cuda_time_ms(fn, args_list, warmup=3, reps=15, simulator=False, stats=None):
