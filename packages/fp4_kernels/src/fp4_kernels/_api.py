@@ -109,6 +109,8 @@ def _nbytes(a):
 
 def swizzled_scale_shape(rows, blocks_per_row):
     """(padded_rows, padded_cols) of the 128x4-tile scale layout."""
+    rows = _check_int(rows, "rows", 0, 2**63)
+    blocks_per_row = _check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
     return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
 
 
@@ -247,10 +249,12 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     if global_amax is not None:
         if fmt != "nvfp4":
             raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
-        if isinstance(global_amax, (int, float, np.floating, np.integer)):
+        if isinstance(global_amax, (int, float, np.floating, np.integer)) and not isinstance(
+            global_amax, bool
+        ):
             amax_value = _checked_amax(global_amax)
         else:
-            amax_array = global_amax
+            amax_array = _checked_amax_array(global_amax, backend)
     geo = _geometry(shape, fmt, scale_layout)
     stochastic = rounding == "stochastic"
     if backend.gpu:
@@ -303,6 +307,20 @@ def _checked_amax(value):
     if not (math.isfinite(v) and v >= 0):
         raise ValueError(f"global_amax: must be finite and >= 0, got {value!r}")
     return v
+
+
+def _checked_amax_array(a, backend):
+    """``global_amax`` given as an array: one float32 element where ``x`` lives."""
+    try:
+        b = arrays.backend_of(a, "global_amax")
+    except TypeError:
+        raise TypeError(
+            "global_amax: expected a non-negative finite float or a one-element float32 array "
+            f"where x lives, got {type(a).__name__}"
+        ) from None
+    arrays.same_place(a, backend, "global_amax", "x")
+    _check_field(a, b, "global_amax", "float32", None, size=1)
+    return a
 
 
 def _to_numpy(a):
@@ -429,28 +447,86 @@ class _device:
             self.cm.__exit__(*exc)
 
 
+def check_quantized(q, name="q"):
+    """Validate every field of a ``QuantizedTensor`` that a kernel indexes; returns its backend.
+
+    A hand-built or modified ``QuantizedTensor`` is checked as thoroughly as a bad argument:
+    the kernels read ``data`` and ``scales`` as flat buffers of the sizes ``shape`` implies, so
+    a wrong dtype, size, layout or device would read memory the tensor does not own.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(
+            f"{name}: expected a QuantizedTensor from quantize(), got {type(q).__name__}"
+        )
+    _check_fmt(q.fmt, f"{name}.fmt")
+    shape = q.shape
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise TypeError(f"{name}.shape: expected a tuple of non-negative ints, got {shape!r}")
+    if len(shape) == 0:
+        raise ValueError(f"{name}.shape: () has no last dimension; a QuantizedTensor is >= 1-d")
+    block = q.block_size
+    if shape[-1] % block:
+        raise ValueError(
+            f"{name}.shape: last dimension {shape[-1]} is not a multiple of the block size {block}"
+        )
+    arrays.normalize_dtype(q.dtype, f"{name}.dtype")
+    fp4quant = isinstance(q.fmt, FP4Quant)
+    _check_choice(
+        q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS
+    )
+    backend = arrays.backend_of(q.data, f"{name}.data")
+    _check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
+    arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
+    if fp4quant:
+        scale_shape, scale_dtype = shape[:-1] + (shape[-1] // block,), "uint16"
+    else:
+        scale_shape, scale_dtype = _geometry(shape, q.fmt, q.scale_layout).scale_shape, "uint8"
+    _check_field(q.scales, backend, f"{name}.scales", scale_dtype, scale_shape)
+    if q.fmt == "nvfp4" or (q.fmt == "mxfp4" and q.global_scale is not None):
+        gs = q.global_scale
+        if gs is None:
+            raise ValueError(
+                f"{name}.global_scale: NVFP4 needs its tensor decode scale 1/S (a one-element "
+                "float32 array, as quantize() returns it); got None"
+            )
+        if isinstance(gs, (int, float, np.floating)) or not hasattr(gs, "shape"):
+            raise TypeError(
+                f"{name}.global_scale: expected a one-element float32 array where "
+                f"{name}.data lives, got {type(gs).__name__}"
+            )
+        arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
+        _check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
+    return backend
+
+
+def _check_field(a, backend, name, dtype, shape, size=None):
+    dt = arrays.element_dtype(a, backend)
+    if dt != dtype:
+        raise TypeError(f"{name}: dtype {dt}, expected {dtype}")
+    got = tuple(int(d) for d in a.shape)
+    if shape is not None and got != shape:
+        raise ValueError(f"{name}: shape {got} != expected {shape}")
+    if size is not None and math.prod(got) != size:
+        raise ValueError(f"{name}: {math.prod(got)} elements, expected {size}")
+    if not arrays.is_c_contiguous(a, backend):
+        raise ValueError(f"{name}: must be C-contiguous (the kernels read it as a flat buffer)")
+
+
 def dequantize(q, dtype=None):
     """Decode a ``QuantizedTensor`` to ``dtype`` (default: the dtype it was quantized from).
 
     NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
     """
-    if not isinstance(q, QuantizedTensor):
-        raise TypeError(f"q: expected a QuantizedTensor from quantize(), got {type(q).__name__}")
-    dt = q.dtype if dtype is None else arrays.normalize_dtype(dtype)
-    _check_fmt(q.fmt, "q.fmt")
+    backend = check_quantized(q)
+    dt = arrays.normalize_dtype(q.dtype if dtype is None else dtype)
     if isinstance(q.fmt, FP4Quant):
         from ._fp4quant import dequantize_fp4quant
 
-        return dequantize_fp4quant(q, dt)
-    _check_choice(q.scale_layout, "q.scale_layout", SCALE_LAYOUTS)
-    backend = arrays.backend_of(q.data, "q.data")
-    data_shape = tuple(int(s) for s in q.data.shape)
-    if data_shape != q.shape[:-1] + (q.shape[-1] // 2,):
-        raise ValueError(f"q.data: shape {data_shape} does not match q.shape {q.shape}")
+        return dequantize_fp4quant(q, dt, backend)
     geo = _geometry(q.shape, q.fmt, q.scale_layout)
-    if tuple(int(s) for s in q.scales.shape) != geo.scale_shape:
-        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {geo.scale_shape}")
     n = geo.n
     if backend.gpu:
         ctx = arrays.GpuContext(q.data, backend)
@@ -460,7 +536,7 @@ def dequantize(q, dtype=None):
                 ctx.launch.dequantize(
                     ctx.view(q.data, np.uint16),
                     ctx.view(q.scales),
-                    ctx.view(q.global_scale),
+                    ctx.view(_global_scale_or_one(q, ctx)),
                     ctx.view(out, np.uint64),
                     n // 4,
                     geo.kb,
@@ -476,7 +552,9 @@ def dequantize(q, dtype=None):
 
     packed = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1)
     scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1)
-    gs = np.float32(np.asarray(_to_numpy(q.global_scale), np.float32).reshape(-1)[0])
+    gs = np.float32(1.0)
+    if q.global_scale is not None:
+        gs = np.float32(np.asarray(_to_numpy(q.global_scale), np.float32).reshape(-1)[0])
     out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
     codec.dequantize(
         packed,
@@ -491,3 +569,18 @@ def dequantize(q, dtype=None):
         arrays.KIND_OF_DTYPE[dt],
     )
     return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)
+
+
+def _global_scale_or_one(q, ctx):
+    """The tensor decode scale the dequantize kernel reads (MXFP4 has none: a cached 1.0)."""
+    if q.global_scale is not None:
+        return q.global_scale
+    key = (ctx.backend.lib, ctx.device_id)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = ctx.empty((1,), np.float32)
+        _fill_one(one, ctx)
+    return one
+
+
+_ONES = {}

@@ -38,6 +38,13 @@ def backend_of(x, name="x"):
     if torch is not None and isinstance(x, torch.Tensor):
         return Backend("torch", x.is_cuda, x.device)
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray and not isinstance(x, np.memmap):
+            # np.matrix keeps two dimensions through reshape, a masked array carries a mask
+            # the kernels would ignore: neither is a plain buffer of elements
+            raise TypeError(
+                f"{name}: {type(x).__name__} is not supported (an ndarray subclass whose "
+                f"elements are not plain data); pass np.asarray({name}) to quantize its data"
+            )
         return Backend("numpy", False)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
@@ -56,13 +63,46 @@ def dtype_name(x, backend, name="x"):
     if backend.lib == "torch":
         dt = str(x.dtype).replace("torch.", "")
     else:
-        dt = np.dtype(x.dtype).name
+        npdt = np.dtype(x.dtype)
+        dt = npdt.name
+        if not npdt.isnative:
+            # '>f4'.name is 'float32': without this check the kernels would read big-endian
+            # bytes as little-endian values
+            raise TypeError(
+                f"{name}: byte order {npdt.str!r} is not the machine's; convert first with "
+                f"{name}.astype({name}.dtype.newbyteorder('='))"
+            )
     if dt not in DTYPES:
         raise TypeError(
             f"{name}: dtype {dt} is not supported; expected float32, bfloat16 or float16 "
             f"(cast first, e.g. x.float() or x.astype(np.float32))"
         )
     return dt
+
+
+def element_dtype(a, backend):
+    """The element type name of any array of ``backend``'s kind ('uint8', 'float32', ...),
+    byte order included for numpy-like arrays ('>f4' is not 'float32')."""
+    if backend.lib == "torch":
+        return str(a.dtype).replace("torch.", "")
+    dt = np.dtype(a.dtype)
+    return dt.name if dt.isnative else dt.str
+
+
+def same_place(a, backend, name, where):
+    """TypeError / ValueError unless ``a`` is an array of ``backend``'s kind on its device."""
+    b = backend_of(a, name)
+    if (
+        b.lib != backend.lib
+        or b.gpu != backend.gpu
+        or (b.device is not None and backend.device is not None and b.device != backend.device)
+    ):
+        raise ValueError(
+            f"{name}: must live where {where} lives ({backend.lib}"
+            f"{', GPU ' + str(backend.device) if backend.gpu else ', CPU'}), got {b.lib}"
+            f"{', GPU ' + str(b.device) if b.gpu else ', CPU'}"
+        )
+    return b
 
 
 def normalize_dtype(dtype, name="dtype"):

@@ -23,7 +23,10 @@ def hadamard(x, *, group_size, inverse=False, signs=None):
     / sqrt(g)``, which undoes it.  Computed in float32 with log2(g) butterfly stages in the
     order ``fp4_kernels.formats.hadamard.stage_order(g)`` (register, warp-shuffle, then
     shared-memory stages on the GPU; the CPU path gives the same bits), scaled once by
-    float32(1/sqrt(g)) and rounded once to the input dtype.
+    float32(1/sqrt(g)) and rounded once to the input dtype.  Range: the butterflies add in
+    float32 before the scaling, so a group whose partial sums exceed FLT_MAX (possible once
+    |x| > FLT_MAX / g) gives ±inf where they do (and NaN for inf - inf), as float32 arithmetic
+    does; below FLT_MAX / g nothing overflows.
 
     Args:
         x: float32 / bfloat16 / float16, C-contiguous, last dimension a multiple of g.  GPU

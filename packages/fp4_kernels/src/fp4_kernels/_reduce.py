@@ -14,18 +14,16 @@ from . import _arrays as arrays
 from ._api import (
     FP4Quant,
     QuantizedTensor,
-    _check_fmt,
     _device,
     _fill_one,
+    check_quantized,
     dequantize,
     quantize,
 )
 
 
 def _rows_and_n(q):
-    if not isinstance(q, QuantizedTensor):
-        raise TypeError(f"q: expected a QuantizedTensor from quantize(), got {type(q).__name__}")
-    _check_fmt(q.fmt, "q.fmt")
+    check_quantized(q)
     if len(q.shape) != 2 or q.shape[0] < 1:
         raise ValueError(
             f"q.shape: {tuple(q.shape)}: expected (rows, n) with rows >= 1 (the rows are "
@@ -68,10 +66,6 @@ def requantized_sum(q):
     backend = arrays.backend_of(q.data, "q.data")
     if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
         return requantized_sum_reference(q)
-    if tuple(int(s) for s in q.data.shape) != (rows, n // 2):
-        raise ValueError(f"q.data: shape {tuple(q.data.shape)} does not match q.shape {q.shape}")
-    if tuple(int(s) for s in q.scales.shape) != (rows, n // 32):
-        raise ValueError(f"q.scales: shape {tuple(q.scales.shape)} != expected {(rows, n // 32)}")
     ctx = arrays.GpuContext(q.data, backend)
     with _device(ctx):
         codes = ctx.empty((1, n // 2), np.uint8)

@@ -35,7 +35,9 @@ unless s < 2^-126 g (float32 subnormals), and is never part of an FMA (it follow
 add).  Non-finite input makes the group's scale NaN and the whole group decodes to NaN (the
 transform spreads a NaN over its group anyway); codes there are 0.  The encoder's transform
 overflows float32 for ``|x|`` above about FLT_MAX / g (1e34 at g = 8192): such a group is
-non-finite and decodes to NaN.
+non-finite and decodes to NaN.  Without the transform the scale is amax / 6 rounded *up* to
+bfloat16, so 6 s can exceed FLT_MAX for an amax within about 2^-8 of FLT_MAX (>= ~3.39e38): the
+group's largest elements then decode to +-inf, not NaN.
 
 Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes of packed codes
 (element 2i in the low nibble of byte i), then n/g little-endian uint16 bfloat16 scales:

@@ -1,0 +1,411 @@
+"""The bad-input corpus: every public function of fp4_kernels with inputs a careless or hostile
+caller might pass.  Each case must raise a clear exception (type and message naming the argument)
+or follow the documented policy; none may crash, hang or silently differ from the reference.
+
+The corpus runs on the CPU path (numpy and torch CPU) here and, with a real GPU, on torch CUDA
+tensors (``gpu`` marker); ``compute-sanitizer --tool memcheck python -m pytest -m gpu
+tests/test_bad_input.py`` checks that no kernel touches memory it was not given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4_kernels as fk
+from fp4_kernels.testing import same_bits
+
+torch = pytest.importorskip("torch")
+
+FMTS = ["nvfp4", "mxfp4", fk.FP4Quant(64), fk.FP4Quant(32, hadamard=False)]
+FMT_IDS = ["nvfp4", "mxfp4", "fp4quant64", "fp4quant32-nohad"]
+
+
+def _places():
+    places = ["numpy", "torch-cpu"]
+    if torch.cuda.is_available():
+        places.append(pytest.param("torch-cuda", marks=pytest.mark.gpu))
+    return places
+
+
+@pytest.fixture(params=_places())
+def place(request):
+    return request.param
+
+
+def _to(place, a):
+    """A numpy array as the array kind of ``place`` (same dtype, bfloat16 included)."""
+    if place == "numpy":
+        return a
+    if a.dtype == ml_dtypes.bfloat16:
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a.copy())
+    return t.cuda() if place == "torch-cuda" else t
+
+
+def _x(rows=2, k=64, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal((rows, k)).astype(dtype)
+
+
+# ------------------------------------------------------------------ the input array
+
+
+@pytest.mark.parametrize("order", [">f4", ">f2"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: fk.quantize(x),
+        lambda x: fk.quantize_dequantize(x, fmt="mxfp4"),
+        lambda x: fk.quantize(x, fmt=fk.FP4Quant(64)),
+        lambda x: fk.hadamard(x, group_size=16),
+    ],
+    ids=["quantize", "quantize_dequantize", "fp4quant", "hadamard"],
+)
+def test_non_native_byte_order_is_refused(call, order):
+    # '>f4'.name is 'float32': read as little-endian the bytes of N(0, 1) become ~1e38
+    x = _x().astype(order)
+    with pytest.raises(TypeError, match=r"x: byte order '>f[24]' is not the machine's"):
+        call(x)
+    # the fix the message names gives the reference result
+    y = fk.quantize_dequantize(x.astype(x.dtype.newbyteorder("=")))
+    assert np.all(np.isfinite(y)) and np.abs(y).max() < 10
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix itself warns
+@pytest.mark.parametrize(
+    "make",
+    [lambda a: np.asmatrix(a), lambda a: np.ma.masked_array(a, mask=a > 1)],
+    ids=["matrix", "masked"],
+)
+def test_ndarray_subclasses_with_non_plain_elements_are_refused(make):
+    with pytest.raises(TypeError, match=r"pass np.asarray\(x\)"):
+        fk.quantize(make(_x()))
+    with pytest.raises(TypeError, match=r"pass np.asarray\(x\)"):
+        fk.hadamard(make(_x()), group_size=16)
+
+
+def test_memmap_is_an_ordinary_input(tmp_path):
+    a = _x()
+    m = np.memmap(tmp_path / "x.bin", np.float32, "w+", shape=a.shape)
+    m[:] = a
+    assert same_bits(fk.quantize_dequantize(m), fk.quantize_dequantize(a))
+
+
+@pytest.mark.parametrize(
+    "x, exc, match",
+    [
+        (np.zeros((2, 64), np.float64), TypeError, "x: dtype float64 is not supported"),
+        (np.zeros((2, 64), np.int32), TypeError, "x: dtype int32"),
+        (np.zeros((2, 64), np.complex64), TypeError, "x: dtype complex64"),
+        (np.zeros((2, 64), bool), TypeError, "x: dtype bool"),
+        (np.zeros((2, 40), np.float32), ValueError, "K=40 is not a multiple"),
+        (np.zeros((64, 4), np.float32).T, ValueError, "x: must be contiguous"),
+        (np.zeros((), np.float32), ValueError, "x: a 0-d array"),
+        ([1.0] * 64, TypeError, "x: expected a numpy array"),
+        ("x", TypeError, "x: expected a numpy array"),
+        (None, TypeError, "x: expected a numpy array"),
+    ],
+    ids=[
+        "float64",
+        "int32",
+        "complex",
+        "bool",
+        "ragged-k",
+        "transposed",
+        "0-d",
+        "list",
+        "str",
+        "none",
+    ],
+)
+@pytest.mark.parametrize("fmt", FMTS, ids=FMT_IDS)
+def test_bad_x(x, exc, match, fmt):
+    with pytest.raises(exc, match=match):
+        fk.quantize(x, fmt=fmt)
+    with pytest.raises(exc, match=match):
+        fk.quantize_dequantize(x, fmt=fmt)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"seed": -1}, ValueError, r"seed: -1 is outside \[0, 18446744073709551616\)"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"seed": 1.5}, TypeError, "seed: expected an integer"),
+        ({"seed": "1"}, TypeError, "seed: expected an integer"),
+        ({"step": -5}, ValueError, "step: -5 is outside"),
+        ({"step": 2**40}, ValueError, "step"),
+        ({"step": np.float32(3)}, TypeError, "step: expected an integer"),
+        ({"rounding": "up"}, ValueError, "rounding: 'up' is not one of"),
+        ({"rounding": None}, ValueError, "rounding"),
+        ({"fmt": "fp4"}, ValueError, "fmt: 'fp4' is not one of"),
+        ({"fmt": 16}, TypeError, "fmt: expected 'nvfp4', 'mxfp4' or an FP4Quant"),
+        ({"scale_layout": "tiled"}, ValueError, "scale_layout"),
+    ],
+)
+def test_bad_options(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fk.quantize(_x(), **kwargs)
+
+
+# ------------------------------------------------------------------ global_amax
+
+
+@pytest.mark.parametrize(
+    "amax, exc, match",
+    [
+        ("2.0", TypeError, "global_amax: expected a non-negative finite float or a one-element"),
+        (float("nan"), ValueError, "global_amax: must be finite and >= 0"),
+        (float("inf"), ValueError, "global_amax: must be finite and >= 0"),
+        (-1.0, ValueError, "global_amax: must be finite and >= 0"),
+        (True, TypeError, "global_amax: expected a non-negative finite float"),
+        (np.zeros(0, np.float32), ValueError, "global_amax: 0 elements, expected 1"),
+        (np.array([2.0, 3.0], np.float32), ValueError, "global_amax: 2 elements, expected 1"),
+        (np.array([2.0]), TypeError, "global_amax: dtype float64, expected float32"),
+        (np.array([2.0], ">f4"), TypeError, "global_amax: dtype >f4, expected float32"),
+        (np.array([np.nan], np.float32), ValueError, "global_amax: must be finite and >= 0"),
+    ],
+    ids=[
+        "str",
+        "nan",
+        "inf",
+        "negative",
+        "bool",
+        "empty",
+        "two",
+        "float64",
+        "big-endian",
+        "nan-arr",
+    ],
+)
+def test_bad_global_amax(amax, exc, match):
+    with pytest.raises(exc, match=match):
+        fk.quantize(_x(), fmt="nvfp4", global_amax=amax)
+
+
+def test_global_amax_must_live_where_x_lives():
+    with pytest.raises(ValueError, match="global_amax: must live where x lives"):
+        fk.quantize(torch.zeros(2, 64), global_amax=np.ones(1, np.float32))
+
+
+def test_global_amax_one_element_array_is_the_float(place):
+    x = _to(place, _x())
+    a = fk.quantize(x, global_amax=_to(place, np.array([3.0], np.float32)))
+    b = fk.quantize(x, global_amax=3.0)
+    assert np.array_equal(_np(a.data), _np(b.data))
+    assert np.array_equal(_np(a.scales), _np(b.scales))
+
+
+def _np(a):
+    return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+
+# ------------------------------------------------------------------ tampered QuantizedTensors
+
+
+def _tampered(place):
+    """(fmt id, field replacement, expected exception, message) for hand-built tensors."""
+    return [
+        (
+            "fp4quant",
+            lambda q: {"data": _as(q.data, np.uint16, place)},
+            TypeError,
+            r"q.data: dtype uint16, expected uint8",
+        ),
+        (
+            "fp4quant",
+            lambda q: {"data": _as(q.data, np.float32, place)},
+            TypeError,
+            r"q.data: dtype float32, expected uint8",
+        ),
+        # the SIGSEGV case: uint8 scales of the right shape would be read as twice as many bytes
+        (
+            "fp4quant",
+            lambda q: {"scales": _as(q.scales, np.uint8, place)},
+            TypeError,
+            r"q.scales: dtype uint8, expected uint16",
+        ),
+        (
+            "mxfp4",
+            lambda q: {"scales": _as(q.scales, np.int64, place)},
+            TypeError,
+            r"q.scales: dtype int64, expected uint8",
+        ),
+        (
+            "nvfp4",
+            lambda q: {"global_scale": None},
+            ValueError,
+            r"q.global_scale: NVFP4 needs its tensor decode scale",
+        ),
+        (
+            "nvfp4",
+            lambda q: {"global_scale": 0.5},
+            TypeError,
+            r"q.global_scale: expected a one-element float32 array",
+        ),
+        (
+            "nvfp4",
+            lambda q: {"global_scale": _cat(q.global_scale, place)},
+            ValueError,
+            r"q.global_scale: 2 elements, expected 1",
+        ),
+        ("nvfp4", lambda q: {"dtype": "float64"}, TypeError, r"q.dtype: 'float64' is not"),
+        ("nvfp4", lambda q: {"shape": (2, 32)}, ValueError, r"q.data: shape \(2, 32\) != expected"),
+        ("nvfp4", lambda q: {"shape": (2, 60)}, ValueError, r"q.shape: last dimension 60"),
+        ("nvfp4", lambda q: {"shape": [2, 64]}, TypeError, r"q.shape: expected a tuple"),
+        ("nvfp4", lambda q: {"scale_layout": "tiled"}, ValueError, r"q.scale_layout"),
+        ("nvfp4", lambda q: {"scales": q.scales[:, :2]}, ValueError, r"q.scales: shape \(2, 2\)"),
+        ("nvfp4", lambda q: {"fmt": "nvfp8"}, ValueError, r"q.fmt: 'nvfp8' is not one of"),
+        ("fp4quant", lambda q: {"scale_layout": "swizzled"}, ValueError, r"q.scale_layout"),
+    ]
+
+
+def _as(a, dtype, place):
+    """Same shape, another element dtype (what a careless .astype / hand-built tensor gives)."""
+    n = _np(a).astype(dtype)
+    return _to(place, n)
+
+
+def _cat(gs, place):
+    return _to(place, np.concatenate([_np(gs), _np(gs)]))
+
+
+_FMT_BY_ID = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp4quant": fk.FP4Quant(64)}
+
+
+@pytest.mark.parametrize("case", range(len(_tampered("numpy"))))
+def test_tampered_quantized_tensor_is_refused(place, case):
+    fmt_id, change, exc, match = _tampered(place)[case]
+    q = fk.quantize(_to(place, _x()), fmt=_FMT_BY_ID[fmt_id])
+    bad = dataclasses.replace(q, **change(q))
+    with pytest.raises(exc, match=match):
+        fk.dequantize(bad)
+    if len(q.shape) == 2 and fmt_id != "fp4quant":
+        with pytest.raises(exc, match=match):
+            fk.requantized_sum(bad)
+
+
+def test_sigsegv_case_at_full_size_is_an_error():
+    """200000 x 64 FP4Quant with uint8 scales used to read past the scale buffer (SIGSEGV)."""
+    q = fk.quantize(np.ones((200000, 64), np.float32), fmt=fk.FP4Quant(64))
+    bad = dataclasses.replace(q, scales=q.scales.astype(np.uint8))
+    with pytest.raises(TypeError, match="q.scales: dtype uint8, expected uint16"):
+        fk.dequantize(bad)
+
+
+def test_non_contiguous_fields_are_refused():
+    q = fk.quantize(_x(4, 64), fmt="mxfp4")
+    with pytest.raises(ValueError, match="q.data: shape"):
+        fk.dequantize(dataclasses.replace(q, data=q.data[::2]))
+    data = np.zeros((2, 64), np.uint8)[:, ::2]  # right shape and dtype, strided
+    with pytest.raises(ValueError, match="q.data: must be C-contiguous"):
+        fk.dequantize(dataclasses.replace(fk.quantize(_x(), fmt="mxfp4"), data=data))
+
+
+def test_fields_must_live_together():
+    q = fk.quantize(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="q.scales: must live where q.data lives"):
+        fk.dequantize(dataclasses.replace(q, scales=q.scales.numpy()))
+    with pytest.raises(ValueError, match="q.global_scale: must live where q.data lives"):
+        fk.dequantize(dataclasses.replace(q, global_scale=q.global_scale.numpy()))
+
+
+def test_mxfp4_without_global_scale_decodes():
+    """MXFP4 has no tensor scale: a hand-built tensor may leave global_scale None."""
+    q = fk.quantize(_x(), fmt="mxfp4")
+    assert same_bits(fk.dequantize(dataclasses.replace(q, global_scale=None)), fk.dequantize(q))
+
+
+@pytest.mark.parametrize("dtype", ["float64", np.int8, "bf16", None.__class__])
+def test_bad_dequantize_dtype(dtype):
+    q = fk.quantize(_x())
+    with pytest.raises(TypeError, match="dtype"):
+        fk.dequantize(q, dtype=dtype)
+
+
+# ------------------------------------------------------------------ hadamard
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"group_size": 24}, ValueError, "group_size: 24 is not a power of two"),
+        ({"group_size": 8}, ValueError, "group_size"),
+        ({"group_size": 16384}, ValueError, "group_size"),
+        ({"group_size": 16.0}, TypeError, "group_size"),
+        ({"group_size": 16, "inverse": 1}, TypeError, "inverse: expected True or False"),
+        ({"group_size": 16, "signs": -3}, ValueError, r"signs: a seed must be in \[0, 2\*\*64\)"),
+        ({"group_size": 16, "signs": [1] * 15}, ValueError, "signs: expected 16 values"),
+        ({"group_size": 16, "signs": [2] * 16}, ValueError, "signs: every entry must be"),
+        ({"group_size": 128}, ValueError, "not a multiple of group_size=128"),
+    ],
+)
+def test_bad_hadamard_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fk.hadamard(_x(), **kwargs)
+
+
+# ------------------------------------------------------------------ documented policies
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=FMT_IDS)
+def test_non_finite_inputs_follow_the_policy(place, fmt):
+    """A block (group) holding NaN or +-Inf decodes to NaN; every other block is unaffected."""
+    x = _x(4, 64)
+    x[1, 3] = np.nan
+    x[2, 40] = -np.inf
+    y = _np(fk.quantize_dequantize(_to(place, x), fmt=fmt))
+    clean = _np(fk.quantize_dequantize(_to(place, np.where(np.isfinite(x), x, 0)), fmt=fmt))
+    block = fmt.group_size if isinstance(fmt, fk.FP4Quant) else fk.FORMATS[fmt]
+    bad = np.zeros_like(x, bool)
+    bad[1, :block] = True
+    bad[2, 40 // block * block : 40 // block * block + block] = True
+    assert np.all(np.isnan(y[bad]))
+    assert same_bits(y[~bad], clean[~bad]) or fmt == "nvfp4"  # NVFP4: amax ignores non-finite
+    assert np.all(np.isfinite(y[~bad]))
+
+
+def test_fp4quant_range_near_float32_max_is_documented():
+    """docs/fp4quant.md: with the transform, a group whose transform overflows float32 decodes
+    to NaN; without it, the group scale is amax / 6 rounded up, so an amax within 2^-8 of
+    FLT_MAX decodes its largest elements to +-inf."""
+    x = np.zeros((1, 64), np.float32)
+    x[0, 0], x[0, 1] = 3.4e38, -3.0e38
+    assert np.all(np.isnan(fk.quantize_dequantize(x, fmt=fk.FP4Quant(64))))
+    y = fk.quantize_dequantize(x, fmt=fk.FP4Quant(64, hadamard=False))
+    assert y[0, 0] == np.inf and y[0, 1] == -np.inf and np.all(y[0, 2:] == 0)
+    x[0, 0], x[0, 1] = 3.3e38, -3.0e38  # below the threshold: finite
+    assert np.all(np.isfinite(fk.quantize_dequantize(x, fmt=fk.FP4Quant(64, hadamard=False))))
+
+
+def test_hadamard_overflow_is_float32_arithmetic():
+    """The transform adds in float32 before scaling: partial sums above FLT_MAX are +-inf (and
+    inf - inf is NaN), as the docstring states; below FLT_MAX / g nothing overflows."""
+    big = np.finfo(np.float32).max
+    h = np.zeros((1, 16), np.float32)
+    h[0, :2] = big
+    y = fk.hadamard(h, group_size=16)
+    assert np.all(np.isinf(y[0, 0::2])) and np.all(y[0, 1::2] == 0)
+    h[0, :2] = big / 16
+    assert np.all(np.isfinite(fk.hadamard(h, group_size=16)))
+
+
+def test_empty_tensors_round_trip(place):
+    for fmt in FMTS:
+        x = _to(place, np.zeros((0, 64), np.float32))
+        q = fk.quantize(x, fmt=fmt)
+        assert tuple(fk.dequantize(q).shape) == (0, 64)
+    assert tuple(fk.hadamard(_to(place, np.zeros((0, 64), np.float32)), group_size=64).shape) == (
+        0,
+        64,
+    )
+
+
+@pytest.mark.parametrize("args", [(-1, 4), (128, -4), (1.5, 4), ("a", 4)])
+def test_bad_swizzled_scale_shape(args):
+    with pytest.raises((TypeError, ValueError), match="rows|blocks_per_row"):
+        fk.swizzled_scale_shape(*args)
