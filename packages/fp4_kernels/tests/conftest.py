@@ -42,11 +42,10 @@ def kernels():
     if SIMULATOR:
         # one Python thread per CUDA thread: keep blocks at 2 warps and the grid at 2 CTAs so
         # grid-stride loops still iterate and shuffles still cross warps.
-        from fp4_kernels.cuda import launch
+        from fp4_kernels.cuda.launch import launch_policy
 
-        launch.launch_override = (64, 2)
-        yield "simulator"
-        launch.launch_override = None
+        with launch_policy(threads=64, max_blocks=2):
+            yield "simulator"
     else:
         yield "gpu"
 

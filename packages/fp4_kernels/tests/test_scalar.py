@@ -73,6 +73,42 @@ def test_e2m1_encode_every_bf16_pattern_matches_oracle():
     np.testing.assert_array_equal(got, e2m1.encode_e2m1(y))
 
 
+_enc_int = OPS.e2m1_encode_int
+
+
+@numba.njit(nogil=True)
+def _e2m1_float_vs_integer_mismatches(lo, hi):
+    """Count patterns in [lo, hi) where the float-pipe and integer encoders disagree."""
+    bad = 0
+    for b in range(lo, hi):
+        y = np.uint32(b).view(np.float32)
+        if _enc(y) != _enc_int(y):
+            bad += 1
+    return bad
+
+
+def test_e2m1_float_pipe_encoder_equals_integer_encoder_on_every_float32():
+    """Every non-negative float32 up to +inf (2^31 - 2^23 + 1 patterns), and their negatives'
+    sign bit: the float-pipe round-to-nearest-even chain is exactly the integer encoder."""
+    bad = _e2m1_float_vs_integer_mismatches(0, 0x7F800001)
+    assert bad == 0
+    neg = _e2m1_float_vs_integer_mismatches(0x80000000, 0x80000000 + (1 << 20))
+    assert neg == 0
+
+
+def test_e2m1_encode_strided_float32_patterns_match_oracle():
+    """The numpy oracle over every 61st non-negative float32 pattern (~35M values, both signs),
+    ties and the saturation bound included."""
+    bits = np.arange(0, 0x7F800001, 61, dtype=np.uint32)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, np.inf], np.float32)
+    for chunk in np.array_split(bits, 16):
+        y = np.concatenate([chunk.view(np.float32), ties])
+        y = np.concatenate([y, -y])
+        out = np.empty(y.size, np.uint32)
+        _map_e2m1(y, out)
+        np.testing.assert_array_equal(out, e2m1.encode_e2m1(y))
+
+
 def test_e2m1_encode_sr_matches_oracle(rng):
     y = np.concatenate([ALL_BF16_AS_F32, rng.uniform(-7, 7, 1 << 16).astype(np.float32)])
     r = rng.integers(0, 2**32, y.size, dtype=np.uint64).astype(np.uint32)

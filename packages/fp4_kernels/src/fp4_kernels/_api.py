@@ -330,78 +330,22 @@ def _to_numpy(a):
 
 
 def _quantize_gpu(x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused):
+    from .cuda import quantize as op
+
     ctx = arrays.GpuContext(x, backend)
-    launch = ctx.launch
-    kind = arrays.KIND_OF_DTYPE[dt]
-    shape = geo.shape
-    n_chunks = geo.n // 4
     with _device(ctx):
-        words = ctx.view(x, np.uint64)
-        data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
-        scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
-        compute_amax = fmt == "nvfp4" and amax_value < 0 and amax_array is None
-        # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
-        n_partials = launch.max_partials(ctx.device_id) if compute_amax else 0
-        scratch = ctx.empty((1 + n_partials,), np.float32)
-        gs = scratch[:1]
-        data_v = ctx.view(data, np.uint16)
-        if fused:
-            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
-            out_words = ctx.view(out, np.uint64)
-        else:
-            out = None
-            out_words = ctx.view(data, np.uint64)  # never written when not fused
-        if amax_array is not None:
-            parts, n_parts = ctx.view(amax_array, np.float32), 1
-        elif compute_amax:
-            parts = ctx.view(scratch[1:])
-            n_parts = (
-                launch.amax_partials(words, n_chunks, kind, ctx.stream, parts, ctx.device_id)
-                if n_chunks
-                else 0
-            )
-        else:
-            parts, n_parts = ctx.view(gs), 0
-        if n_chunks == 0:
-            _fill_one(gs, ctx)
-        else:
-            launch.quantize(
-                words,
-                data_v,
-                ctx.view(data, np.uint64),
-                ctx.view(scales),
-                out_words,
-                n_chunks,
-                geo.kb,
-                geo.padded_kb,
-                parts,
-                n_parts,
-                amax_value,
-                ctx.view(gs),
-                seed,
-                step,
-                kind=kind,
-                fmt=_FMT_CODE[fmt],
-                stochastic=stochastic,
-                swizzled=geo.swizzled,
-                fused=fused,
-                stream=ctx.stream,
-                device_id=ctx.device_id,
-            )
+        data, scales, gs, out = op.quantize(
+            ctx, x, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[fmt], geo, stochastic, seed, step,
+            amax_value, amax_array, fused,
+        )  # fmt: skip
     if fused:
         return out
     layout = "swizzled" if geo.swizzled else "linear"
-    return QuantizedTensor(data, scales, gs, fmt, shape, dt, layout)
+    return QuantizedTensor(data, scales, gs, fmt, geo.shape, dt, layout)
 
 
 def _fill_one(gs, ctx):
-    lib = ctx.backend.lib
-    if lib == "torch":
-        gs.fill_(1.0)
-    elif lib == "cupy":
-        gs.fill(1.0)
-    else:
-        gs.copy_to_device(np.ones(1, np.float32))
+    ctx.fill(gs, 1.0)
 
 
 _GPU_COUNT = []
@@ -529,24 +473,15 @@ def dequantize(q, dtype=None):
     geo = _geometry(q.shape, q.fmt, q.scale_layout)
     n = geo.n
     if backend.gpu:
+        from .cuda import dequantize as op
+
         ctx = arrays.GpuContext(q.data, backend)
         with _device(ctx):
             out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
-            if n:
-                ctx.launch.dequantize(
-                    ctx.view(q.data, np.uint16),
-                    ctx.view(q.scales),
-                    ctx.view(_global_scale_or_one(q, ctx)),
-                    ctx.view(out, np.uint64),
-                    n // 4,
-                    geo.kb,
-                    geo.padded_kb,
-                    out_kind=arrays.KIND_OF_DTYPE[dt],
-                    fmt=_FMT_CODE[q.fmt],
-                    swizzled=geo.swizzled,
-                    stream=ctx.stream,
-                    device_id=ctx.device_id,
-                )
+            op.dequantize(
+                ctx, q.data, q.scales, _global_scale_or_one(q, ctx), out,
+                arrays.KIND_OF_DTYPE[dt], _FMT_CODE[q.fmt], geo,
+            )  # fmt: skip
         return out
     from .cpu import codec
 

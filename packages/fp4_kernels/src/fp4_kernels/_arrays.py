@@ -180,9 +180,9 @@ class GpuContext:
         from numba import config
 
         init_torch_tables()
-        from .cuda import launch
+        from . import _numba_abi as abi
 
-        self.launch = launch
+        self._abi = abi
         self.backend = backend
         self.simulator = bool(config.ENABLE_CUDASIM)
         if backend.lib == "torch":
@@ -203,7 +203,7 @@ class GpuContext:
 
             self.stream = cuda.default_stream()
         else:
-            self.stream = launch.StreamRef(stream_ptr)
+            self.stream = abi.StreamRef(stream_ptr)
 
     def view(self, arr, np_dtype=None):
         """Zero-copy flat view of a C-contiguous GPU array of the caller's kind as ``np_dtype``
@@ -225,7 +225,37 @@ class GpuContext:
             nbytes = arr.nbytes
             own = arr.dtype
         dt = np.dtype(np_dtype if np_dtype is not None else own)
-        return self.launch.DeviceBuffer(ptr, nbytes // dt.itemsize, dt)
+        return self._abi.DeviceBuffer(ptr, nbytes // dt.itemsize, dt)
+
+    def words_view(self, x, kind):
+        """(view, aligned): ``x`` as uint32 words when its address is 16-byte aligned (the
+        block kernels' vector loads), else as its own elements (uint16 / uint32)."""
+        if self.simulator:
+            return self.view(x, np.uint32), True
+        words = self.view(x, np.uint32 if kind == KIND_F32 else np.uint16)
+        if words.ptr % 16 == 0:
+            return self.view(x, np.uint32), True
+        return words, False
+
+    def codes_view(self, data, align):
+        """(view, aligned): packed codes as uint32 words when their address is a multiple of
+        ``align`` bytes (one vector load per block), else as bytes."""
+        if self.simulator:
+            return self.view(data, np.uint32), True
+        view = self.view(data, np.uint32)
+        if view.ptr % align == 0:
+            return view, True
+        return self.view(data, np.uint8), False
+
+    def fill(self, arr, value):
+        """Fill a float32 array of the caller's kind with ``value`` on the caller's stream."""
+        lib = self.backend.lib
+        if lib == "torch":
+            arr.fill_(value)
+        elif lib == "cupy":
+            arr.fill(value)
+        else:
+            arr.copy_to_device(np.full(arr.shape, value, np.float32))
 
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         """Allocate on the caller's device through the caller's allocator (torch caching
@@ -247,6 +277,9 @@ class GpuContext:
         if zero:
             _numba_zero(d)
         return d
+
+    def float_dtype_of_kind(self, kind):
+        return self.float_dtype(DTYPES[kind])
 
     def float_dtype(self, dt):
         """The array library's dtype object for an element dtype name."""

@@ -32,25 +32,16 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
     n = math.prod(shape)
     nbytes = n // 2 + 2 * (n // g)
     if backend.gpu:
+        from .cuda import fp4quant as op
+
         ctx = arrays.GpuContext(x, backend)
         with _device(ctx):
             payload = ctx.empty((nbytes,), np.uint8)
             codes, scales = _payload_views(payload, shape, n, g, backend.lib)
-            if n:
-                ctx.launch.fp4quant_encode(
-                    ctx.view(x, np.uint64),
-                    ctx.view(codes, np.uint16),
-                    ctx.view(scales, np.uint16),
-                    n // 4,
-                    seed,
-                    step,
-                    kind=arrays.KIND_OF_DTYPE[dt],
-                    group_size=g,
-                    hadamard=fmt.hadamard,
-                    stochastic=stochastic,
-                    stream=ctx.stream,
-                    device_id=ctx.device_id,
-                )
+            op.encode(
+                ctx, x, codes, scales, n, seed, step, arrays.KIND_OF_DTYPE[dt], g,
+                fmt.hadamard, stochastic,
+            )  # fmt: skip
         return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
     from .cpu import fp4quant as cpu
 
@@ -83,21 +74,12 @@ def dequantize_fp4quant(q, dt, backend):
     shape = tuple(q.shape)
     n = math.prod(shape)
     if backend.gpu:
+        from .cuda import fp4quant as op
+
         ctx = arrays.GpuContext(q.data, backend)
         with _device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
-            if n:
-                ctx.launch.fp4quant_decode(
-                    ctx.view(q.data, np.uint16),
-                    ctx.view(q.scales, np.uint16),
-                    ctx.view(out, np.uint64),
-                    n // 4,
-                    out_kind=arrays.KIND_OF_DTYPE[dt],
-                    group_size=g,
-                    hadamard=q.fmt.hadamard,
-                    stream=ctx.stream,
-                    device_id=ctx.device_id,
-                )
+            op.decode(ctx, q.data, q.scales, out, n, arrays.KIND_OF_DTYPE[dt], g, q.fmt.hadamard)
         return out
     from .cpu import fp4quant as cpu
 

@@ -55,23 +55,14 @@ def hadamard(x, *, group_size, inverse=False, signs=None):
     n = math.prod(shape)
     kind = arrays.KIND_OF_DTYPE[dt]
     if backend.gpu:
+        from .cuda import hadamard as op
+
         ctx = arrays.GpuContext(x, backend)
         with _device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             if n:
                 dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
-                ctx.launch.hadamard(
-                    ctx.view(x, np.uint64),
-                    ctx.view(out, np.uint64),
-                    n // 4,
-                    dev_words,
-                    kind=kind,
-                    group_size=g,
-                    inverse=inverse,
-                    signed=words is not None,
-                    stream=ctx.stream,
-                    device_id=ctx.device_id,
-                )
+                op.hadamard(ctx, x, out, n, dev_words, kind, g, inverse, words is not None)
         return out
     from .cpu import fp4quant as cpu
 

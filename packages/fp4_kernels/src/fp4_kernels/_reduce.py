@@ -74,15 +74,7 @@ def requantized_sum(q):
         if n == 0:
             _fill_one(gs, ctx)
         else:
-            ctx.launch.requantized_sum_mxfp4(
-                ctx.view(q.data, np.uint16),
-                ctx.view(q.scales),
-                rows,
-                ctx.view(codes, np.uint16),
-                ctx.view(scales),
-                ctx.view(gs),
-                n // 4,
-                stream=ctx.stream,
-                device_id=ctx.device_id,
-            )
+            from .cuda import reduce as op
+
+            op.requantized_sum_mxfp4(ctx, q.data, q.scales, rows, codes, scales, gs, n)
     return QuantizedTensor(codes, scales, gs, "mxfp4", (1, n), "float32", "linear")

@@ -44,6 +44,13 @@ INV_E2M1_MAX = np.float32(1.0 / 6.0)  # TE writes `1.0f / 6.0f`: the float32 rou
 TWO_POW_M24 = np.float32(2.0**-24)  # weight of one of the 24 random bits used by SR
 TWO_POW_M9 = np.float32(2.0**-9)  # e4m3 subnormal quantum
 TWO_POW_M24_F16 = np.float32(2.0**-24)  # fp16 subnormal quantum
+# the e2m1 encoder's constants (see e2m1_code_f): 2^23 + k holds the integer k in its low bits
+F32_TWO_POW_23 = np.float32(2.0**23)
+F32_FOUR = np.float32(4.0)
+F32_MINUS_ONE = np.float32(-1.0)
+F32_TWO_POW_24 = np.float32(2.0**24)
+F32_MINUS_5_TWO_POW_24 = np.float32(-5.0 * 2.0**24)
+E2M1_CODE_BIAS = 0x4B000000  # the bits of 2^23: bits(e2m1_code_f(a)) - this is the code
 
 _G1 = np.float32(1.0)
 _G15 = np.float32(1.5)
@@ -71,7 +78,7 @@ E8M0_NAN_CODE = 0xFF
 BF16_NAN_BITS = 0x7FC0  # the quiet NaN FP4Quant stores as the scale of a non-finite group
 
 
-def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
+def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=None, sat_fma=None):
     """Compile the scalar codec functions for one target.
 
     ``jit`` is ``numba.cuda.jit(device=True)`` or ``numba.njit(error_model="numpy")``;
@@ -79,7 +86,35 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
     ``e4m3_satfinite``, where given, is the target's hardware float32 -> e4m3 conversion
     (round to nearest even, saturating: what TE's static_cast<fp8e4m3> compiles to) and replaces
     the integer encoder for block scales; the tests check the two agree on every input.
+    ``sat_mul`` / ``sat_fma``, where given, are the target's saturating float32 multiply and
+    fused multiply-add (``mul.rn.sat.f32`` / ``fma.rn.sat.f32``: one instruction each, result
+    clamped to [0, 1], NaN to 0); elsewhere the same function is written out.
     """
+
+    # ---------------------------------------------------------------- saturating arithmetic
+
+    @jit
+    def sat(v):
+        """v clamped to [0, 1]; NaN -> 0 (the PTX ``.sat`` modifier)."""
+        if v > F32_ONE:
+            return F32_ONE
+        if v > F32_ZERO:
+            return v
+        return F32_ZERO
+
+    if sat_mul is None:
+
+        @jit
+        def sat_mul(a, b):
+            return sat(a * b)
+
+    if sat_fma is None:
+
+        @jit
+        def sat_fma(a, b, c):
+            # every use multiplies by a power of two, so a * b is exact and the add is the one
+            # rounding: fused (as numba-cuda contracts it) or not, the result is the same
+            return sat(a * b + c)
 
     # ---------------------------------------------------------------- float formats in and out
 
@@ -158,6 +193,27 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         return np.float32(np.int32(k)) * F32_HALF
 
     @jit
+    def e2m1_code_f(a):
+        """Round-to-nearest-even e2m1 magnitude code of ``a`` = |y| >= 0, saturating at 6, on the
+        float pipe: returns the float 2^23 + code, so bits(result) - E2M1_CODE_BIAS is the code.
+
+        Five saturating multiply-adds and one add; every product is by a power of two (exact),
+        each add rounds once to an integer (ulp 1 at 2^23):
+        u = sat(a/2) and 2^23 + 4u round 2 min(a, 2) to an integer (codes 0-4, ties to even:
+        0.25 -> 0, 0.75 -> 1.0, 1.75 -> 2.0); w = sat(a/2 - 1) adds 2 w = clamp(a - 2, 0, 2)
+        and the sum rounds once more (2.5 -> 2, 3.5 -> 4, codes 4-6); t = sat(2^24 (a - 5)) is
+        1 exactly when a > 5 (the 5 tie stays at 4), giving code 7 for (5, inf].  NaN gives 0
+        (callers mask non-finite blocks first).  The test suite checks it against the integer
+        RNE encoder and the numpy oracle on every non-negative float32.
+        """
+        u = sat_mul(a, F32_HALF)
+        big = u * F32_FOUR + F32_TWO_POW_23
+        w = sat_fma(a, F32_HALF, F32_MINUS_ONE)
+        big = w * F32_TWO + big
+        t = sat_fma(a, F32_TWO_POW_24, F32_MINUS_5_TWO_POW_24)
+        return big + t
+
+    @jit
     def e2m1_sr_magnitude(a, rbits):
         """Stochastic rounding of |y| onto the e2m1 grid using the top 24 bits of ``rbits``.
 
@@ -197,6 +253,18 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
     @jit
     def e2m1_encode(y):
         """float32 -> 4-bit e2m1 code, RNE, saturating; the sign bit follows y's (so -0 -> 0x8).
+
+        NaN never reaches this (non-finite blocks are masked first); it would give code 0.
+        """
+        u = f32_as_u32(y)
+        a = u32_as_f32(U32(u & 0x7FFFFFFF))
+        m = U32(f32_as_u32(e2m1_code_f(a)) - E2M1_CODE_BIAS)
+        return U32(U32(U32(u >> 28) & 8) | m)
+
+    @jit
+    def e2m1_encode_int(y):
+        """float32 -> 4-bit e2m1 code, RNE, saturating, on the integer pipe (the encoder the
+        float-pipe ``e2m1_encode`` replaced; kept as a second derivation for the tests).
 
         NaN never reaches this (non-finite blocks are masked first); it would give code 7.
         On the bits of |y| (integer order is float order for non-negative floats):
@@ -326,6 +394,36 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
             return F32_ONE
         return s
 
+    # ---------------------------------------------------------------- block scales
+
+    @jit
+    def nvfp4_block_scale(bmax_bits, s6, s_dec):
+        """Block amax (bits of max |x|; >= 0x7F800000: the block holds NaN or Inf) ->
+        (e4m3 scale code, decoded scale s, element multiplier), in Transformer Engine's order:
+        code = e4m3(amax_b * (S * fp32(1/6))) with s6 = S * fp32(1/6) given; the multiplier
+        is 1 / (s * (1/S)), the product first, clamped to FLT_MAX (s == 0 gives FLT_MAX).
+        A non-finite block gets the NaN code, s = NaN (it decodes to NaN) and multiplier 0."""
+        if bmax_bits >= 0x7F800000:
+            return U32(E4M3_NAN_CODE), F32_NAN, F32_ZERO
+        scode = U32(e4m3_encode_positive(u32_as_f32(U32(bmax_bits)) * s6))
+        s = e4m3_decode(scode)
+        mult = F32_ONE / (s * s_dec)
+        if mult > FP32_MAX:
+            mult = FP32_MAX
+        return scode, s, mult
+
+    @jit
+    def mxfp4_block_scale(bmax_bits):
+        """Block amax bits -> (e8m0 scale code, decoded scale 2^e, element multiplier 2^-e) per
+        OCP MX v1.0 (e = floor(log2 amax) - 2, clamped; exact scaling); a non-finite block gets
+        the NaN code 0xFF, scale NaN and multiplier 0."""
+        if bmax_bits >= 0x7F800000:
+            return U32(E8M0_NAN_CODE), F32_NAN, F32_ZERO
+        e = mx_shared_exponent(u32_as_f32(U32(bmax_bits)))
+        scode = U32(e + 127)
+        # -e in [-125, 127]: a normal float32, so the multiplier scales exactly
+        return scode, e8m0_decode(scode), pow2_f32(-e)
+
     # ---------------------------------------------------------------- FP4Quant group scale
 
     @jit
@@ -399,6 +497,11 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         e2m1_sr_magnitude=e2m1_sr_magnitude,
         e2m1_value=e2m1_value,
         e2m1_encode=e2m1_encode,
+        e2m1_encode_int=e2m1_encode_int,
+        e2m1_code_f=e2m1_code_f,
+        sat=sat,
+        sat_mul=sat_mul,
+        sat_fma=sat_fma,
         e2m1_encode_sr=e2m1_encode_sr,
         e2m1_decode=e2m1_decode,
         e4m3_encode_positive=e4m3_encode_positive,
@@ -409,5 +512,7 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None):
         nvfp4_encode_scale=nvfp4_encode_scale,
         philox4x32_10=philox4x32_10,
         fp4quant_scale=fp4quant_scale,
+        nvfp4_block_scale=nvfp4_block_scale,
+        mxfp4_block_scale=mxfp4_block_scale,
         scale_offset=scale_offset,
     )

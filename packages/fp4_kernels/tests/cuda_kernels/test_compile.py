@@ -29,9 +29,11 @@ F32 = types.Array(types.float32, 1, "C")
 I64 = types.int64
 U32 = types.uint32
 
-QUANTIZE_SIG = (U64, U16, U8, U64, I64, I64, I64, F32, I64, types.float32, F32, U32, U32, U32)
-DEQUANTIZE_SIG = (U16, U8, F32, U64, I64, I64, I64)
-AMAX_SIG = (U64, I64, F32)
+W32 = types.Array(types.uint32, 1, "C")
+QUANTIZE_SIG = (W32, W32, U8, W32, I64, I64, I64, F32, I64, types.float32, F32, U32, U32, U32)
+DEQUANTIZE_SIG = (W32, U8, F32, W32, I64, I64, I64)
+AMAX_SIG = (W32, I64, F32)
+ELEMENTS = {0: types.Array(types.uint32, 1, "C"), 1: U16, 2: U16}  # unaligned inputs
 HADAMARD_SIG = (U64, U64, I64, types.Array(types.uint32, 1, "C"))
 ENCODE_SIG = (U64, U16, U16, I64, U32, U32, U32)
 DECODE_SIG = (U16, U16, U64, I64)
@@ -55,6 +57,17 @@ def _check_ptx(ptx):
     assert "ld.global.u64" in ptx or "ld.global.nc.u64" in ptx, "no 8-byte loads"
 
 
+def _check_block_kernel(ptx):
+    """The one-thread-per-block kernels: registers only, float32 only, IEEE division."""
+    assert ".local" not in ptx, "local memory in the kernel (spill or run-time-indexed array)"
+    f64 = re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
+    assert not f64, f"float64 arithmetic in the kernel: {f64[:3]}"
+    assert "div.approx" not in ptx and "div.full" not in ptx, "non-IEEE float division"
+    # a block is one thread's: no shuffles, except the NVFP4 quantizer's one reduction of the
+    # tensor amax partials at the start
+    assert ptx.count("shfl.sync") <= 5
+
+
 @pytest.mark.parametrize(
     "kind,fmt,stochastic,swizzled,fused",
     list(
@@ -65,24 +78,26 @@ def _check_ptx(ptx):
 )
 def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
     ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, swizzled, fused), QUANTIZE_SIG)
-    _check_ptx(ptx)
-    assert "shfl.sync.bfly" in ptx  # block amax through warp butterflies, not shared memory
-    assert "st.global.u16" in ptx  # four codes packed in registers, one 2-byte store
+    _check_block_kernel(ptx)
+    assert "ld.global.nc.v4.u32" in ptx  # 16-byte loads of the block
+    # a block's codes in one 8-byte (NVFP4) or 16-byte (MXFP4) store
+    assert ("st.global.v2.u32" if fmt == FMT_NVFP4 else "st.global.v4.u32") in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx or fmt == FMT_MXFP4  # hardware scale cast
+    if not stochastic:  # the float-pipe e2m1 encoder: saturating multiply-adds
+        assert "fma.rn.sat.f32" in ptx and "mul.rn.sat.f32" in ptx
+    if kind != 0:
+        assert "prmt.b32" in ptx or stochastic  # sign bits by byte permute
+        assert "max.u16x2" in ptx  # block amax on packed 16-bit halves
     if fused:
-        assert "st.global.u64" in ptx
+        assert "st.global.v4.u32" in ptx
 
 
-@pytest.mark.parametrize(
-    "kind,fmt,stochastic,fused",
-    list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True), (False, True))),
-)
-def test_per_thread_quantize_kernel_compiles_clean(kind, fmt, stochastic, fused):
-    sig = (U64, U64) + QUANTIZE_SIG[2:]  # codes as 8-byte words: a block's codes per store
-    ptx = compile_ptx(quantize_kernel(kind, fmt, stochastic, False, fused, True), sig)
-    _check_ptx(ptx)
-    # a block's codes leave as 8-byte words, never as the lanes layout's 2-byte stores
-    assert "st.global.u16" not in ptx and "st.global.u64" in ptx
+@pytest.mark.parametrize("kind,fmt", list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4))))
+def test_quantize_kernel_unaligned_input_compiles_clean(kind, fmt):
+    sig = (ELEMENTS[kind],) + QUANTIZE_SIG[1:]
+    ptx = compile_ptx(quantize_kernel(kind, fmt, False, False, False, False), sig)
+    _check_block_kernel(ptx)
+    assert "ld.global.nc.v4" not in ptx  # element loads only: the input is not 16-byte aligned
 
 
 @pytest.mark.parametrize(
@@ -90,14 +105,20 @@ def test_per_thread_quantize_kernel_compiles_clean(kind, fmt, stochastic, fused)
 )
 def test_dequantize_kernel_compiles_clean(kind, fmt, swizzled):
     ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled), DEQUANTIZE_SIG)
-    assert ".local" not in ptx
-    assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M)
-    assert "ld.global.u16" in ptx and "st.global.u64" in ptx
+    _check_block_kernel(ptx)
+    assert ("ld.global.nc.v2.u32" if fmt == FMT_NVFP4 else "ld.global.nc.v4.u32") in ptx
+    assert "prmt.b32" in ptx and "st.global.v4.u32" in ptx
+    ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled, False), (U8,) + DEQUANTIZE_SIG[1:])
+    _check_block_kernel(ptx)
+    assert "ld.global.nc.v" not in ptx
 
 
 @pytest.mark.parametrize("kind", (0, 1, 2))
 def test_amax_kernel_compiles_clean(kind):
-    _check_ptx(compile_ptx(amax_kernel(kind), AMAX_SIG))
+    ptx = compile_ptx(amax_kernel(kind), AMAX_SIG)
+    assert ".local" not in ptx and "ld.global.nc.v4.u32" in ptx
+    ptx = compile_ptx(amax_kernel(kind, False), (ELEMENTS[kind], I64, F32))
+    assert ".local" not in ptx and "ld.global.nc.v4" not in ptx
 
 
 def test_a_float64_leak_is_a_compile_error():
@@ -159,14 +180,13 @@ def test_blocking_kernel_compiles_to_a_sleep_loop():
 def test_requantized_sum_kernel_compiles_clean():
     from fp4_kernels.cuda.reduce import requantized_sum_mxfp4_kernel
 
-    sig = (U16, U8, I64, U16, U8, F32, I64)
+    sig = (W32, U8, I64, W32, U8, F32, I64)
     ptx = compile_ptx(requantized_sum_mxfp4_kernel(), sig)
-    assert ".local" not in ptx, "local memory in the kernel (spill or run-time-indexed array)"
-    assert not re.findall(r"^\s*\S*\.f64\b.*$", ptx, re.M), "float64 arithmetic"
-    assert "div.approx" not in ptx and "div.full" not in ptx, "non-IEEE float division"
-    # the rows' codes are read as uint16 (a chunk of 4 codes); the decode products stay
-    # separate instructions and the sums plain IEEE adds (no FMA: see cuda/reduce.py)
-    assert "ld.global.u16" in ptx or "ld.global.nc.u16" in ptx
+    _check_block_kernel(ptx)
+    # a row's block of codes in one 16-byte load; the decode products stay separate
+    # instructions and the sums plain IEEE adds (no FMA: see cuda/reduce.py)
+    assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
     assert "mul.rn.f32" in ptx
     assert "add.f32" in ptx or "add.rn.f32" in ptx
-    assert "shfl.sync.bfly" in ptx and "st.global.u16" in ptx
+    ptx = compile_ptx(requantized_sum_mxfp4_kernel(False), (U8,) + sig[1:])
+    _check_block_kernel(ptx)

@@ -23,15 +23,6 @@ def _data(rng, rows, k, dtype, block):
     return x.astype(NP_DTYPES[dtype])
 
 
-@pytest.fixture(params=["lanes", "per_thread"])
-def layout_variant(request):
-    """Both quantize kernel layouts (lanes sharing a block / a thread per block)."""
-    saved = launch.QUANTIZE_PER_THREAD
-    launch.QUANTIZE_PER_THREAD = request.param == "per_thread"
-    yield request.param
-    launch.QUANTIZE_PER_THREAD = saved
-
-
 def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=None):
     data, scales, gs, deq = reference_quantization(
         np.asarray(x, np.float32), fmt, rounding, seed, step, global_amax, layout
@@ -56,7 +47,7 @@ def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=
     ],
 )
 def test_quantize_matches_oracle(
-    kernels, layout_variant, rng, kind, fmt, dtype, rounding, layout, rows
+    kernels, rng, kind, fmt, dtype, rounding, layout, rows
 ):
     block = fk.FORMATS[fmt]
     k = 16 if rows > 100 else 4 * block  # the 129-row case keeps the simulator quick
@@ -86,17 +77,13 @@ def test_global_amax_scalar_and_device_array(kernels, rng):
     np.testing.assert_array_equal(to_host(q_dev.global_scale), to_host(q.global_scale))
 
 
-def test_stochastic_rounding_does_not_depend_on_the_launch(kernels, layout_variant, rng):
+def test_stochastic_rounding_does_not_depend_on_the_launch(kernels, rng):
     x = rng.standard_normal((4, 64)).astype(np.float32)
-    saved = launch.launch_override
-    try:
-        outs = []
-        for cfg in ((32, 1), (64, 3)) if kernels == "simulator" else ((32, 1), (256, 7), None):
-            launch.launch_override = cfg
+    outs = []
+    for cfg in ((32, 1), (64, 3)) if kernels == "simulator" else ((32, 1), (256, 7), (None, None)):
+        with launch.launch_policy(*cfg):
             q = fk.quantize(to_gpu(x, "numba"), rounding="stochastic", seed=5, step=1)
-            outs.append(to_host(q.data))
-    finally:
-        launch.launch_override = saved
+        outs.append(to_host(q.data))
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
     np.testing.assert_array_equal(
@@ -135,7 +122,7 @@ def _full_case(fmt, rounding, dtype):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
-def test_full_size_bit_exact(gpu, layout_variant, dtype, rounding, fmt, kind):
+def test_full_size_bit_exact(gpu, dtype, rounding, fmt, kind):
     """>= 2^24 elements of adversarial data per case, every output bit against the oracle."""
     print(f"full-size data seed {_FULL_SEED}")
     x, layout, (data, scales, gs, deq) = _full_case(fmt, rounding, dtype)

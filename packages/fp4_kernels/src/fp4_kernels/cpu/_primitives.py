@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 from numba.extending import intrinsic
 
-from .._bitcast import make_bitcast_intrinsics
+from .._numba_abi import make_bitcast_intrinsics
 from .._scalar import build_scalar_ops
 
 f32_as_u32, u32_as_f32 = make_bitcast_intrinsics(intrinsic)

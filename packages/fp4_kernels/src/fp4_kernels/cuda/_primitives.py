@@ -6,9 +6,10 @@ as Python threads); its missing warp shuffles are supplied by ``fp4_kernels.test
 
 from __future__ import annotations
 
+import numpy as np
 from numba import config, cuda
 
-from .._bitcast import make_bitcast_intrinsics, py_f32_as_u32, py_u32_as_f32
+from .._numba_abi import make_bitcast_intrinsics, py_f32_as_u32, py_u32_as_f32
 from .._scalar import build_scalar_ops
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -22,6 +23,45 @@ if SIMULATOR:
 
     def mul_rn_f32(a, b):
         return a * b  # numpy float32: one rounded product, nothing fuses it with an add
+
+    sat_mul = sat_fma = None  # the scalar ops write them out (same results: see _scalar)
+
+    def prmt(a, b, selector):
+        """``prmt.b32`` (default mode): byte k of the result is byte (nibble k & 7) of the 8
+        bytes b:a, or that byte's sign bit replicated when nibble k has bit 3 set."""
+        src = (int(b) << 32) | int(a)
+        out = 0
+        for k in range(4):
+            sel = (int(selector) >> (4 * k)) & 0xF
+            byte = (src >> (8 * (sel & 7))) & 0xFF
+            if sel & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * k)
+        return np.uint32(out)
+
+    def max_u16x2(a, b):
+        """``max.u16x2``: the larger of each 16-bit half, unsigned."""
+        a, b = int(a), int(b)
+        lo = max(a & 0xFFFF, b & 0xFFFF)
+        hi = max(a >> 16, b >> 16)
+        return np.uint32(lo | (hi << 16))
+
+    def load_v4(words, i):
+        """Four consecutive uint32 words from ``words[i]`` (i a multiple of 4)."""
+        return words[i], words[i + 1], words[i + 2], words[i + 3]
+
+    def store_v4(words, i, a, b, c, d):
+        words[i] = a
+        words[i + 1] = b
+        words[i + 2] = c
+        words[i + 3] = d
+
+    def load_v2(words, i):
+        return words[i], words[i + 1]
+
+    def store_v2(words, i, a, b):
+        words[i] = a
+        words[i + 1] = b
 else:
     from llvmlite import ir
     from numba.core import types
@@ -108,6 +148,123 @@ else:
         return types.float32(types.uint32), codegen
 
 
+if not SIMULATOR:
+    from .._numba_abi import element_address
+
+    def _asm_codegen(ptx, ll_type, constraint, n_args):
+        """codegen of a one-instruction intrinsic: ``ptx $0, $1, ...;`` on ``n_args``
+        operands of one LLVM type and constraint letter."""
+
+        def codegen(context, builder, signature, llargs):
+            operands = ", ".join(f"${i + 1}" for i in range(n_args))
+            asm = ir.InlineAsm(
+                ir.FunctionType(ll_type, [ll_type] * n_args),
+                f"{ptx} $0, {operands};",
+                f"={constraint}" + f",{constraint}" * n_args,
+            )
+            return builder.call(asm, list(llargs))
+
+        return codegen
+
+    _F32_ASM = (ir.FloatType(), "f")
+    _U32_ASM = (ir.IntType(32), "r")
+
+    @intrinsic
+    def sat_mul(typingctx, a, b):
+        """a * b rounded to nearest even and clamped to [0, 1], NaN -> +0 (FMUL.SAT)."""
+        if a != types.float32 or b != types.float32:
+            return None
+        return types.float32(a, b), _asm_codegen("mul.rn.sat.f32", *_F32_ASM, 2)
+
+    @intrinsic
+    def sat_fma(typingctx, a, b, c):
+        """fma(a, b, c) rounded to nearest even and clamped to [0, 1], NaN -> +0 (FFMA.SAT)."""
+        if a != types.float32 or b != types.float32 or c != types.float32:
+            return None
+        return types.float32(a, b, c), _asm_codegen("fma.rn.sat.f32", *_F32_ASM, 3)
+
+    @intrinsic
+    def prmt(typingctx, a, b, selector):
+        """Byte permute (PRMT): byte k of the result is byte (selector nibble k & 7) of b:a, or
+        that byte's sign bit replicated when the nibble has bit 3 set."""
+        if a != types.uint32 or b != types.uint32 or selector != types.uint32:
+            return None
+        return types.uint32(a, b, selector), _asm_codegen("prmt.b32", *_U32_ASM, 3)
+
+    @intrinsic
+    def max_u16x2(typingctx, a, b):
+        """The larger of each unsigned 16-bit half (VIMNMX.U16x2, sm_90)."""
+        if a != types.uint32 or b != types.uint32:
+            return None
+        return types.uint32(a, b), _asm_codegen("max.u16x2", *_U32_ASM, 2)
+
+    def _vector_load(n):
+        @intrinsic
+        def load(typingctx, words, index):
+            if not (isinstance(words, types.Array) and words.dtype == types.uint32):
+                return None
+            if not isinstance(index, types.Integer):
+                return None
+
+            def codegen(context, builder, signature, args):
+                i32 = ir.IntType(32)
+                addr = element_address(context, builder, signature.args[0], args[0], args[1])
+                regs = ", ".join(f"${i}" for i in range(n))
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.LiteralStructType([i32] * n), [ir.IntType(64)]),
+                    f"ld.global.nc.v{n}.u32 {{{regs}}}, [${n}];",
+                    ",".join(["=r"] * n + ["l"]),
+                )
+                return builder.call(asm, [addr])
+
+            return types.UniTuple(types.uint32, n)(words, index), codegen
+
+        return load
+
+    def _store_codegen(n):
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            addr = element_address(context, builder, signature.args[0], args[0], args[1])
+            regs = ", ".join(f"${i + 1}" for i in range(n))
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [i32] * n),
+                f"st.global.v{n}.u32 [$0], {{{regs}}};",
+                ",".join(["l"] + ["r"] * n + ["~{memory}"]),
+                side_effect=True,
+            )
+            builder.call(asm, [addr, *args[2:]])
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _store_ok(words, index, values):
+        return (
+            isinstance(words, types.Array)
+            and words.dtype == types.uint32
+            and isinstance(index, types.Integer)
+            and all(v == types.uint32 for v in values)
+        )
+
+    @intrinsic
+    def store_v2(typingctx, words, index, a, b):
+        if not _store_ok(words, index, (a, b)):
+            return None
+        return types.void(words, index, a, b), _store_codegen(2)
+
+    @intrinsic
+    def store_v4(typingctx, words, index, a, b, c, d):
+        if not _store_ok(words, index, (a, b, c, d)):
+            return None
+        return types.void(words, index, a, b, c, d), _store_codegen(4)
+
+    # n uint32 from words[index] in one 8- or 16-byte load through the non-coherent
+    # (read-only) path, ``ld.global.nc.v{2,4}.u32``: the address must be aligned to the load's
+    # size and the data not written by the kernel.  The stores above likewise
+    # (``st.global.v{2,4}.u32``).
+    load_v2 = _vector_load(2)
+    load_v4 = _vector_load(4)
+
+
 def device_jit(fn=None):
     """``cuda.jit(device=True)``; forceinline keeps the per-element helpers out of call frames."""
     if fn is None:
@@ -117,7 +274,7 @@ def device_jit(fn=None):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
-OPS = build_scalar_ops(device_jit, f32_as_u32, u32_as_f32, e4m3_satfinite)
+OPS = build_scalar_ops(device_jit, f32_as_u32, u32_as_f32, e4m3_satfinite, sat_mul, sat_fma)
 
 
 @device_jit

@@ -1,10 +1,12 @@
-"""Tensor amax (max |x| over finite elements) as per-CTA partial maxima.
+"""Tensor amax (max |x| over finite elements) as per-CTA partial maxima: kernel and host side.
 
-Launch contract: 1-D grid of ``n_parts`` CTAs, ``blockDim.x`` a multiple of 32; CTA b writes
-``parts[b]``.  No atomics and no zero-initialised buffer: the consumer (the quantize kernel)
-reduces the partials itself, so the NVFP4 quantizer costs two launches and no memset.
-NaN and +-Inf are ignored (they contribute 0), so a stray non-finite value poisons only its own
-block, not the tensor scale.
+Launch contract: 1-D grid of at most ``max_partials`` CTAs, any multiple of 32 threads; CTA b
+writes ``parts[b]``.  A thread reads ``UNROLL`` 16-byte words a pass (independent loads in
+flight before the first use) and takes the max of the finite magnitudes on the raw bits.  No
+atomics and no zero-initialised buffer: the consumer (the quantize kernel) reduces the partials
+itself, so the NVFP4 quantizer costs two launches and no memset.  NaN and +-Inf are ignored
+(they contribute 0), so a stray non-finite value poisons only its own block, not the tensor
+scale.
 """
 
 from __future__ import annotations
@@ -14,48 +16,67 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._chunk import finite_abs, make_chunk_io
-from ._primitives import WARP_SIZE, device_jit, group_max
+from . import launch
+from ._primitives import WARP_SIZE, group_max, u32_as_f32
+from ._words import ELEMENT_BYTES, U32, U64, make_words_io
 
-UNROLL = 4
+UNROLL = 4  # 16-byte words in flight per thread per pass
+THREADS = 256
+CTAS_PER_SM = 8
 
 
 @functools.cache
-def amax_kernel(kind):
-    load_chunk = make_chunk_io(kind)[0]
-
-    @device_jit
-    def chunk_amax(words, c, n_chunks):
-        v0, v1, v2, v3 = load_chunk(words, c, n_chunks)
-        a = max(finite_abs(v0), finite_abs(v1))
-        b = max(finite_abs(v2), finite_abs(v3))
-        return max(a, b)
+def amax_kernel(kind, aligned=True):
+    """Arguments: x (uint32 words, or the element array when not aligned), n_vec (16-byte
+    words), parts (float32, one per CTA)."""
+    n_words = 4 * UNROLL
+    load, _, _, finite_amax_bits, _ = make_words_io(kind, n_words, aligned)
+    load4 = make_words_io(kind, 4, aligned)[0]
+    finite_amax4 = make_words_io(kind, 4, aligned)[3]
 
     @cuda.jit
-    def kernel(words, n_chunks, parts):
+    def kernel(x, n_vec, parts):
         tid = cuda.threadIdx.x
-        m = np.float32(0.0)
+        w = cuda.local.array(n_words, np.uint32)
+        m = U32(0)
         nthreads = cuda.blockDim.x
-        tile = nthreads * UNROLL
-        n_tiles = (n_chunks + tile - 1) // tile
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            # UNROLL independent loads in flight per thread (one at a time is latency-bound)
-            c0 = t * tile + tid
-            a0 = chunk_amax(words, c0, n_chunks)
-            a1 = chunk_amax(words, c0 + nthreads, n_chunks)
-            a2 = chunk_amax(words, c0 + 2 * nthreads, n_chunks)
-            a3 = chunk_amax(words, c0 + 3 * nthreads, n_chunks)
-            m = max(m, max(max(a0, a1), max(a2, a3)))
-        m = group_max(m, WARP_SIZE)
+        start = cuda.blockIdx.x * nthreads + tid
+        step = cuda.gridDim.x * nthreads
+        full = n_vec // UNROLL  # passes of UNROLL consecutive 16-byte words per thread
+        for i in range(start, full, step):
+            load(x, U64(i) * U64(n_words), w)
+            m = max(m, finite_amax_bits(w))
+        for i in range(full * UNROLL + start, n_vec, step):  # the last < UNROLL words
+            load4(x, U64(i) * U64(4), w)
+            m = max(m, finite_amax4(w))
+        a = u32_as_f32(m)
+        a = group_max(a, WARP_SIZE)
         warp_max = cuda.shared.array(32, dtype=np.float32)
         if tid % WARP_SIZE == 0:
-            warp_max[tid // WARP_SIZE] = m
+            warp_max[tid // WARP_SIZE] = a
         cuda.syncthreads()  # all warp maxima written before thread 0 combines them
         if tid == 0:
-            for w in range(1, cuda.blockDim.x // WARP_SIZE):
-                v = warp_max[w]
-                if v > m:
-                    m = v
-            parts[cuda.blockIdx.x] = m
+            for k in range(1, nthreads // WARP_SIZE):
+                v = warp_max[k]
+                if v > a:
+                    a = v
+            parts[cuda.blockIdx.x] = a
 
     return kernel
+
+
+def max_partials(device_id):
+    """Size of the partials buffer ``amax_partials`` may fill."""
+    return launch.max_blocks(CTAS_PER_SM, device_id)
+
+
+def amax_partials(ctx, xw, aligned, kind, n, parts):
+    """Queue the amax kernel over the ``n`` elements behind the words view ``xw``, writing
+    ``parts[:blocks]``; returns how many partials it wrote."""
+    n_vec = n * ELEMENT_BYTES[kind] // 16  # n is a multiple of 16 elements
+    threads = launch.threads_for(THREADS)
+    blocks = launch.grid_for(-(-n_vec // UNROLL), threads)
+    blocks = min(blocks, max_partials(ctx.device_id))
+    return launch.launch(
+        amax_kernel(kind, aligned), blocks, threads, ctx.stream, (xw, np.int64(n_vec), parts)
+    )

@@ -19,12 +19,14 @@ import functools
 import numpy as np
 from numba import cuda
 
+from . import launch
 from ._chunk import U32, U64, make_chunk_io, max4_abs_bits
 from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, u32_as_f32
 from .hadamard import (
     CHUNKS,
     REGISTERS,
     TILE_CHUNKS,
+    group_grid,
     group_warps,
     make_butterflies,
     make_tile_io,
@@ -249,3 +251,37 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
             base += stride
 
     return kernel
+
+
+# ---------------------------------------------------------------------- host side
+
+
+def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, stochastic):
+    """Queue the encoding of the ``n`` elements of ``x`` into the wire buffer's ``codes`` and
+    ``scales`` views (validated and allocated by the caller) on the caller's stream."""
+    if n == 0:
+        return
+    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    launch.launch(
+        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic),
+        blocks,
+        threads,
+        ctx.stream,
+        (ctx.view(x, np.uint64), ctx.view(codes, np.uint16), ctx.view(scales, np.uint16),
+         np.int64(n // 4), np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step)),
+    )  # fmt: skip
+
+
+def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
+    """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
+    if n == 0:
+        return
+    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    launch.launch(
+        fp4quant_decode_kernel(out_kind, group_size, hadamard),
+        blocks,
+        threads,
+        ctx.stream,
+        (ctx.view(codes, np.uint16), ctx.view(scales, np.uint16), ctx.view(out, np.uint64),
+         np.int64(n // 4)),
+    )  # fmt: skip

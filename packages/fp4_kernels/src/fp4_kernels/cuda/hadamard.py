@@ -32,6 +32,7 @@ import numpy as np
 from numba import cuda
 
 from ..formats.hadamard import WARP_TILE, inv_sqrt_group_size
+from . import launch
 from ._chunk import U32, make_chunk_io
 from ._primitives import FULL_MASK, WARP_SIZE, device_jit, f32_as_u32, u32_as_f32
 
@@ -257,3 +258,33 @@ def hadamard_kernel(kind, group_size, inverse, signed):
             base += stride
 
     return kernel
+
+
+# ---------------------------------------------------------------------- host side
+
+THREADS = 256  # the launch table's row (cuda/launch.py); 32 * g / 512 for g >= 1024
+
+
+def group_grid(group_size, n_chunks, device_id):
+    """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
+    for g >= 1024 (its warps exchange through shared memory), 256 threads otherwise; a
+    persistent grid of up to 2048 resident threads per SM."""
+    threads = threads_per_block(group_size, launch.threads_for(THREADS))
+    per = threads * REGISTERS // 4  # chunks of 4 elements a CTA takes per pass
+    blocks = launch.grid_for(n_chunks, per)
+    return min(blocks, launch.max_blocks(max(1, 2048 // threads), device_id)), threads
+
+
+def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
+    """Queue the transform of the ``n`` elements of ``x`` into ``out`` (arrays of the caller's
+    kind, validated by the caller) on the caller's stream."""
+    if n == 0:
+        return
+    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    launch.launch(
+        hadamard_kernel(kind, group_size, inverse, signed),
+        blocks,
+        threads,
+        ctx.stream,
+        (ctx.view(x, np.uint64), ctx.view(out, np.uint64), np.int64(n // 4), sign_words),
+    )

@@ -1,13 +1,15 @@
-"""NVFP4 / MXFP4 quantization kernel (optionally fused with dequantization: fake-quant).
+"""NVFP4 / MXFP4 quantize on the GPU (optionally fused with dequantize: fake quantization):
+the kernel and its host wrapper.
 
-Launch contract: 1-D grid-stride over *tiles* of ``blockDim.x * UNROLL`` chunks (4 elements
-each); every thread of a block runs the same number of iterations, so all lanes reach every warp
-shuffle (out-of-range chunks are processed as zeros and not stored).  ``blockDim.x`` must be a
-multiple of 32.  One pass: the input is read once, codes and scales written once (and, fused,
-the reconstructed tensor).  The NVFP4 tensor amax is either a value given by the caller or the
-max over per-CTA partial maxima written earlier by ``cuda.amax`` on the same stream.
+Launch contract: one thread per scale block (16 elements NVFP4, 32 MXFP4), a 1-D grid-stride
+loop over the blocks; any CTA size.  A thread loads its block with 16-byte loads, finds the
+block amax on the raw words (no shuffles), computes the scale once, encodes its elements on the
+float pipe (``_scalar.e2m1_code_f``) and stores 8 (NVFP4) or 16 (MXFP4) bytes of codes and one
+scale byte.  The NVFP4 tensor amax is a value given by the caller or the max over the per-CTA
+partials that ``cuda.amax`` wrote earlier on the same stream.
 
-Operation order (float32, as NVIDIA Transformer Engine computes NVFP4):
+Operation order (float32, as NVIDIA Transformer Engine computes NVFP4; ``_scalar`` has the
+block arithmetic, shared with the CPU path):
     S     = min(2688 / amax, FLT_MAX), 1 if amax == 0 or S == 0       (tensor encode scale)
     s     = e4m3_rne_sat(amax_b * (S * fp32(1/6)))                    (block decode scale code)
     rcp   = min(1 / (float(s) * (1 / S)), FLT_MAX)                     (block encode scale)
@@ -26,23 +28,69 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._scalar import (
-    E4M3_NAN_CODE,
-    E8M0_NAN_CODE,
-    F32_NAN,
-    F32_ONE,
-    F32_ZERO,
-    FP32_MAX,
-    INV_E2M1_MAX,
+from .._scalar import E2M1_CODE_BIAS, INV_E2M1_MAX, KIND_F32
+from . import launch
+from ._primitives import (
+    OPS,
+    WARP_SIZE,
+    device_jit,
+    f32_as_u32,
+    group_max,
+    prmt,
+    store_v2,
+    u32_as_f32,
 )
-from ._chunk import U32, U64, make_chunk_io, max4_abs_bits, scale_offset
-from ._primitives import OPS, WARP_SIZE, device_jit, group_max, u32_as_f32
-
-UNROLL = 4  # chunks per thread per tile: four independent loads in flight before first use
+from ._words import U32, U64, make_words_io, store_v4, words_per
 
 FMT_NVFP4 = 0
 FMT_MXFP4 = 1
 BLOCK_SIZES = {FMT_NVFP4: 16, FMT_MXFP4: 32}
+THREADS = 256  # the launch table's row (cuda/launch.py)
+
+# Horner packing adds the float bits 2^23 + code of 8 elements as p = 16 p + bits; modulo 2^32
+# the 2^23 parts add up to 0x4B000000 * 0x11111111 = 0xFB000000, which this removes.
+HORNER_FIX = U32((-E2M1_CODE_BIAS * 0x11111111) & 0xFFFFFFFF)
+SIGN_NIBBLES = U32(0x88888888)
+# e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as float32 bits are 0x??..0000: their top byte and
+# the byte below it, as 8-entry byte tables for PRMT (entry m = byte m of hi:lo)
+E2M1_TOP_BYTES = (U32(0x3F3F3F00), U32(0x40404040))
+E2M1_NEXT_BYTES = (U32(0xC0800000), U32(0xC0804000))
+# PRMT selectors that assemble element e's float32 from those lookups: bytes 0 and 1 are the
+# sign-replicated top byte (0x00, 0x3F or 0x40: always 0), byte 2 the next byte, byte 3 the top
+E2M1_ASSEMBLE = (U32(0x40CC), U32(0x51DD), U32(0x62EE), U32(0x73FF))
+
+
+@device_jit
+def e2m1_values4(p):
+    """The four e2m1 codes in the low 16 bits of ``p`` (code e in nibble e) as float32, by
+    byte-permute table lookups: 3 PRMT per 4 codes, then 1 PRMT and the sign per code."""
+    mags = U32(p & 0x7777)
+    top = prmt(E2M1_TOP_BYTES[0], E2M1_TOP_BYTES[1], mags)
+    nxt = prmt(E2M1_NEXT_BYTES[0], E2M1_NEXT_BYTES[1], mags)
+    v0 = U32(prmt(nxt, top, E2M1_ASSEMBLE[0]) | U32(U32(p << U32(28)) & 0x80000000))
+    v1 = U32(prmt(nxt, top, E2M1_ASSEMBLE[1]) | U32(U32(p << U32(24)) & 0x80000000))
+    v2 = U32(prmt(nxt, top, E2M1_ASSEMBLE[2]) | U32(U32(p << U32(20)) & 0x80000000))
+    v3 = U32(prmt(nxt, top, E2M1_ASSEMBLE[3]) | U32(U32(p << U32(16)) & 0x80000000))
+    return u32_as_f32(v0), u32_as_f32(v1), u32_as_f32(v2), u32_as_f32(v3)
+
+
+@device_jit
+def decode8_into(v, first, p, nvfp4, s, s_dec):
+    """The 8 codes of ``p`` decoded into ``v[first .. first + 7]``: NVFP4 (value * s) * s_dec
+    (the first product exact, the second the one rounding), MXFP4 value * s (s = 2^e, exact)."""
+    for h in range(2):
+        a, b, c, d = e2m1_values4(U32(p >> U32(16 * h)))
+        j = first + 4 * h
+        if nvfp4:
+            v[j] = (a * s) * s_dec
+            v[j + 1] = (b * s) * s_dec
+            v[j + 2] = (c * s) * s_dec
+            v[j + 3] = (d * s) * s_dec
+        else:
+            v[j] = a * s
+            v[j + 1] = b * s
+            v[j + 2] = c * s
+            v[j + 3] = d * s
 
 
 @device_jit
@@ -68,298 +116,206 @@ def tensor_amax_from_partials(parts, n_parts):
 
 
 @functools.cache
-def quantize_kernel(kind, fmt, stochastic, swizzled, fused, per_thread=False):
+def make_block_codec(kind, fmt):
+    """Device functions that encode and decode one block held as words (``_words``):
+
+    ``sign_nibbles(w, g)``: the sign bits of elements 8g .. 8g+7 at bit 3 of their nibbles;
+    ``encode8(w, g, mult)``: the 8 nearest-even codes of those elements, packed (element 8g in
+    the low nibble), signs included;
+    ``encode8_sr(w, g, mult, chunk, seed_lo, seed_hi, step)``: the same with stochastic
+    rounding (Philox words of chunks ``chunk`` and ``chunk + 1``, 4 elements each);
+    """
+    wide = kind == KIND_F32
+    n_words = words_per(kind, BLOCK_SIZES[fmt])
+    element = make_words_io(kind, n_words)[1]
+    e2m1_code_f = OPS.e2m1_code_f
+    e2m1_encode_sr = OPS.e2m1_encode_sr
+    philox = OPS.philox4x32_10
+
+    @device_jit
+    def sign_nibbles(w, g):
+        if wide:
+            m = U32(0)
+            for e in range(8):
+                m = U32(m | U32(U32(w[8 * g + e] >> 31) << U32(4 * e + 3)))
+            return m
+        # the sign byte of each 16-bit element, replicated (PRMT's sign mode): x holds elements
+        # 0-3 of the group, y 4-7; then even elements to bit 3, odd ones to bit 7 of each byte
+        x = prmt(w[4 * g], w[4 * g + 1], U32(0xFDB9))
+        y = prmt(w[4 * g + 2], w[4 * g + 3], U32(0xFDB9))
+        even = prmt(x, y, U32(0x6420))
+        odd = prmt(x, y, U32(0x7531))
+        return U32(U32(even & 0x08080808) | U32(odd & 0x80808080))
+
+    @device_jit
+    def encode8(w, g, mult):
+        p = U32(0)
+        for e in range(8):  # Horner from the top element down: element 8g lands in nibble 0
+            a = abs(element(w, 8 * g + 7 - e)) * mult
+            p = U32(U32(p << U32(4)) + f32_as_u32(e2m1_code_f(a)))
+        return U32(U32(p + HORNER_FIX) | U32(sign_nibbles(w, g) & SIGN_NIBBLES))
+
+    @device_jit
+    def encode8_sr(w, g, mult, chunk, seed_lo, seed_hi, step):
+        # counter = flat element index // 4 = chunk index: word j of a call for element
+        # 4 chunk + j, independent of the launch configuration (as the CPU path and the oracle)
+        r0, r1, r2, r3 = philox(
+            U32(chunk & 0xFFFFFFFF), U32(chunk >> 32), step, U32(0), seed_lo, seed_hi
+        )
+        r4, r5, r6, r7 = philox(
+            U32((chunk + 1) & 0xFFFFFFFF), U32((chunk + 1) >> 32), step, U32(0), seed_lo, seed_hi
+        )
+        j = 8 * g
+        p = U32(e2m1_encode_sr(element(w, j) * mult, r0))
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 1) * mult, r1)) << 4)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 2) * mult, r2)) << 8)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 3) * mult, r3)) << 12)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 4) * mult, r4)) << 16)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 5) * mult, r5)) << 20)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 6) * mult, r6)) << 24)
+        p |= U32(U32(e2m1_encode_sr(element(w, j + 7) * mult, r7)) << 28)
+        return p
+
+    return sign_nibbles, encode8, encode8_sr
+
+
+@functools.cache
+def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True):
     """Build (once per configuration) the quantize kernel; ``fused`` also writes x_hat.
 
-    Two layouts of the same arithmetic (bit-identical results): ``per_thread=False``, four
-    lanes (NVFP4; eight for MXFP4) share a block, each owning a chunk, the block amax found by
-    warp shuffles and each lane storing its 4 codes as a uint16 (fully coalesced loads);
-    ``per_thread=True``, a thread owns a whole block (strided loads, no shuffles, no repeated
-    scale arithmetic).  ``benchmarks/gpu_throughput.py`` measures both.
+    Arguments: x (uint32 words; the element array itself when not ``aligned`` to 16 bytes),
+    codes (uint32), scales (uint8), out (uint32; written only when fused), n_blocks, kb,
+    padded_kb, amax_parts (float32), n_parts, amax_value (float32; < 0: reduce the partials),
+    global_scale (float32, 1 element, written by thread 0), seed_lo, seed_hi, step (uint32).
     """
-    lanes = BLOCK_SIZES[fmt] // 4  # lanes sharing one block
-    lanes_log2 = lanes.bit_length() - 1
-    _, store_chunk, load_raw, unpack = make_chunk_io(kind)
+    block = BLOCK_SIZES[fmt]
+    n_words = words_per(kind, block)
+    groups = block // 8  # packed code words per block
+    load, _, amax_bits, _, store = make_words_io(kind, n_words, aligned)
+    _, encode8, encode8_sr = make_block_codec(kind, fmt)
     nvfp4 = fmt == FMT_NVFP4
-
-    e2m1_encode = OPS.e2m1_encode
-    e2m1_encode_sr = OPS.e2m1_encode_sr
-    e2m1_decode = OPS.e2m1_decode
-    e4m3_encode_positive = OPS.e4m3_encode_positive
-    e4m3_decode = OPS.e4m3_decode
-    e8m0_decode = OPS.e8m0_decode
-    mx_shared_exponent = OPS.mx_shared_exponent
-    pow2_f32 = OPS.pow2_f32
-    philox = OPS.philox4x32_10
+    nvfp4_block_scale = OPS.nvfp4_block_scale
+    mxfp4_block_scale = OPS.mxfp4_block_scale
     nvfp4_encode_scale = OPS.nvfp4_encode_scale
-
-    @device_jit
-    def encode4(v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step):
-        """Scale the chunk by ``mult`` and round to e2m1; returns the four codes."""
-        y0 = v0 * mult
-        y1 = v1 * mult
-        y2 = v2 * mult
-        y3 = v3 * mult
-        if stochastic:
-            # counter = flat element index // 4 = chunk index: one Philox call per chunk, word j
-            # for element 4c + j, independent of the launch configuration.
-            r0, r1, r2, r3 = philox(
-                np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0), seed_lo, seed_hi
-            )
-            return (
-                e2m1_encode_sr(y0, r0),
-                e2m1_encode_sr(y1, r1),
-                e2m1_encode_sr(y2, r2),
-                e2m1_encode_sr(y3, r3),
-            )
-        return e2m1_encode(y0), e2m1_encode(y1), e2m1_encode(y2), e2m1_encode(y3)
-
-    @device_jit
-    def block_scale(bmax_bits, s6, s_dec):
-        """Block amax bits -> (finite, scale code, decoded scale s, element multiplier)."""
-        finite = bmax_bits < 0x7F800000
-        bmax = u32_as_f32(U32(bmax_bits))
-        s = F32_ZERO
-        if nvfp4:
-            if finite:
-                # TE order: S * fp32(1/6) first, then times the block amax (s6 = S * 1/6).
-                scode = e4m3_encode_positive(bmax * s6)
-                s = e4m3_decode(scode)
-                # the product s * (1/S) first, then its reciprocal, clamped (s == 0 -> FLT_MAX).
-                mult = F32_ONE / (s * s_dec)
-                if mult > FP32_MAX:
-                    mult = FP32_MAX
-            else:
-                scode = U32(E4M3_NAN_CODE)
-                s = F32_NAN
-                mult = F32_ZERO
-        else:
-            if finite:
-                e = mx_shared_exponent(bmax)
-                scode = U32(e + 127)
-                mult = pow2_f32(-e)  # -e in [-125, 127]: a normal float32, exact scaling
-            else:
-                scode = U32(E8M0_NAN_CODE)
-                mult = F32_ZERO
-        return finite, scode, s, mult
-
-    @device_jit
-    def encode_chunk(finite, v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step):
-        """The chunk's four codes packed in a uint16 (element 4c + j in nibble j)."""
-        if not finite:
-            return U32(0)  # a non-finite block: zero codes under the NaN scale
-        k0, k1, k2, k3 = encode4(v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step)
-        return U32(U32(k0 | U32(k1 << 4)) | U32(U32(k2 << 8) | U32(k3 << 12)))
-
-    @device_jit
-    def store_decoded(out, c, packed, s, s_dec, scode):
-        """Fused fake-quant: write the chunk's reconstruction in the input's dtype."""
-        k0 = U32(packed & 15)
-        k1 = U32(U32(packed >> 4) & 15)
-        k2 = U32(U32(packed >> 8) & 15)
-        k3 = U32(packed >> 12)
-        if nvfp4:
-            # (e2m1 value * s) is exact; the product with 1/S is the one rounding.
-            store_chunk(
-                out,
-                c,
-                (e2m1_decode(k0) * s) * s_dec,
-                (e2m1_decode(k1) * s) * s_dec,
-                (e2m1_decode(k2) * s) * s_dec,
-                (e2m1_decode(k3) * s) * s_dec,
-            )
-        else:
-            x = e8m0_decode(scode)
-            store_chunk(
-                out,
-                c,
-                e2m1_decode(k0) * x,
-                e2m1_decode(k1) * x,
-                e2m1_decode(k2) * x,
-                e2m1_decode(k3) * x,
-            )
-
-    @device_jit
-    def process_chunk(
-        w0, w1, c, n_chunks, codes, scales, out, kb, padded_kb, s6, s_dec, seed_lo, seed_hi, step
-    ):
-        v0, v1, v2, v3 = unpack(w0, w1)
-        bmax_bits = group_max(max4_abs_bits(v0, v1, v2, v3), lanes)
-        finite, scode, s, mult = block_scale(bmax_bits, s6, s_dec)
-        packed = encode_chunk(finite, v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step)
-        if c < n_chunks:
-            codes[U64(c)] = packed
-            if (c & (lanes - 1)) == 0:
-                scales[scale_offset(c >> lanes_log2, kb, padded_kb, swizzled)] = scode
-            if fused:
-                store_decoded(out, c, packed, s, s_dec, scode)
+    scale_offset = OPS.scale_offset
+    one = np.float32(1.0)
 
     @device_jit
     def tensor_scale(amax_value, amax_parts, n_parts, global_scale):
-        """(S * 1/6, 1/S) for NVFP4 (written to global_scale by thread 0), (0, 1) for MXFP4."""
+        """(S * 1/6, 1/S) for NVFP4 (1/S written to global_scale by thread 0), (0, 1) MXFP4."""
         s6 = np.float32(0.0)
-        s_dec = np.float32(1.0)
+        s_dec = one
         if nvfp4:
             if amax_value >= np.float32(0.0):
                 amax = amax_value
             else:
                 amax = tensor_amax_from_partials(amax_parts, n_parts)
             big_s = nvfp4_encode_scale(amax)
-            s_dec = F32_ONE / big_s
+            s_dec = one / big_s
             s6 = big_s * INV_E2M1_MAX
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            global_scale[0] = s_dec  # 1/S for NVFP4, 1.0 for MXFP4
+            global_scale[0] = s_dec
         return s6, s_dec
-
-    if per_thread:
-
-        @cuda.jit
-        def kernel_per_thread(
-            words,
-            codes64,
-            scales,
-            out,
-            n_chunks,
-            kb,
-            padded_kb,
-            amax_parts,
-            n_parts,
-            amax_value,
-            global_scale,
-            seed_lo,
-            seed_hi,
-            step,
-        ):
-            """One thread per block: no shuffles, the scale computed once per block; the block's
-            codes (8 bytes NVFP4, 16 MXFP4) leave in 8-byte stores, contiguous across lanes.
-            Pass 1 loads the block and takes its amax; pass 2 reloads it (from L1) to encode."""
-            s6, s_dec = tensor_scale(amax_value, amax_parts, n_parts, global_scale)
-            n_blocks = n_chunks >> lanes_log2
-            for blk in range(cuda.grid(1), n_blocks, cuda.gridsize(1)):
-                c0 = blk << lanes_log2
-                m = np.int32(0)
-                for j in range(lanes):
-                    w0, w1 = load_raw(words, c0 + j, n_chunks)
-                    v0, v1, v2, v3 = unpack(w0, w1)
-                    m = max(m, max4_abs_bits(v0, v1, v2, v3))
-                finite, scode, s, mult = block_scale(m, s6, s_dec)
-                lo = U64(0)
-                hi = U64(0)
-                for j in range(lanes):
-                    c = c0 + j
-                    w0, w1 = load_raw(words, c, n_chunks)
-                    v0, v1, v2, v3 = unpack(w0, w1)
-                    packed = encode_chunk(finite, v0, v1, v2, v3, mult, c, seed_lo, seed_hi, step)
-                    if j < 4:
-                        lo |= U64(packed) << U64(16 * j)
-                    else:
-                        hi |= U64(packed) << U64(16 * (j - 4))
-                    if fused:
-                        store_decoded(out, c, packed, s, s_dec, scode)
-                if lanes == 4:
-                    codes64[U64(blk)] = lo
-                else:
-                    codes64[U64(2 * blk)] = lo
-                    codes64[U64(2 * blk + 1)] = hi
-                scales[scale_offset(blk, kb, padded_kb, swizzled)] = scode
-
-        return kernel_per_thread
 
     @cuda.jit
     def kernel(
-        words,
-        codes,
-        scales,
-        out,
-        n_chunks,
-        kb,
-        padded_kb,
-        amax_parts,
-        n_parts,
-        amax_value,
-        global_scale,
-        seed_lo,
-        seed_hi,
-        step,
-    ):
+        x, codes, scales, out, n_blocks, kb, padded_kb, amax_parts, n_parts, amax_value,
+        global_scale, seed_lo, seed_hi, step,
+    ):  # fmt: skip
         s6, s_dec = tensor_scale(amax_value, amax_parts, n_parts, global_scale)
-        nthreads = cuda.blockDim.x
-        tile = nthreads * UNROLL
-        n_tiles = (n_chunks + tile - 1) // tile
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            c0 = t * tile + cuda.threadIdx.x
-            c1 = c0 + nthreads
-            c2 = c1 + nthreads
-            c3 = c2 + nthreads
-            # all loads first: UNROLL independent memory requests in flight per thread, kept as
-            # raw words (fewer live registers than unpacked floats)
-            a0, a1 = load_raw(words, c0, n_chunks)
-            b0, b1 = load_raw(words, c1, n_chunks)
-            d0, d1 = load_raw(words, c2, n_chunks)
-            e0, e1 = load_raw(words, c3, n_chunks)
-            process_chunk(
-                a0,
-                a1,
-                c0,
-                n_chunks,
-                codes,
-                scales,
-                out,
-                kb,
-                padded_kb,
-                s6,
-                s_dec,
-                seed_lo,
-                seed_hi,
-                step,
-            )
-            process_chunk(
-                b0,
-                b1,
-                c1,
-                n_chunks,
-                codes,
-                scales,
-                out,
-                kb,
-                padded_kb,
-                s6,
-                s_dec,
-                seed_lo,
-                seed_hi,
-                step,
-            )
-            process_chunk(
-                d0,
-                d1,
-                c2,
-                n_chunks,
-                codes,
-                scales,
-                out,
-                kb,
-                padded_kb,
-                s6,
-                s_dec,
-                seed_lo,
-                seed_hi,
-                step,
-            )
-            process_chunk(
-                e0,
-                e1,
-                c3,
-                n_chunks,
-                codes,
-                scales,
-                out,
-                kb,
-                padded_kb,
-                s6,
-                s_dec,
-                seed_lo,
-                seed_hi,
-                step,
-            )
+        w = cuda.local.array(n_words, np.uint32)
+        p = cuda.local.array(groups, np.uint32)
+        v = cuda.local.array(block, np.float32)
+        for blk in range(cuda.grid(1), n_blocks, cuda.gridsize(1)):
+            load(x, U64(blk) * U64(n_words), w)
+            bits = amax_bits(w)
+            if nvfp4:
+                scode, s, mult = nvfp4_block_scale(bits, s6, s_dec)
+            else:
+                scode, s, mult = mxfp4_block_scale(bits)
+            finite = bits < 0x7F800000
+            if stochastic:
+                # written out per group: the two Philox calls keep the compiler from unrolling
+                # a loop, and a rolled loop would index the register arrays at run time
+                chunk = U64(blk) * U64(block // 4)
+                p[0] = encode8_sr(w, 0, mult, chunk, seed_lo, seed_hi, step)
+                p[1] = encode8_sr(w, 1, mult, chunk + U64(2), seed_lo, seed_hi, step)
+                if groups == 4:
+                    p[2] = encode8_sr(w, 2, mult, chunk + U64(4), seed_lo, seed_hi, step)
+                    p[3] = encode8_sr(w, 3, mult, chunk + U64(6), seed_lo, seed_hi, step)
+            else:
+                for g in range(groups):
+                    p[g] = encode8(w, g, mult)
+            for g in range(groups):
+                if not finite:
+                    p[g] = U32(0)  # a non-finite block: zero codes under the NaN scale
+            if nvfp4:
+                store_v2(codes, U64(blk) * U64(2), p[0], p[1])
+            else:
+                store_v4(codes, U64(blk) * U64(4), p[0], p[1], p[2], p[3])
+            scales[scale_offset(blk, kb, padded_kb, swizzled)] = np.uint8(scode)
+            if fused:
+                for g in range(groups):
+                    decode8_into(v, 8 * g, p[g], nvfp4, s, s_dec)
+                store(out, U64(blk) * U64(n_words), v)
 
     return kernel
+
+
+# ---------------------------------------------------------------------- host side
+
+
+def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value, amax_array, fused):
+    """Queue the quantization of the GPU array ``x`` (validated by the caller) on the caller's
+    stream; returns (data, scales, global_scale, out) arrays of the caller's kind (out is None
+    unless ``fused``).  ``ctx`` is the caller's ``_arrays.GpuContext``."""
+    from . import amax as amax_op
+
+    shape = geo.shape
+    block = BLOCK_SIZES[fmt_code]
+    n_blocks = geo.n // block
+    data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
+    scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
+    compute_amax = fmt_code == FMT_NVFP4 and amax_value < 0 and amax_array is None
+    # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
+    n_partials = amax_op.max_partials(ctx.device_id) if compute_amax else 0
+    scratch = ctx.empty((1 + n_partials,), np.float32)
+    gs = scratch[:1]
+    out = ctx.empty(shape, None, like_dtype=ctx.float_dtype_of_kind(dt_kind)) if fused else None
+    if n_blocks == 0:
+        ctx.fill(gs, 1.0)
+        return data, scales, gs, out
+    xw, aligned = ctx.words_view(x, dt_kind)
+    if amax_array is not None:
+        parts, n_parts = ctx.view(amax_array, np.float32), 1
+    elif compute_amax:
+        parts = ctx.view(scratch[1:])
+        n_parts = amax_op.amax_partials(ctx, xw, aligned, dt_kind, geo.n, parts)
+    else:
+        parts, n_parts = ctx.view(gs), 0
+    kern = quantize_kernel(dt_kind, fmt_code, stochastic, geo.swizzled, fused, aligned)
+    threads = launch.threads_for(THREADS)
+    codes = ctx.view(data, np.uint32)
+    launch.launch(
+        kern,
+        launch.grid_for(n_blocks, threads),
+        threads,
+        ctx.stream,
+        (
+            xw,
+            codes,
+            ctx.view(scales),
+            ctx.view(out, np.uint32) if fused else codes,  # never written when not fused
+            np.int64(n_blocks),
+            np.int64(geo.kb),
+            np.int64(geo.padded_kb),
+            parts,
+            np.int64(n_parts),
+            np.float32(amax_value),
+            ctx.view(gs),
+            np.uint32(seed & 0xFFFFFFFF),
+            np.uint32(seed >> 32),
+            np.uint32(step),
+        ),
+    )
+    return data, scales, gs, out

@@ -13,87 +13,105 @@ product can overflow to infinity where a fused ``fma(v, 2^e, s)`` would stay fin
 It reads R (n/2 + n/32) bytes and writes n/2 + n/32, where the composition writes and reads
 back 4 R n + 8 n bytes of float32.
 
-Launch contract as the quantize kernel's: a 1-D grid-stride loop over tiles of ``blockDim.x``
-chunks (4 elements each; ``blockDim.x`` a multiple of 32), every thread running the same number
-of iterations so that all 8 lanes of an MXFP4 block reach the shuffle of its amax; chunks past
-the end take part as zeros and store nothing.
+Launch contract as the quantize kernel's: one thread per MXFP4 block, a 1-D grid-stride loop;
+the encode is the quantize kernel's block codec (``quantize.make_block_codec``) on the float32
+sums.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 from numba import cuda
 
-from .._scalar import E8M0_NAN_CODE, F32_ONE, F32_ZERO
-from ._chunk import U32, U64, max4_abs_bits
-from ._primitives import OPS, device_jit, group_max, mul_rn_f32, u32_as_f32
+from .._scalar import F32_ONE, KIND_F32
+from . import launch
+from ._primitives import OPS, device_jit, f32_as_u32, load_v4, mul_rn_f32, store_v4
+from ._words import U32, U64, make_words_io
+from .quantize import FMT_MXFP4, THREADS, e2m1_values4, make_block_codec
 
-MX_LANES = 8  # chunks of 4 elements per MXFP4 block of 32
-MX_LANES_LOG2 = 3
+BLOCK = 32  # elements of an MXFP4 block: 16 bytes of codes, 4 packed words
 
 
 @functools.cache
-def requantized_sum_mxfp4_kernel():
-    e2m1_encode = OPS.e2m1_encode
-    e2m1_decode = OPS.e2m1_decode
+def requantized_sum_mxfp4_kernel(aligned=True):
+    """Arguments: codes_in (uint32 words, or bytes when not 16-byte aligned; rows x n_blocks
+    blocks), scales_in (uint8), rows, codes_out (uint32), scales_out (uint8), global_scale
+    (float32, 1 element), n_blocks."""
+    _, encode8, _ = make_block_codec(KIND_F32, FMT_MXFP4)
+    amax_bits = make_words_io(KIND_F32, BLOCK)[2]
     e8m0_decode = OPS.e8m0_decode
-    mx_shared_exponent = OPS.mx_shared_exponent
-    pow2_f32 = OPS.pow2_f32
+    mxfp4_block_scale = OPS.mxfp4_block_scale
 
     @device_jit
-    def row_chunk(codes_in, scales_in, r, c, n_chunks):
-        """Chunk ``c`` of row ``r`` decoded to four float32 values."""
-        p = U32(codes_in[U64(r) * U64(n_chunks) + U64(c)])
-        n_blocks = n_chunks >> MX_LANES_LOG2
-        x = e8m0_decode(U32(scales_in[U64(r) * U64(n_blocks) + U64(c >> MX_LANES_LOG2)]))
-        return (
-            mul_rn_f32(e2m1_decode(p & 15), x),
-            mul_rn_f32(e2m1_decode((p >> 4) & 15), x),
-            mul_rn_f32(e2m1_decode((p >> 8) & 15), x),
-            mul_rn_f32(e2m1_decode(p >> 12), x),
-        )
+    def load_block(codes, i, p):
+        if aligned:
+            p[0], p[1], p[2], p[3] = load_v4(codes, i * U64(4))
+        else:
+            for g in range(4):
+                b = i * U64(16) + U64(4 * g)
+                p[g] = U32(
+                    U32(codes[b])
+                    | U32(U32(codes[b + 1]) << 8)
+                    | U32(U32(codes[b + 2]) << 16)
+                    | U32(U32(codes[b + 3]) << 24)
+                )
 
     @device_jit
-    def summed_chunk(codes_in, scales_in, rows, c, n_chunks):
-        """The four sums over the rows, in row order; zeros past the end."""
-        if c >= n_chunks:
-            return F32_ZERO, F32_ZERO, F32_ZERO, F32_ZERO
-        s0, s1, s2, s3 = row_chunk(codes_in, scales_in, 0, c, n_chunks)
-        for r in range(1, rows):
-            v0, v1, v2, v3 = row_chunk(codes_in, scales_in, r, c, n_chunks)
-            s0 = s0 + v0
-            s1 = s1 + v1
-            s2 = s2 + v2
-            s3 = s3 + v3
-        return s0, s1, s2, s3
+    def accumulate(acc, j, v, first):
+        if first:
+            acc[j] = v
+        else:
+            acc[j] = acc[j] + v
+
+    @device_jit
+    def add_row(codes, scales, r, blk, n_blocks, p, acc, first):
+        i = U64(r) * U64(n_blocks) + U64(blk)
+        load_block(codes, i, p)
+        x = e8m0_decode(U32(scales[i]))
+        for q in range(8):  # 4 codes at a time
+            a, b, c, d = e2m1_values4(U32(p[q // 2] >> U32(16 * (q % 2))))
+            # mul.rn: a product never fused with the add (it can overflow where an FMA not)
+            accumulate(acc, 4 * q, mul_rn_f32(a, x), first)
+            accumulate(acc, 4 * q + 1, mul_rn_f32(b, x), first)
+            accumulate(acc, 4 * q + 2, mul_rn_f32(c, x), first)
+            accumulate(acc, 4 * q + 3, mul_rn_f32(d, x), first)
 
     @cuda.jit
-    def kernel(codes_in, scales_in, rows, codes_out, scales_out, global_scale, n_chunks):
+    def kernel(codes_in, scales_in, rows, codes_out, scales_out, global_scale, n_blocks):
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             global_scale[0] = F32_ONE  # MXFP4 has no tensor scale: 1.0, as quantize writes
-        nthreads = cuda.blockDim.x
-        n_tiles = (n_chunks + nthreads - 1) // nthreads
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            c = t * nthreads + cuda.threadIdx.x
-            v0, v1, v2, v3 = summed_chunk(codes_in, scales_in, rows, c, n_chunks)
-            # the quantize kernel's MXFP4 block scale and encode (cuda/quantize.py)
-            bmax_bits = group_max(max4_abs_bits(v0, v1, v2, v3), MX_LANES)
-            packed = U32(0)
-            if bmax_bits < 0x7F800000:
-                e = mx_shared_exponent(u32_as_f32(U32(bmax_bits)))
-                scode = U32(e + 127)
-                mult = pow2_f32(-e)  # -e in [-125, 127]: a normal float32, exact scaling
-                k0 = e2m1_encode(v0 * mult)
-                k1 = e2m1_encode(v1 * mult)
-                k2 = e2m1_encode(v2 * mult)
-                k3 = e2m1_encode(v3 * mult)
-                packed = U32(U32(k0 | U32(k1 << 4)) | U32(U32(k2 << 8) | U32(k3 << 12)))
-            else:
-                scode = U32(E8M0_NAN_CODE)  # a non-finite sum: NaN scale, zero codes
-            if c < n_chunks:
-                codes_out[U64(c)] = packed
-                if (c & (MX_LANES - 1)) == 0:
-                    scales_out[U64(c >> MX_LANES_LOG2)] = scode
+        p = cuda.local.array(4, np.uint32)
+        w = cuda.local.array(BLOCK, np.uint32)
+        acc = cuda.local.array(BLOCK, np.float32)
+        for blk in range(cuda.grid(1), n_blocks, cuda.gridsize(1)):
+            # row 0 alone, then + row 1, + row 2, ...: -0 stays -0 with one row
+            add_row(codes_in, scales_in, 0, blk, n_blocks, p, acc, True)
+            for r in range(1, rows):
+                add_row(codes_in, scales_in, r, blk, n_blocks, p, acc, False)
+            for j in range(BLOCK):
+                w[j] = f32_as_u32(acc[j])
+            bits = amax_bits(w)
+            scode, _, mult = mxfp4_block_scale(bits)
+            for g in range(4):
+                p[g] = encode8(w, g, mult) if bits < 0x7F800000 else U32(0)
+            store_v4(codes_out, U64(blk) * U64(4), p[0], p[1], p[2], p[3])
+            scales_out[U64(blk)] = np.uint8(scode)
 
     return kernel
+
+
+def requantized_sum_mxfp4(ctx, data, scales, rows, codes_out, scales_out, gs, n):
+    """Queue the one-pass sum of the ``rows`` MXFP4 rows of ``n`` elements, requantized."""
+    n_blocks = n // BLOCK
+    codes_in, aligned = ctx.codes_view(data, 16)
+    threads = launch.threads_for(THREADS)
+    launch.launch(
+        requantized_sum_mxfp4_kernel(aligned),
+        launch.grid_for(n_blocks, threads),
+        threads,
+        ctx.stream,
+        (codes_in, ctx.view(scales), np.int64(rows), ctx.view(codes_out, np.uint32),
+         ctx.view(scales_out), ctx.view(gs), np.int64(n_blocks)),
+    )  # fmt: skip

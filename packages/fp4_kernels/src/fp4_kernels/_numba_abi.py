@@ -1,0 +1,148 @@
+"""Everything fp4_kernels relies on below numba's public API, in one place.
+
+* float32 <-> uint32 bit casts as ``@intrinsic``s (an LLVM ``bitcast``: a register move) for the
+  CPU and CUDA targets, with plain-Python twins for numba's CUDA simulator;
+* the address of an array element, for inline-PTX loads and stores;
+* the direct launch path: a ``@cuda.jit`` kernel compiled once per signature to a driver
+  function handle, and its arguments packed as numba's kernel ABI lays them out, so a launch
+  costs a few microseconds instead of the dispatcher's 25-55 (which types every argument and
+  builds a device-array object for each).
+
+numba's kernel ABI passes a 1-D C-contiguous array as the seven fields of its data model,
+``ARRAY_FIELDS``; scalars as themselves.  ``tests/test_numba_abi.py`` compiles a kernel to PTX
+and checks this layout without a GPU, so a numba release that changes it fails CI instead of
+launching kernels with shifted arguments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import numpy as np
+from numba.core import types
+from numba.core.errors import TypingError
+
+# numba's data model of an array, in ABI order (meminfo and parent are host-side, passed as 0)
+ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
+
+
+# ---------------------------------------------------------------------- bit casts
+
+
+def make_bitcast_intrinsics(intrinsic):
+    """Return ``(f32_as_u32, u32_as_f32)`` built with the target's ``intrinsic`` decorator.
+
+    The typing accepts *only* float32 / uint32: a float64 that leaks into codec arithmetic
+    (numba types Python float literals as float64) is then a compile-time error instead of a
+    silent change of rounding."""
+
+    @intrinsic
+    def f32_as_u32(typingctx, x):
+        if x != types.float32:
+            raise TypingError(f"f32_as_u32 needs a float32 argument, got {x} (float64 leak?)")
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, x):
+        if x != types.uint32:
+            raise TypingError(f"u32_as_f32 needs a uint32 argument, got {x}")
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+        return types.float32(types.uint32), codegen
+
+    return f32_as_u32, u32_as_f32
+
+
+def py_f32_as_u32(x):
+    """Python version for numba's CUDA simulator."""
+    return np.float32(x).view(np.uint32)
+
+
+def py_u32_as_f32(x):
+    """Python version for numba's CUDA simulator."""
+    return np.uint32(x).view(np.float32)
+
+
+# ---------------------------------------------------------------------- element addresses
+
+
+def element_address(context, builder, array_type, array, index):
+    """The 64-bit address of ``array[index]`` (1-D, no wraparound, no bounds check), as an
+    LLVM i64 for an inline-PTX ``l`` operand.  Global memory's generic addresses are its
+    global addresses, so ``ld.global`` / ``st.global`` take it as is."""
+    from llvmlite import ir
+    from numba.cuda import cgutils
+
+    ary = context.make_array(array_type)(context, builder, value=array)
+    ptr = cgutils.get_item_pointer(
+        context, builder, array_type, ary, [index], wraparound=False, boundscheck=False
+    )
+    return builder.ptrtoint(ptr, ir.IntType(64))
+
+
+# ---------------------------------------------------------------------- direct launch
+
+
+class DeviceBuffer(NamedTuple):
+    """A flat, C-contiguous device buffer seen as ``n`` elements of ``dtype``."""
+
+    ptr: int
+    n: int
+    dtype: np.dtype
+
+
+class StreamRef:
+    """A raw CUstream handle in the ``__cuda_stream__`` protocol cuda.core accepts."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_SCALAR_CTYPES = {
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.float32): ctypes.c_float,
+}
+
+
+def numba_type(arg):
+    """The numba type a launch argument compiles as: a DeviceBuffer is a 1-D C array of its
+    dtype, a numpy scalar its own type."""
+    from numba.np import numpy_support
+
+    if isinstance(arg, DeviceBuffer):
+        return types.Array(numpy_support.from_dtype(arg.dtype), 1, "C")
+    return numpy_support.from_dtype(np.asarray(arg).dtype)
+
+
+def compile_kernel(kernel, argtypes):
+    """Compile ``kernel`` (a ``@cuda.jit`` dispatcher) for ``argtypes`` on the current device
+    and return its ``cuda.core`` kernel handle."""
+    compiled = kernel.compile(tuple(argtypes))
+    compiled.bind()
+    return compiled._codelibrary.get_cufunc().kernel
+
+
+def pack_arguments(args):
+    """Kernel parameters in numba's ABI: each DeviceBuffer as its ARRAY_FIELDS (meminfo and
+    parent 0, nitems, itemsize, data pointer, shape[0], strides[0]), each scalar as a ctype."""
+    params = []
+    for a in args:
+        if isinstance(a, DeviceBuffer):
+            size = a.dtype.itemsize
+            params += (0, 0, a.n, size, a.ptr, a.n, size)
+        else:
+            params.append(_SCALAR_CTYPES[a.dtype](a))
+    return params
