@@ -92,41 +92,6 @@ def main():
         )
 
     small = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)  # 64K elements
-    from fp4_kernels.cuda import launch
-
-    def per_thread(fn):
-        """The same call with the thread-per-block quantize layout."""
-
-        def run(*a):
-            launch.QUANTIZE_PER_THREAD = True
-            try:
-                return fn(*a)
-            finally:
-                launch.QUANTIZE_PER_THREAD = False
-
-        return run
-
-    default_layout = launch.QUANTIZE_PER_THREAD
-    launch.QUANTIZE_PER_THREAD = False  # rows below: lanes layout; "(per-thread)" rows: other
-    for fmt in ("nvfp4", "mxfp4"):
-        block = fk.FORMATS[fmt]
-        q_bytes = n // 2 + n // block
-        kwa = dict(fmt=fmt, global_amax=4.5) if fmt == "nvfp4" else dict(fmt=fmt)
-        for rounding in ("nearest", "stochastic"):
-            f = functools.partial(fk.quantize, **kwa, rounding=rounding)
-
-            record(
-                f"quantize {fmt} {rounding} bf16 one pass (per-thread)",
-                per_thread(f),
-                [(x,) for x in xs],
-                2 * n + q_bytes,
-            )
-        record(
-            f"quantize_dequantize {fmt} nearest bf16 (per-thread)",
-            per_thread(lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f)),
-            [(x,) for x in xs],
-            4 * n,
-        )
     for fmt in ("nvfp4", "mxfp4"):
         block = fk.FORMATS[fmt]
         q_bytes = n // 2 + n // block
@@ -169,7 +134,6 @@ def main():
             4 * n,
         )
         del qs
-    launch.QUANTIZE_PER_THREAD = default_layout
 
     if args.profile:
         import cProfile
