@@ -255,5 +255,6 @@ def _require_keys(state, keys, what):
     missing = [k for k in keys if k not in state]
     if missing:
         raise ValueError(
-            f"state: missing {', '.join(map(repr, missing))}; this is not a {what}.state_dict()"
+            f"state: missing {', '.join(map(repr, missing))}; expected the dict that "
+            f"{what}.state_dict() returns"
         )
