@@ -20,6 +20,9 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 import fp4_kernels
 
 MIN_CAPABILITY = (10, 0)  # FP4 (e2m1) tensor cores: sm_100 and later
@@ -146,14 +149,12 @@ def _abt_plan(m_rows, n_rows, k, in_type, out_dtype, *, scale_mode, scale_bytes,
     )
 
 
-def device_capability(device) -> tuple[int, int]:
+def device_capability(device: torch.device | str | int) -> tuple[int, int]:
     """The compute capability (major, minor) of a torch CUDA device."""
-    import torch
-
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def native_supported(device) -> bool:
+def native_supported(device: torch.device | str | int) -> bool:
     """Whether ``device`` (a torch CUDA device) has FP4 tensor cores."""
     return device_capability(device) >= MIN_CAPABILITY
 
@@ -188,8 +189,6 @@ def _cublaslt():
 
 
 def _require_native(a):
-    import torch
-
     if not (isinstance(a.data, torch.Tensor) and a.data.is_cuda):
         raise NativeGemmUnavailable(
             "the native FP4 GEMM runs on CUDA tensors only; these operands are on the CPU "
@@ -217,8 +216,6 @@ def _handle(cublasLt, device):
 
 def _set(setter, dtype_of, obj, attr, value):
     """Set one cuBLASLt attribute from a host buffer of the type the bindings name for it."""
-    import numpy as np
-
     buf = np.array([value], dtype=dtype_of(attr))
     setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
@@ -226,8 +223,6 @@ def _set(setter, dtype_of, obj, attr, value):
 def native_gemm(a, b, out_dtype):
     """Run ``plan_native(a, b, out_dtype)`` with cuBLASLt on torch's current stream."""
     cublasLt, device = _require_native(a)
-    import torch
-
     plan = plan_native(a, b, out_dtype)
     if plan.alpha_from_tensor_scales:
         alpha = a.global_scale * b.global_scale
@@ -284,8 +279,6 @@ def bf16_gemm_device_alpha(a1, b1, alpha, out_dtype="float32"):
 def check_device_alpha_operands(a1, b1, alpha, out_dtype):
     """What ``bf16_gemm_device_alpha`` hands cuBLASLt as raw pointers: bfloat16 (M, K) and
     (N, K) tensors and a one-element float32 alpha, all on one CUDA device."""
-    import torch
-
     for name, t in (("a1", a1), ("b1", b1), ("alpha", alpha)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
@@ -311,9 +304,6 @@ def check_device_alpha_operands(a1, b1, alpha, out_dtype):
 def _lt_matmul(cublasLt, device, plan, *, a_ptr, b_ptr, alpha, out_dtype, extra_desc):
     """D = alpha op(A) op(B) (beta = 0) as ``plan`` describes it, on torch's current stream;
     returns D as the row-major (plan.n, plan.m) torch tensor."""
-    import numpy as np
-    import torch
-
     attr = cublasLt.MatmulDescAttribute
     out = torch.empty((plan.n, plan.m), dtype=getattr(torch, out_dtype), device=device)
     beta = torch.zeros(1, dtype=torch.float32, device=device)
