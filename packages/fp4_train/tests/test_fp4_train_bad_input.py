@@ -877,3 +877,44 @@ def test_policy_stored_weights_nan_weight_makes_its_block_nan():
     p = torch.nn.Parameter(w)
     _sw([p], rounding="nearest", release=False)
     assert bool(p[0].isnan().all()) and bool(p[1].isfinite().all())
+
+
+# -- the CUDA path ----------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"
+)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("field", ["scales", "global_scale"])
+def test_gpu_gemm_field_on_another_device_is_rejected(field):
+    q = fp4_kernels.quantize(torch.randn(4, 64, device="cuda"))
+    bad = _with(q, **{field: getattr(q, field).cpu()})
+    with pytest.raises(
+        ValueError, match=rf"^a.{field}: lives on cpu but the operand's data on cuda"
+    ):
+        fp4_gemm(bad, q)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_gemm_operands_on_cpu_and_cuda_are_rejected():
+    with pytest.raises(ValueError, match="different devices or libraries: cuda:0 vs cpu"):
+        fp4_gemm(fp4_kernels.quantize(torch.randn(4, 64, device="cuda")), Q)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_module_state_dict_loads_into_a_cpu_model():
+    model = torch.nn.Linear(32, 20, device="cuda")
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.attach(model)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert model.weight.numel() == 0  # released again after saving
+    plain = torch.nn.Linear(32, 20)
+    plain.load_state_dict(state)
+    opt.materialize()
+    assert torch.equal(plain.weight, model.weight.cpu())
+    assert torch.equal(plain.bias, model.bias.cpu())

@@ -191,7 +191,7 @@ class ErrorFeedback:
         ``x``: a torch tensor or numpy array of a real floating-point dtype, its last dimension
         a multiple of the block size.  ``step`` is stochastic rounding's counter, an int in
         [0, 2**32) (default: how many times ``name`` was quantized before).  Returns an array
-        of ``x``'s kind, device, shape and dtype.
+        of ``x``'s kind, device, shape and dtype, outside autograd (``x`` is read detached).
         """
         v, kw = self._input(name, x, step)
         y = _cast_like(fp4_kernels.quantize_dequantize(v, **kw), x)
