@@ -49,6 +49,16 @@ def gemm_bound(a64, b64, k):
     return gamma * (np.abs(a64) @ np.abs(b64).T)
 
 
+def bf16_result_bound(bound, exact):
+    """|bf16 result - exact| bound for a float32 result within ``bound`` of ``exact``, rounded
+    once to bfloat16: |fl(y) - y| <= U_BF16 |y| <= U_BF16 (|exact| + bound).
+
+    Half a bfloat16 ulp is U_BF16 = 2^-8 relative at the bottom of a binade (ulp 2^-7 at 1.0),
+    not 2^-9: a bound with 2^-9 fails for about 3% of correctly rounded results.
+    """
+    return bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+
+
 def has_cuda():
     try:
         import torch

@@ -1,8 +1,12 @@
-"""fp4_train installs, imports, and reports the version its pyproject.toml sets."""
+"""fp4_train installs, imports, reports the version its pyproject.toml sets, and its public API
+carries type annotations (with a py.typed marker)."""
 
 import importlib.metadata
+import importlib.resources
+import inspect
 import re
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -35,3 +39,63 @@ def test_installed_metadata_requires_fp4_kernels():
     # A requirement string starts with its project name: "fp4-kernels>=0.1.0".
     names = {re.match(r"[A-Za-z0-9._-]+", r).group().lower() for r in requires}
     assert "fp4-kernels" in names
+
+
+def _public_callables():
+    """(qualified name, function) of every public function and method that fp4_train and
+    fp4_train.gemm export: functions, and the methods, properties and dunders their classes
+    define themselves (not what they inherit, e.g. from torch.nn.Module)."""
+    import fp4_train
+    import fp4_train.gemm
+
+    found = {}
+    for module in (fp4_train, fp4_train.gemm):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                found[name] = obj
+            elif inspect.isclass(obj):
+                for attr, value in vars(obj).items():
+                    if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
+                        continue
+                    if isinstance(value, (staticmethod, classmethod)):
+                        value = value.__func__
+                    if isinstance(value, property):
+                        value = value.fget
+                    if inspect.isfunction(value):
+                        found[f"{name}.{attr}"] = value
+    return found
+
+
+def test_the_public_api_lists_what_it_should():
+    names = set(_public_callables())
+    expected = {
+        "fp4_gemm",
+        "fp4_linear",
+        "native_supported",
+        "ErrorFeedback.qdq",
+        "FP4Linear.__init__",
+        "FP4Linear.forward",
+        "FP4StoredWeights.step",
+        "FP4StoredWeights.param_groups",
+    }
+    assert expected <= names
+
+
+@pytest.mark.parametrize("qualname", sorted(_public_callables()))
+def test_public_functions_carry_type_annotations(qualname):
+    fn = _public_callables()[qualname]
+    signature = inspect.signature(fn)
+    missing = [
+        p.name
+        for i, p in enumerate(signature.parameters.values())
+        if p.annotation is inspect.Parameter.empty and not (i == 0 and p.name in ("self", "cls"))
+    ]
+    assert not missing, f"{qualname}: parameters without annotation: {missing}"
+    assert signature.return_annotation is not inspect.Signature.empty, f"{qualname}: no return"
+    typing.get_type_hints(fn)  # the annotations resolve (no typo, no missing import)
+
+
+def test_py_typed_marker_is_in_the_package():
+    # hatchling ships every file of src/fp4_train in the wheel, this marker included
+    assert importlib.resources.files("fp4_train").joinpath("py.typed").is_file()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -147,6 +149,143 @@ def test_state_dict_round_trip_continues_identically():
     opt_c.materialize()
     for pa, pc in zip(model_a.parameters(), model_c.parameters(), strict=True):
         assert torch.equal(pa, pc)
+
+
+def _mlp(seed=0):
+    # 20 outputs: the second weight (20 x 48) and bias (20) are padded to whole NVFP4 blocks
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 20))
+
+
+def _train_mlp(model, opt, steps, data_seed=0):
+    g = torch.Generator().manual_seed(data_seed)
+    for _ in range(steps):
+        x, y = torch.randn(64, 32, generator=g), torch.randn(64, 20, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _save_load(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _fp4_weights(state, fmt="nvfp4"):
+    """What FP4StoredWeights(rounding="nearest") stores for each tensor of ``state``:
+    flattened, zero-padded to whole blocks, quantized-dequantized, cut back to shape."""
+    out = {}
+    for k, w in state.items():
+        flat = w.reshape(-1).float()
+        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % fp4_kernels.FORMATS[fmt]))
+        qdq = fp4_kernels.quantize_dequantize(flat, fmt=fmt)
+        out[k] = qdq[: w.numel()].view(w.shape).to(w.dtype)
+    return out
+
+
+def test_module_state_dict_holds_the_decoded_weights_and_loads_anywhere():
+    model = _mlp()
+    opt = FP4StoredWeights(torch.optim.AdamW(model.parameters(), lr=0.01), seed=3)
+    opt.attach(model)
+    _train_mlp(model, opt, 3)
+    assert all(p.numel() == 0 for p in model.parameters())  # released between steps
+    saved = _save_load(model.state_dict())
+    assert all(p.numel() == 0 for p in model.parameters())  # and released again after saving
+    opt.materialize()
+    for name, p in model.named_parameters():
+        assert torch.equal(saved[name], p.detach())
+    x = torch.randn(8, 32)
+    expected = model(x)
+
+    plain = _mlp(seed=1)  # another initialization, then the checkpoint
+    plain.load_state_dict(saved)
+    assert torch.equal(plain(x), expected)
+
+    fresh = _mlp(seed=2)
+    fresh_opt = FP4StoredWeights(torch.optim.SGD(fresh.parameters(), lr=0.1), rounding="nearest")
+    fresh_opt.attach(fresh)
+    fresh.load_state_dict(saved)
+    assert all(p.numel() == 0 for p in fresh.parameters())  # stored in FP4, released
+    reference = _mlp()
+    reference.load_state_dict(_fp4_weights(saved))
+    assert torch.equal(fresh(x), reference(x))
+
+
+def test_module_state_dict_saves_with_safetensors():
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = _mlp()
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.attach(model)
+    _train_mlp(model, opt, 2)
+    blob = safetensors_torch.save(model.state_dict())
+    plain = _mlp(seed=1)
+    plain.load_state_dict(safetensors_torch.load(blob))
+    opt.materialize()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_keep_vars_returns_the_live_materialized_parameters():
+    model = _mlp()
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.attach(model)
+    state = model.state_dict(keep_vars=True)
+    assert state["0.weight"] is model[0].weight and state["0.weight"].shape == (48, 32)
+    assert state["2.bias"].shape == (20,)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "error_feedback"])
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+def test_model_and_optimizer_checkpoints_resume_bit_for_bit(rounding, order):
+    def make():
+        model = _mlp()
+        opt = FP4StoredWeights(
+            torch.optim.AdamW(model.parameters(), lr=0.01), rounding=rounding, seed=7
+        )
+        return model, opt.attach(model) and opt
+
+    model_a, opt_a = make()
+    _train_mlp(model_a, opt_a, 3)
+    model_state = _save_load(model_a.state_dict())
+    opt_state = _save_load(opt_a.state_dict())
+    _train_mlp(model_a, opt_a, 3, data_seed=1)
+
+    model_b, opt_b = make()
+    if order == "model_first":
+        model_b.load_state_dict(model_state)
+        opt_b.load_state_dict(opt_state)
+    else:
+        opt_b.load_state_dict(opt_state)
+        model_b.load_state_dict(model_state)
+    _train_mlp(model_b, opt_b, 3, data_seed=1)
+    for qa, qb in zip(opt_a.packed, opt_b.packed, strict=True):
+        assert torch.equal(qa.data, qb.data) and torch.equal(qa.scales, qb.scales)
+        assert torch.equal(qa.global_scale, qb.global_scale)
+
+
+def test_loading_changed_weights_restarts_their_residual():
+    model = _mlp()
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1), rounding="error_feedback")
+    opt.attach(model)
+    _train_mlp(model, opt, 2)
+    state = model.state_dict()
+    state["0.weight"] = torch.full((48, 32), 0.3)
+    model.load_state_dict(state)
+    opt.materialize()
+    # stored from 0.3 alone (round to nearest, no old residual), the others kept as they were
+    assert torch.equal(model[0].weight, _fp4_weights({"w": torch.full((48, 32), 0.3)})["w"])
+    residual = opt._error_feedback.residual("param0")[: 48 * 32].view(48, 32)
+    assert torch.equal(residual, torch.full((48, 32), 0.3) - model[0].weight)
+    assert torch.equal(model[2].weight, state["2.weight"])
+
+
+def test_load_state_dict_with_assign_is_refused():
+    model = _mlp()
+    FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1)).attach(model)
+    with pytest.raises(ValueError, match=r"assign=True\) would replace the parameters"):
+        model.load_state_dict(_mlp(seed=1).state_dict(), assign=True)
 
 
 def test_restoring_into_another_shape_is_a_clear_error():

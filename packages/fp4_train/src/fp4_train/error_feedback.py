@@ -13,13 +13,47 @@ and sub-step changes accumulate until they cross a grid point.
 
 from __future__ import annotations
 
+import operator
 import zlib
+from typing import Any, Literal
 
 import numpy as np
+import torch
 
 import fp4_kernels
 
+Array = torch.Tensor | np.ndarray
+
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads names over the Philox key space
+STEP_LIMIT = 2**32  # stochastic rounding's step counter: one 32-bit Philox counter word
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """``seed`` as an int in [0, 2**64) (fp4_kernels' rule); TypeError / ValueError otherwise."""
+    v = _index(seed, name)
+    if not 0 <= v < 2**64:
+        raise ValueError(f"{name}: {v} is outside [0, 2**64)")
+    return v
+
+
+def check_step(step: Any, name: str = "step") -> int:
+    """``step`` as an int in [0, 2**32) (fp4_kernels' rule); TypeError / ValueError otherwise."""
+    v = _index(step, name)
+    if not 0 <= v < STEP_LIMIT:
+        raise ValueError(
+            f"{name}: {v} is outside [0, 2**32) (stochastic rounding's counter is 32 bits; "
+            "pass the step modulo 2**32)"
+        )
+    return v
+
+
+def _index(value, name):
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
 
 
 def philox_key(seed: int, name: str) -> int:
@@ -28,23 +62,44 @@ def philox_key(seed: int, name: str) -> int:
 
 
 def _is_torch(x):
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
     return isinstance(x, torch.Tensor)
+
+
+_REAL_FLOATS = ("float64", "float32", "bfloat16", "float16")
+
+
+def _check_input(x, name="x"):
+    if isinstance(x, torch.Tensor):
+        dt = str(x.dtype).replace("torch.", "")
+    elif isinstance(x, np.ndarray):
+        dt = x.dtype.name
+    else:
+        raise TypeError(f"{name}: expected a torch tensor or a numpy array, got {type(x).__name__}")
+    if dt not in _REAL_FLOATS:
+        raise TypeError(
+            f"{name}: dtype {dt} is not a real floating-point type; error feedback quantizes "
+            "float32, bfloat16 or float16 (float64 is rounded to float32 first)"
+        )
 
 
 def _as_float32(x):
     if _is_torch(x):
-        return x.detach().float()
-    return np.asarray(x, dtype=np.float32)
+        return x.detach().float().contiguous()
+    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def _cast_like(y32, x):
     if _is_torch(x):
         return y32.to(x.dtype)
     return y32.astype(x.dtype, copy=False)
+
+
+def _finite_or_zero(r):
+    """The residual with its non-finite elements (blocks whose input held a NaN or an infinity,
+    which decode to NaN) set to 0: such a block starts over instead of staying NaN forever."""
+    if _is_torch(r):
+        return torch.where(torch.isfinite(r), r, torch.zeros((), dtype=r.dtype, device=r.device))
+    return np.where(np.isfinite(r), r, np.float32(0))
 
 
 def _where(x):
@@ -57,41 +112,56 @@ class ErrorFeedback:
     Args:
         fmt: "nvfp4" or "mxfp4".
         rounding: "nearest" or "stochastic": how ``x + residual`` is rounded.
-        seed: stochastic rounding's seed; each name draws from its own Philox key
-            (``philox_key(seed, name)``) with the step as counter.
+        seed: stochastic rounding's seed, an int in [0, 2**64); each name draws from its own
+            Philox key (``philox_key(seed, name)``) with the step as counter.
 
     ``qdq(name, x)`` returns the quantized-dequantized ``x + residual[name]`` (same kind,
     device, shape and dtype as ``x``) and stores the new residual in float32 beside ``x``.
     ``quantize(name, x)`` does the same and returns the packed ``QuantizedTensor``.
     A residual holds one float32 per element: error feedback trades that memory for unbiased
-    accumulation.  A NaN or infinity in ``x`` stays in its block's residual until ``reset``.
+    accumulation.
+
+    Non-finite values: a block whose input (``x + residual``) holds a NaN or an infinity
+    decodes to NaN (fp4_kernels' policy) and its residual restarts from zero, so that one
+    overflowing step (a skipped step under a gradient scaler) does not poison the later ones.
     """
 
-    def __init__(self, fmt="nvfp4", rounding="nearest", seed=0):
-        if fmt not in fp4_kernels.FORMATS:
-            raise ValueError(f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)}")
+    def __init__(
+        self,
+        fmt: Literal["nvfp4", "mxfp4"] = "nvfp4",
+        rounding: Literal["nearest", "stochastic"] = "nearest",
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(fmt, str) or fmt not in fp4_kernels.FORMATS:
+            raise ValueError(
+                f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)} (error feedback "
+                "keeps NVFP4 or MXFP4 residuals)"
+            )
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding: {rounding!r} is not 'nearest' or 'stochastic'")
-        if not 0 <= int(seed) < 2**64:
-            raise ValueError(f"seed: {seed} is outside [0, 2**64)")
         self.fmt = fmt
         self.rounding = rounding
-        self.seed = int(seed)
-        self._residuals = {}
-        self._steps = {}
+        self.seed = check_seed(seed)
+        self._residuals: dict[str, Array] = {}
+        self._steps: dict[str, int] = {}
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         return name in self._residuals
 
-    def names(self):
+    def names(self) -> list[str]:
         """The names that hold a residual."""
         return list(self._residuals)
 
-    def residual(self, name):
+    def residual(self, name: str) -> Array | None:
         """The float32 residual of ``name`` (None before its first quantization)."""
         return self._residuals.get(name)
 
     def _input(self, name, x, step):
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        _check_input(x)
+        if step is not None:
+            step = check_step(step)
         v = _as_float32(x)
         r = self._residuals.get(name)
         if r is not None:
@@ -108,31 +178,34 @@ class ErrorFeedback:
             v = v + r
         if step is None:
             step = self._steps.get(name, 0)
-        self._steps[name] = int(step) + 1
-        kw = {"fmt": self.fmt, "rounding": self.rounding, "step": int(step) % 2**32}
+        # the implicit counter wraps after 2**32 calls, as the 32-bit Philox counter would
+        self._steps[name] = (step + 1) % STEP_LIMIT
+        kw = {"fmt": self.fmt, "rounding": self.rounding, "step": step}
         if self.rounding == "stochastic":
             kw["seed"] = philox_key(self.seed, name)
         return v, kw
 
-    def qdq(self, name, x, step=None):
+    def qdq(self, name: str, x: Array, step: int | None = None) -> Array:
         """Quantize-dequantize ``x + residual[name]``; store the new residual.
 
-        ``step`` is stochastic rounding's counter (default: how many times ``name`` was
-        quantized before).  Returns an array of ``x``'s kind, device, shape and dtype.
+        ``x``: a torch tensor or numpy array of a real floating-point dtype, its last dimension
+        a multiple of the block size.  ``step`` is stochastic rounding's counter, an int in
+        [0, 2**32) (default: how many times ``name`` was quantized before).  Returns an array
+        of ``x``'s kind, device, shape and dtype, outside autograd (``x`` is read detached).
         """
         v, kw = self._input(name, x, step)
         y = _cast_like(fp4_kernels.quantize_dequantize(v, **kw), x)
-        self._residuals[name] = v - _as_float32(y)
+        self._residuals[name] = _finite_or_zero(v - _as_float32(y))
         return y
 
-    def quantize(self, name, x, step=None):
+    def quantize(self, name: str, x: Array, step: int | None = None) -> fp4_kernels.QuantizedTensor:
         """Like ``qdq``, but return the packed ``QuantizedTensor`` (dequantizes to float32)."""
         v, kw = self._input(name, x, step)
         q = fp4_kernels.quantize(v, **kw)
-        self._residuals[name] = v - fp4_kernels.dequantize(q)
+        self._residuals[name] = _finite_or_zero(v - fp4_kernels.dequantize(q))
         return q
 
-    def reset(self, name=None):
+    def reset(self, name: str | None = None) -> None:
         """Drop the residual (and step count) of ``name``, or of every name."""
         if name is None:
             self._residuals.clear()
@@ -141,7 +214,7 @@ class ErrorFeedback:
             self._residuals.pop(name, None)
             self._steps.pop(name, None)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """Format, rounding, seed, and a copy of every residual and step count."""
         return {
             "fmt": self.fmt,
@@ -153,17 +226,35 @@ class ErrorFeedback:
             "steps": dict(self._steps),
         }
 
-    def load_state_dict(self, state):
-        """Restore a ``state_dict``; ValueError if it was saved with another format or rounding."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict``; ValueError if it was saved with another format or rounding,
+        or is not an ``ErrorFeedback.state_dict()``."""
+        _require_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
         for key in ("fmt", "rounding"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"error feedback state has {key}={state[key]!r}, "
                     f"this one {getattr(self, key)!r}"
                 )
-        self.seed = int(state["seed"])
-        self._residuals = {
-            k: (v.clone() if _is_torch(v) else np.array(v, np.float32))
-            for k, v in state["residuals"].items()
+        seed = check_seed(state["seed"], "state['seed']")
+        residuals = {}
+        for k, v in dict(state["residuals"]).items():
+            _check_input(v, f"state['residuals'][{k!r}]")
+            residuals[k] = v.detach().float().clone() if _is_torch(v) else np.array(v, np.float32)
+        steps = {
+            k: check_step(v, f"state['steps'][{k!r}]") for k, v in state.get("steps", {}).items()
         }
-        self._steps = {k: int(v) for k, v in state.get("steps", {}).items()}
+        self.seed, self._residuals, self._steps = seed, residuals, steps
+
+
+def _require_keys(state, keys, what):
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"state: expected the dict that {what}.state_dict() returns, got {type(state).__name__}"
+        )
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(
+            f"state: missing {', '.join(map(repr, missing))}; expected the dict that "
+            f"{what}.state_dict() returns"
+        )

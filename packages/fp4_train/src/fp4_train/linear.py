@@ -21,11 +21,13 @@ computes both backward GEMMs in full precision from the forward's dequantized op
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
 
 import fp4_kernels
 
-from .error_feedback import philox_key
+from .error_feedback import STEP_LIMIT, check_seed, check_step, philox_key
 from .gemm import fp4_gemm
 
 BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
@@ -102,8 +104,12 @@ class _FP4LinearFunction(torch.autograd.Function):
 
 
 def _check(x, weight, bias):
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("fp4_linear: x and weight must be torch tensors")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"fp4_linear: {name} must be a torch tensor, got {type(t).__name__} "
+                "(torch.from_numpy converts a numpy array)"
+            )
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
@@ -137,17 +143,17 @@ def _check(x, weight, bias):
 
 
 def fp4_linear(
-    x,
-    weight,
-    bias=None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
-    rounding="nearest",
-    grad_rounding="stochastic",
-    quantize_backward=True,
-    hadamard_wgrad=False,
-    seed=0,
-    step=0,
-):
+    rounding: Literal["nearest", "stochastic"] = "nearest",
+    grad_rounding: Literal["nearest", "stochastic"] = "stochastic",
+    quantize_backward: bool = True,
+    hadamard_wgrad: bool = False,
+    seed: int = 0,
+    step: int = 0,
+) -> torch.Tensor:
     """``x @ weight^T + bias`` with NVFP4 operands in the forward and backward GEMMs.
 
     Args:
@@ -161,17 +167,28 @@ def fp4_linear(
             with the forward's dequantized x and W (False).
         hadamard_wgrad: apply the random Hadamard transform (``fp4_kernels.hadamard``, signs
             drawn from ``seed``) to both wgrad operands over groups of 16 tokens.
-        seed, step: stochastic rounding's seed and counter (pass the training step).
+        seed, step: stochastic rounding's seed, an int in [0, 2**64), and counter, an int in
+            [0, 2**32) (pass the training step modulo 2**32).
+
+    Non-finite values: a NaN or infinity in x or weight makes its NVFP4 block decode to NaN,
+    so every output it takes part in is NaN, as in ``torch.nn.functional.linear``.  An empty
+    batch (x of shape (0, in_features)) gives an empty output.
     """
     for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
         if value not in ROUNDINGS:
             raise ValueError(f"fp4_linear: {name}={value!r} is not one of {ROUNDINGS}")
     _check(x, weight, bias)
+    for name, flag in (
+        ("hadamard_wgrad", hadamard_wgrad),
+        ("quantize_backward", quantize_backward),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"fp4_linear: {name} is True or False, got {flag!r}")
+    seed = check_seed(seed, "fp4_linear: seed")
+    step = check_step(step, "fp4_linear: step")
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    if not isinstance(hadamard_wgrad, bool) or not isinstance(quantize_backward, bool):
-        raise TypeError("fp4_linear: hadamard_wgrad and quantize_backward are True or False")
-    options = (rounding, grad_rounding, quantize_backward, hadamard_wgrad, int(seed), int(step))
+    options = (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step)
     y = _FP4LinearFunction.apply(x2d, weight, bias, options)
     return y.reshape(*lead, weight.shape[0])
 
@@ -183,32 +200,47 @@ class FP4Linear(torch.nn.Module):
         in_features, out_features: multiples of 16.
         bias: add a learnable bias.
         rounding, grad_rounding, quantize_backward, hadamard_wgrad: as in ``fp4_linear``.
-        seed: stochastic rounding's seed; the counter is the number of training-mode forward
-            calls so far (``self.step``, saved in the state dict).
-        device, dtype: of the master weights (default float32).
+        seed: stochastic rounding's seed, an int in [0, 2**64); the counter is the number of
+            training-mode forward calls so far (``self.step``, saved in the state dict) modulo
+            2**32.
+        device, dtype: of the master weights (float32 by default; bfloat16 or float16).
     """
 
     def __init__(
         self,
-        in_features,
-        out_features,
-        bias=True,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
         *,
-        rounding="nearest",
-        grad_rounding="stochastic",
-        quantize_backward=True,
-        hadamard_wgrad=False,
-        seed=0,
-        device=None,
-        dtype=None,
-    ):
+        rounding: Literal["nearest", "stochastic"] = "nearest",
+        grad_rounding: Literal["nearest", "stochastic"] = "stochastic",
+        quantize_backward: bool = True,
+        hadamard_wgrad: bool = False,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         for name, n in (("in_features", in_features), ("out_features", out_features)):
-            if n % BLOCK:
-                raise ValueError(f"FP4Linear: {name}={n} is not a multiple of {BLOCK}")
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"FP4Linear: {name} must be an int, got {type(n).__name__}")
+            if n <= 0 or n % BLOCK:
+                raise ValueError(f"FP4Linear: {name}={n} is not a positive multiple of {BLOCK}")
         for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
             if value not in ROUNDINGS:
                 raise ValueError(f"FP4Linear: {name}={value!r} is not one of {ROUNDINGS}")
+        for name, flag in (
+            ("bias", bias),
+            ("quantize_backward", quantize_backward),
+            ("hadamard_wgrad", hadamard_wgrad),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"FP4Linear: {name} is True or False, got {flag!r}")
+        if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"FP4Linear: dtype={dtype}; the master weights are float32, bfloat16 or float16"
+            )
+        seed = check_seed(seed, "FP4Linear: seed")
         reference = torch.nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
         self.in_features, self.out_features = in_features, out_features
         self.weight = reference.weight
@@ -217,18 +249,24 @@ class FP4Linear(torch.nn.Module):
         self.grad_rounding = grad_rounding
         self.quantize_backward = quantize_backward
         self.hadamard_wgrad = hadamard_wgrad
-        self.seed = int(seed)
+        self.seed = seed
         self.step = 0
 
     @classmethod
-    def from_linear(cls, linear, **options):
-        """An FP4Linear holding (sharing) ``linear``'s weight and bias."""
+    def from_linear(cls, linear: torch.nn.Linear, **options: Any) -> FP4Linear:
+        """An FP4Linear holding (sharing) ``linear``'s weight and bias; ``options`` as in the
+        constructor (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(
+                f"FP4Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}"
+            )
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **options)
         layer.weight = linear.weight
         layer.bias = linear.bias
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``fp4_linear(x, self.weight, self.bias, ...)``; counts the step in training mode."""
         y = fp4_linear(
             x,
             self.weight,
@@ -238,20 +276,29 @@ class FP4Linear(torch.nn.Module):
             quantize_backward=self.quantize_backward,
             hadamard_wgrad=self.hadamard_wgrad,
             seed=self.seed,
-            step=self.step,
+            step=self.step % STEP_LIMIT,
         )
         if self.training:
             self.step += 1
         return y
 
-    def get_extra_state(self):
+    def get_extra_state(self) -> dict[str, int]:
+        """The step counter and the seed (saved in ``state_dict()``)."""
         return {"step": self.step, "seed": self.seed}
 
-    def set_extra_state(self, state):
-        self.step = int(state["step"])
-        self.seed = int(state["seed"])
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        """Restore ``get_extra_state()``."""
+        if not isinstance(state, dict) or not {"step", "seed"} <= state.keys():
+            raise ValueError(
+                f"FP4Linear extra state: expected {{'step': ..., 'seed': ...}}, got {state!r}"
+            )
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"FP4Linear extra state: step must be an int >= 0, got {step!r}")
+        self.seed = check_seed(state["seed"], "FP4Linear extra state: seed")
+        self.step = step
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, rounding={self.rounding!r}, "

@@ -17,17 +17,27 @@ result in FP4 again:
 
 The optimizer's own state (momentum, Adam moments) stays in full precision; ``memory_report``
 gives every part in bytes.
+
+Checkpoints: ``module.state_dict()`` of a module passed to ``attach`` holds the decoded weights
+(ordinary tensors of the parameters' shapes and dtypes, loadable into the same model without
+FP4StoredWeights), and ``module.load_state_dict()`` stores the loaded weights in FP4.
+``FP4StoredWeights.state_dict()`` holds the packed weights themselves, the residuals and the
+wrapped optimizer's state: restoring it resumes training bit for bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import torch
 
 import fp4_kernels
 
-from .error_feedback import ErrorFeedback, philox_key
+from .error_feedback import ErrorFeedback, _require_keys, check_seed, philox_key
 
 ROUNDINGS = ("nearest", "stochastic", "error_feedback")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _tensor_bytes(t):
@@ -39,31 +49,55 @@ class FP4StoredWeights:
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the parameters to store in FP4 (its
-            parameter groups, learning rates and state are used as they are).
+            parameter groups, learning rates and state are used as they are); the parameters
+            are real floating-point tensors (float32, bfloat16, float16 or float64).
         rounding: "nearest", "stochastic" or "error_feedback" (see the module docstring).
         fmt: "nvfp4" (default) or "mxfp4".
-        seed: stochastic rounding's seed (parameter i draws from its own Philox key, with the
-            step count as counter).
+        seed: stochastic rounding's seed, an int in [0, 2**64) (parameter i draws from its own
+            Philox key, with the step count modulo 2**32 as counter).
         release: free each parameter's full-precision storage after every step (the memory
             saving); ``materialize()`` decodes it again.  With False the decoded copy is kept.
 
     Each parameter is flattened (row-major) and zero-padded to whole blocks, so any shape can be
     stored; a weight matrix whose rows are a multiple of the block size gets one set of blocks
     per row.  The parameters are quantized once on construction, so training starts from the
-    FP4 model.
+    FP4 model.  A NaN or infinite weight makes its whole block (16 or 32 weights) decode to NaN
+    (fp4_kernels' non-finite policy); nothing checks for it, as a full-precision optimizer
+    would not.
     """
 
-    def __init__(self, optimizer, *, rounding="stochastic", fmt="nvfp4", seed=0, release=True):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        rounding: Literal["nearest", "stochastic", "error_feedback"] = "stochastic",
+        fmt: Literal["nvfp4", "mxfp4"] = "nvfp4",
+        seed: int = 0,
+        release: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer: expected a torch.optim.Optimizer over the parameters to store, got "
+                f"{type(optimizer).__name__} (wrap them first: torch.optim.SGD(params, lr=...))"
+            )
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
-        if fmt not in fp4_kernels.FORMATS:
+        if not isinstance(fmt, str) or fmt not in fp4_kernels.FORMATS:
             raise ValueError(f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)}")
+        if not isinstance(release, bool):
+            raise TypeError(f"release: expected True or False, got {release!r}")
         self.optimizer = optimizer
         self.rounding = rounding
         self.fmt = fmt
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.release_after_step = release
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        for i, p in enumerate(self.params):
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; FP4 storage "
+                    "holds real floating-point parameters (float32, bfloat16, float16, float64)"
+                )
         self.shapes = [tuple(p.shape) for p in self.params]
         self.dtypes = [p.dtype for p in self.params]
         self.step_count = 0
@@ -101,42 +135,114 @@ class FP4StoredWeights:
         """Parameter i in full precision, decoded from its packed form (padding dropped)."""
         flat = fp4_kernels.dequantize(self.packed[i], dtype=torch.float32)
         shape = self.shapes[i]
-        return flat[: _numel(shape)].view(shape).to(self.dtypes[i])
+        n = _numel(shape)
+        # a tensor of its own (not a view of the padded buffer), so a checkpoint of it holds
+        # exactly the parameter's elements
+        w = flat[:n] if n == flat.numel() else flat[:n].clone()
+        return w.view(shape).to(self.dtypes[i])
 
     def _decode_all(self):
-        for i, p in enumerate(self.params):
-            self._released[i] = False
-            p.data = self._decoded(i)
+        self._materialize(range(len(self.params)), force=True)
 
-    def materialize(self):
-        """Decode every released parameter into full precision (for a forward pass)."""
-        for i, p in enumerate(self.params):
-            if self._released[i]:
+    def _materialize(self, indices, force=False):
+        for i in indices:
+            if force or self._released[i]:
                 self._released[i] = False
-                p.data = self._decoded(i)
+                self.params[i].data = self._decoded(i)
 
-    def release(self):
-        """Free every parameter's full-precision storage; the packed FP4 copy remains."""
-        for i, p in enumerate(self.params):
+    def _release(self, indices):
+        for i in indices:
+            p = self.params[i]
             p.data = torch.empty(0, dtype=self.dtypes[i], device=p.device)
             self._released[i] = True
 
-    def attach(self, module):
-        """Materialize the weights before each forward of ``module`` (a forward pre-hook)."""
-        self._hooks.append(module.register_forward_pre_hook(lambda *_: self.materialize()))
+    def materialize(self) -> None:
+        """Decode every released parameter into full precision (for a forward pass)."""
+        self._materialize(range(len(self.params)))
+
+    def release(self) -> None:
+        """Free every parameter's full-precision storage; the packed FP4 copy remains."""
+        self._release(range(len(self.params)))
+
+    def attach(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Hook ``module`` (returned) so that it works with the weights stored in FP4:
+
+        - before each forward, every released parameter is decoded (``materialize``);
+        - ``module.state_dict()`` holds the decoded weights of the parameters it owns, as
+          ordinary tensors of their shapes and dtypes (a plain copy of the model loads them);
+          parameters that were released are released again afterwards, unless
+          ``keep_vars=True`` returned the parameters themselves;
+        - ``module.load_state_dict(...)`` stores the loaded weights in FP4 with this
+          optimizer's rounding (as construction does; error feedback's residual of a changed
+          parameter restarts from zero).  Weights equal to the ones stored now, bit for bit,
+          keep their packed form, so loading a model checkpoint next to
+          ``FP4StoredWeights.load_state_dict`` resumes exactly, in either order.
+          ``assign=True`` would replace the stored parameters and is refused.
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        held = {id(p) for p in module.parameters()}
+        owned = [i for i, p in enumerate(self.params) if id(p) in held]
+        saving = []  # per state_dict() call: (released indices, keep_vars)
+
+        def before_save(module, prefix, keep_vars):
+            released = [i for i in owned if self._released[i]]
+            self._materialize(released)
+            saving.append((released, keep_vars))
+
+        def after_save(module, state_dict, prefix, local_metadata):
+            released, keep_vars = saving.pop()
+            if not keep_vars:  # the state dict holds detached tensors of its own
+                self._release(released)
+
+        def before_load(module, state_dict, prefix, local_metadata, *args):
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise ValueError(
+                    "load_state_dict(assign=True) would replace the parameters that "
+                    "FP4StoredWeights stores and its optimizer updates; load without assign"
+                )
+            self._materialize(owned)
+
+        def after_load(module, incompatible_keys):
+            self._store_loaded(owned)
+
+        self._hooks += [
+            module.register_forward_pre_hook(lambda *_: self.materialize()),
+            module.register_state_dict_pre_hook(before_save),
+            _state_dict_post_hook(module, after_save),
+            _load_state_dict_pre_hook(module, before_load),
+            module.register_load_state_dict_post_hook(after_load),
+        ]
         return module
+
+    @torch.no_grad()
+    def _store_loaded(self, indices):
+        """Store parameters ``indices`` (full precision, just loaded) in FP4 again."""
+        for i in indices:
+            w = self.params[i].detach()
+            if torch.equal(w, self._decoded(i)):
+                continue  # unchanged: keep the packed form and the residual
+            if self._error_feedback is not None:
+                self._error_feedback.reset(self._name(i))
+            self.packed[i] = self._store(i, w)
+        if self.release_after_step:
+            self._release(indices)
+        else:
+            self._materialize(indices, force=True)
 
     # -- optimizer interface -----------------------------------------------------------------
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of the wrapped optimizer in full precision, then store it in FP4."""
         self.materialize()
         if closure is not None:
@@ -155,7 +261,7 @@ class FP4StoredWeights:
 
     # -- memory and checkpoints ---------------------------------------------------------------
 
-    def memory_report(self):
+    def memory_report(self) -> dict[str, int]:
         """Bytes of each part of the training state, now.
 
         ``packed_bytes``: codes + scales + tensor scales (what the weights occupy at rest);
@@ -186,7 +292,7 @@ class FP4StoredWeights:
             "optimizer_state_bytes": state_bytes,
         }
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The packed weights, error feedback's residuals and the wrapped optimizer's state."""
         return {
             "rounding": self.rounding,
@@ -209,10 +315,13 @@ class FP4StoredWeights:
             "optimizer": self.optimizer.state_dict(),
         }
 
-    def load_state_dict(self, state):
-        """Restore ``state_dict()``; ValueError if it belongs to parameters of other shapes."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; ValueError if it belongs to parameters of other shapes, to
+        another rounding or format, or is not an ``FP4StoredWeights.state_dict()``."""
+        keys = ("rounding", "fmt", "seed", "step_count", "shapes", "packed", "optimizer")
+        _require_keys(state, keys, "FP4StoredWeights")
         shapes = [tuple(s) for s in state["shapes"]]
-        if len(shapes) != len(self.shapes):
+        if len(shapes) != len(self.shapes) or len(state["packed"]) != len(self.shapes):
             raise ValueError(
                 f"the state holds {len(shapes)} parameters, this optimizer has {len(self.shapes)}"
             )
@@ -227,30 +336,60 @@ class FP4StoredWeights:
                 raise ValueError(
                     f"the state has {key}={state[key]!r}, this one {getattr(self, key)!r}"
                 )
-        self.seed = int(state["seed"])
-        self.step_count = int(state["step_count"])
-        device = [p.device for p in self.params]
-        self.packed = [
-            fp4_kernels.QuantizedTensor(
-                s["data"].to(device[i]),
-                s["scales"].to(device[i]),
-                s["global_scale"].to(device[i]),
+        block = fp4_kernels.FORMATS[self.fmt]
+        packed = []
+        for i, s in enumerate(state["packed"]):
+            padded = (-(-_numel(self.shapes[i]) // block) * block,)
+            if tuple(s["shape"]) != padded:
+                raise ValueError(
+                    f"state['packed'][{i}]: shape {tuple(s['shape'])}, expected {padded} for a "
+                    f"parameter of shape {self.shapes[i]}"
+                )
+            fields = [s.get(k) for k in ("data", "scales", "global_scale")]
+            if not all(isinstance(t, torch.Tensor) for t in fields):
+                raise TypeError(
+                    f"state['packed'][{i}]: data, scales and global_scale must be torch tensors"
+                )
+            device = self.params[i].device
+            q = fp4_kernels.QuantizedTensor(
+                *(t.to(device) for t in fields),
                 self.fmt,
-                tuple(s["shape"]),
+                padded,
                 "float32",
                 "linear",
             )
-            for i, s in enumerate(state["packed"])
-        ]
+            fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
+            packed.append(q)
+        seed = check_seed(state["seed"], "state['seed']")
         if self._error_feedback is not None:
+            if state.get("error_feedback") is None:
+                raise ValueError("state: no 'error_feedback' entry for rounding='error_feedback'")
             self._error_feedback.load_state_dict(state["error_feedback"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.seed, self.step_count, self.packed = seed, int(state["step_count"]), packed
         self._decode_all()
         if self.release_after_step:
             self.release()
 
 
-def _numel(shape):
+def _state_dict_post_hook(module, hook):
+    """``module.register_state_dict_post_hook``, or on torch versions before it was public the
+    private registration with the same hook signature."""
+    register = getattr(module, "register_state_dict_post_hook", None)
+    if register is None:  # pragma: no cover - older torch
+        return module._register_state_dict_hook(hook)
+    return register(hook)
+
+
+def _load_state_dict_pre_hook(module, hook):
+    """``module.register_load_state_dict_pre_hook``, or its private form on older torch."""
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is None:  # pragma: no cover - older torch
+        return module._register_load_state_dict_pre_hook(hook, with_module=True)
+    return register(hook)
+
+
+def _numel(shape: Iterable[int]) -> int:
     n = 1
     for s in shape:
         n *= s

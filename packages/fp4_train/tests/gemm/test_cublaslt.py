@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _oracle import dequantize_f64, gemm_bound
+from _oracle import bf16_result_bound, dequantize_f64, gemm_bound
 
 import fp4_kernels
 from fp4_kernels.formats.e2m1 import E2M1_VALUES
@@ -113,6 +113,58 @@ def test_constants_match_nvmath_bindings():
     assert native.CUBLAS_COMPUTE_32F == cublas.ComputeType.COMPUTE_32F
     for mode in SCALE_VALUES:
         assert hasattr(cublasLt.MatmulMatrixScale, mode)
+    scheme = cublasLt.ReductionScheme
+    assert native.CUBLASLT_REDUCTION_SCHEME_INPLACE == scheme.INPLACE
+    assert native.CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE == scheme.COMPUTE_TYPE
+    assert native.CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE == scheme.OUTPUT_TYPE
+    for name in native.PREFERENCES:
+        assert hasattr(cublasLt.MatmulPreferenceAttribute, name)
+
+
+def test_split_k_partial_sums_stay_float32():
+    # a bfloat16 (or float32) result must be the float32 accumulation rounded once: split-K
+    # kernels that add partial sums in the output type (INPLACE, OUTPUT_TYPE) are excluded
+    mask = native.PREFERENCES["REDUCTION_SCHEME_MASK"]
+    assert mask & native.CUBLASLT_REDUCTION_SCHEME_INPLACE == 0
+    assert mask & native.CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE == 0
+    assert mask & native.CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+    assert native.PREFERENCES["MAX_WORKSPACE_BYTES"] == native.WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize(
+    "a1, b1, alpha, match",
+    [
+        (torch.ones(4, 32), torch.ones(4, 32), torch.ones(1), "expected bfloat16"),
+        (
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(4, 16, dtype=torch.bfloat16),
+            torch.ones(1),
+            r"expected \(M, K\) and \(N, K\)",
+        ),
+        (
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(2),
+            "alpha: expected one float32 element",
+        ),
+        (
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            1.0,
+            "alpha: expected a torch tensor",
+        ),
+        (
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(4, 32, dtype=torch.bfloat16),
+            torch.ones(1),
+            "expected one CUDA device",
+        ),
+    ],
+    ids=["float32", "k-mismatch", "alpha-two", "alpha-float", "cpu"],
+)
+def test_device_alpha_gemm_checks_what_it_hands_cublaslt(a1, b1, alpha, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        native.bf16_gemm_device_alpha(a1, b1, alpha)
 
 
 _CC = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -180,7 +232,7 @@ def test_bf16_gemm_with_device_alpha_is_the_exact_path():
     exact = a64 @ b64.T
     bound = gemm_bound(a64, b64, 1024)
     assert np.all(np.abs(out.cpu().double().numpy() - exact) <= bound)
-    # a bfloat16 result: the float32 one rounded once, so within half a bfloat16 ulp of it
-    # (2^-9 relative) plus the float32 bound
+    # a bfloat16 result: the float32 one rounded once (split-K partial sums stay float32,
+    # native.PREFERENCES), so within half a bfloat16 ulp of it plus the float32 bound
     out_bf16 = native.bf16_gemm_device_alpha(a1, b1, alpha, "bfloat16").cpu().double().numpy()
-    assert np.all(np.abs(out_bf16 - exact) <= bound * (1 + 2.0**-8) + 2.0**-9 * np.abs(exact))
+    assert np.all(np.abs(out_bf16 - exact) <= bf16_result_bound(bound, exact))

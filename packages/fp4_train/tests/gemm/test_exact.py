@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from _oracle import dequantize_f64, gemm_bound
+from _oracle import U_BF16, bf16_result_bound, dequantize_f64, gemm_bound
 
 import fp4_kernels
 from fp4_train.gemm import fp4_gemm
@@ -57,6 +57,23 @@ def test_bfloat16_output_is_the_float32_result_rounded_once():
     a = _operand(rng, 8, 64, "nvfp4", "torch")
     b = _operand(rng, 24, 64, "nvfp4", "torch")
     assert torch.equal(fp4_gemm(a, b, out_dtype="bfloat16"), fp4_gemm(a, b).to(torch.bfloat16))
+
+
+def test_bfloat16_output_within_the_rounded_once_bound():
+    # the bound the GPU tests put on a bfloat16 result (test_cublaslt's device-alpha GEMM
+    # among them), checked on the CPU at the same shape: the float32 bound plus half a
+    # bfloat16 ulp, U_BF16 = 2^-8 relative
+    torch.manual_seed(0)
+    a = fp4_kernels.quantize(torch.randn(384, 1024, dtype=torch.bfloat16))
+    b = fp4_kernels.quantize(torch.randn(200, 1024, dtype=torch.bfloat16))
+    out = fp4_gemm(a, b, out_dtype="bfloat16").double().numpy()
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    exact = a64 @ b64.T
+    bound = gemm_bound(a64, b64, 1024)
+    err = np.abs(out - exact)
+    assert np.all(err <= bf16_result_bound(bound, exact))
+    # half of that relative term (2^-9) is too little for a correctly rounded result
+    assert np.any(err > bound * (1 + U_BF16) + U_BF16 / 2 * np.abs(exact))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -72,3 +74,60 @@ def test_native_on_cpu_operands_is_a_clear_error():
 def test_auto_on_cpu_runs_the_exact_path():
     a, b = _q(4, 64), _q(8, 64)
     assert torch.equal(fp4_gemm(a, b), fp4_gemm(a, b, backend="exact"))
+
+
+# -- backend="auto" on a GPU with FP4 tensor cores, emulated on the CPU ----------------------
+
+
+@pytest.fixture
+def fp4_gpu(monkeypatch):
+    """Dispatch CPU operands as if they lived on a GPU of compute capability 10.0 (the exact
+    path itself still runs on the CPU); the bindings' availability is looked up afresh."""
+    from fp4_train import gemm
+    from fp4_train.gemm import _cublaslt
+
+    real_check = gemm.check_operands
+    monkeypatch.setattr(gemm, "check_operands", lambda a, b: real_check(a, b)._replace(cuda=True))
+    monkeypatch.setattr(_cublaslt, "device_capability", lambda device: (10, 0))
+    _cublaslt._bindings.cache_clear()
+    yield
+    _cublaslt._bindings.cache_clear()
+
+
+@pytest.fixture
+def without_nvmath(monkeypatch):
+    """nvmath-python not installed: importing it raises ImportError."""
+    for name in ("nvmath", "nvmath.bindings", "nvmath.bindings.cublasLt"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_auto_without_nvmath_falls_back_to_exact_with_a_warning(fp4_gpu, without_nvmath):
+    a, b = _q(8, 64, layout="swizzled"), _q(5, 64, layout="swizzled")
+    with pytest.warns(RuntimeWarning, match=r"FP4 tensor cores.*pip install 'fp4-train\[native\]'"):
+        out = fp4_gemm(a, b)
+    assert torch.equal(out, fp4_gemm(a, b, backend="exact"))
+
+
+def test_native_without_nvmath_names_the_extra(fp4_gpu, without_nvmath):
+    from fp4_train.gemm import _cublaslt
+
+    with pytest.raises(NativeGemmUnavailable, match=r"\[native\] extra"):
+        _cublaslt._cublaslt()
+
+
+@pytest.mark.parametrize(
+    "capability, k, layout",
+    [((9, 0), 64, "swizzled"), ((10, 0), 48, "swizzled"), ((10, 0), 64, "linear")],
+    ids=["no-fp4-tensor-cores", "k-not-a-multiple-of-32", "linear-scales"],
+)
+def test_auto_takes_the_exact_path_silently_where_native_does_not_apply(
+    fp4_gpu, without_nvmath, monkeypatch, capability, k, layout
+):
+    from fp4_train.gemm import _cublaslt
+
+    monkeypatch.setattr(_cublaslt, "device_capability", lambda device: capability)
+    a, b = _q(8, k, layout=layout), _q(5, k, layout=layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fp4_gemm(a, b)
+    assert torch.equal(out, fp4_gemm(a, b, backend="exact"))

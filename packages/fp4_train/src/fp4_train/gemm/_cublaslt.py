@@ -16,8 +16,12 @@ check; ``native_gemm`` applies a plan with cuBLASLt.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 import fp4_kernels
 
@@ -31,6 +35,20 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_COMPUTE_32F = 68
 # cuBLASLt wants 16-byte aligned leading dimensions: 32 e2m1 elements.
 K_ALIGNMENT = 32
+# cublasLtReductionScheme_t: how a split-K kernel combines its partial sums.  INPLACE (1) adds
+# them up in the output buffer in the output type and OUTPUT_TYPE (4) stages them in the output
+# type: with a bfloat16 result every partial sum is rounded to bfloat16, so the result is no
+# longer the float32 product rounded once (and INPLACE's order changes from run to run).
+# COMPUTE_TYPE (2) keeps float32 partials in the workspace and reduces them in a separate step.
+CUBLASLT_REDUCTION_SCHEME_INPLACE = 1
+CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE = 2
+CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE = 4
+# cublasLtMatmulPreferenceAttributes_t, by member name: the heuristic may pick kernels without
+# split-K (always allowed) or with float32 partials; a 32 MiB workspace.
+PREFERENCES = {
+    "MAX_WORKSPACE_BYTES": WORKSPACE_BYTES,
+    "REDUCTION_SCHEME_MASK": CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+}
 
 
 class NativeGemmUnavailable(RuntimeError):
@@ -131,36 +149,60 @@ def _abt_plan(m_rows, n_rows, k, in_type, out_dtype, *, scale_mode, scale_bytes,
     )
 
 
-def native_supported(device) -> bool:
-    """Whether ``device`` (a torch CUDA device) has FP4 tensor cores."""
-    import torch
+def device_capability(device: torch.device | str | int) -> tuple[int, int]:
+    """The compute capability (major, minor) of a torch CUDA device."""
+    return tuple(torch.cuda.get_device_capability(device))
 
-    return torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+def native_supported(device: torch.device | str | int) -> bool:
+    """Whether ``device`` (a torch CUDA device) has FP4 tensor cores."""
+    return device_capability(device) >= MIN_CAPABILITY
+
+
+@functools.cache
+def _bindings():
+    """(nvmath's cuBLASLt bindings, None), or (None, why they cannot be used here)."""
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:
+        return None, (
+            f"nvmath-python's cuBLASLt bindings do not import ({e}); they come with the "
+            "[native] extra: pip install 'fp4-train[native]'"
+        )
+    try:
+        cublasLt.get_version()
+    except Exception as e:  # the bindings import, but libcublasLt does not load
+        return None, f"nvmath-python cannot load cuBLASLt ({type(e).__name__}: {e})"
+    return cublasLt, None
+
+
+def bindings_unavailable() -> str | None:
+    """None where nvmath-python's cuBLASLt bindings work, else the reason they do not."""
+    return _bindings()[1]
+
+
+def _cublaslt():
+    cublasLt, reason = _bindings()
+    if cublasLt is None:
+        raise NativeGemmUnavailable(f"the native FP4 GEMM needs cuBLASLt: {reason}")
+    return cublasLt
 
 
 def _require_native(a):
-    import torch
-
     if not (isinstance(a.data, torch.Tensor) and a.data.is_cuda):
         raise NativeGemmUnavailable(
             "the native FP4 GEMM runs on CUDA tensors only; these operands are on the CPU "
             "(use backend='exact')"
         )
     device = a.data.device
-    cc = torch.cuda.get_device_capability(device)
+    cc = device_capability(device)
     if cc < MIN_CAPABILITY:
         raise NativeGemmUnavailable(
             f"the native FP4 GEMM needs FP4 tensor cores (compute capability >= "
             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); {torch.cuda.get_device_name(device)} "
             f"has compute capability {cc[0]}.{cc[1]}; use backend='exact'"
         )
-    try:
-        from nvmath.bindings import cublasLt
-    except ImportError as e:
-        raise NativeGemmUnavailable(
-            f"the native FP4 GEMM uses nvmath-python's cuBLASLt bindings: {e}"
-        ) from e
-    return cublasLt, device
+    return _cublaslt(), device
 
 
 _HANDLES = {}  # device index -> cublasLtHandle_t
@@ -174,8 +216,6 @@ def _handle(cublasLt, device):
 
 def _set(setter, dtype_of, obj, attr, value):
     """Set one cuBLASLt attribute from a host buffer of the type the bindings name for it."""
-    import numpy as np
-
     buf = np.array([value], dtype=dtype_of(attr))
     setter(obj, attr, buf.ctypes.data, buf.nbytes)
 
@@ -183,8 +223,6 @@ def _set(setter, dtype_of, obj, attr, value):
 def native_gemm(a, b, out_dtype):
     """Run ``plan_native(a, b, out_dtype)`` with cuBLASLt on torch's current stream."""
     cublasLt, device = _require_native(a)
-    import torch
-
     plan = plan_native(a, b, out_dtype)
     if plan.alpha_from_tensor_scales:
         alpha = a.global_scale * b.global_scale
@@ -220,18 +258,12 @@ def bf16_gemm_device_alpha(a1, b1, alpha, out_dtype="float32"):
     Experimental: measured by ``benchmarks/gemm_throughput.py`` and tested on a GPU; not yet
     what ``fp4_gemm`` calls.
     """
-    import torch
-
-    try:
-        from nvmath.bindings import cublasLt
-    except ImportError as e:
-        raise NativeGemmUnavailable(f"needs nvmath-python's cuBLASLt bindings: {e}") from e
+    check_device_alpha_operands(a1, b1, alpha, out_dtype)
+    cublasLt = _cublaslt()
     (m_rows, k), (n_rows, _) = a1.shape, b1.shape
     plan = _abt_plan(m_rows, n_rows, k, CUDA_R_16BF, out_dtype, scale_mode="", scale_bytes=(0, 0),
                      alpha_from_tensor_scales=True)  # fmt: skip
     a1, b1 = a1.contiguous(), b1.contiguous()
-    if a1.dtype != torch.bfloat16 or b1.dtype != torch.bfloat16:
-        raise TypeError(f"a1, b1: expected bfloat16, got {a1.dtype}, {b1.dtype}")
     return _lt_matmul(
         cublasLt,
         a1.device,
@@ -244,12 +276,34 @@ def bf16_gemm_device_alpha(a1, b1, alpha, out_dtype="float32"):
     )
 
 
+def check_device_alpha_operands(a1, b1, alpha, out_dtype):
+    """What ``bf16_gemm_device_alpha`` hands cuBLASLt as raw pointers: bfloat16 (M, K) and
+    (N, K) tensors and a one-element float32 alpha, all on one CUDA device."""
+    for name, t in (("a1", a1), ("b1", b1), ("alpha", alpha)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if a1.dtype != torch.bfloat16 or b1.dtype != torch.bfloat16:
+        raise TypeError(f"a1, b1: expected bfloat16, got {a1.dtype}, {b1.dtype}")
+    if a1.dim() != 2 or b1.dim() != 2 or a1.shape[1] != b1.shape[1]:
+        raise ValueError(
+            f"a1, b1: expected (M, K) and (N, K), got {tuple(a1.shape)} and {tuple(b1.shape)}"
+        )
+    if alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise ValueError(
+            f"alpha: expected one float32 element, got {alpha.numel()} of {alpha.dtype}"
+        )
+    if out_dtype not in _OUT_TYPES:
+        raise ValueError(f"out_dtype: {out_dtype!r} is not one of {tuple(_OUT_TYPES)}")
+    devices = {t.device for t in (a1, b1, alpha)}
+    if len(devices) != 1 or not a1.is_cuda:
+        raise ValueError(
+            f"a1, b1, alpha: expected one CUDA device, got {sorted(map(str, devices))}"
+        )
+
+
 def _lt_matmul(cublasLt, device, plan, *, a_ptr, b_ptr, alpha, out_dtype, extra_desc):
     """D = alpha op(A) op(B) (beta = 0) as ``plan`` describes it, on torch's current stream;
     returns D as the row-major (plan.n, plan.m) torch tensor."""
-    import numpy as np
-    import torch
-
     attr = cublasLt.MatmulDescAttribute
     out = torch.empty((plan.n, plan.m), dtype=getattr(torch, out_dtype), device=device)
     beta = torch.zeros(1, dtype=torch.float32, device=device)
@@ -279,13 +333,14 @@ def _lt_matmul(cublasLt, device, plan, *, a_ptr, b_ptr, alpha, out_dtype, extra_
                     key,
                     value,
                 )
-            _set(
-                cublasLt.matmul_preference_set_attribute,
-                cublasLt.get_matmul_preference_attribute_dtype,
-                pref,
-                cublasLt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
-                WORKSPACE_BYTES,
-            )
+            for name, value in PREFERENCES.items():
+                _set(
+                    cublasLt.matmul_preference_set_attribute,
+                    cublasLt.get_matmul_preference_attribute_dtype,
+                    pref,
+                    getattr(cublasLt.MatmulPreferenceAttribute, name),
+                    value,
+                )
             result = cublasLt.MatmulHeuristicResult(1)
             count = np.zeros(1, np.int32)
             la, lb, ld = layouts

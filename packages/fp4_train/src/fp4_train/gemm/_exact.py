@@ -23,7 +23,11 @@ import fp4_kernels
 
 
 def _without_tensor_scale(q, lib):
-    """``q`` with its tensor scale replaced by 1 (a one-element array where q's lives)."""
+    """``q`` with its tensor scale replaced by 1 (a one-element array where q's lives).
+
+    MXFP4 has no tensor scale (``dequantize`` ignores the field, which may be None)."""
+    if q.fmt != "nvfp4" or q.global_scale is None:
+        return q
     if lib == "torch":
         import torch
 
@@ -50,6 +54,8 @@ def exact_gemm(a, b, out_dtype):
     except TypeError:  # a torch without mm's out_dtype (before 2.8): a float32 GEMM of the
         # same decoded values, exact in float32 and in TF32 (11 significant bits >= 6) alike
         acc = torch.mm(a1.float(), b1.float().t())
+    if a.fmt != "nvfp4":  # MXFP4: no tensor scales
+        return acc if out_dtype == "float32" else acc.to(torch.bfloat16)
     alpha = a.global_scale * b.global_scale  # on the device: no host synchronization
     if out_dtype == "float32":
         return acc.mul_(alpha)
@@ -64,14 +70,16 @@ def _exact_torch_cpu(a, b, out_dtype):
     # the same arithmetic as the GPU's bf16 x bf16 -> float32 GEMM up to summation order.
     a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "torch"), dtype=torch.float32)
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.float32)
-    out = (a1 @ b1.t()).mul_(a.global_scale * b.global_scale)
+    out = a1 @ b1.t()
+    if a.fmt == "nvfp4":
+        out.mul_(a.global_scale * b.global_scale)
     return out if out_dtype == "float32" else out.to(torch.bfloat16)
 
 
 def _exact_numpy(a, b):
     a1 = fp4_kernels.dequantize(_without_tensor_scale(a, "numpy"), dtype=np.float32)
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "numpy"), dtype=np.float32)
-    alpha = np.float32(a.global_scale[0]) * np.float32(b.global_scale[0])
     out = a1 @ b1.T
-    out *= alpha
+    if a.fmt == "nvfp4":
+        out *= np.float32(a.global_scale[0]) * np.float32(b.global_scale[0])
     return out

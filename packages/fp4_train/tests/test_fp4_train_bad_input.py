@@ -1,0 +1,920 @@
+"""Bad inputs to every public function of fp4_train: a clear exception naming the argument (and
+how to fix it), or the documented policy, never a crash or a silent difference.
+
+``REJECTED`` lists the inputs that must raise: each case gives the call, the exception type and a
+regex the message must match.  The ``test_policy_*`` tests pin what the documentation promises
+for inputs that are accepted: NaN / infinity, empty tensors, non-contiguous and non-native
+layouts, float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import fp4_kernels
+from fp4_train import (
+    ErrorFeedback,
+    FP4Linear,
+    FP4StoredWeights,
+    NativeGemmUnavailable,
+    fp4_gemm,
+    fp4_linear,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _q(rows=4, k=64, fmt="nvfp4", lib="torch", layout="linear"):
+    x = np.random.default_rng(rows * k).standard_normal((rows, k)).astype(np.float32)
+    return fp4_kernels.quantize(
+        torch.from_numpy(x) if lib == "torch" else x, fmt=fmt, scale_layout=layout
+    )
+
+
+def _with(q, **fields):
+    return dataclasses.replace(q, **fields)
+
+
+def _sw(params=None, **kw):
+    params = params if params is not None else [torch.nn.Parameter(torch.randn(32, 32))]
+    return FP4StoredWeights(torch.optim.SGD(params, lr=0.1), **kw)
+
+
+def _param(*shape, dtype=torch.float32):
+    return torch.nn.Parameter(
+        torch.zeros(*shape, dtype=dtype), requires_grad=dtype.is_floating_point
+    )
+
+
+X = torch.randn(4, 32)
+W = torch.randn(16, 32)
+Q = _q()
+Q_FP4QUANT = fp4_kernels.quantize(torch.randn(4, 64), fmt=fp4_kernels.FP4Quant(group_size=64))
+
+# pytest.param(call, exception type, message regex, id=...)
+REJECTED = [
+    # -- fp4_gemm: operands --------------------------------------------------------------
+    pytest.param(
+        lambda: fp4_gemm(torch.ones(4, 64), Q),
+        TypeError,
+        r"^a: expected an fp4_kernels.QuantizedTensor",
+        id="gemm/a-not-quantized",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, np.ones((4, 64))),
+        TypeError,
+        r"^b: expected an fp4_kernels.QuantizedTensor",
+        id="gemm/b-numpy-array",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q_FP4QUANT, Q),
+        ValueError,
+        r"^a: fp4_gemm multiplies NVFP4 or MXFP4 operands; a is FP4Quant.*fmt='nvfp4'",
+        id="gemm/a-fp4quant",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, Q_FP4QUANT), ValueError, r"^b: .* b is FP4Quant", id="gemm/b-fp4quant"
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q_FP4QUANT, Q_FP4QUANT),
+        ValueError,
+        r"^a: .*FP4Quant",
+        id="gemm/both-fp4quant",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, fmt="fp8"), Q),
+        ValueError,
+        r"^a: .* a.fmt is 'fp8'",
+        id="gemm/fmt-unknown",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, _q(fmt="mxfp4")),
+        ValueError,
+        r"a is NVFP4 and b is MXFP4",
+        id="gemm/mixed-formats",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, _q(lib="numpy")),
+        ValueError,
+        r"different devices or libraries: cpu vs numpy",
+        id="gemm/mixed-libraries",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(fp4_kernels.quantize(torch.ones(2, 3, 64)), Q),
+        ValueError,
+        r"^a: fp4_gemm takes 2-D operands.*reshape",
+        id="gemm/3d",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, fp4_kernels.quantize(torch.ones(64))),
+        ValueError,
+        r"^b: fp4_gemm takes 2-D operands",
+        id="gemm/1d",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_q(4, 32), _q(4, 64)), ValueError, r"same K", id="gemm/k-mismatch"
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, shape=(4, 24), data=Q.data[:, :12]), Q),
+        ValueError,
+        r"^a: K=24 is not a multiple of the NVFP4 block size 16",
+        id="gemm/k-not-block-multiple",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, shape=[4, 64]), Q),
+        TypeError,
+        r"^a.shape: expected a tuple",
+        id="gemm/shape-not-tuple",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, shape=(-4, 64)), Q),
+        TypeError,
+        r"^a.shape: expected a tuple of non-negative ints",
+        id="gemm/shape-negative",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, scale_layout="tiled"), Q),
+        ValueError,
+        r"^a.scale_layout: 'tiled' is not one of",
+        id="gemm/scale-layout",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, data=Q.data.view(torch.uint16)), Q),
+        TypeError,
+        r"^a.data: dtype torch.uint16, expected uint8",
+        id="gemm/data-uint16",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, _with(Q, data=Q.data.float())),
+        TypeError,
+        r"^b.data: dtype torch.float32, expected uint8",
+        id="gemm/data-float32",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, data=Q.data[:3]), Q),
+        ValueError,
+        r"^a.data: shape \(3, 32\), expected \(4, 32\)",
+        id="gemm/data-short",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, data=torch.zeros(32, 4, dtype=torch.uint8).t()), Q),
+        ValueError,
+        r"^a.data: must be C-contiguous",
+        id="gemm/data-non-contiguous",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, data=[0] * 128), Q),
+        TypeError,
+        r"^a.data: fp4_gemm takes operands held by torch tensors",
+        id="gemm/data-list",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, scales=Q.scales.long()), Q),
+        TypeError,
+        r"^a.scales: dtype torch.int64, expected uint8",
+        id="gemm/scales-int64",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q_FP4QUANT, fmt="nvfp4", data=Q.data), Q),
+        TypeError,
+        r"^a.scales: dtype torch.uint16",
+        id="gemm/scales-uint16",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, scales=Q.scales[:2]), Q),
+        ValueError,
+        r"^a.scales: shape \(2, 4\), expected \(4, 4\)",
+        id="gemm/scales-short",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(_q(layout="swizzled"), scales=Q.scales.reshape(-1)), Q),
+        ValueError,
+        r"^a.scales: shape \(16,\), expected \(512,\)",
+        id="gemm/swizzled-scales-linear-size",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, scales=Q.scales.numpy()), Q),
+        ValueError,
+        r"^a.scales: lives on numpy but the operand's data on cpu",
+        id="gemm/scales-numpy-data-torch",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, global_scale=None), Q),
+        ValueError,
+        r"^a.global_scale: NVFP4 needs its tensor decode scale",
+        id="gemm/global-scale-none",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, _with(Q, global_scale=torch.ones(2))),
+        ValueError,
+        r"^b.global_scale: shape \(2,\), expected \(1,\)",
+        id="gemm/global-scale-two",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, global_scale=Q.global_scale.double()), Q),
+        TypeError,
+        r"^a.global_scale: dtype torch.float64, expected float32",
+        id="gemm/global-scale-float64",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(Q, global_scale=1.0), Q),
+        TypeError,
+        r"^a.global_scale: fp4_gemm takes operands held by torch tensors",
+        id="gemm/global-scale-python-float",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_with(_q(lib="numpy"), global_scale=np.ones(1, ">f4")), _q(lib="numpy")),
+        TypeError,
+        r"^a.global_scale: dtype >f4, expected float32",
+        id="gemm/numpy-big-endian-scale",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, Q, backend="cutlass"),
+        ValueError,
+        r"^backend: 'cutlass' is not one of",
+        id="gemm/backend",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, Q, out_dtype="float16"),
+        ValueError,
+        r"^out_dtype: 'float16' is not one of",
+        id="gemm/out-dtype",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, Q, out_dtype=torch.float32),
+        ValueError,
+        r"^out_dtype: torch.float32 is not one of",
+        id="gemm/out-dtype-torch-dtype",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_q(lib="numpy"), _q(lib="numpy"), out_dtype="bfloat16"),
+        TypeError,
+        r"numpy has no bfloat16",
+        id="gemm/bf16-numpy",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(_q(layout="swizzled"), _q(layout="swizzled"), backend="native"),
+        NativeGemmUnavailable,
+        r"CUDA tensors only.*backend='exact'",
+        id="gemm/native-on-cpu",
+    ),
+    # -- fp4_linear ----------------------------------------------------------------------
+    pytest.param(
+        lambda: fp4_linear(X.numpy(), W),
+        TypeError,
+        r"^fp4_linear: x must be a torch tensor, got ndarray",
+        id="linear/x-numpy",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, np.ones(16, np.float32)),
+        TypeError,
+        r"^fp4_linear: bias must be a torch tensor, got ndarray",
+        id="linear/bias-numpy",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X.long(), W),
+        TypeError,
+        r"^fp4_linear: x has dtype torch.int64; use float32",
+        id="linear/x-int",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X.double(), W),
+        TypeError,
+        r"^fp4_linear: x has dtype torch.float64",
+        id="linear/x-float64",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W.to(torch.complex64)),
+        TypeError,
+        r"^fp4_linear: weight has dtype torch.complex64",
+        id="linear/weight-complex",
+    ),
+    pytest.param(
+        lambda: fp4_linear(torch.tensor(1.0), W),
+        ValueError,
+        r"^fp4_linear: x has shape \(\), expected \(\.\.\., 32\)",
+        id="linear/x-0d",
+    ),
+    pytest.param(
+        lambda: fp4_linear(torch.ones(4, 48), W),
+        ValueError,
+        r"x has shape \(4, 48\), expected \(\.\.\., 32\)",
+        id="linear/x-wrong-k",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, torch.ones(32)),
+        ValueError,
+        r"weight must be \(out_features, in_features\)",
+        id="linear/weight-1d",
+    ),
+    pytest.param(
+        lambda: fp4_linear(torch.ones(4, 24), torch.ones(16, 24)),
+        ValueError,
+        r"in_features=24 is not a multiple of the NVFP4 block size 16",
+        id="linear/in-features-ragged",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, torch.ones(20, 32)),
+        ValueError,
+        r"out_features=20 is not a multiple",
+        id="linear/out-features-ragged",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, torch.ones(1, 16)),
+        ValueError,
+        r"bias has shape \(1, 16\), expected \(16,\)",
+        id="linear/bias-shape",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, rounding="up"),
+        ValueError,
+        r"rounding='up' is not one of",
+        id="linear/rounding",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, grad_rounding=None),
+        ValueError,
+        r"grad_rounding=None is not one of",
+        id="linear/grad-rounding",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, hadamard_wgrad=1),
+        TypeError,
+        r"hadamard_wgrad is True or False, got 1",
+        id="linear/hadamard-int",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, quantize_backward="no"),
+        TypeError,
+        r"quantize_backward is True or False",
+        id="linear/quantize-backward-str",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, seed=-1),
+        ValueError,
+        r"seed: -1 is outside \[0, 2\*\*64\)",
+        id="linear/seed-negative",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, seed=2**64),
+        ValueError,
+        r"seed: .* is outside \[0, 2\*\*64\)",
+        id="linear/seed-too-large",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, seed=1.5),
+        TypeError,
+        r"seed: expected an integer, got float",
+        id="linear/seed-float",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, step=-5),
+        ValueError,
+        r"step: -5 is outside \[0, 2\*\*32\).*modulo 2\*\*32",
+        id="linear/step-negative",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, step=2**40),
+        ValueError,
+        r"step: 1099511627776 is outside \[0, 2\*\*32\)",
+        id="linear/step-2**40",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, step="3"),
+        TypeError,
+        r"step: expected an integer, got str",
+        id="linear/step-str",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, step=True),
+        TypeError,
+        r"step: expected an integer, got bool",
+        id="linear/step-bool",
+    ),
+    # -- FP4Linear -----------------------------------------------------------------------
+    pytest.param(
+        lambda: FP4Linear(10, 16),
+        ValueError,
+        r"in_features=10 is not a positive multiple of 16",
+        id="FP4Linear/in-ragged",
+    ),
+    pytest.param(
+        lambda: FP4Linear(0, 16),
+        ValueError,
+        r"in_features=0 is not a positive multiple of 16",
+        id="FP4Linear/in-zero",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, -16),
+        ValueError,
+        r"out_features=-16 is not a positive multiple",
+        id="FP4Linear/out-negative",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16.0, 16),
+        TypeError,
+        r"in_features must be an int, got float",
+        id="FP4Linear/in-float",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16, bias="yes"),
+        TypeError,
+        r"bias is True or False",
+        id="FP4Linear/bias-str",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16, dtype=torch.int32),
+        TypeError,
+        r"dtype=torch.int32; the master weights are float32, bfloat16 or float16",
+        id="FP4Linear/dtype-int",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16, rounding="x"),
+        ValueError,
+        r"rounding='x' is not one of",
+        id="FP4Linear/rounding",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16, hadamard_wgrad="yes"),
+        TypeError,
+        r"hadamard_wgrad is True or False",
+        id="FP4Linear/hadamard-str",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16, seed=-1),
+        ValueError,
+        r"seed: -1 is outside",
+        id="FP4Linear/seed-negative",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16)(torch.ones(3, 32)),
+        ValueError,
+        r"x has shape \(3, 32\), expected \(\.\.\., 16\)",
+        id="FP4Linear/forward-wrong-k",
+    ),
+    pytest.param(
+        lambda: FP4Linear.from_linear(torch.nn.Conv1d(16, 16, 1)),
+        TypeError,
+        r"from_linear: expected a torch.nn.Linear, got Conv1d",
+        id="FP4Linear/from-conv",
+    ),
+    pytest.param(
+        lambda: FP4Linear.from_linear(torch.nn.Linear(10, 16)),
+        ValueError,
+        r"in_features=10",
+        id="FP4Linear/from-ragged-linear",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16).set_extra_state({}),
+        ValueError,
+        r"extra state: expected \{'step': \.\.\., 'seed': \.\.\.\}",
+        id="FP4Linear/extra-state-empty",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, 16).set_extra_state({"step": -1, "seed": 0}),
+        ValueError,
+        r"step must be an int >= 0",
+        id="FP4Linear/extra-state-negative-step",
+    ),
+    # -- ErrorFeedback -------------------------------------------------------------------
+    pytest.param(
+        lambda: ErrorFeedback(fmt="fp8"), ValueError, r"^fmt: 'fp8' is not one of", id="ef/fmt"
+    ),
+    pytest.param(
+        lambda: ErrorFeedback(fmt=fp4_kernels.FP4Quant()),
+        ValueError,
+        r"^fmt: FP4Quant.*NVFP4 or MXFP4",
+        id="ef/fmt-fp4quant",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback(rounding="up"),
+        ValueError,
+        r"^rounding: 'up' is not",
+        id="ef/rounding",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback(seed=-1), ValueError, r"^seed: -1 is outside", id="ef/seed-negative"
+    ),
+    pytest.param(
+        lambda: ErrorFeedback(seed="3"),
+        TypeError,
+        r"^seed: expected an integer, got str",
+        id="ef/seed-str",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback(seed=1.5),
+        TypeError,
+        r"^seed: expected an integer, got float",
+        id="ef/seed-float",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", np.arange(32)),
+        TypeError,
+        r"^x: dtype int64 is not a real floating-point type",
+        id="ef/x-int",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(32, dtype=torch.bool)),
+        TypeError,
+        r"^x: dtype bool is not a real floating-point type",
+        id="ef/x-bool",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(32, dtype=torch.complex64)),
+        TypeError,
+        r"^x: dtype complex64",
+        id="ef/x-complex",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", [1.0] * 32),
+        TypeError,
+        r"^x: expected a torch tensor or a numpy array, got list",
+        id="ef/x-list",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.tensor(1.0)),
+        ValueError,
+        r"^x: a 0-d array has no last dimension",
+        id="ef/x-0d",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(4, 10)),
+        ValueError,
+        r"^x: last dimension K=10 is not a multiple of the NVFP4 block size 16",
+        id="ef/x-ragged-k",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq(3, torch.ones(32)),
+        TypeError,
+        r"^name: expected a str, got int",
+        id="ef/name-int",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(32), step=-1),
+        ValueError,
+        r"^step: -1 is outside \[0, 2\*\*32\)",
+        id="ef/step-negative",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().quantize("w", torch.ones(32), step=2**40),
+        ValueError,
+        r"^step: .* is outside \[0, 2\*\*32\)",
+        id="ef/step-2**40",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(32), step=1.5),
+        TypeError,
+        r"^step: expected an integer, got float",
+        id="ef/step-float",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().load_state_dict({}),
+        ValueError,
+        r"^state: missing 'fmt', 'rounding', 'seed', 'residuals'; expected the dict that Error",
+        id="ef/load-empty",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().load_state_dict(None),
+        TypeError,
+        r"^state: expected the dict that ErrorFeedback.state_dict\(\) returns, got NoneType",
+        id="ef/load-none",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().load_state_dict(ErrorFeedback(fmt="mxfp4").state_dict()),
+        ValueError,
+        r"fmt='mxfp4'",
+        id="ef/load-other-format",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().load_state_dict(
+            {
+                "fmt": "nvfp4",
+                "rounding": "nearest",
+                "seed": 0,
+                "residuals": {"w": torch.ones(16, dtype=torch.int32)},
+            }
+        ),
+        TypeError,
+        r"^state\['residuals'\]\['w'\]: dtype int32",
+        id="ef/load-int-residual",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().load_state_dict(
+            {"fmt": "nvfp4", "rounding": "nearest", "seed": 0, "residuals": {}, "steps": {"w": -1}}
+        ),
+        ValueError,
+        r"^state\['steps'\]\['w'\]: -1 is outside",
+        id="ef/load-negative-step",
+    ),
+    # -- FP4StoredWeights ----------------------------------------------------------------
+    pytest.param(
+        lambda: FP4StoredWeights([_param(32)]),
+        TypeError,
+        r"^optimizer: expected a torch.optim.Optimizer.*torch.optim.SGD\(params",
+        id="sw/optimizer-list",
+    ),
+    pytest.param(
+        lambda: _sw(rounding="up"),
+        ValueError,
+        r"^rounding: 'up' is not one of \('nearest', 'stochastic', 'error_feedback'\)",
+        id="sw/rounding",
+    ),
+    pytest.param(lambda: _sw(fmt="fp8"), ValueError, r"^fmt: 'fp8' is not one of", id="sw/fmt"),
+    pytest.param(
+        lambda: _sw(fmt=fp4_kernels.FP4Quant()), ValueError, r"^fmt: FP4Quant", id="sw/fmt-fp4quant"
+    ),
+    pytest.param(lambda: _sw(seed=-1), ValueError, r"^seed: -1 is outside", id="sw/seed-negative"),
+    pytest.param(
+        lambda: _sw(seed=0.5),
+        TypeError,
+        r"^seed: expected an integer, got float",
+        id="sw/seed-float",
+    ),
+    pytest.param(
+        lambda: _sw(release="no"),
+        TypeError,
+        r"^release: expected True or False, got 'no'",
+        id="sw/release-str",
+    ),
+    pytest.param(
+        lambda: _sw([_param(32, dtype=torch.complex64)]),
+        TypeError,
+        r"^parameter 0 \(shape \(32,\)\) has dtype torch.complex64; FP4 storage holds real",
+        id="sw/param-complex",
+    ),
+    pytest.param(
+        lambda: _sw([torch.ones(32), _param(8, dtype=torch.int64)]),
+        TypeError,
+        r"^parameter 1 \(shape \(8,\)\) has dtype torch.int64",
+        id="sw/param-int",
+    ),
+    pytest.param(
+        lambda: _sw().attach("model"),
+        TypeError,
+        r"^module: expected a torch.nn.Module, got str",
+        id="sw/attach-non-module",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({}),
+        ValueError,
+        r"^state: missing 'rounding', .*; expected the dict that FP4StoredWeights.state_dict",
+        id="sw/load-empty",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict([]),
+        TypeError,
+        r"^state: expected the dict that FP4StoredWeights.state_dict\(\) returns, got list",
+        id="sw/load-list",
+    ),
+    pytest.param(
+        lambda: _sw([_param(16, 32)]).load_state_dict(_sw([_param(32, 16)]).state_dict()),
+        ValueError,
+        r"parameter 0 has shape \(16, 32\) here but \(32, 16\) in the state",
+        id="sw/load-other-shape",
+    ),
+    pytest.param(
+        lambda: _sw([_param(32)]).load_state_dict(_sw([_param(32), _param(32)]).state_dict()),
+        ValueError,
+        r"the state holds 2 parameters, this optimizer has 1",
+        id="sw/load-other-count",
+    ),
+    pytest.param(
+        lambda: _sw(rounding="nearest").load_state_dict(_sw(rounding="stochastic").state_dict()),
+        ValueError,
+        r"the state has rounding='stochastic', this one 'nearest'",
+        id="sw/load-other-rounding",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_tampered(scales=torch.zeros(3, dtype=torch.uint8))),
+        ValueError,
+        r"q.scales: shape \(3,\)",
+        id="sw/load-tampered-scales",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_tampered(data=torch.zeros(512, dtype=torch.int16))),
+        TypeError,
+        r"q.data: dtype int16, expected uint8",
+        id="sw/load-tampered-data-dtype",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_tampered(shape=(2048,))),
+        ValueError,
+        r"state\['packed'\]\[0\]: shape \(2048,\), expected \(1024,\)",
+        id="sw/load-tampered-shape",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_tampered(data=np.zeros(512, np.uint8))),
+        TypeError,
+        r"state\['packed'\]\[0\]: data, scales and global_scale must be torch tensors",
+        id="sw/load-numpy-field",
+    ),
+    pytest.param(
+        lambda: _sw(rounding="error_feedback").load_state_dict(
+            {**_sw(rounding="error_feedback").state_dict(), "error_feedback": None}
+        ),
+        ValueError,
+        r"no 'error_feedback' entry for rounding='error_feedback'",
+        id="sw/load-missing-residuals",
+    ),
+    pytest.param(
+        lambda: _attached_linear().load_state_dict(
+            torch.nn.Linear(32, 16).state_dict(), assign=True
+        ),
+        ValueError,
+        r"load_state_dict\(assign=True\) would replace the parameters",
+        id="sw/module-load-assign",
+    ),
+    pytest.param(
+        lambda: _attached_linear().load_state_dict(torch.nn.Linear(16, 32).state_dict()),
+        RuntimeError,
+        r"size mismatch for weight: copying a param with shape torch.Size\(\[32, 16\]\)",
+        id="sw/module-load-wrong-shape",
+    ),
+]
+
+
+def _tampered(**fields):
+    state = _sw().state_dict()
+    state["packed"][0].update(fields)
+    return state
+
+
+def _attached_linear():
+    model = torch.nn.Linear(32, 16)
+    FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1)).attach(model)
+    return model
+
+
+@pytest.mark.parametrize("call, error, message", REJECTED)
+def test_rejected(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_the_corpus_covers_every_public_name():
+    import fp4_train
+
+    covered = {case.id.split("/")[0] for case in REJECTED}
+    prefixes = {
+        "ErrorFeedback": "ef",
+        "FP4Linear": "FP4Linear",
+        "FP4StoredWeights": "sw",
+        "fp4_linear": "linear",
+        "fp4_gemm": "gemm",
+    }
+    public = set(fp4_train.__all__) - {"__version__", "NativeGemmUnavailable"}
+    assert public == set(prefixes)
+    assert {prefixes[name] for name in public} <= covered
+
+
+# -- documented policies for inputs that are accepted ----------------------------------------
+
+
+def test_policy_gemm_nan_and_inf_propagate_like_a_gemm():
+    # a non-finite element makes its block decode to NaN (fp4_kernels), and a NaN operand
+    # element makes every product it takes part in NaN: row 0 of a @ b^T, nothing else
+    x = torch.randn(4, 64)
+    x[0, 3], x[0, 40] = NAN, INF
+    a, b = fp4_kernels.quantize(x), _q(rows=5)
+    out = fp4_gemm(a, b)
+    assert bool(out[0].isnan().all()) and bool(out[1:].isfinite().all())
+
+
+@pytest.mark.parametrize("m, n", [(0, 5), (3, 0), (0, 0)])
+def test_policy_gemm_of_empty_operands_is_empty(m, n):
+    a, b = fp4_kernels.quantize(torch.randn(m, 64)), fp4_kernels.quantize(torch.randn(n, 64))
+    assert fp4_gemm(a, b).shape == (m, n)
+
+
+def test_policy_gemm_mxfp4_tensor_scale_may_be_none():
+    a, b = _q(fmt="mxfp4"), _q(rows=3, fmt="mxfp4")
+    assert torch.equal(fp4_gemm(_with(a, global_scale=None), b), fp4_gemm(a, b))
+
+
+def test_policy_linear_nan_propagates_as_in_full_precision():
+    x = torch.randn(4, 32)
+    x[1, 5] = NAN
+    y = fp4_linear(x, W)
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2, 3]].isfinite().all())
+
+
+def test_policy_linear_empty_batch_gives_empty_output_and_zero_gradients():
+    x = torch.zeros(0, 32, requires_grad=True)
+    w = W.clone().requires_grad_()
+    y = fp4_linear(x, w, hadamard_wgrad=True)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_policy_linear_non_contiguous_operands_give_the_contiguous_result():
+    xt, wt = torch.randn(32, 4), torch.randn(32, 16)
+    assert torch.equal(
+        fp4_linear(xt.t(), wt.t()), fp4_linear(xt.t().contiguous(), wt.t().contiguous())
+    )
+
+
+def test_policy_fp4linear_step_counter_wraps_at_2_32():
+    layer = FP4Linear(16, 16, rounding="stochastic")
+    layer.set_extra_state({"step": 2**32 + 5, "seed": 0})
+    x = torch.randn(3, 16)
+    y = layer(x)
+    expected = fp4_linear(x, layer.weight, layer.bias, rounding="stochastic", step=5)
+    assert torch.equal(y, expected)
+
+
+def test_policy_error_feedback_accepts_non_contiguous_and_non_native_arrays():
+    x = np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32)
+    plain = ErrorFeedback().qdq("w", np.ascontiguousarray(x.T))
+    assert np.array_equal(ErrorFeedback().qdq("w", x.T), plain)
+    swapped = ErrorFeedback().qdq("w", np.ascontiguousarray(x.T).astype(">f4"))
+    assert swapped.dtype == np.dtype(">f4") and np.array_equal(swapped.astype(np.float32), plain)
+
+
+def test_policy_error_feedback_float64_is_rounded_to_float32_first():
+    x = np.random.default_rng(1).standard_normal(64)
+    y = ErrorFeedback().qdq("w", x)
+    assert y.dtype == np.float64
+    assert np.array_equal(y, ErrorFeedback().qdq("w", x.astype(np.float32)).astype(np.float64))
+
+
+def test_policy_error_feedback_non_finite_block_restarts_its_residual():
+    # MXFP4: blocks have no shared tensor scale, so block 0 can be compared on its own
+    ef = ErrorFeedback(fmt="mxfp4")
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
+    ef.qdq("g", x)  # a finite residual in both blocks
+    bad = x.clone()
+    bad[0, 4] = INF
+    y = ef.qdq("g", bad)
+    assert bool(y[0].isnan().all()) and bool(y[1].isfinite().all())
+    r = ef.residual("g")
+    assert torch.equal(r[0], torch.zeros(32)) and bool(r[1].ne(0).any())
+    # the next step is finite again, block 0 as from a fresh start
+    nxt = ef.qdq("g", x)
+    assert bool(nxt.isfinite().all())
+    assert torch.equal(nxt[0], ErrorFeedback(fmt="mxfp4").qdq("g", x)[0])
+
+
+def test_policy_stored_weights_empty_and_float64_parameters():
+    empty, wide = _param(0, 4), torch.nn.Parameter(torch.randn(3, 5, dtype=torch.float64))
+    w0 = wide.detach().clone()
+    opt = _sw([empty, wide], rounding="nearest", release=False)
+    assert empty.shape == (0, 4) and wide.dtype == torch.float64 and wide.shape == (3, 5)
+    # stored as float32 in FP4: 15 weights padded to one NVFP4 block
+    flat = torch.nn.functional.pad(w0.reshape(-1).float(), (0, 1))
+    expected = fp4_kernels.quantize_dequantize(flat)[:15].view(3, 5).double()
+    assert torch.equal(wide.detach(), expected)
+    assert opt.memory_report()["parameters"] == 15
+
+
+def test_policy_stored_weights_nan_weight_makes_its_block_nan():
+    w = torch.randn(2, 16)
+    w[0, 3] = NAN
+    p = torch.nn.Parameter(w)
+    _sw([p], rounding="nearest", release=False)
+    assert bool(p[0].isnan().all()) and bool(p[1].isfinite().all())
+
+
+# -- the CUDA path ----------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"
+)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("field", ["scales", "global_scale"])
+def test_gpu_gemm_field_on_another_device_is_rejected(field):
+    q = fp4_kernels.quantize(torch.randn(4, 64, device="cuda"))
+    bad = _with(q, **{field: getattr(q, field).cpu()})
+    with pytest.raises(
+        ValueError, match=rf"^a.{field}: lives on cpu but the operand's data on cuda"
+    ):
+        fp4_gemm(bad, q)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_gemm_operands_on_cpu_and_cuda_are_rejected():
+    with pytest.raises(ValueError, match="different devices or libraries: cuda:0 vs cpu"):
+        fp4_gemm(fp4_kernels.quantize(torch.randn(4, 64, device="cuda")), Q)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_module_state_dict_loads_into_a_cpu_model():
+    model = torch.nn.Linear(32, 20, device="cuda")
+    opt = FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.attach(model)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert model.weight.numel() == 0  # released again after saving
+    plain = torch.nn.Linear(32, 20)
+    plain.load_state_dict(state)
+    opt.materialize()
+    assert torch.equal(plain.weight, model.weight.cpu())
+    assert torch.equal(plain.bias, model.bias.cpu())
