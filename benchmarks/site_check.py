@@ -4,18 +4,31 @@
 
 Serves the site that ``asv publish`` wrote over HTTP on 127.0.0.1 (asv's pages load their JSON
 with XMLHttpRequest, which browsers refuse on file:// URLs), opens the graph page of one
-benchmark in headless Chromium, lets its JavaScript run, and fails unless the rendered DOM holds
-a drawn graph (flot's canvas) for that benchmark; the screenshot is written next to it as the
+benchmark in headless Chromium, lets its JavaScript run, and fails unless a reader could read
+the graph:
+
+- flot drew it (its canvas is in the rendered DOM);
+- each axis label (the unit, "commits") is drawn exactly once, on a canvas or as page text:
+  two axis-label plugins at once print "GB/sGB/s";
+- the legend has a label for every series, its background is not black, and its labels stand
+  out from that background in the screenshot (pixels sampled where the browser laid them out).
+
+A probe script injected into the served copy of the page records what the page draws (every
+canvas ``fillText``, the axis-label and legend elements with their boxes) and writes it into
+the DOM, which ``chromium --dump-dom`` returns; the screenshot is written next to it as the
 artifact a person can look at.  Standard library only, plus a Chromium binary
 (``chromium-headless-shell`` or ``chromium`` from Debian's packages).
 
-asv's pages load jQuery, flot, bootstrap, stupidtable and blueimp-md5 from CDNs, so a viewer
-needs the internet, and on a machine without it (CI) the page shows asv's "failed to load"
-error.  ``--local-libs DIR`` (default: Debian's ``/usr/share/javascript`` when it holds them:
-packages libjs-jquery, libjs-jquery-flot, libjs-bootstrap, node-blueimp-md5,
-libjs-jquery-stupidtable) checks a copy of the site whose CDN links point at those files
-instead.  They are other versions (jQuery 3.6 for 3.3, flot 4.2 for 0.8.3); flot-orderbars has
-no package and is left out (asv uses it only for bar charts).
+asv's pages load jQuery, flot 0.8.3 with its time, selection and categories plugins, bootstrap,
+stupidtable and blueimp-md5 from CDNs, so a viewer needs the internet, and on a machine without
+it (CI) the page shows asv's "failed to load" error.  ``--local-libs DIR`` (default:
+``/usr/share`` when it holds them) checks a copy of the site whose CDN links point at Debian's
+copies instead: packages libjs-jquery, libghc-js-flot-data (flot 0.8.3 itself, with the
+plugins asv loads), libjs-bootstrap, node-blueimp-md5, libjs-jquery-stupidtable.  Not Debian's
+libjs-jquery-flot: that is flot 4, which bundles an axis-label plugin of its own (beside the
+one asv ships, so every axis label is drawn twice) and an SVG legend that is black without
+flot 4's stylesheet.  flot-orderbars has no package and is left out (asv uses it only for bar
+charts).
 """
 
 from __future__ import annotations
@@ -26,26 +39,93 @@ import http.server
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
-# CDN file (the end of its URL) -> the file of Debian's packages that stands in for it
+# CDN file (the end of its URL) -> the file under /usr/share that stands in for it, and its
+# Debian package
 LOCAL_LIBS = {
-    "jquery-3.3.1.min.js": "jquery/jquery.min.js",
-    "flot/0.8.3/jquery.flot.min.js": "jquery-flot/jquery.flot.js",  # flot 4: plugins bundled
-    "flot/0.8.3/jquery.flot.time.min.js": None,
-    "flot/0.8.3/jquery.flot.selection.min.js": None,
-    "flot/0.8.3/jquery.flot.categories.min.js": None,
+    "jquery-3.3.1.min.js": "javascript/jquery/jquery.min.js",  # libjs-jquery (3.6)
+    "flot/0.8.3/jquery.flot.min.js": "haskell-js-flot/jquery.flot.min.js",  # libghc-js-flot-data
+    "flot/0.8.3/jquery.flot.time.min.js": "haskell-js-flot/jquery.flot.time.min.js",
+    "flot/0.8.3/jquery.flot.selection.min.js": "haskell-js-flot/jquery.flot.selection.min.js",
+    "flot/0.8.3/jquery.flot.categories.min.js": "haskell-js-flot/jquery.flot.categories.min.js",
     "jquery.flot.orderBars.js": None,  # no package; bar charts only
-    "stupidtable.min.js": "jquery-stupidtable/stupidtable.js",
-    "md5.min.js": "blueimp-md5/md5.min.js",
-    "bootstrap.min.js": "bootstrap/js/bootstrap.min.js",
-    "bootstrap.min.css": "bootstrap/css/bootstrap.min.css",
+    "stupidtable.min.js": "javascript/jquery-stupidtable/stupidtable.js",
+    "md5.min.js": "javascript/blueimp-md5/md5.min.js",  # node-blueimp-md5
+    "bootstrap.min.js": "javascript/bootstrap/js/bootstrap.min.js",  # libjs-bootstrap
+    "bootstrap.min.css": "javascript/bootstrap/css/bootstrap.min.css",
 }
+
+# Injected first into the served page: records every text drawn on a canvas, then (once a
+# second, so the last report is of the page as it settled) the graph's axis labels and legend
+# as laid out, as JSON in an element that `--dump-dom` returns.
+PROBE_JS = """
+(function () {
+  var canvases = [], texts = [];  // texts[i]: drawn on canvases[i] since it was last cleared
+  function drawnOn(canvas) {
+    var i = canvases.indexOf(canvas);
+    if (i < 0) { canvases.push(canvas); texts.push([]); i = canvases.length - 1; }
+    return texts[i];
+  }
+  var proto = CanvasRenderingContext2D.prototype;
+  var fillText = proto.fillText, clear = proto.clearRect;
+  proto.fillText = function (text) {
+    drawnOn(this.canvas).push(String(text));
+    return fillText.apply(this, arguments);
+  };
+  proto.clearRect = function (x, y) {  // flot clears the whole canvas before each redraw
+    if (x <= 0 && y <= 0) drawnOn(this.canvas).length = 0;
+    return clear.apply(this, arguments);
+  };
+  function box(el) {
+    var r = el.getBoundingClientRect();
+    return {x: r.left, y: r.top, w: r.width, h: r.height};
+  }
+  function report() {
+    var graph = document.getElementById("main-graph"), out = {canvas_texts: []};
+    canvases.forEach(function (canvas, i) {
+      if (graph && graph.contains(canvas)) out.canvas_texts = out.canvas_texts.concat(texts[i]);
+    });
+    var plot = window.jQuery && graph && jQuery(graph).data("plot");
+    if (plot) {
+      var axes = plot.getAxes();
+      out.axis_labels = {x: axes.xaxis.options.axisLabel || "",
+                         y: axes.yaxis.options.axisLabel || ""};
+      out.series = plot.getData().length;
+    }
+    out.page_texts = [];
+    if (graph) graph.querySelectorAll("[class*=axisLabel]").forEach(function (el) {
+      if (el.children.length === 0) out.page_texts.push(el.textContent);
+    });
+    var legend = graph && graph.querySelector(".legend");
+    if (legend) {
+      var labels = legend.querySelectorAll(".legendLabel, text");
+      out.legend = {box: box(legend), labels: []};
+      labels.forEach(function (el) {
+        out.legend.labels.push({text: el.textContent.trim(), box: box(el)});
+      });
+      var inner = legend.querySelector("table, svg");
+      if (inner) out.legend.box = box(inner);
+    }
+    var node = document.getElementById("site-check-report");
+    if (!node) {
+      node = document.createElement("script");
+      node.type = "application/json";
+      node.id = "site-check-report";
+      document.body.appendChild(node);
+    }
+    node.textContent = JSON.stringify(out);
+  }
+  setInterval(report, 1000);
+})();
+"""
 
 
 def _browser():
@@ -77,8 +157,9 @@ def _benchmark_with_results(html, preferred=None):
     raise SystemExit("site_check: the site has no graph at all (no results were published)")
 
 
-def _with_local_libs(html, libs, workdir):
-    """A copy of the site whose CDN links point at ``libs`` (see the module docstring)."""
+def _site_copy(html, libs, workdir):
+    """A copy of the site with the probe script first in its page and, when ``libs`` is given,
+    its CDN links pointed at the files there (see the module docstring)."""
     site = Path(workdir) / "html"
     shutil.copytree(html, site)
     vendor = site / "vendor"
@@ -94,16 +175,138 @@ def _with_local_libs(html, libs, workdir):
         if LOCAL_LIBS[key] is None:
             return ""
         src = Path(libs) / LOCAL_LIBS[key]
-        shutil.copy(src, vendor / src.name)
-        attr = "href" if tag.startswith("<link") else "src"
-        if attr == "href":
-            return f'<link rel="stylesheet" href="vendor/{src.name}">'
-        return f'<script src="vendor/{src.name}" onerror="js_load_failure()"></script>'
+        if not src.exists():
+            raise SystemExit(f"site_check: {src} not found (the stand-in for {url}); see --help")
+        # files of the same name from different folders (jquery.flot.min.js) stay apart
+        dest = vendor / LOCAL_LIBS[key].replace("/", "_")
+        shutil.copy(src, dest)
+        if tag.startswith("<link"):
+            return f'<link rel="stylesheet" href="vendor/{dest.name}">'
+        return f'<script src="vendor/{dest.name}" onerror="js_load_failure()"></script>'
 
-    page = re.sub(r'<script src="https://[^"]+"[^>]*></script>', local, page)
-    page = re.sub(r'<link rel="stylesheet" href="https://[^"]+"[^>]*>', local, page)
+    if libs:
+        page = re.sub(r'<script src="https://[^"]+"[^>]*></script>', local, page)
+        page = re.sub(r'<link rel="stylesheet" href="https://[^"]+"[^>]*>', local, page)
+    head = page.index("<head>") + len("<head>")
+    page = f"{page[:head]}\n<script>{PROBE_JS}</script>{page[head:]}"
     (site / "index.html").write_text(page)
     return site
+
+
+def _probe_report(dom):
+    """The probe's JSON from the rendered DOM, or None when the page never wrote it."""
+    found = re.search(r'<script[^>]*id="site-check-report"[^>]*>(.*?)</script>', dom, re.S)
+    return json.loads(found.group(1)) if found else None
+
+
+def _axis_problems(report):
+    """Each axis label drawn exactly once, nowhere doubled ("GB/sGB/s")."""
+    if "axis_labels" not in report:
+        return ["no flot plot on #main-graph (the page's graph was never drawn)"]
+    problems = []
+    drawn = report["canvas_texts"] + report["page_texts"]
+    for axis, label in report["axis_labels"].items():
+        if not label:
+            problems.append(f"the {axis} axis has no label")
+            continue
+        on_canvas, on_page = report["canvas_texts"].count(label), report["page_texts"].count(label)
+        if on_canvas + on_page != 1:
+            problems.append(
+                f"the {axis} axis label {label!r} is drawn {on_canvas + on_page} times "
+                f"({on_canvas} on a canvas, {on_page} as page text): it reads doubled"
+            )
+        doubled = [t for t in drawn if len(t) > len(label) and t == label * (len(t) // len(label))]
+        if doubled:
+            problems.append(f"the {axis} axis label reads {doubled[0]!r}")
+    return problems
+
+
+def _png_rows(path, rows_needed):
+    """The first ``rows_needed`` pixel rows of an 8-bit RGB(A) PNG (Chromium's screenshots) as
+    lists of (r, g, b) tuples: enough to sample the page's top, without a decoder library."""
+    data = Path(path).read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise SystemExit(f"site_check: {path} is not a PNG")
+    pos, idat, header = 8, [], None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = header
+    if depth != 8 or color not in (2, 6) or interlace:
+        raise SystemExit(f"site_check: {path}: only 8-bit RGB(A), non-interlaced PNGs are read")
+    step = 3 if color == 2 else 4
+    raw = zlib.decompress(b"".join(idat))
+    stride, prev, rows = width * step, bytearray(width * step), []
+    for y in range(min(rows_needed, height)):
+        kind, line = (
+            raw[y * (stride + 1)],
+            bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)]),
+        )
+        for i in range(stride):  # undo PNG's per-row filter (none, sub, up, average, Paeth)
+            left = line[i - step] if i >= step else 0
+            up, corner = prev[i], prev[i - step] if i >= step else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                guess = left + up - corner
+                pa, pb, pc = abs(guess - left), abs(guess - up), abs(guess - corner)
+                near = left if pa <= pb and pa <= pc else up if pb <= pc else corner
+                line[i] = (line[i] + near) & 255
+        rows.append([tuple(line[x : x + 3]) for x in range(0, stride, step)])
+        prev = line
+    return rows
+
+
+def _luminance(rgb):
+    r, g, b = rgb
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _pixels(rows, box):
+    x0, y0 = max(int(box["x"]), 0), max(int(box["y"]), 0)
+    x1, y1 = int(box["x"] + box["w"]), int(box["y"] + box["h"])
+    return [px for row in rows[y0:y1] for px in row[x0:x1]]
+
+
+def _legend_problems(report, screenshot):
+    """A label for every series, on a background that is not black, each label visible on it:
+    some of the pixels where the label was laid out differ clearly from the background."""
+    legend = report.get("legend")
+    if not legend:
+        return ["the graph has no legend (asv shows one by default)"]
+    problems = []
+    texts = [label["text"] for label in legend["labels"]]
+    if not texts or not all(texts) or len(texts) != report.get("series", len(texts)):
+        problems.append(f"the legend's labels are {texts!r} for {report.get('series')} series")
+    box = legend["box"]
+    rows = _png_rows(screenshot, int(box["y"] + box["h"]) + 1)
+    pixels = _pixels(rows, box)
+    if not pixels:
+        return [*problems, f"the legend lies outside the screenshot ({box})"]
+    background = max(set(pixels), key=pixels.count)  # the colour most of the legend has
+    if _luminance(background) < 64:
+        problems.append(f"the legend's background is black (rgb{background})")
+    unseen = []
+    for label in legend["labels"]:
+        inside = _pixels(rows, label["box"])
+        ink = sum(abs(_luminance(px) - _luminance(background)) > 96 for px in inside)
+        if not inside or ink < 0.02 * len(inside):
+            unseen.append(label["text"])
+    if unseen:
+        problems.append(
+            f"{len(unseen)} of {len(texts)} legend labels cannot be seen against the legend's "
+            f"background rgb{background}: {unseen[:3]}"
+        )
+    return problems
 
 
 def _chromium(browser, url, *args, timeout=120):
@@ -127,8 +330,9 @@ def main(argv=None):
     ap.add_argument("--out", default=".asv/site_check.png", help="screenshot path")
     ap.add_argument(
         "--local-libs",
-        default="/usr/share/javascript",
-        help="folder of Debian's libjs-* files to use instead of the CDNs, or '' for the CDNs",
+        default="/usr/share",
+        help="folder holding Debian's copies of the libraries (LOCAL_LIBS) to use instead of "
+        "the CDNs (default: %(default)s), or '' for the CDNs",
     )
     ap.add_argument(
         "--benchmark",
@@ -144,8 +348,7 @@ def main(argv=None):
     browser = _browser()
 
     workdir = tempfile.mkdtemp(prefix="site_check_")
-    if args.local_libs:
-        html = _with_local_libs(html, args.local_libs, workdir)
+    html = _site_copy(html, args.local_libs, workdir)
     handler = functools.partial(_QuietHandler, directory=str(html))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -165,10 +368,19 @@ def main(argv=None):
         problems.append(f"no graph drawn on the page of {name}")
     if shot.returncode != 0 or not out.exists() or out.stat().st_size < 10_000:
         problems.append(f"no screenshot written ({shot.stderr[-2000:]})")
+    report = _probe_report(dom.stdout)
+    if report is None:
+        problems.append("the probe script wrote no report (the page's scripts did not run)")
+    elif not problems:
+        problems += _axis_problems(report) + _legend_problems(report, out)
     if problems:
-        print("site_check: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
+        print(f"site_check: {name}: FAILED (screenshot {out})\n  " + "\n  ".join(problems),
+              file=sys.stderr)  # fmt: skip
         return 1
-    print(f"site_check: {name}: graph drawn; screenshot {out} ({out.stat().st_size} bytes)")
+    print(
+        f"site_check: {name}: graph drawn, axis labels {report['axis_labels']} once each, "
+        f"{len(report['legend']['labels'])} legend labels visible; screenshot {out}"
+    )
     return 0
 
 

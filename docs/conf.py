@@ -11,3 +11,5 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "none"
 html_theme = "alabaster"
 nitpicky = False
+# Straight quotes: values quoted in docstrings ("nvfp4") stay what a user types.
+smartquotes = False
