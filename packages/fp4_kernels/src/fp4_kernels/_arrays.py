@@ -230,21 +230,15 @@ class GpuContext:
     def words_view(self, x, kind):
         """(view, aligned): ``x`` as uint32 words when its address is 16-byte aligned (the
         block kernels' vector loads), else as its own elements (uint16 / uint32)."""
-        if self.simulator:
+        if _address(x, self.simulator) % 16 == 0:
             return self.view(x, np.uint32), True
-        words = self.view(x, np.uint32 if kind == KIND_F32 else np.uint16)
-        if words.ptr % 16 == 0:
-            return self.view(x, np.uint32), True
-        return words, False
+        return self.view(x, np.uint32 if kind == KIND_F32 else np.uint16), False
 
     def codes_view(self, data, align):
         """(view, aligned): packed codes as uint32 words when their address is a multiple of
         ``align`` bytes (one vector load per block), else as bytes."""
-        if self.simulator:
+        if _address(data, self.simulator) % align == 0:
             return self.view(data, np.uint32), True
-        view = self.view(data, np.uint32)
-        if view.ptr % align == 0:
-            return view, True
         return self.view(data, np.uint8), False
 
     def fill(self, arr, value):
@@ -291,6 +285,18 @@ class GpuContext:
                 "dtype: CuPy has no bfloat16; dequantize to float32 or float16, or use torch"
             )
         return numpy_dtype(dt)  # numba device arrays take ml_dtypes' bfloat16
+
+
+def _address(arr, simulator):
+    """The address of a GPU array's first element (in the simulator: of the host array that
+    stands for it, so the unaligned code paths run there too)."""
+    if simulator:
+        return arr._ary.__array_interface__["data"][0]
+    if hasattr(arr, "data_ptr"):
+        return arr.data_ptr()
+    if hasattr(arr, "data") and hasattr(arr.data, "ptr"):
+        return arr.data.ptr
+    return arr.device_ctypes_pointer.value or 0
 
 
 _TORCH_OF_NP = {}

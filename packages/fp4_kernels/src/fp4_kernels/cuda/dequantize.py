@@ -1,10 +1,12 @@
 """NVFP4 / MXFP4 dequantize on the GPU: packed codes + block scales -> float32/bf16/fp16.
 
-Launch contract: one thread per scale block, a 1-D grid-stride loop over the blocks; any CTA
-size.  A thread reads its block's 8 (NVFP4) or 16 (MXFP4) bytes of codes in one load and its
-scale byte, decodes the codes by byte-permute table lookups (``quantize.e2m1_values4``) and
-stores the block 16 bytes at a time.  Decode order: NVFP4 (e2m1_value * float(s)) *
-global_scale; MXFP4 e2m1_value * 2^(s - 127); a NaN scale code decodes its whole block to NaN.
+Launch contract: one thread per 16 bytes of output (8 elements of bf16 / fp16, 4 of float32), a
+1-D grid-stride loop over tiles of ``UNROLL`` such items per thread: consecutive lanes take
+consecutive items, so every load of codes and every 16-byte store of a warp is contiguous, and
+a thread issues the loads of all its items before decoding any.  The lanes of one block read the
+same scale byte.  The codes are decoded by byte-permute table lookups
+(``quantize.e2m1_values4``).  Decode order: NVFP4 (e2m1_value * float(s)) * global_scale;
+MXFP4 e2m1_value * 2^(s - 127); a NaN scale code decodes its whole block to NaN.
 """
 
 from __future__ import annotations
@@ -14,56 +16,78 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._scalar import KIND_F32
 from . import launch
-from ._primitives import OPS, device_jit, load_v2, load_v4
-from ._words import U32, U64, make_words_io, words_per
-from .quantize import BLOCK_SIZES, FMT_NVFP4, decode8_into
+from ._primitives import OPS, device_jit
+from ._words import U32, U64, make_words_io
+from .quantize import BLOCK_SIZES, FMT_NVFP4, e2m1_values4
 
 THREADS = 256  # the launch table's row (cuda/launch.py)
+UNROLL = 4  # items per thread per pass: their loads are all in flight before the first decode
 
 
 @functools.cache
 def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
-    """Arguments: codes (uint32 words; uint8 bytes when not ``aligned`` to the load size),
-    scales (uint8), global_scale (float32, 1 element), out (uint32 words), n_blocks, kb,
-    padded_kb."""
+    """Arguments: codes (uint32 words for 16-bit outputs, uint16 for float32 ones; uint8 bytes
+    when not aligned to that size), scales (uint8), global_scale (float32, 1 element), out
+    (uint32 words), n_items (16-byte output items), kb, padded_kb."""
     block = BLOCK_SIZES[fmt]
-    groups = block // 8
-    n_out_words = words_per(out_kind, block)
-    store = make_words_io(out_kind, n_out_words)[4]
+    per_item = 4 if out_kind == KIND_F32 else 8  # elements in 16 bytes of output
+    store = make_words_io(out_kind, 4)[4]
     nvfp4 = fmt == FMT_NVFP4
     e4m3_decode = OPS.e4m3_decode
     e8m0_decode = OPS.e8m0_decode
     scale_offset = OPS.scale_offset
 
     @device_jit
-    def load_codes(codes, blk, p):
-        if aligned and groups == 2:
-            p[0], p[1] = load_v2(codes, U64(blk) * U64(2))
-        elif aligned:
-            p[0], p[1], p[2], p[3] = load_v4(codes, U64(blk) * U64(4))
-        else:
-            for g in range(groups):
-                i = U64(blk) * U64(4 * groups) + U64(4 * g)
-                p[g] = U32(
-                    U32(codes[i])
-                    | U32(U32(codes[i + 1]) << 8)
-                    | U32(U32(codes[i + 2]) << 16)
-                    | U32(U32(codes[i + 3]) << 24)
-                )
+    def load_item(codes, scales, item, n_items, kb, padded_kb):
+        """The item's packed codes (per_item nibbles) and its block's scale code."""
+        if item >= n_items:
+            return U32(0), U32(0)
+        s = U32(scales[scale_offset(item * per_item // block, kb, padded_kb, swizzled)])
+        if aligned:
+            return U32(codes[U64(item)]), s
+        b = U64(item) * U64(per_item // 2)
+        p = U32(U32(codes[b]) | U32(U32(codes[b + 1]) << 8))
+        if per_item == 8:
+            p = U32(p | U32(U32(codes[b + 2]) << 16) | U32(U32(codes[b + 3]) << 24))
+        return p, s
+
+    @device_jit
+    def decode_store(out, item, n_items, p, scode, s_dec, v):
+        if item >= n_items:
+            return
+        s = e4m3_decode(scode) if nvfp4 else e8m0_decode(scode)
+        for h in range(per_item // 4):
+            a, b, c, d = e2m1_values4(U32(p >> U32(16 * h)))
+            if nvfp4:  # (e2m1 value * s) is exact; the product with the tensor scale rounds
+                v[4 * h] = (a * s) * s_dec
+                v[4 * h + 1] = (b * s) * s_dec
+                v[4 * h + 2] = (c * s) * s_dec
+                v[4 * h + 3] = (d * s) * s_dec
+            else:  # s = 2^e: exact
+                v[4 * h] = a * s
+                v[4 * h + 1] = b * s
+                v[4 * h + 2] = c * s
+                v[4 * h + 3] = d * s
+        store(out, U64(item) * U64(4), v)
 
     @cuda.jit
-    def kernel(codes, scales, global_scale, out, n_blocks, kb, padded_kb):
+    def kernel(codes, scales, global_scale, out, n_items, kb, padded_kb):
         s_dec = global_scale[0]
-        p = cuda.local.array(groups, np.uint32)
-        v = cuda.local.array(block, np.float32)
-        for blk in range(cuda.grid(1), n_blocks, cuda.gridsize(1)):
-            load_codes(codes, blk, p)
-            scode = scales[scale_offset(blk, kb, padded_kb, swizzled)]
-            s = e4m3_decode(scode) if nvfp4 else e8m0_decode(scode)
-            for g in range(groups):
-                decode8_into(v, 8 * g, p[g], nvfp4, s, s_dec)
-            store(out, U64(blk) * U64(n_out_words), v)
+        v = cuda.local.array(8, np.float32)
+        span = cuda.blockDim.x
+        tile = span * UNROLL
+        for t0 in range(cuda.blockIdx.x * tile, n_items, cuda.gridDim.x * tile):
+            i0 = t0 + cuda.threadIdx.x
+            p0, s0 = load_item(codes, scales, i0, n_items, kb, padded_kb)
+            p1, s1 = load_item(codes, scales, i0 + span, n_items, kb, padded_kb)
+            p2, s2 = load_item(codes, scales, i0 + 2 * span, n_items, kb, padded_kb)
+            p3, s3 = load_item(codes, scales, i0 + 3 * span, n_items, kb, padded_kb)
+            decode_store(out, i0, n_items, p0, s0, s_dec, v)
+            decode_store(out, i0 + span, n_items, p1, s1, s_dec, v)
+            decode_store(out, i0 + 2 * span, n_items, p2, s2, s_dec, v)
+            decode_store(out, i0 + 3 * span, n_items, p3, s3, s_dec, v)
 
     return kernel
 
@@ -71,15 +95,17 @@ def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
 def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt_code, geo):
     """Queue the decoding of ``data`` / ``scales`` (validated by the caller) into ``out`` (an
     array of the caller's kind) on the caller's stream."""
-    block = BLOCK_SIZES[fmt_code]
-    n_blocks = geo.n // block
-    if n_blocks == 0:
+    per_item = 4 if out_kind == KIND_F32 else 8
+    n_items = geo.n // per_item
+    if n_items == 0:
         return
-    codes, aligned = ctx.codes_view(data, block // 2)  # a block's codes: one 8/16-byte load
+    codes, aligned = ctx.codes_view(data, per_item // 2)
+    if aligned and per_item == 4:
+        codes = ctx.view(data, np.uint16)  # 4 codes an item
     threads = launch.threads_for(THREADS)
     launch.launch(
         dequantize_kernel(out_kind, fmt_code, geo.swizzled, aligned),
-        launch.grid_for(n_blocks, threads),
+        launch.grid_for(n_items, threads * UNROLL),
         threads,
         ctx.stream,
         (
@@ -87,7 +113,7 @@ def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt_code, geo):
             ctx.view(scales),
             ctx.view(global_scale),
             ctx.view(out, np.uint32),
-            np.int64(n_blocks),
+            np.int64(n_items),
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
         ),

@@ -36,10 +36,12 @@ StreamRef = abi.StreamRef
 
 @dataclass(frozen=True)
 class LaunchPolicy:
-    """Threads per CTA and a cap on the number of CTAs; ``None`` keeps the table's choice."""
+    """Threads per CTA, a cap on the number of CTAs and the threads that share an NVFP4 / MXFP4
+    block in the quantizer; ``None`` keeps the table's choice."""
 
     threads: int | None = None
     max_blocks: int | None = None
+    lanes_per_block: int | None = None
 
 
 _DEFAULT_POLICY = LaunchPolicy()
@@ -47,12 +49,15 @@ _POLICY = contextvars.ContextVar("fp4_kernels_launch_policy", default=None)
 
 
 @contextlib.contextmanager
-def launch_policy(threads=None, max_blocks=None):
-    """Launch every kernel queued inside the block with ``threads`` per CTA (a multiple of 32)
-    and at most ``max_blocks`` CTAs.  Results do not depend on it; speed does."""
+def launch_policy(threads=None, max_blocks=None, lanes_per_block=None):
+    """Launch every kernel queued inside the block with ``threads`` per CTA (a multiple of 32),
+    at most ``max_blocks`` CTAs and ``lanes_per_block`` threads sharing a quantizer block (1
+    or 2 for NVFP4; 1, 2 or 4 for MXFP4).  Results do not depend on it; speed does."""
     if threads is not None and (threads <= 0 or threads % 32):
         raise ValueError(f"threads: {threads} is not a positive multiple of 32")
-    token = _POLICY.set(LaunchPolicy(threads, max_blocks))
+    if lanes_per_block not in (None, 1, 2, 4):
+        raise ValueError(f"lanes_per_block: {lanes_per_block} is not 1, 2 or 4")
+    token = _POLICY.set(LaunchPolicy(threads, max_blocks, lanes_per_block))
     try:
         yield
     finally:

@@ -116,8 +116,8 @@ def tensor_amax_from_partials(parts, n_parts):
 
 
 @functools.cache
-def make_block_codec(kind, fmt):
-    """Device functions that encode and decode one block held as words (``_words``):
+def make_block_codec(kind, part):
+    """Device functions that encode ``part`` elements of a block held as words (``_words``):
 
     ``sign_nibbles(w, g)``: the sign bits of elements 8g .. 8g+7 at bit 3 of their nibbles;
     ``encode8(w, g, mult)``: the 8 nearest-even codes of those elements, packed (element 8g in
@@ -126,7 +126,7 @@ def make_block_codec(kind, fmt):
     rounding (Philox words of chunks ``chunk`` and ``chunk + 1``, 4 elements each);
     """
     wide = kind == KIND_F32
-    n_words = words_per(kind, BLOCK_SIZES[fmt])
+    n_words = words_per(kind, part)
     element = make_words_io(kind, n_words)[1]
     e2m1_code_f = OPS.e2m1_code_f
     e2m1_encode_sr = OPS.e2m1_encode_sr
@@ -179,20 +179,31 @@ def make_block_codec(kind, fmt):
     return sign_nibbles, encode8, encode8_sr
 
 
+# lanes that share a block (each takes 8 elements: 16 bytes of bf16), chosen by measurement
+# (benchmarks/NOTES.md); a launch policy may override it (1: a thread per block)
+LANES_PER_BLOCK = {FMT_NVFP4: 2, FMT_MXFP4: 4}
+
+
 @functools.cache
-def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True):
+def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=None):
     """Build (once per configuration) the quantize kernel; ``fused`` also writes x_hat.
 
-    Arguments: x (uint32 words; the element array itself when not ``aligned`` to 16 bytes),
-    codes (uint32), scales (uint8), out (uint32; written only when fused), n_blocks, kb,
-    padded_kb, amax_parts (float32), n_parts, amax_value (float32; < 0: reduce the partials),
-    global_scale (float32, 1 element, written by thread 0), seed_lo, seed_hi, step (uint32).
+    ``lanes`` consecutive threads share a block (default ``LANES_PER_BLOCK``), each loading,
+    encoding and storing block / lanes consecutive elements, so that every load and store of a
+    warp is contiguous; the block amax is a butterfly over those lanes and each computes the
+    scale.  Arguments: x (uint32 words; the element array itself when not ``aligned`` to 16
+    bytes), codes (uint32), scales (uint8), out (uint32; written only when fused), n_items (a
+    lane's parts of blocks: n / (block / lanes)), kb, padded_kb, amax_parts (float32),
+    n_parts, amax_value (float32; < 0: reduce the partials), global_scale (float32, 1 element,
+    written by thread 0), seed_lo, seed_hi, step (uint32).
     """
     block = BLOCK_SIZES[fmt]
-    n_words = words_per(kind, block)
-    groups = block // 8  # packed code words per block
+    lanes = LANES_PER_BLOCK[fmt] if lanes is None else lanes
+    part = block // lanes  # elements a thread takes
+    n_words = words_per(kind, part)
+    groups = part // 8  # packed code words a thread stores
     load, _, amax_bits, _, store = make_words_io(kind, n_words, aligned)
-    _, encode8, encode8_sr = make_block_codec(kind, fmt)
+    _, encode8, encode8_sr = make_block_codec(kind, part)
     nvfp4 = fmt == FMT_NVFP4
     nvfp4_block_scale = OPS.nvfp4_block_scale
     mxfp4_block_scale = OPS.mxfp4_block_scale
@@ -217,47 +228,74 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True):
             global_scale[0] = s_dec
         return s6, s_dec
 
+    @device_jit
+    def quantize_item(x, codes, scales, out, item, valid, kb, padded_kb, s6, s_dec, seed_lo,
+                      seed_hi, step, w, p, v):  # fmt: skip
+        if valid:
+            load(x, U64(item) * U64(n_words), w)
+        else:
+            for j in range(n_words):
+                w[j] = U32(0)  # a lane past the end still takes part in the block's butterfly
+        bits = amax_bits(w)
+        if lanes > 1:
+            bits = U32(group_max(np.int32(bits), lanes))  # |x| bits <= 0x7FFFFFFF: int32 safe
+        if nvfp4:
+            scode, s, mult = nvfp4_block_scale(bits, s6, s_dec)
+        else:
+            scode, s, mult = mxfp4_block_scale(bits)
+        if not valid:
+            return
+        if stochastic:
+            # written out per group: the Philox calls keep the compiler from unrolling a loop,
+            # and a rolled loop would index the register arrays at run time
+            chunk = U64(item) * U64(part // 4)
+            p[0] = encode8_sr(w, 0, mult, chunk, seed_lo, seed_hi, step)
+            if groups >= 2:
+                p[1] = encode8_sr(w, 1, mult, chunk + U64(2), seed_lo, seed_hi, step)
+            if groups == 4:
+                p[2] = encode8_sr(w, 2, mult, chunk + U64(4), seed_lo, seed_hi, step)
+                p[3] = encode8_sr(w, 3, mult, chunk + U64(6), seed_lo, seed_hi, step)
+        else:
+            for g in range(groups):
+                p[g] = encode8(w, g, mult)
+        for g in range(groups):
+            if bits >= 0x7F800000:
+                p[g] = U32(0)  # a non-finite block: zero codes under the NaN scale
+        if groups == 1:
+            codes[U64(item)] = p[0]
+        elif groups == 2:
+            store_v2(codes, U64(item) * U64(2), p[0], p[1])
+        else:
+            store_v4(codes, U64(item) * U64(4), p[0], p[1], p[2], p[3])
+        if item % lanes == 0:
+            scales[scale_offset(item // lanes, kb, padded_kb, swizzled)] = np.uint8(scode)
+        if fused:
+            for g in range(groups):
+                decode8_into(v, 8 * g, p[g], nvfp4, s, s_dec)
+            store(out, U64(item) * U64(n_words), v)
+
     @cuda.jit
     def kernel(
-        x, codes, scales, out, n_blocks, kb, padded_kb, amax_parts, n_parts, amax_value,
+        x, codes, scales, out, n_items, kb, padded_kb, amax_parts, n_parts, amax_value,
         global_scale, seed_lo, seed_hi, step,
     ):  # fmt: skip
         s6, s_dec = tensor_scale(amax_value, amax_parts, n_parts, global_scale)
         w = cuda.local.array(n_words, np.uint32)
         p = cuda.local.array(groups, np.uint32)
-        v = cuda.local.array(block, np.float32)
-        for blk in range(cuda.grid(1), n_blocks, cuda.gridsize(1)):
-            load(x, U64(blk) * U64(n_words), w)
-            bits = amax_bits(w)
-            if nvfp4:
-                scode, s, mult = nvfp4_block_scale(bits, s6, s_dec)
-            else:
-                scode, s, mult = mxfp4_block_scale(bits)
-            finite = bits < 0x7F800000
-            if stochastic:
-                # written out per group: the two Philox calls keep the compiler from unrolling
-                # a loop, and a rolled loop would index the register arrays at run time
-                chunk = U64(blk) * U64(block // 4)
-                p[0] = encode8_sr(w, 0, mult, chunk, seed_lo, seed_hi, step)
-                p[1] = encode8_sr(w, 1, mult, chunk + U64(2), seed_lo, seed_hi, step)
-                if groups == 4:
-                    p[2] = encode8_sr(w, 2, mult, chunk + U64(4), seed_lo, seed_hi, step)
-                    p[3] = encode8_sr(w, 3, mult, chunk + U64(6), seed_lo, seed_hi, step)
-            else:
-                for g in range(groups):
-                    p[g] = encode8(w, g, mult)
-            for g in range(groups):
-                if not finite:
-                    p[g] = U32(0)  # a non-finite block: zero codes under the NaN scale
-            if nvfp4:
-                store_v2(codes, U64(blk) * U64(2), p[0], p[1])
-            else:
-                store_v4(codes, U64(blk) * U64(4), p[0], p[1], p[2], p[3])
-            scales[scale_offset(blk, kb, padded_kb, swizzled)] = np.uint8(scode)
-            if fused:
-                for g in range(groups):
-                    decode8_into(v, 8 * g, p[g], nvfp4, s, s_dec)
-                store(out, U64(blk) * U64(n_words), v)
+        v = cuda.local.array(part, np.float32)
+        if lanes == 1:
+            for item in range(cuda.grid(1), n_items, cuda.gridsize(1)):
+                quantize_item(x, codes, scales, out, item, True, kb, padded_kb, s6, s_dec,
+                              seed_lo, seed_hi, step, w, p, v)  # fmt: skip
+        else:
+            # every thread runs the same number of passes (whole CTAs), so all lanes of a block
+            # reach its butterfly; the items past the end only take part in it
+            span = cuda.blockDim.x
+            padded = (n_items + span - 1) // span * span
+            for i0 in range(cuda.blockIdx.x * span, padded, cuda.gridDim.x * span):
+                item = i0 + cuda.threadIdx.x
+                quantize_item(x, codes, scales, out, item, item < n_items, kb, padded_kb, s6,
+                              s_dec, seed_lo, seed_hi, step, w, p, v)  # fmt: skip
 
     return kernel
 
@@ -293,12 +331,16 @@ def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value,
         n_parts = amax_op.amax_partials(ctx, xw, aligned, dt_kind, geo.n, parts)
     else:
         parts, n_parts = ctx.view(gs), 0
-    kern = quantize_kernel(dt_kind, fmt_code, stochastic, geo.swizzled, fused, aligned)
+    lanes = launch.current_policy().lanes_per_block or LANES_PER_BLOCK[fmt_code]
+    if block % (8 * lanes):
+        raise ValueError(f"lanes_per_block: {lanes} threads cannot share a {block}-element block")
+    kern = quantize_kernel(dt_kind, fmt_code, stochastic, geo.swizzled, fused, aligned, lanes)
     threads = launch.threads_for(THREADS)
     codes = ctx.view(data, np.uint32)
+    n_items = n_blocks * lanes
     launch.launch(
         kern,
-        launch.grid_for(n_blocks, threads),
+        launch.grid_for(n_items, threads),
         threads,
         ctx.stream,
         (
@@ -306,7 +348,7 @@ def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value,
             codes,
             ctx.view(scales),
             ctx.view(out, np.uint32) if fused else codes,  # never written when not fused
-            np.int64(n_blocks),
+            np.int64(n_items),
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
             parts,

@@ -29,7 +29,7 @@ from .._scalar import F32_ONE, KIND_F32
 from . import launch
 from ._primitives import OPS, device_jit, f32_as_u32, load_v4, mul_rn_f32, store_v4
 from ._words import U32, U64, make_words_io
-from .quantize import FMT_MXFP4, THREADS, e2m1_values4, make_block_codec
+from .quantize import THREADS, e2m1_values4, make_block_codec
 
 BLOCK = 32  # elements of an MXFP4 block: 16 bytes of codes, 4 packed words
 
@@ -39,7 +39,7 @@ def requantized_sum_mxfp4_kernel(aligned=True):
     """Arguments: codes_in (uint32 words, or bytes when not 16-byte aligned; rows x n_blocks
     blocks), scales_in (uint8), rows, codes_out (uint32), scales_out (uint8), global_scale
     (float32, 1 element), n_blocks."""
-    _, encode8, _ = make_block_codec(KIND_F32, FMT_MXFP4)
+    _, encode8, _ = make_block_codec(KIND_F32, BLOCK)
     amax_bits = make_words_io(KIND_F32, BLOCK)[2]
     e8m0_decode = OPS.e8m0_decode
     mxfp4_block_scale = OPS.mxfp4_block_scale
