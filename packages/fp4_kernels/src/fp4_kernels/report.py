@@ -192,13 +192,10 @@ def model_files(path):
 # ---------------------------------------------------------------------- reading tensors
 
 
-def _torch():
-    """torch, or None where it is not installed (float8 tensors then cannot be read)."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    import torch
-
-    return torch
+def _torch_installed():
+    """Whether torch is installed (float8 tensors are read through it); not imported here:
+    safetensors imports it when a float8 matrix is read."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def _safe_open(path, framework):
@@ -570,9 +567,7 @@ def run_report(
     try:
         for f in files:
             readers.append(_Reader(f))
-        todo, not_measured, embedding_bytes = plan(
-            readers, include_embeddings, _torch() is not None
-        )
+        todo, not_measured, embedding_bytes = plan(readers, include_embeddings, _torch_installed())
         skipped += not_measured
         if not todo:
             raise ReportError(_nothing_to_measure(given, skipped))
