@@ -310,7 +310,7 @@ def test_fp8_without_torch_is_skipped_with_the_reason(tmp_path, rng, monkeypatch
     w8 = torch.from_numpy(rng.standard_normal((16, 64)).astype(np.float32)).to(torch.float8_e4m3fn)
     w32 = (rng.standard_normal((16, 64)) * 0.1).astype(np.float32)
     _save_torch(tmp_path / "m.safetensors", {"a.weight": w8, "b.weight": torch.from_numpy(w32)})
-    monkeypatch.setattr(report, "_torch_installed", lambda: False)
+    monkeypatch.setattr(report, "torch_installed", lambda: False)
     rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
     assert rc == 0
     data = _strict_json(out / "report.json")

