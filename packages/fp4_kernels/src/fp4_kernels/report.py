@@ -152,10 +152,10 @@ def evaluate(w, fmt, amax=None):
     """Quantize-dequantize the float32 rows ``w`` (finite) in ``fmt``: (q(w), the bytes of their
     quantized form without the per-matrix scale, ``TENSOR_SCALE_BYTES[fmt]``).
 
-    ``amax``: max |w| of the whole matrix the rows belong to (default: of ``w``); it sets the
-    per-matrix scale of e2m1/tensor and NVFP4.  Block formats pad K to a whole block with zeros
-    (the padding's codes and scales count in the bytes, its values do not count in the
-    errors); FP4Quant's groups run over the flattened rows, padded likewise at the end.
+    ``amax``: the largest magnitude in the matrix the rows belong to (default: in ``w``); it
+    sets the per-matrix scale of e2m1/tensor and NVFP4.  Block formats pad K to a whole block
+    with zeros (the padding's codes and scales count in the bytes, its values do not count in
+    the errors); FP4Quant's groups run over the flattened rows, padded likewise at the end.
     """
     n = w.size
     if amax is None:
