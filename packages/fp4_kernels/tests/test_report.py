@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -413,6 +414,21 @@ def test_all_nonfinite_matrix_is_skipped(tmp_path, rng):
     assert r["skipped"] == [
         {"file": "m.safetensors", "tensor": "bad.weight", "reason": "no finite weight"}
     ]
+
+
+def test_all_zero_matrix_has_no_error_and_plots_without_warnings(tmp_path, rng):
+    safetensors_numpy.save_file(
+        {"z.weight": np.zeros((8, 64), np.float32)}, str(tmp_path / "z.safetensors")
+    )
+    r = report.run_report(tmp_path / "z.safetensors", progress=False)
+    for fmt, s in r["summary"].items():
+        assert (s["rel_error"], s["zero_fraction"]) == (0.0, 1.0), fmt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. matplotlib's "cannot be log-scaled"
+        report.plot(r, tmp_path / "z.png")
+        for s in r["summary"].values():
+            s["rel_error"] = math.inf
+        report.plot(r, tmp_path / "inf.png")
 
 
 def test_an_overflowing_format_is_infinite_error_and_null_in_json(tmp_path, rng, monkeypatch):

@@ -23,27 +23,33 @@ def figure(result):
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.15]})
 
     # left: one dot per matrix, formats as rows; x is the error itself
+    # (a log scale: an error that is 0 or not finite is not drawn; an axis with none says so)
     rng = np.random.default_rng(0)  # vertical jitter only, so dots of equal error stay apart
+    drawn = 0
     for i, fmt in enumerate(fmts):
         errs = np.array(
             [_plottable(m["formats"][fmt]["rel_error"]) for m in result["matrices"]], float
         )
-        errs = errs[np.isfinite(errs)]
+        errs = errs[np.isfinite(errs) & (errs > 0)]
         y = len(fmts) - 1 - i
         if errs.size:
+            drawn += errs.size
             ax0.scatter(
                 errs, y + rng.uniform(-0.18, 0.18, errs.size), s=10, color=colors[fmt], alpha=0.6
             )
             s = _plottable(result["summary"][fmt]["rel_error"])
-            if math.isfinite(s):
+            if math.isfinite(s) and s > 0:
                 ax0.plot([s, s], [y - 0.32, y + 0.32], color="black", lw=1.5)
     ax0.set_yticks(range(len(fmts)), list(reversed(fmts)))
     ax0.set_ylim(-0.6, len(fmts) - 0.4)
-    ax0.set_xscale("log")
-    _plain_log_ticks(ax0.xaxis)
+    if drawn:
+        ax0.set_xscale("log")
+        _plain_log_ticks(ax0.xaxis)
+    else:
+        _say_nothing_to_draw(ax0)
     ax0.set_xlabel("mean|w - q(w)| / mean|w| of a matrix (log scale)")
     ax0.set_title(
-        f"relative error of each of the {result['matrices_count']} matrices\n"
+        f"relative error of each of the {_matrices(result['matrices_count'])}\n"
         "(dots; bar: all matrices together)",
         fontsize=10,
     )
@@ -67,8 +73,11 @@ def figure(result):
                 linewidths=1.6,
                 zorder=3,
             )
-    ax1.set_yscale("log")
-    _plain_log_ticks(ax1.yaxis)
+    if pts:
+        ax1.set_yscale("log")
+        _plain_log_ticks(ax1.yaxis)
+    else:
+        _say_nothing_to_draw(ax1)
     ax1.set_xlabel("bits per weight, scales included")
     ax1.set_ylabel("relative error, all matrices (log scale)")
     ax1.set_title("cost against error", fontsize=10)
@@ -90,6 +99,22 @@ def figure(result):
 
 
 LABEL_POINTS = 9
+
+
+def _matrices(n):
+    return "1 matrix" if n == 1 else f"{n} matrices"
+
+
+def _say_nothing_to_draw(ax):
+    ax.text(
+        0.5,
+        0.5,
+        "no error above 0 and finite to draw\n(see the table)",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        color="0.35",
+    )
 
 
 def _plottable(v):
