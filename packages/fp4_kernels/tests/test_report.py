@@ -758,8 +758,7 @@ _SIMULATOR_SCRIPT = textwrap.dedent(
     import json
     from fp4_kernels.testing import install_simulator_warp_intrinsics
     install_simulator_warp_intrinsics()
-    from fp4_kernels.cuda import launch
-    launch.launch_override = (64, 2)  # as the tests' `kernels` fixture: small simulated grids
+    from fp4_kernels.cuda.launch import launch_policy
     from fp4_kernels import _throughput as t
     refused = t.unavailable_reason()
     try:
@@ -767,7 +766,8 @@ _SIMULATOR_SCRIPT = textwrap.dedent(
         raised = False
     except t.ThroughputUnavailable:
         raised = True
-    r = t.measure_throughput(256, warmup=1, reps=1, allow_simulator=True)
+    with launch_policy(threads=64, max_blocks=2):  # as the `kernels` fixture: small grids
+        r = t.measure_throughput(256, warmup=1, reps=1, allow_simulator=True)
     print(json.dumps({"refused": refused, "raised": raised, "result": r}))
     """
 )
