@@ -213,3 +213,57 @@ def test_philox_known_answers(ctr, key, expect):
     assert tuple(int(g) for g in got) == expect
     ref = philox.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32))
     assert tuple(int(g) for g in ref) == expect
+
+
+_sr_mag = OPS.e2m1_sr_magnitude
+_sr_f = OPS.e2m1_sr_code
+
+
+@numba.njit(nogil=True)
+def _sr_float_vs_compare_mismatches(a_bits, words):
+    bad = 0
+    for i in range(a_bits.size):
+        a = np.uint32(a_bits[i]).view(np.float32)
+        for j in range(words.size):
+            if _sr_f(a, words[j]) != _sr_mag(a, words[j]):
+                bad += 1
+    return bad
+
+
+@numba.njit(nogil=True)
+def _sr_boundary_mismatches(a_bits, r24):
+    """Each a with the words whose top 24 bits are r24[i] - 1, r24[i], r24[i] + 1."""
+    bad = 0
+    for i in range(a_bits.size):
+        a = np.uint32(a_bits[i]).view(np.float32)
+        for d in (-1, 0, 1):
+            r = np.uint32(((r24[i] + d) & 0xFFFFFF) << 8 | 0x5A)
+            if _sr_f(a, r) != _sr_mag(a, r):
+                bad += 1
+    return bad
+
+
+def test_e2m1_stochastic_rounding_integer_encoder_equals_the_compare_chain(rng):
+    """Every non-negative bf16 value and a dense sample of float32 values near the grid points
+    and thresholds, each with random words and the extreme words; then every such value with
+    the three words whose u sits on either side of its rounding probability p: the branch-free
+    integer encoder is the compare chain."""
+    bf16 = (np.arange(0x7F81, dtype=np.uint32) << 16)
+    near = np.concatenate(
+        [np.arange(-300, 301, dtype=np.int64) + np.float32(g).view(np.uint32)
+         for g in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)]
+    ).astype(np.uint32)
+    rand = rng.integers(0, 0x7F800001, 200_000, dtype=np.uint32)
+    words = np.concatenate(
+        [rng.integers(0, 2**32, 61, dtype=np.uint32),
+         np.array([0, 0xFFFFFFFF, 0x80000000, 0x40000000, 0xC0000000, 0xFF, 0x100], np.uint32)]
+    )
+    for a_bits in (bf16, near, rand):
+        assert _sr_float_vs_compare_mismatches(a_bits, words) == 0
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, np.inf])
+    for a_bits in (near, rand):
+        a = a_bits.view(np.float32).astype(np.float64)
+        k = np.searchsorted(grid, a, side="right") - 1  # grid point at or below a
+        p = np.where(a >= 6, 0.0, (a - grid[k]) / (grid[np.minimum(k + 1, 8)] - grid[k]))
+        r24 = np.floor(p * 2**24).astype(np.int64)  # u = r24 / 2^24 is the last u <= p
+        assert _sr_boundary_mismatches(a_bits, r24) == 0

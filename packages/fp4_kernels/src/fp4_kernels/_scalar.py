@@ -50,6 +50,7 @@ F32_FOUR = np.float32(4.0)
 F32_MINUS_ONE = np.float32(-1.0)
 F32_TWO_POW_24 = np.float32(2.0**24)
 F32_MINUS_5_TWO_POW_24 = np.float32(-5.0 * 2.0**24)
+F32_TWO_POW_25 = np.float32(2.0**25)
 E2M1_CODE_BIAS = 0x4B000000  # the bits of 2^23: bits(e2m1_code_f(a)) - this is the code
 
 _G1 = np.float32(1.0)
@@ -63,6 +64,10 @@ PHILOX_M1 = np.uint64(0xCD9E8D57)
 PHILOX_W0 = np.uint64(0x9E3779B9)
 PHILOX_W1 = np.uint64(0xBB67AE85)
 _U64_MASK32 = np.uint64(0xFFFFFFFF)
+PHILOX_M0_32 = np.uint32(0xD2511F53)
+PHILOX_M1_32 = np.uint32(0xCD9E8D57)
+PHILOX_W0_32 = np.uint32(0x9E3779B9)  # the key increments as uint32 (wrapping adds)
+PHILOX_W1_32 = np.uint32(0xBB67AE85)
 _U64_32 = np.uint64(32)
 
 # element kinds of the arrays the codecs read and write (the kernels' `kind` argument)
@@ -78,7 +83,16 @@ E8M0_NAN_CODE = 0xFF
 BF16_NAN_BITS = 0x7FC0  # the quiet NaN FP4Quant stores as the scale of a non-finite group
 
 
-def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=None, sat_fma=None):
+def build_scalar_ops(
+    jit,
+    f32_as_u32,
+    u32_as_f32,
+    e4m3_satfinite=None,
+    sat_mul=None,
+    sat_fma=None,
+    ceil_u32=None,
+    mul_wide_u32=None,
+):
     """Compile the scalar codec functions for one target.
 
     ``jit`` is ``numba.cuda.jit(device=True)`` or ``numba.njit(error_model="numpy")``;
@@ -88,7 +102,9 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=N
     the integer encoder for block scales; the tests check the two agree on every input.
     ``sat_mul`` / ``sat_fma``, where given, are the target's saturating float32 multiply and
     fused multiply-add (``mul.rn.sat.f32`` / ``fma.rn.sat.f32``: one instruction each, result
-    clamped to [0, 1], NaN to 0); elsewhere the same function is written out.
+    clamped to [0, 1], NaN to 0); elsewhere the same function is written out.  ``ceil_u32``
+    is the float32 -> uint32 conversion rounding up (``cvt.rpi.u32.f32``); ``mul_wide_u32(a,
+    b)`` the 64-bit product of two uint32 as (low, high) words (one ``mul.wide.u32``).
     """
 
     # ---------------------------------------------------------------- saturating arithmetic
@@ -107,6 +123,19 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=N
         @jit
         def sat_mul(a, b):
             return sat(a * b)
+
+    if ceil_u32 is None:
+
+        @jit
+        def ceil_u32(x):
+            return U32(np.ceil(x))  # 0 <= x < 2^25 where it is used: exact
+
+    if mul_wide_u32 is None:
+
+        @jit
+        def mul_wide_u32(a, b):
+            p = np.uint64(a) * np.uint64(b)  # < 2^64: both factors are below 2^32
+            return U32(p & _U64_MASK32), U32(p >> _U64_32)
 
     if sat_fma is None:
 
@@ -287,13 +316,34 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=N
         return U32(U32(U32(u >> 28) & 8) | m)
 
     @jit
+    def e2m1_sr_code(a, rbits):
+        """``e2m1_sr_magnitude`` in integer arithmetic, branch-free: the same code for every
+        a = |y| >= 0 (NaN never reaches it) and every random word; u = (rbits >> 8) 2^-24.
+
+        a >= 1: e2m1 keeps one mantissa bit, so the fraction is the 22 dropped bits d of a's
+        float32 bits, p = d / 2^22, and u < p exactly when (rbits >> 10) < d: adding
+        0x3FFFFF - (rbits >> 10) carries into bit 22 exactly then; the kept bits >> 22, less
+        252, are the code (rebased exponent and mantissa bit), at most 7 (a >= 6 saturates).
+        a < 1: the grid is 0, 0.5, 1 (gap 1/2); with F = 2a 2^24 (exact), floor(2a) + (u < p)
+        is (ceil(F) + 2^24 - 1 - (rbits >> 8)) >> 24.
+        """
+        bits = f32_as_u32(a)
+        r24c = U32(0xFFFFFF - U32(U32(rbits) >> U32(8)))  # 2^24 - 1 - r, r the top 24 bits
+        big = U32(U32(U32(bits + U32(r24c >> U32(2))) >> U32(22)) - U32(252))
+        small = U32(U32(ceil_u32(a * F32_TWO_POW_25) + r24c) >> U32(24))
+        code = small if bits < 0x3F800000 else min(big, U32(7))
+        return code
+
+    @jit
     def e2m1_encode_sr(y, rbits):
-        """float32 -> 4-bit e2m1 code, stochastic rounding with the random word ``rbits``."""
+        """float32 -> 4-bit e2m1 code, stochastic rounding with the random word ``rbits``
+        (0 for NaN, which never reaches it: non-finite blocks are masked first)."""
         u = f32_as_u32(y)
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            return 0
-        sign = (u >> 28) & 0x8
-        return sign | e2m1_sr_magnitude(u32_as_f32(np.uint32(u & 0x7FFFFFFF)), rbits)
+        m = e2m1_sr_code(u32_as_f32(U32(u & 0x7FFFFFFF)), rbits)
+        m = U32(U32(U32(u >> 28) & 8) | m)
+        if U32(u & 0x7FFFFFFF) > 0x7F800000:
+            m = U32(0)  # a select, not a branch: lanes never diverge here
+        return m
 
     @jit
     def e2m1_decode(code):
@@ -467,27 +517,26 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=N
 
     @jit
     def philox4x32_10(c0, c1, c2, c3, k0, k1):
-        """Philox4x32 with 10 rounds; all words uint32 values, returns a 4-tuple of uint32."""
-        x0 = np.uint64(c0)
-        x1 = np.uint64(c1)
-        x2 = np.uint64(c2)
-        x3 = np.uint64(c3)
-        key0 = np.uint64(k0)
-        key1 = np.uint64(k1)
+        """Philox4x32 with 10 rounds; all words uint32 values, returns a 4-tuple of uint32.
+
+        Every word is a uint32 and each product one 32 x 32 -> 64-bit multiply (one
+        IMAD.WIDE.U32 on the GPU)."""
+        x0 = U32(c0)
+        x1 = U32(c1)
+        x2 = U32(c2)
+        x3 = U32(c3)
+        key0 = U32(k0)
+        key1 = U32(k1)
         for _ in range(10):
-            p0 = PHILOX_M0 * x0  # < 2^64: both factors are below 2^32
-            p1 = PHILOX_M1 * x2
-            hi0 = p0 >> _U64_32
-            lo0 = p0 & _U64_MASK32
-            hi1 = p1 >> _U64_32
-            lo1 = p1 & _U64_MASK32
-            x0 = hi1 ^ x1 ^ key0
+            lo0, hi0 = mul_wide_u32(PHILOX_M0_32, x0)
+            lo1, hi1 = mul_wide_u32(PHILOX_M1_32, x2)
+            x0 = U32(U32(hi1 ^ x1) ^ key0)
+            x2 = U32(U32(hi0 ^ x3) ^ key1)
             x1 = lo1
-            x2 = hi0 ^ x3 ^ key1
             x3 = lo0
-            key0 = (key0 + PHILOX_W0) & _U64_MASK32
-            key1 = (key1 + PHILOX_W1) & _U64_MASK32
-        return np.uint32(x0), np.uint32(x1), np.uint32(x2), np.uint32(x3)
+            key0 = U32(U32(key0) + PHILOX_W0_32)
+            key1 = U32(U32(key1) + PHILOX_W1_32)
+        return x0, x1, x2, x3
 
     return SimpleNamespace(
         bf16_to_f32=bf16_to_f32,
@@ -503,6 +552,7 @@ def build_scalar_ops(jit, f32_as_u32, u32_as_f32, e4m3_satfinite=None, sat_mul=N
         sat_mul=sat_mul,
         sat_fma=sat_fma,
         e2m1_encode_sr=e2m1_encode_sr,
+        e2m1_sr_code=e2m1_sr_code,
         e2m1_decode=e2m1_decode,
         e4m3_encode_positive=e4m3_encode_positive,
         e4m3_decode=e4m3_decode,

@@ -24,7 +24,8 @@ if SIMULATOR:
     def mul_rn_f32(a, b):
         return a * b  # numpy float32: one rounded product, nothing fuses it with an add
 
-    sat_mul = sat_fma = None  # the scalar ops write them out (same results: see _scalar)
+    # the scalar ops write these out (same results: see _scalar)
+    sat_mul = sat_fma = ceil_u32 = mul_wide_u32 = None
 
     def prmt(a, b, selector):
         """``prmt.b32`` (default mode): byte k of the result is byte (nibble k & 7) of the 8
@@ -184,6 +185,38 @@ if not SIMULATOR:
         return types.float32(a, b, c), _asm_codegen("fma.rn.sat.f32", *_F32_ASM, 3)
 
     @intrinsic
+    def ceil_u32(typingctx, a):
+        """float32 -> uint32 rounding up (F2I.U32.CEIL)."""
+        if a != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(i32, [ir.FloatType()]), "cvt.rpi.u32.f32 $0, $1;", "=r,f"
+            )
+            return builder.call(asm, list(args))
+
+        return types.uint32(a), codegen
+
+    @intrinsic
+    def mul_wide_u32(typingctx, a, b):
+        """The 64-bit product of two uint32 as (low, high) words: one IMAD.WIDE.U32."""
+        if a != types.uint32 or b != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32, i32]),
+                "{ .reg .b64 t; mul.wide.u32 t, $2, $3; mov.b64 {$0, $1}, t; }",
+                "=r,=r,r,r",
+            )
+            return builder.call(asm, list(args))
+
+        return types.UniTuple(types.uint32, 2)(a, b), codegen
+
+    @intrinsic
     def prmt(typingctx, a, b, selector):
         """Byte permute (PRMT): byte k of the result is byte (selector nibble k & 7) of b:a, or
         that byte's sign bit replicated when the nibble has bit 3 set."""
@@ -274,7 +307,9 @@ def device_jit(fn=None):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
-OPS = build_scalar_ops(device_jit, f32_as_u32, u32_as_f32, e4m3_satfinite, sat_mul, sat_fma)
+OPS = build_scalar_ops(
+    device_jit, f32_as_u32, u32_as_f32, e4m3_satfinite, sat_mul, sat_fma, ceil_u32, mul_wide_u32
+)
 
 
 @device_jit
