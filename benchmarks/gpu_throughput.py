@@ -92,6 +92,32 @@ def main():
         )
 
     small = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16)  # 64K elements
+    from fp4_kernels.cuda.launch import launch_policy
+
+    def thread_per_block(fn):
+        """The same call with a thread per quantizer block (the alternative layout)."""
+
+        def run(*a):
+            with launch_policy(lanes_per_block=1):
+                return fn(*a)
+
+        return run
+
+    for fmt in ("nvfp4", "mxfp4"):
+        q_bytes = n // 2 + n // fk.FORMATS[fmt]
+        kwa = dict(fmt=fmt, global_amax=4.5) if fmt == "nvfp4" else dict(fmt=fmt)
+        record(
+            f"quantize {fmt} nearest bf16 one pass (a thread per block)",
+            thread_per_block(lambda x, kw=kwa: fk.quantize(x, **kw)),
+            [(x,) for x in xs],
+            2 * n + q_bytes,
+        )
+        record(
+            f"quantize_dequantize {fmt} nearest bf16 (a thread per block)",
+            thread_per_block(lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f)),
+            [(x,) for x in xs],
+            4 * n,
+        )
     for fmt in ("nvfp4", "mxfp4"):
         block = fk.FORMATS[fmt]
         q_bytes = n // 2 + n // block
