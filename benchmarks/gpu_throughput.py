@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import sys
 
