@@ -248,15 +248,19 @@ def test_e2m1_stochastic_rounding_integer_encoder_equals_the_compare_chain(rng):
     and thresholds, each with random words and the extreme words; then every such value with
     the three words whose u sits on either side of its rounding probability p: the branch-free
     integer encoder is the compare chain."""
-    bf16 = (np.arange(0x7F81, dtype=np.uint32) << 16)
+    bf16 = np.arange(0x7F81, dtype=np.uint32) << 16
     near = np.concatenate(
-        [np.arange(-300, 301, dtype=np.int64) + np.float32(g).view(np.uint32)
-         for g in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)]
+        [
+            np.arange(-300, 301, dtype=np.int64) + np.float32(g).view(np.uint32)
+            for g in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
+        ]
     ).astype(np.uint32)
     rand = rng.integers(0, 0x7F800001, 200_000, dtype=np.uint32)
     words = np.concatenate(
-        [rng.integers(0, 2**32, 61, dtype=np.uint32),
-         np.array([0, 0xFFFFFFFF, 0x80000000, 0x40000000, 0xC0000000, 0xFF, 0x100], np.uint32)]
+        [
+            rng.integers(0, 2**32, 61, dtype=np.uint32),
+            np.array([0, 0xFFFFFFFF, 0x80000000, 0x40000000, 0xC0000000, 0xFF, 0x100], np.uint32),
+        ]
     )
     for a_bits in (bf16, near, rand):
         assert _sr_float_vs_compare_mismatches(a_bits, words) == 0

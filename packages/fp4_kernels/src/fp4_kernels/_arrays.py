@@ -189,7 +189,7 @@ class GpuContext:
             torch = _torch()
             dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
             self.device_id = dev
-            stream_ptr = torch.cuda.current_stream(dev).cuda_stream
+            stream_ptr = _torch_stream(torch, dev)
         elif backend.lib == "cupy":
             import cupy
 
@@ -259,7 +259,7 @@ class GpuContext:
             torch = _torch()
             tdt = like_dtype if like_dtype is not None else _TORCH_OF_NP[np.dtype(np_dtype).name]
             f = torch.zeros if zero else torch.empty
-            return f(shape, dtype=tdt, device=torch.device("cuda", self.device_id))
+            return f(shape, dtype=tdt, device=_torch_device(torch, self.device_id))
         if lib == "cupy":
             import cupy
 
@@ -285,6 +285,25 @@ class GpuContext:
                 "dtype: CuPy has no bfloat16; dequantize to float32 or float16, or use torch"
             )
         return numpy_dtype(dt)  # numba device arrays take ml_dtypes' bfloat16
+
+
+def _torch_stream(torch, dev):
+    """The raw handle of torch's current stream on ``dev``: torch's own C accessor (what
+    torch.cuda.current_stream(dev).cuda_stream returns, without building a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(dev)
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
+_TORCH_DEVICES = {}
+
+
+def _torch_device(torch, index):
+    d = _TORCH_DEVICES.get(index)
+    if d is None:
+        d = _TORCH_DEVICES[index] = torch.device("cuda", index)
+    return d
 
 
 def _address(arr, simulator):

@@ -17,6 +17,8 @@ launching kernels with shifted arguments.
 from __future__ import annotations
 
 import ctypes
+import struct
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -110,11 +112,8 @@ class StreamRef:
         return (0, self.ptr)
 
 
-_SCALAR_CTYPES = {
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.uint32): ctypes.c_uint32,
-    np.dtype(np.float32): ctypes.c_float,
-}
+# struct codes of the scalar kernel parameters (native size and alignment)
+_SCALAR_CODES = {np.dtype(np.int64): "q", np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}
 
 
 def numba_type(arg):
@@ -135,14 +134,81 @@ def compile_kernel(kernel, argtypes):
     return compiled._codelibrary.get_cufunc().kernel
 
 
-def pack_arguments(args):
-    """Kernel parameters in numba's ABI: each DeviceBuffer as its ARRAY_FIELDS (meminfo and
-    parent 0, nitems, itemsize, data pointer, shape[0], strides[0]), each scalar as a ctype."""
-    params = []
+def parameter_layout(args):
+    """(struct format, [(offset, size)] of each kernel parameter) for ``args`` in numba's ABI:
+    a DeviceBuffer is its ARRAY_FIELDS, seven 8-byte words; a scalar its own size; each
+    parameter aligned to its size, as the CUDA ABI lays out a kernel's parameter buffer."""
+    codes = []
+    for a in args:
+        codes += (
+            ["Q"] * len(ARRAY_FIELDS) if isinstance(a, DeviceBuffer) else [_SCALAR_CODES[a.dtype]]
+        )
+    fmt, params, offset = "=", [], 0
+    for c in codes:
+        size = struct.calcsize("=" + c)
+        pad = -offset % size
+        fmt += "x" * pad + c
+        offset += pad
+        params.append((offset, size))
+        offset += size
+    return fmt, params
+
+
+def _values(args):
+    out = []
     for a in args:
         if isinstance(a, DeviceBuffer):
             size = a.dtype.itemsize
-            params += (0, 0, a.n, size, a.ptr, a.n, size)
+            out += (0, 0, a.n, size, a.ptr, a.n, size)
         else:
-            params.append(_SCALAR_CTYPES[a.dtype](a))
-    return params
+            out.append(a)
+    return out
+
+
+_libcuda = None
+
+
+def _cu_launch_kernel():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        f = lib.cuLaunchKernel
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        _libcuda = f
+    return _libcuda
+
+
+class PackedLauncher:
+    """One kernel, one argument signature: the parameter buffer laid out once, each launch a
+    ``struct.pack_into`` of the values and one ``cuLaunchKernel`` (a few microseconds).
+
+    The layout is checked against the compiled kernel's own parameter table
+    (``cuda.core``'s ``Kernel.arguments_info``) when the launcher is made, so a numba release
+    that changes its ABI raises here instead of launching with shifted arguments."""
+
+    def __init__(self, cu_kernel, args):
+        fmt, params = parameter_layout(args)
+        info = [(int(o), int(z)) for o, z in cu_kernel.arguments_info]
+        if info != params:
+            raise RuntimeError(
+                "numba's kernel ABI differs from the layout fp4_kernels packs "
+                f"({len(info)} parameters {info[:8]}... vs {len(params)} {params[:8]}...); "
+                "this numba-cuda release is not supported"
+            )
+        self.struct = struct.Struct(fmt)
+        self.buffer = ctypes.create_string_buffer(max(1, self.struct.size))
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * len(params))(*[base + o for o, _ in params])
+        self.function = int(cu_kernel.handle)
+        self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
+
+    def __call__(self, stream_ptr, blocks, threads, args):
+        launch = _cu_launch_kernel()
+        with self.lock:
+            self.struct.pack_into(self.buffer, 0, *_values(args))
+            rc = launch(
+                self.function, blocks, 1, 1, threads, 1, 1, 0, stream_ptr, self.pointers, None
+            )
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {rc}")

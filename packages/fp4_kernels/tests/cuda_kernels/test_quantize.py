@@ -46,9 +46,7 @@ def _assert_matches_oracle(q, x, fmt, rounding, layout, seed, step, global_amax=
         ("mxfp4", "float16", "stochastic", "linear", 1),
     ],
 )
-def test_quantize_matches_oracle(
-    kernels, rng, kind, fmt, dtype, rounding, layout, rows
-):
+def test_quantize_matches_oracle(kernels, rng, kind, fmt, dtype, rounding, layout, rows):
     block = fk.FORMATS[fmt]
     k = 16 if rows > 100 else 4 * block  # the 129-row case keeps the simulator quick
     if fmt == "mxfp4" and k < 32:

@@ -105,24 +105,18 @@ def launch(kernel, blocks, threads, stream, args):
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
         return blocks
-    from cuda.core import LaunchConfig, launch as cu_launch
-
-    key = (
-        kernel,
-        tuple(a.dtype.str for a in args),
-        tuple(isinstance(a, DeviceBuffer) for a in args),
-    )
-    cu_kernel = _compiled.get(key)
-    if cu_kernel is None:
-        cu_kernel = _compiled[key] = abi.compile_kernel(kernel, map(abi.numba_type, args))
+    key = (kernel, tuple(a.dtype for a in args))
+    launcher = _compiled.get(key)
+    if launcher is None:
+        cu_kernel = abi.compile_kernel(kernel, map(abi.numba_type, args))
+        launcher = _compiled[key] = abi.PackedLauncher(cu_kernel, args)
+        launcher.cu_kernel = cu_kernel
     resident = _resident.get((key, threads))
     if resident is None:
-        per_sm = cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+        per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(None)
     blocks = min(blocks, resident)
-    cu_launch(
-        stream, LaunchConfig(grid=blocks, block=threads), cu_kernel, *abi.pack_arguments(args)
-    )
+    launcher(stream.ptr, blocks, threads, args)
     return blocks
 
 

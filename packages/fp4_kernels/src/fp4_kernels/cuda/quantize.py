@@ -179,9 +179,13 @@ def make_block_codec(kind, part):
     return sign_nibbles, encode8, encode8_sr
 
 
-# lanes that share a block (each takes 8 elements: 16 bytes of bf16), chosen by measurement
-# (benchmarks/NOTES.md); a launch policy may override it (1: a thread per block)
-LANES_PER_BLOCK = {FMT_NVFP4: 2, FMT_MXFP4: 4}
+# Threads that share a block, chosen by measurement (benchmarks/NOTES.md; a launch policy may
+# override it): a thread per block when only codes are written (its strided 16-byte loads are
+# served by L1; sharing a block repeats the scale arithmetic in every lane of it, which costs
+# issue slots: 0.98x vs 0.65x copy for NVFP4); for fake quantization 8 elements per thread, so
+# that the 16-byte stores of the reconstruction are contiguous across a warp.
+LANES_PER_BLOCK = {FMT_NVFP4: 1, FMT_MXFP4: 1}
+FUSED_LANES_PER_BLOCK = {FMT_NVFP4: 2, FMT_MXFP4: 4}
 
 
 @functools.cache
@@ -331,7 +335,8 @@ def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value,
         n_parts = amax_op.amax_partials(ctx, xw, aligned, dt_kind, geo.n, parts)
     else:
         parts, n_parts = ctx.view(gs), 0
-    lanes = launch.current_policy().lanes_per_block or LANES_PER_BLOCK[fmt_code]
+    default = (FUSED_LANES_PER_BLOCK if fused else LANES_PER_BLOCK)[fmt_code]
+    lanes = launch.current_policy().lanes_per_block or default
     if block % (8 * lanes):
         raise ValueError(f"lanes_per_block: {lanes} threads cannot share a {block}-element block")
     kern = quantize_kernel(dt_kind, fmt_code, stochastic, geo.swizzled, fused, aligned, lanes)
