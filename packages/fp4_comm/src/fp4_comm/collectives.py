@@ -96,7 +96,7 @@ def _encode(payload, rank, hop, opts: Options, valid):
             sat = codec.saturated(sections, payload.shape[1])
             opts.collected[hop] = hop_stats(payload, local, sat, valid)
         if ef_name is not None:
-            opts.error_feedback.store(ef_name, ef_hop, payload, local)
+            opts.error_feedback.store(ef_name, ef_hop, payload, local, codec.granularity)
     return sections
 
 
