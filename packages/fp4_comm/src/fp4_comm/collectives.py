@@ -24,6 +24,7 @@ call, and a CUDA graph's private pool under capture).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -161,8 +162,20 @@ def shard_rows(dim0: int, world_size: int) -> list[int]:
     fewer or none.  The pieces of ``torch.chunk(x, W)``, with empty ones for the ranks past its
     last chunk; equivalently, dim 0 zero-padded to W m rows, split evenly as
     ``torch.distributed.reduce_scatter_tensor`` does, and the padding rows dropped."""
+    dim0 = _count(dim0, "shard_rows: dim0", 0)
+    world_size = _count(world_size, "shard_rows: world_size", 1)
     m = -(-dim0 // world_size)
     return [max(0, min(m, dim0 - r * m)) for r in range(world_size)]
+
+
+def _count(value, what, low):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: expected an int, got {type(value).__name__}") from None
+    if v < low:
+        raise ValueError(f"{what} is {v}; it must be >= {low}")
+    return v
 
 
 def reduce_scatter(transport, x, opts: Options):
