@@ -252,8 +252,6 @@ class Communicator:
         ``total_dim0``: the inverse of ``reduce_scatter``'s split of a (total_dim0, ...)
         tensor: rank r passes its d_r = ``shard_rows(total_dim0, W)[r]`` rows (trailing dims
         equal on every rank) and every rank gets the (total_dim0, ...) tensor."""
-        if total_dim0 is not None:
-            total_dim0 = check_int(total_dim0, "all_gather: total_dim0", 2**63)
         return self._run("all_gather", x, codec, rounding, seed, step, None, stats,
                          total_dim0=total_dim0)  # fmt: skip
 
@@ -296,29 +294,31 @@ class Communicator:
 
     def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None,
              total_dim0=None):  # fmt: skip
-        # Everything that needs no exchange is checked first: a call rejected here did not
-        # happen (no counter moves), so the same bad call on every rank keeps them in step.
+        # Every call counts, also one that fails its argument checks below: a rank that fails
+        # alone is then a call behind, and its next call meets the others' current one with
+        # another call number (ValueError on every rank) instead of pairing with it.
+        # Collectives only: every rank makes them, so the default step stays the same on every
+        # rank (a send/recv involves two ranks and would put the others behind).
+        if peer is None:
+            call = self._calls
+            self._calls += 1
+        else:
+            call = -1
+            default_step = self._sends
+            self._sends += 1
         codec = get_codec(codec)
         check_options(rounding, seed, step, ef_name)
         seed = operator.index(seed)
+        if step is None:
+            step = (call if peer is None else default_step) % STEP_LIMIT
+        step = operator.index(step)
         if peer is not None:
             peer = self._check_peer(peer, f"{op}: dst")
+        if total_dim0 is not None:
+            total_dim0 = check_int(total_dim0, "all_gather: total_dim0", 2**63)
         with _stream_of(x) as back:
             t = back.tensor
             self._check_input(op, t)
-            if peer is None:
-                # Only collectives count: every rank makes them, so the default step stays the
-                # same on every rank (a send/recv involves two ranks and would put the others
-                # behind).
-                call = self._calls
-                self._calls += 1
-            else:
-                call = -1
-                default_step = self._sends
-                self._sends += 1
-            if step is None:
-                step = (call if peer is None else default_step) % STEP_LIMIT
-            step = operator.index(step)
             if peer is not None:
                 self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
             elif op == "all_gather":
