@@ -139,7 +139,7 @@ def all_reduce(transport, x, opts: Options):
     W, rank = transport.world_size, transport.rank
     n = x.numel()
     c = padded_chunk(n, W, opts.codec.granularity)
-    flat = x.reshape(-1)
+    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
     payload = flat.view(W, c) if n == W * c else F.pad(flat, (0, W * c - n)).view(W, c)
     sections = _encode(payload, rank, "reduce_scatter", opts, _prefix(n))
     if _fused_reduction(opts):
@@ -188,7 +188,7 @@ def reduce_scatter(transport, x, opts: Options):
     m = -(-d0 // W)
     per_rank = m * row  # elements of one shard, padding rows included
     c = padded_chunk(per_rank, 1, opts.codec.granularity)
-    flat = x.reshape(-1)
+    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
     if W * m != d0:
         # Zero rows pad dim 0 to W m rows (zeros encode exactly and change no amax): chunk j
         # is shard j, whole rows, so no rank's shard straddles two chunks.
@@ -218,7 +218,7 @@ def all_gather(transport, x, opts: Options, total_dim0=None):
     # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts): the
     # largest shard, padded to whole blocks; the shorter shards are zero-padded.
     c = padded_chunk(m * row, 1, opts.codec.granularity)
-    payload = _padded(x.reshape(1, n), c)
+    payload = _padded(x.contiguous().view(1, n), c)
     sections = _encode(payload, rank, "all_gather", opts, _prefix(n))
     y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
     if c != m * row:
@@ -239,7 +239,8 @@ def _numel(shape):
 def send(transport, x, peer, opts: Options):
     n = x.numel()
     c = padded_chunk(n, 1, opts.codec.granularity)
-    sections = _encode(_padded(x.reshape(1, n), c), transport.rank, "send", opts, _prefix(n))
+    payload = _padded(x.contiguous().view(1, n), c)
+    sections = _encode(payload, transport.rank, "send", opts, _prefix(n))
     transport.send(sections, peer)
 
 

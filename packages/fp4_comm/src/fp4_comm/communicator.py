@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import collectives
 from ._transport import CommPeerError, CommTimeoutError, GlooTransport, peer_error
-from .codecs import ROUNDINGS, get_codec
+from .codecs import SEED_LIMIT, STEP_LIMIT, check_int, check_rounding, get_codec
 from .error_feedback import ErrorFeedback
 
 VALIDATE = ("always", "first", "never")
@@ -38,32 +38,16 @@ _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _MAX_DIMS = 8
 _SIG_LEN = 7 + _MAX_DIMS
 _CALL = 4
-# The same ranges as fp4_kernels.quantize: the Philox key is 64 bits, the counter word 32.
-SEED_LIMIT = 2**64
-STEP_LIMIT = 2**32
 
 
 def _crc(s: str) -> int:
     return zlib.crc32(s.encode())
 
 
-def check_int(value, name: str, limit: int) -> int:
-    """``value`` as an int in [0, limit) (what fp4_kernels.quantize asks of seed and step):
-    TypeError for a non-integer (floats included), ValueError out of range."""
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
-    if not 0 <= v < limit:
-        raise ValueError(f"{name}: {v} is outside [0, 2**{int(math.log2(limit))})")
-    return v
-
-
 def check_options(rounding, seed, step=None, error_feedback=None):
     """The collectives' options that need no tensor: ValueError / TypeError naming the argument
     (before anything moves, so a bad option on every rank leaves the group in step)."""
-    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
-        raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
+    check_rounding(rounding)
     check_int(seed, "seed", SEED_LIMIT)
     if step is not None:
         check_int(step, "step", STEP_LIMIT)
