@@ -178,6 +178,26 @@ def test_ranks_whose_calls_differ_get_value_error_whatever_validate_says(cluster
         assert calls[-1][1] == gathered  # and nothing of the failed call leaked into it
 
 
+def _run_hand_made(comms):
+    from fp4_comm._transport import GlooTransport
+
+    comm = comms[2]
+    if comm is None:
+        return None
+    # no control group given: gloo still checks every call, over the transport's group
+    hand_made = fp4_comm.Communicator(GlooTransport(comm.transport.group), validate="never")
+    try:
+        hand_made.all_reduce(torch.ones(64 if comm.rank == 0 else 4096), codec="mxfp4")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_communicator_made_from_a_gloo_transport_checks_sizes_too(cluster):
+    for message in cluster.run(_run_hand_made)[:2]:  # a dead worker fails the run
+        assert message is not None and "the ranks disagree" in message
+
+
 def _run_one_rank_fails_alone(comms):
     comm = comms[2]
     if comm is None:
