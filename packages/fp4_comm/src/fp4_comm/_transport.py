@@ -36,7 +36,13 @@ class CommConnectionError(CommPeerError, ConnectionError):
 
 # What gloo says when a peer never came, and when its socket closed (process killed or exited).
 _TIMEOUT_WORDS = ("timed out", "timeout")
-_CLOSED_WORDS = ("connection closed", "connection reset", "broken pipe", "end of file")
+_CLOSED_WORDS = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "end of file",
+)
 
 
 def peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None, note=""):
@@ -61,9 +67,9 @@ def peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None, n
     return cls(message, op=op, rank=rank, peers=peers)
 
 
-def reraise_peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None):
+def reraise_peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None, note=""):
     """Raise ``peer_error(...)`` from ``err`` where it applies, else ``err`` itself."""
-    mapped = peer_error(err, op, rank, world_size, peer)
+    mapped = peer_error(err, op, rank, world_size, peer, note)
     if mapped is None:
         raise err
     raise mapped from err

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from ._transport import CommPeerError, CommTimeoutError, GlooTransport, peer_error
+from ._transport import CommPeerError, CommTimeoutError, GlooTransport, reraise_peer_error
 from .codecs import SEED_LIMIT, STEP_LIMIT, check_int, check_rounding, get_codec
 from .error_feedback import ErrorFeedback
 
@@ -33,8 +33,9 @@ VALIDATE = ("always", "first", "never")
 _OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Signature: op, dtype, codec, rounding, call, ndim, numel, then the shape (up to _MAX_DIMS
-# dims).  "call" is the number of collectives the communicator made before this one (-1 for
-# send / recv): ranks that disagree on it are out of step, one of them skipped a collective.
+# dims).  "call" is the number of collectives the communicator was asked for before this one
+# (-1 for send / recv): ranks that disagree on it are out of step (one of them failed or
+# skipped a call that the others made).
 _MAX_DIMS = 8
 _SIG_LEN = 7 + _MAX_DIMS
 _CALL = 4
@@ -381,10 +382,7 @@ class Communicator:
                 "like: this rank checks a call that is new to it while a peer makes one it has "
                 "checked before"
             )
-        mapped = peer_error(err, what, self.rank, self.world_size, peer, note)
-        if mapped is None:
-            raise err
-        raise mapped from err
+        reraise_peer_error(err, what, self.rank, self.world_size, peer, note)
 
     def _validate_all_gather(self, t, codec, rounding, total_dim0, call):
         """The ranks compare the gathered shape; a rank whose shard does not have the rows
