@@ -14,13 +14,22 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
+from dataclasses import dataclass
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class Died:
+    """What ``Cluster.run`` gives for a worker that died: its exit code (-N: signal N)."""
+
+    exitcode: int | None
 
 
 def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
@@ -86,13 +95,21 @@ class Cluster:
             self.procs.append(p)
         self._collect(start_timeout_s)
 
-    def _collect(self, timeout_s):
+    def _collect(self, timeout_s, allow_death=False):
+        deadline = time.monotonic() + timeout_s
         results, errors = [], []
         for rank, conn in enumerate(self.conns):
-            if not conn.poll(timeout_s):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
                 self.close(force=True)
                 raise TimeoutError(f"worker {rank} gave no answer within {timeout_s} s")
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except (EOFError, ConnectionResetError):
+                # The worker died (killed on purpose, or an abort inside a library).
+                self.procs[rank].join(timeout=10)
+                status, value = "died", Died(self.procs[rank].exitcode)
+                if not allow_death:
+                    errors.append(f"--- rank {rank}: the process died ({value})")
             if status == "error":
                 errors.append(f"--- rank {rank}:\n{value}")
             results.append(value)
@@ -100,11 +117,15 @@ class Cluster:
             raise AssertionError("worker failed:\n" + "\n".join(errors))
         return results
 
-    def run(self, fn, *args, timeout_s=240.0):
-        """fn(comms, *args) on every rank; the list of their results, by rank."""
+    def run(self, fn, *args, timeout_s=240.0, allow_death=False):
+        """fn(comms, *args) on every rank; the list of their results, by rank.  A worker that
+        dies fails the call, unless ``allow_death``: then its result is a ``Died``."""
         for conn in self.conns:
-            conn.send((fn, args))
-        return self._collect(timeout_s)
+            try:
+                conn.send((fn, args))
+            except (BrokenPipeError, OSError):
+                pass  # a dead worker: _collect reports it
+        return self._collect(timeout_s, allow_death)
 
     def close(self, force=False):
         for conn in self.conns:
@@ -117,4 +138,7 @@ class Cluster:
             p.join(timeout=0 if force else 10)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():  # stuck where SIGTERM does not reach: no process outlives the test
+                p.kill()
                 p.join(timeout=5)

@@ -52,3 +52,75 @@ def test_ddp_hook_averages_gradients(cluster, codec, error_feedback):
     exact, bound = all_reduce_bound(local, codec, "nearest", torch.float32)
     assert (np.abs(out[0][0] - exact / 2) <= bound / 2).all()
     assert get_codec(codec).granularity == 16
+
+
+OVERFLOW_STEP = 2
+
+
+def _train_with_grad_scaler(comms, codec, steps):
+    """DDP + the FP4 hook with error feedback + torch.amp.GradScaler; rank 0's input overflows
+    at OVERFLOW_STEP.  Returns the steps the scaler skipped, the final scale, whether each
+    step's gradients were finite, the blocks reset, the warnings and the weights."""
+    import warnings
+
+    comm = comms[2]
+    if comm is None:
+        return None
+    comm.error_feedback.reset()
+    model = DDP(_model(), process_group=comm.transport.group)
+    ddp.register(model, comm, codec=codec, error_feedback=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(200 + comm.rank)
+    skipped, finite = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            x = torch.randn(5, IN_FEATURES, generator=g)
+            if step == OVERFLOW_STEP and comm.rank == 0:
+                x[0, 0] = float("inf")  # one overflowing batch on one rank
+            opt.zero_grad()
+            scaler.scale(model(x).square().sum()).backward()
+            finite.append(all(torch.isfinite(p.grad).all().item() for p in model.parameters()))
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                skipped.append(step)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    residuals_finite = all(
+        torch.isfinite(comm.error_feedback.residual(name, hop)).all().item()
+        for name in comm.error_feedback.names()
+        for hop in ("worker", "server")
+    )
+    dist.barrier(comm.transport.group)
+    return {
+        "skipped": skipped,
+        "scale": scaler.get_scale(),
+        "finite": finite,
+        "reset": comm.error_feedback.nonfinite_blocks(),
+        "warnings": messages,
+        "weights": weights,
+        "residuals_finite": residuals_finite,
+    }
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", "fp4quant", "none"])
+def test_ddp_hook_recovers_after_one_overflowing_step(cluster, codec):
+    # Error feedback is on by default in the hook: one Inf must cost one skipped step, not
+    # every step after it (a NaN residual added to every later gradient).
+    import fp4_kernels
+
+    spec = fp4_kernels.FP4Quant(32) if codec == "fp4quant" else codec
+    steps = OVERFLOW_STEP + 4
+    out = cluster.run(_train_with_grad_scaler, spec, steps)[:2]
+    for r in out:
+        assert r["skipped"] == [OVERFLOW_STEP], r["finite"]
+        assert r["scale"] == 512.0
+        assert r["finite"] == [step != OVERFLOW_STEP for step in range(steps)]
+        assert r["residuals_finite"]
+        assert r["reset"] > 0  # counted on every rank (the server residual of the NaN sum)
+        assert any("held NaN or Inf" in m and "reset to 0" in m for m in r["warnings"])
+    assert np.array_equal(out[0]["weights"], out[1]["weights"])
+    assert np.isfinite(out[0]["weights"]).all()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1]
 README = PACKAGE / "README.md"
 API_PAGE = PACKAGE.parents[1] / "docs" / "api" / "fp4_comm.md"
@@ -13,6 +15,9 @@ API_PAGE = PACKAGE.parents[1] / "docs" / "api" / "fp4_comm.md"
 
 def _python_blocks(path):
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+BLOCKS = _python_blocks(README)
 
 
 def _run(code):
@@ -23,10 +28,16 @@ def _run(code):
     return result.stdout
 
 
-def test_readme_example_runs():
-    blocks = _python_blocks(README)
-    assert len(blocks) == 1
-    assert "['all_gather', 'reduce_scatter'] 20" in _run(blocks[0])
+def test_readme_has_the_two_examples():
+    assert len(BLOCKS) == 2
+    assert "fp4_comm.ddp.register(" in BLOCKS[1]  # the usage documented for DDP
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_example_runs(index):
+    out = _run(BLOCKS[index])
+    if index == 0:
+        assert "['all_gather', 'reduce_scatter'] 20" in out
 
 
 def test_api_page_example_is_a_code_block_that_runs():

@@ -1,9 +1,12 @@
 """ErrorFeedback's bookkeeping: residual 0 at first, x + e afterwards, updated in place, kept
-per (name, hop), reset, and a clear error when a buffer changes size."""
+per (name, hop), reset, a clear error when a buffer changes size, blocks that held NaN/Inf
+restarting from 0, and state_dict / load_state_dict (also the Communicator's, over gloo: a
+resumed run continues with the very same bits)."""
 
 import pytest
 import torch
 
+import fp4_comm
 from fp4_comm import ErrorFeedback
 
 
@@ -42,3 +45,145 @@ def test_names_reset_and_size_mismatch():
     assert ef.names() == ["b"] and ef.residual("a", "server") is None
     ef.reset()
     assert ef.names() == []
+
+
+def test_a_block_that_held_nan_or_inf_restarts_from_residual_zero():
+    ef = ErrorFeedback()
+    x = torch.arange(1.0, 13.0).reshape(1, 12)  # three blocks of 4
+    x[0, 5] = float("inf")
+    decoded = torch.full_like(x, 0.5)
+    decoded[0, 4:8] = float("nan")  # a block with a non-finite element decodes to NaN
+    with pytest.warns(RuntimeWarning, match=r"'g' \(worker\): 1 block\(s\) of 4 held NaN or Inf"):
+        ef.store("g", "worker", ef.corrected("g", "worker", x), decoded, block_size=4)
+    e = ef.residual("g")
+    assert torch.isfinite(e).all()
+    assert torch.equal(e[0, 4:8], torch.zeros(4))  # reset, the whole block
+    assert torch.equal(e[0, :4], x[0, :4] - 0.5) and torch.equal(e[0, 8:], x[0, 8:] - 0.5)
+    assert ef.nonfinite_blocks("g") == 1 and ef.nonfinite_blocks() == 1
+    # the next payload of that block starts afresh; the others keep their residual
+    y = torch.ones(1, 12)
+    c = ef.corrected("g", "worker", y)
+    assert torch.isfinite(c).all() and torch.equal(c[0, 4:8], torch.ones(4))
+    ef.store("g", "worker", c, c.clone(), block_size=4)
+    assert ef.nonfinite_blocks("g") == 1  # a finite step adds nothing
+    ef.reset("g")
+    assert ef.nonfinite_blocks() == 0
+
+
+def test_a_nan_residual_of_a_finite_input_is_reset_too():
+    # e.g. FP4Quant marks a group NaN whose transform overflows float32, the input finite
+    ef = ErrorFeedback()
+    x = torch.ones(2, 4)
+    decoded = torch.ones(2, 4)
+    decoded[1, 0] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        ef.store("g", "server", ef.corrected("g", "server", x), decoded, block_size=2)
+    assert torch.equal(ef.residual("g", "server"), torch.zeros(2, 4))
+    assert ef.nonfinite_blocks("g") == 1
+
+
+def _trained(ef, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for name, hop, shape in (("a", "worker", (2, 32)), ("a", "server", (1, 32)),
+                                 ("b", "worker", (4, 16))):  # fmt: skip
+            x = torch.randn(shape, generator=g)
+            c = ef.corrected(name, hop, x)
+            ef.store(name, hop, c, (c * 4).round() / 4, block_size=16)
+    return ef
+
+
+def test_state_dict_round_trip_is_bit_identical_and_a_copy():
+    import io
+
+    ef = _trained(ErrorFeedback(), 3)
+    state = ef.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    saved = {k: v.clone() for k, v in ef._residuals.items()}
+    _trained(ef, 2, seed=1)  # the live residuals change in place; the state_dict must not
+    assert all(torch.equal(state["residuals"][n][h], saved[(n, h)]) for n, h in saved)
+    buf.seek(0)
+    fresh = ErrorFeedback()
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert fresh.names() == ["a", "b"]
+    for (n, h), e in saved.items():
+        assert torch.equal(fresh.residual(n, h).view(torch.int32), e.view(torch.int32))
+    # continuing from the loaded state gives the same bits as continuing the original
+    again = ErrorFeedback()
+    again.load_state_dict(state)
+    _trained(again, 2, seed=1)
+    for key, e in ef._residuals.items():
+        assert torch.equal(again._residuals[key].view(torch.int32), e.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([], ValueError, "'residuals' and 'nonfinite_blocks'"),
+        ({"residuals": {}}, ValueError, "'residuals' and 'nonfinite_blocks'"),
+        ({"residuals": [], "nonfinite_blocks": {}}, TypeError, "residuals is list"),
+        ({"residuals": {"a": {"up": torch.zeros(1)}}, "nonfinite_blocks": {}}, ValueError,
+         "should map hops"),
+        ({"residuals": {"a": {"worker": torch.zeros(1, dtype=torch.float64)}},
+          "nonfinite_blocks": {}}, TypeError, "not a float32 tensor"),
+        ({"residuals": {"a": {"worker": [0.0]}}, "nonfinite_blocks": {}}, TypeError,
+         "not a float32 tensor"),
+        ({"residuals": {"a": {"worker": torch.zeros(1)}},
+          "nonfinite_blocks": {"a": {"worker": -1}}}, TypeError, "not a count"),
+        ({"residuals": {}, "nonfinite_blocks": {"a": {"worker": 1}}}, ValueError,
+         "has no residual"),
+    ],
+)  # fmt: skip
+def test_load_state_dict_rejects_what_state_dict_cannot_have_made(state, error, match):
+    ef = _trained(ErrorFeedback(), 1)
+    before = ef.state_dict()
+    with pytest.raises(error, match=match):
+        ef.load_state_dict(state)
+    after = ef.state_dict()  # nothing was replaced
+    assert before["nonfinite_blocks"] == after["nonfinite_blocks"]
+    for n, hops in before["residuals"].items():
+        for h, e in hops.items():
+            assert torch.equal(after["residuals"][n][h], e)
+
+
+def _resume(comms, codec, rounding, k, m):
+    """k steps, save, m more steps; then a new communicator loads the saved state and runs the
+    same m steps: both continuations, and a third one from a fresh communicator without it."""
+    import io
+
+    comm = comms[2]
+    if comm is None:
+        return None
+    group = comm.transport.group
+    fresh = [fp4_comm.Communicator.from_process_group(group, "cpu", 30.0) for _ in range(2)]
+    first, resumed, unloaded = fresh[0], fresh[1], None
+    g = torch.Generator().manual_seed(300 + comm.rank)
+    inputs = [torch.randn(3, 50, generator=g) for _ in range(k + m)]
+
+    def step(c, x):
+        a = c.all_reduce(x, codec=codec, rounding=rounding, error_feedback="grads")
+        b = c.reduce_scatter(x, codec=codec, rounding=rounding, error_feedback="acts")
+        return torch.cat([a.reshape(-1), b.reshape(-1)]).view(torch.int32)
+
+    for x in inputs[:k]:
+        step(first, x)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    cont = [step(first, x) for x in inputs[k:]]
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    again = [step(resumed, x) for x in inputs[k:]]
+    unloaded = fp4_comm.Communicator.from_process_group(group, "cpu", 30.0)
+    without = [step(unloaded, x) for x in inputs[k:]]
+    return (
+        all(torch.equal(a, b) for a, b in zip(cont, again, strict=True)),
+        all(torch.equal(a, b) for a, b in zip(cont, without, strict=True)),
+    )
+
+
+@pytest.mark.parametrize(("codec", "rounding"), [("nvfp4", "nearest"), ("mxfp4", "stochastic")])
+def test_communicator_state_dict_resumes_bit_identically(cluster, codec, rounding):
+    for same, same_without_state in cluster.run(_resume, codec, rounding, 3, 3)[:2]:
+        assert same
+        assert not same_without_state  # the residuals (and the step counter) matter

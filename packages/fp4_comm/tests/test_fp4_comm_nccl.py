@@ -307,3 +307,50 @@ def test_single_gpu_capture_with_error_feedback(single):
         ref = cpu.all_reduce(x.cpu(), codec="nvfp4", step=1, error_feedback="cap")
         torch.cuda.synchronize()
         assert torch.equal(_bits(y), _bits(ref))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=str)
+def test_single_gpu_error_feedback_resets_non_finite_blocks_as_the_cpu_path(single, codec):
+    # The reset runs on the GPU without a host synchronization; it must give the CPU path's
+    # bits, count the same blocks, and leave the later calls finite.
+    gpu, cpu = single
+    name = f"nonfinite-{codec}"
+    for step in range(4):
+        x = _x((8, 256), seed=step)
+        if step == 1:
+            x[3, 17] = float("inf")
+            x[5, 200] = float("nan")
+        y_gpu = gpu.all_reduce(x.cuda(), codec=codec, error_feedback=name)
+        with pytest.warns(RuntimeWarning) if step == 1 else _no_warning():
+            y_cpu = cpu.all_reduce(x, codec=codec, error_feedback=name)
+        assert torch.equal(_bits(y_gpu), _bits(y_cpu)), step
+        assert torch.isfinite(y_gpu).all().item() == (step != 1)
+    assert gpu.error_feedback.nonfinite_blocks(name) == cpu.error_feedback.nonfinite_blocks(name)
+    assert gpu.error_feedback.nonfinite_blocks(name) > 0
+    for hop in ("worker", "server"):
+        assert torch.isfinite(gpu.error_feedback.residual(name, hop)).all()
+
+
+def test_single_gpu_capture_resets_non_finite_blocks(single):
+    gpu, cpu = single
+    x = _x((16, 256)).cuda()
+    captured = gpu.capture("all_reduce", x, codec="mxfp4", step=1, error_feedback="cap-nan")
+    cpu.all_reduce(x.cpu(), codec="mxfp4", step=1, error_feedback="cap-nan")
+    for k in range(3):
+        x.copy_(_x((16, 256), seed=k + 1))
+        if k == 1:
+            x[0, 0] = float("inf")
+        y = captured.replay()
+        with pytest.warns(RuntimeWarning) if k == 1 else _no_warning():
+            ref = cpu.all_reduce(x.cpu(), codec="mxfp4", step=1, error_feedback="cap-nan")
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(y), _bits(ref)), k
+    assert torch.isfinite(y).all()
+    counts = gpu.error_feedback.nonfinite_blocks("cap-nan")
+    assert counts == cpu.error_feedback.nonfinite_blocks("cap-nan") > 0
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()

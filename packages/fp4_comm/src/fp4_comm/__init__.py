@@ -8,12 +8,15 @@
 
 The same algorithms run over NCCL (through ``cupy.cuda.nccl``) for CUDA tensors and over a gloo
 group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_comm.ddp`` (a DDP
-communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions).
+communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions), both imported with
+the package.  A peer that is gone raises ``CommPeerError`` (``CommTimeoutError``: it did not
+come in time; ``CommConnectionError``: its connection closed).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from ._transport import CommTimeoutError
+from . import ddp, tensor_parallel
+from ._transport import CommConnectionError, CommPeerError, CommTimeoutError
 from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
 from .collectives import shard_rows
 from .communicator import Communicator
@@ -27,6 +30,8 @@ except PackageNotFoundError:  # running from a source tree (PYTHONPATH=packages/
 
 __all__ = [
     "Codec",
+    "CommConnectionError",
+    "CommPeerError",
     "CommTimeoutError",
     "FP4QuantCodec",
     "Communicator",
@@ -37,5 +42,7 @@ __all__ = [
     "NoneCodec",
     "get_codec",
     "shard_rows",
+    "ddp",
+    "tensor_parallel",
     "__version__",
 ]

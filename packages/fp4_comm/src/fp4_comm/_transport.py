@@ -12,21 +12,73 @@ import torch
 import torch.distributed as dist
 
 
-class CommTimeoutError(TimeoutError):
+class CommPeerError(RuntimeError):
+    """A peer of a collective is gone: it did not take part in time (``CommTimeoutError``) or
+    its connection closed (``CommConnectionError``: the process died, or closed its group).
+
+    ``op`` is the collective, ``rank`` this rank and ``peers`` the group ranks that may be the
+    one gone (one rank where it is known: a send or receive, or a group of two).  The group is
+    out of step afterwards: make a new one to go on.
+    """
+
+    def __init__(self, message, *, op=None, rank=None, peers=None):
+        super().__init__(message)
+        self.op, self.rank, self.peers = op, rank, peers
+
+
+class CommTimeoutError(CommPeerError, TimeoutError):
     """A peer did not take part in a collective within the communicator's timeout."""
+
+
+class CommConnectionError(CommPeerError, ConnectionError):
+    """A peer's connection closed in the middle of a collective (its process died)."""
+
+
+# What gloo says when a peer never came, and when its socket closed (process killed or exited).
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_CLOSED_WORDS = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "end of file",
+)
+
+
+def peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None, note=""):
+    """The ``CommPeerError`` for gloo's ``err`` in ``op`` on ``rank`` (None where ``err`` does
+    not say that a peer is gone).  ``peer``: the one peer of a send or receive; ``note`` ends
+    the message."""
+    text = str(err).lower()
+    if any(w in text for w in _TIMEOUT_WORDS):
+        cls, what = CommTimeoutError, "did not take part in time"
+    elif any(w in text for w in _CLOSED_WORDS):
+        cls, what = CommConnectionError, "closed its connection (its process died or left)"
+    else:
+        return None
+    if peer is None and world_size == 2:
+        peer = 1 - rank
+    if peer is not None:
+        peers, who = [peer], f"rank {peer}"
+    else:
+        peers = [r for r in range(world_size) if r != rank]
+        who = "a peer (one of ranks " + ", ".join(map(str, peers)) + ")"
+    message = f"{op} on rank {rank} of {world_size}: {who} {what} ({err}){note}"
+    return cls(message, op=op, rank=rank, peers=peers)
+
+
+def reraise_peer_error(err: Exception, op: str, rank: int, world_size: int, peer=None, note=""):
+    """Raise ``peer_error(...)`` from ``err`` where it applies, else ``err`` itself."""
+    mapped = peer_error(err, op, rank, world_size, peer, note)
+    if mapped is None:
+        raise err
+    raise mapped from err
 
 
 def _all_gather_into(out, inp, group):
     # torch >= 2.10 names it all_gather_single and deprecates all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
-
-
-def reraise_timeout(err: RuntimeError, what: str):
-    """gloo reports a peer that never came as a RuntimeError saying 'Timed out'."""
-    if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-        raise CommTimeoutError(f"{what}: a peer did not take part in time ({err})") from err
-    raise err
 
 
 class Transport:
@@ -40,6 +92,9 @@ class Transport:
     rank: int
     world_size: int
     device: torch.device
+    #: Whether the ranks must agree on every call's sizes before its bytes move, whatever the
+    #: communicator's ``validate`` says (see GlooTransport).
+    always_validate = False
 
     def all_to_all(self, pairs):
         raise NotImplementedError
@@ -58,7 +113,16 @@ class Transport:
 
 
 class GlooTransport(Transport):
-    """torch.distributed over a gloo group: CPU tensors, every call synchronous."""
+    """torch.distributed over a gloo group: CPU tensors, every call synchronous.
+
+    gloo takes a message longer than the buffer posted for it as a fatal error of its I/O
+    thread (the process aborts) and fills a longer buffer with a shorter message without a
+    word, so byte counts that differ across ranks must never reach it: the communicator checks
+    every call's sizes first (``always_validate``), a host exchange of a few bytes that costs
+    little beside the CPU codecs.
+    """
+
+    always_validate = True
 
     def __init__(self, group=None):
         self.group = group
@@ -72,30 +136,33 @@ class GlooTransport(Transport):
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def _failed(self, err, op, peer=None):
+        reraise_peer_error(err, op, self.rank, self.world_size, peer)
+
     def all_to_all(self, pairs):
         try:
             for send, recv in pairs:
                 dist.all_to_all_single(recv.reshape(-1), send.reshape(-1), group=self.group)
         except RuntimeError as err:
-            reraise_timeout(err, "all_to_all")
+            self._failed(err, "all_to_all")
 
     def all_gather(self, pairs):
         try:
             for send, recv in pairs:
                 _all_gather_into(recv.reshape(-1), send.reshape(-1), self.group)
         except RuntimeError as err:
-            reraise_timeout(err, "all_gather")
+            self._failed(err, "all_gather")
 
     def send(self, tensors, peer):
         try:
             for t in tensors:
                 dist.send(t.reshape(-1), self._peer(peer), group=self.group)
         except RuntimeError as err:
-            reraise_timeout(err, "send")
+            self._failed(err, "send", peer)
 
     def recv(self, tensors, peer):
         try:
             for t in tensors:
                 dist.recv(t.reshape(-1), self._peer(peer), group=self.group)
         except RuntimeError as err:
-            reraise_timeout(err, "recv")
+            self._failed(err, "recv", peer)

@@ -26,6 +26,7 @@ current stream); bit-identical on both.
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -34,6 +35,9 @@ import torch
 import fp4_kernels
 
 ROUNDINGS = ("nearest", "stochastic")
+# fp4_kernels.quantize's ranges: the Philox key is 64 bits, its counter word 32.
+SEED_LIMIT = 2**64
+STEP_LIMIT = 2**32
 # E2M1 (OCP MX v1.0 §5.3.3): the largest magnitude, and the code of it (sign bit masked off).
 E2M1_MAX = 6.0
 E2M1_MAX_MAGNITUDE_CODE = 0x7
@@ -112,14 +116,19 @@ class NoneCodec(Codec):
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
 
     def section_nbytes(self, n):
-        return (n * self.itemsize,)
+        return (_check_n(self, n) * self.itemsize,)
 
     def encode(self, x, rounding="nearest", seed=0, step=0):
-        _check_rounding(rounding)
+        empty = _encode_args(self, x, rounding, seed, step)
+        if empty is not None:
+            return empty
         # Casting rounds to nearest even; stochastic rounding is a format feature of FP4 only.
         return [_bytes_per_chunk(x.to(self.dtype), x.shape[0])]
 
     def decode(self, sections, n, dtype=torch.float32):
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
         (raw,) = sections
         values = raw.view(self.dtype).reshape(raw.shape[0], n)
         return values.to(dtype) if dtype != self.dtype else values
@@ -141,10 +150,13 @@ class _FP4BlockCodec(Codec):
         self.name = self.fmt
 
     def _code_and_scale_nbytes(self, n):
+        n = _check_n(self, n)
         return (n // 2, n // self.granularity)
 
     def encode(self, x, rounding="nearest", seed=0, step=0):
-        _check_rounding(rounding)
+        empty = _encode_args(self, x, rounding, seed, step)
+        if empty is not None:
+            return empty
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
         return self._sections(q, x.shape[0])
 
@@ -192,6 +204,9 @@ class NVFP4Codec(_FP4BlockCodec):
         return [q.data, q.scales, gs]
 
     def decode(self, sections, n, dtype=torch.float32):
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
         chunks = sections[0].shape[0]
         # Decode with 1/S = 1, then multiply by each chunk's own 1/S: one dequantize call serves
         # chunks whose tensor scales differ.  e2m1 * s (2 by 4 significant bits, between 2^-10
@@ -229,6 +244,9 @@ class MXFP4Codec(_FP4BlockCodec):
         return self._code_and_scale_nbytes(n)
 
     def decode(self, sections, n, dtype=torch.float32):
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
         chunks = sections[0].shape[0]
         return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
 
@@ -236,6 +254,8 @@ class MXFP4Codec(_FP4BlockCodec):
         """The received chunks decoded, added in float32 in rank order and encoded again with
         nearest rounding: the sections of one chunk, bit for bit ``encode(decode(...) summed)``
         (``fp4_kernels.requantized_sum``: one kernel on a GPU, no float32 intermediate)."""
+        if _decode_args(self, sections, n, torch.float32) is not None or n == 0:
+            raise ValueError("MXFP4Codec.requantized_sum: needs at least one chunk of n > 0")
         chunks = sections[0].shape[0]
         q = fp4_kernels.requantized_sum(self._quantized(sections, n, chunks))
         return self._sections(q, 1)
@@ -264,15 +284,21 @@ class FP4QuantCodec(Codec):
         self.name = f"fp4quant-g{group_size}" + ("" if hadamard else "-nohadamard")
 
     def section_nbytes(self, n):
+        n = _check_n(self, n)
         return (n // 2, 2 * (n // self.granularity))
 
     def encode(self, x, rounding="nearest", seed=0, step=0):
-        _check_rounding(rounding)
+        empty = _encode_args(self, x, rounding, seed, step)
+        if empty is not None:
+            return empty
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
         chunks = x.shape[0]
         return [q.data, q.scales.view(torch.uint8).reshape(chunks, -1)]
 
     def decode(self, sections, n, dtype=torch.float32):
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
         codes, scales = sections
         chunks = codes.shape[0]
         q = fp4_kernels.QuantizedTensor(
@@ -340,9 +366,80 @@ def _ones(device):
     return t
 
 
-def _check_rounding(rounding):
-    if rounding not in ROUNDINGS:
+def check_rounding(rounding):
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
+
+
+def check_int(value, name: str, limit: int) -> int:
+    """``value`` as an int in [0, limit): TypeError for a non-integer (floats included),
+    ValueError out of range; the rule of ``fp4_kernels.quantize`` for its seed and step."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+    if not 0 <= v < limit:
+        raise ValueError(f"{name}: {v} is outside [0, 2**{limit.bit_length() - 1})")
+    return v
+
+
+def _check_n(codec, n):
+    what = f"{type(codec).__name__}: n"
+    n = check_int(n, what, 2**63)
+    if n % codec.granularity:
+        raise ValueError(f"{what} = {n} is no multiple of the block size {codec.granularity}")
+    return n
+
+
+def _encode_args(codec, x, rounding, seed, step):
+    """Check ``encode``'s arguments; the (empty) sections where ``x`` has no element, else None."""
+    what = f"{type(codec).__name__}.encode"
+    check_rounding(rounding)
+    check_int(seed, "seed", SEED_LIMIT)
+    check_int(step, "step", STEP_LIMIT)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: x: expected a torch tensor, got {type(x).__name__}")
+    if x.dtype not in REL_HALF_ULP:
+        raise TypeError(f"{what}: x: dtype {x.dtype} is not supported; use float32, bfloat16 "
+                        "or float16")  # fmt: skip
+    if x.dim() != 2:
+        raise ValueError(f"{what}: x: expected (chunks, n), got shape {tuple(x.shape)}")
+    n = _check_n(codec, x.shape[1])
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: x must be contiguous; call .contiguous()")
+    if x.numel() == 0:
+        return [torch.empty(x.shape[0], b, dtype=torch.uint8, device=x.device)
+                for b in codec.section_nbytes(n)]  # fmt: skip
+    return None
+
+
+def _decode_args(codec, sections, n, dtype):
+    """Check ``decode``'s arguments: as many uint8 (chunks, section_nbytes(n)[i]) tensors as
+    the codec has sections, contiguous, on one device.  The (empty) result where there is no
+    element, else None."""
+    what = f"{type(codec).__name__}.decode"
+    sizes = codec.section_nbytes(n)
+    if dtype not in REL_HALF_ULP:
+        raise TypeError(f"{what}: dtype {dtype!r}: use torch.float32, bfloat16 or float16")
+    if not isinstance(sections, (list, tuple)) or len(sections) != len(sizes):
+        got = len(sections) if isinstance(sections, (list, tuple)) else type(sections).__name__
+        raise ValueError(f"{what}: expected {len(sizes)} sections (uint8, {sizes} bytes per "
+                         f"chunk), got {got}")  # fmt: skip
+    chunks = device = None
+    for i, (t, b) in enumerate(zip(sections, sizes, strict=True)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+            kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{what}: section {i} is {kind}, not a uint8 tensor")
+        chunks = t.shape[0] if chunks is None else chunks
+        device = t.device if device is None else device
+        if t.dim() != 2 or tuple(t.shape) != (chunks, b):
+            raise ValueError(f"{what}: section {i} has shape {tuple(t.shape)}; for n = {n} "
+                             f"it is ({chunks}, {b})")  # fmt: skip
+        if t.device != device or not t.is_contiguous():
+            raise ValueError(f"{what}: the sections must be contiguous and on one device")
+    if chunks == 0 or n == 0:
+        return torch.empty(chunks, n, dtype=dtype, device=device)
+    return None
 
 
 def _dtype_name(dtype):

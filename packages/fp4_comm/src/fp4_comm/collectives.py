@@ -24,6 +24,7 @@ call, and a CUDA graph's private pool under capture).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +97,7 @@ def _encode(payload, rank, hop, opts: Options, valid):
             sat = codec.saturated(sections, payload.shape[1])
             opts.collected[hop] = hop_stats(payload, local, sat, valid)
         if ef_name is not None:
-            opts.error_feedback.store(ef_name, ef_hop, payload, local)
+            opts.error_feedback.store(ef_name, ef_hop, payload, local, codec.granularity)
     return sections
 
 
@@ -138,7 +139,7 @@ def all_reduce(transport, x, opts: Options):
     W, rank = transport.world_size, transport.rank
     n = x.numel()
     c = padded_chunk(n, W, opts.codec.granularity)
-    flat = x.reshape(-1)
+    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
     payload = flat.view(W, c) if n == W * c else F.pad(flat, (0, W * c - n)).view(W, c)
     sections = _encode(payload, rank, "reduce_scatter", opts, _prefix(n))
     if _fused_reduction(opts):
@@ -161,8 +162,20 @@ def shard_rows(dim0: int, world_size: int) -> list[int]:
     fewer or none.  The pieces of ``torch.chunk(x, W)``, with empty ones for the ranks past its
     last chunk; equivalently, dim 0 zero-padded to W m rows, split evenly as
     ``torch.distributed.reduce_scatter_tensor`` does, and the padding rows dropped."""
+    dim0 = _count(dim0, "shard_rows: dim0", 0)
+    world_size = _count(world_size, "shard_rows: world_size", 1)
     m = -(-dim0 // world_size)
     return [max(0, min(m, dim0 - r * m)) for r in range(world_size)]
+
+
+def _count(value, what, low):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: expected an int, got {type(value).__name__}") from None
+    if v < low:
+        raise ValueError(f"{what} is {v}; it must be >= {low}")
+    return v
 
 
 def reduce_scatter(transport, x, opts: Options):
@@ -175,7 +188,7 @@ def reduce_scatter(transport, x, opts: Options):
     m = -(-d0 // W)
     per_rank = m * row  # elements of one shard, padding rows included
     c = padded_chunk(per_rank, 1, opts.codec.granularity)
-    flat = x.reshape(-1)
+    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
     if W * m != d0:
         # Zero rows pad dim 0 to W m rows (zeros encode exactly and change no amax): chunk j
         # is shard j, whole rows, so no rank's shard straddles two chunks.
@@ -205,7 +218,7 @@ def all_gather(transport, x, opts: Options, total_dim0=None):
     # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts): the
     # largest shard, padded to whole blocks; the shorter shards are zero-padded.
     c = padded_chunk(m * row, 1, opts.codec.granularity)
-    payload = _padded(x.reshape(1, n), c)
+    payload = _padded(x.contiguous().view(1, n), c)
     sections = _encode(payload, rank, "all_gather", opts, _prefix(n))
     y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
     if c != m * row:
@@ -226,7 +239,8 @@ def _numel(shape):
 def send(transport, x, peer, opts: Options):
     n = x.numel()
     c = padded_chunk(n, 1, opts.codec.granularity)
-    sections = _encode(_padded(x.reshape(1, n), c), transport.rank, "send", opts, _prefix(n))
+    payload = _padded(x.contiguous().view(1, n), c)
+    sections = _encode(payload, transport.rank, "send", opts, _prefix(n))
     transport.send(sections, peer)
 
 

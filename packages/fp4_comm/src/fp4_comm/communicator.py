@@ -2,39 +2,60 @@
 
 One communicator per process group: NCCL (through CuPy) for CUDA tensors, gloo for CPU tensors.
 Both run the same algorithms (``collectives.py``).  Before the data moves, the ranks compare
-what each was asked to do (operation, shape, dtype, codec, rounding) over a gloo group with a
-timeout, so a mismatch raises ValueError on every rank and a missing rank raises
-CommTimeoutError, instead of NCCL hanging or reading garbage.  That check is a small host-side
-exchange between the processes (no GPU synchronization); ``validate="first"`` does it once per
-distinct call, ``"never"`` not at all (needed under CUDA-graph capture).
+what each was asked to do (operation, shape, dtype, codec, rounding, and how many collectives
+each has made) over a gloo group with a timeout, so a mismatch raises ValueError on every rank
+and a missing rank raises CommTimeoutError, instead of NCCL hanging or reading garbage.  That
+check is a small host-side exchange between the processes (no GPU synchronization); on NCCL,
+``validate="first"`` does it once per distinct call and ``"never"`` not at all (needed under
+CUDA-graph capture); over gloo every call is checked (``GlooTransport`` says why).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+import operator
 import os
 import sys
 import zlib
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import collectives
-from ._transport import CommTimeoutError, GlooTransport, reraise_timeout
-from .codecs import get_codec
+from ._transport import CommPeerError, CommTimeoutError, GlooTransport, reraise_peer_error
+from .codecs import SEED_LIMIT, STEP_LIMIT, check_int, check_rounding, get_codec
 from .error_feedback import ErrorFeedback
 
 VALIDATE = ("always", "first", "never")
 _OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# Signature: op, dtype, codec, rounding, ndim, numel, then the shape (up to _MAX_DIMS dims).
+# Signature: op, dtype, codec, rounding, call, ndim, numel, then the shape (up to _MAX_DIMS
+# dims).  "call" is the number of collectives the communicator was asked for before this one
+# (-1 for send / recv): ranks that disagree on it are out of step (one of them failed or
+# skipped a call that the others made).
 _MAX_DIMS = 8
-_SIG_LEN = 6 + _MAX_DIMS
+_SIG_LEN = 7 + _MAX_DIMS
+_CALL = 4
 
 
 def _crc(s: str) -> int:
     return zlib.crc32(s.encode())
+
+
+def check_options(rounding, seed, step=None, error_feedback=None):
+    """The collectives' options that need no tensor: ValueError / TypeError naming the argument
+    (before anything moves, so a bad option on every rank leaves the group in step)."""
+    check_rounding(rounding)
+    check_int(seed, "seed", SEED_LIMIT)
+    if step is not None:
+        check_int(step, "step", STEP_LIMIT)
+    if error_feedback is not None and not isinstance(error_feedback, str):
+        raise TypeError(
+            f"error_feedback: a buffer name (str) or None, got {type(error_feedback).__name__}"
+        )
 
 
 class Communicator:
@@ -50,16 +71,28 @@ class Communicator:
       path), "none-float32", or a ``Codec`` instance (``fp4_comm.codecs``).
     - ``rounding``: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own
       random words, keyed by ``seed``, rank and hop, at counter ``step``).
-    - ``seed``: 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter; default: the
-      number of collectives this communicator has run (the same on every rank).
+    - ``seed``: an int, 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter, an int,
+      0 <= step < 2^32; default: the number of collectives this communicator has run, modulo
+      2^32 (the same on every rank).  Out of range or not an int: ValueError / TypeError, as
+      ``fp4_kernels.quantize`` says.
     - ``error_feedback``: a buffer name (reduce_scatter, all_reduce): the residual of each
-      quantization of that buffer is added before its next one (``comm.error_feedback``).
+      quantization of that buffer is added before its next one (``comm.error_feedback``; a
+      block that held NaN or Inf starts again from residual 0).
     - ``stats``: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this rank.
+
+    Non-finite input: a NaN or Inf makes its codec block NaN in the result, on every rank (FP4
+    codecs; the other blocks are unaffected), or goes through as IEEE arithmetic says
+    ("none" codecs).  A peer that is gone raises ``CommPeerError``: ``CommTimeoutError`` when
+    it did not come in time, ``CommConnectionError`` when its connection closed.
     """
 
     def __init__(self, transport, control_group=None, validate="always"):
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        if control_group is None and isinstance(transport, GlooTransport):
+            # gloo needs every call checked (GlooTransport): over its own group where no
+            # other is given.
+            control_group = dist.group.WORLD if transport.group is None else transport.group
         self.transport = transport
         self.control_group = control_group
         self.validate = validate
@@ -84,6 +117,9 @@ class Communicator:
                 "torch.distributed is not initialized: call dist.init_process_group first, or "
                 "use Communicator.from_env() under torchrun"
             )
+        if validate not in VALIDATE:
+            raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        _check_timeout(timeout_s)
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
@@ -117,6 +153,7 @@ class Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU LOCAL_RANK (or the CPU where there is no CUDA)."""
+        _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
@@ -150,6 +187,32 @@ class Communicator:
         if close is not None:
             close()
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue with the same bits: the error-feedback
+        residuals (``ErrorFeedback.state_dict``) and the call counters that give the default
+        stochastic-rounding ``step`` and that the ranks compare.  Each rank saves its own (the
+        residuals differ across ranks)."""
+        return {
+            "calls": self._calls,
+            "sends": self._sends,
+            "error_feedback": self.error_feedback.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict):
+        """Continue from ``state_dict()`` of this rank (every rank of the group loads its own)."""
+        if not isinstance(state, dict) or set(state) != {"calls", "sends", "error_feedback"}:
+            keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                "Communicator.load_state_dict: expected the keys 'calls', 'sends' and "
+                f"'error_feedback' (Communicator.state_dict()), got {keys}"
+            )
+        calls = check_int(state["calls"], "calls", 2**63)
+        sends = check_int(state["sends"], "sends", 2**63)
+        self.error_feedback.load_state_dict(state["error_feedback"])
+        self._calls, self._sends = calls, sends
+
     # ------------------------------------------------------------------ collectives
 
     def all_reduce(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
@@ -174,7 +237,6 @@ class Communicator:
         ``total_dim0``: the inverse of ``reduce_scatter``'s split of a (total_dim0, ...)
         tensor: rank r passes its d_r = ``shard_rows(total_dim0, W)[r]`` rows (trailing dims
         equal on every rank) and every rank gets the (total_dim0, ...) tensor."""
-        total_dim0 = None if total_dim0 is None else int(total_dim0)
         return self._run("all_gather", x, codec, rounding, seed, step, None, stats,
                          total_dim0=total_dim0)  # fmt: skip
 
@@ -182,22 +244,22 @@ class Communicator:
         """Send ``x`` encoded to rank ``dst``, which calls ``recv`` with its shape and dtype.
         ``step`` defaults to the number of sends this rank has made (only the sender draws
         random words; the receiver needs no step)."""
-        if step is None:
-            step = self._sends
-        self._sends += 1
         return self._run("send", x, codec, rounding, seed, step, None, stats, peer=dst)
 
     def recv(self, shape, dtype, src, codec="nvfp4", like=None):
         """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``.
         ``like``: a tensor or CuPy array whose kind and stream the result follows (default: a
         torch tensor on this communicator's device)."""
-        shape = tuple(int(s) for s in shape)
-        dtype = _torch_dtype(dtype)
+        shape = _shape(shape, "recv: shape")
+        dtype = _torch_dtype(dtype, "recv")
         opts = collectives.Options(get_codec(codec))
+        src = self._check_peer(src, "recv: src")
         with _stream_of(like) as back:
-            self._check_peer(src)
             self._validate_p2p("recv", shape, dtype, opts.codec, "nearest", src)
-            y = collectives.recv(self.transport, shape, dtype, src, opts)
+            try:
+                y = collectives.recv(self.transport, shape, dtype, src, opts)
+            except CommPeerError as err:
+                _reraise_with_op(err, "recv")
             return back(y)
 
     def capture(self, op, x, **kwargs) -> CapturedCollective:
@@ -217,35 +279,52 @@ class Communicator:
 
     def _run(self, op, x, codec, rounding, seed, step, ef_name, stats, peer=None,
              total_dim0=None):  # fmt: skip
-        codec = get_codec(codec)
+        # Every call counts, also one that fails its argument checks below: a rank that fails
+        # alone is then a call behind, and its next call meets the others' current one with
+        # another call number (ValueError on every rank) instead of pairing with it.
+        # Collectives only: every rank makes them, so the default step stays the same on every
+        # rank (a send/recv involves two ranks and would put the others behind).
         if peer is None:
-            # Only collectives count: every rank makes them, so the default step stays the same
-            # on every rank (a send/recv involves two ranks and would put the others behind).
-            if step is None:
-                step = self._calls
+            call = self._calls
             self._calls += 1
+        else:
+            call = -1
+            default_step = self._sends
+            self._sends += 1
+        codec = get_codec(codec)
+        check_options(rounding, seed, step, ef_name)
+        seed = operator.index(seed)
+        if step is None:
+            step = (call if peer is None else default_step) % STEP_LIMIT
+        step = operator.index(step)
+        if peer is not None:
+            peer = self._check_peer(peer, f"{op}: dst")
+        if total_dim0 is not None:
+            total_dim0 = check_int(total_dim0, "all_gather: total_dim0", 2**63)
         with _stream_of(x) as back:
             t = back.tensor
             self._check_input(op, t)
             if peer is not None:
-                self._check_peer(peer)
                 self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
             elif op == "all_gather":
-                self._validate_all_gather(t, codec, rounding, total_dim0)
+                self._validate_all_gather(t, codec, rounding, total_dim0, call)
             else:
-                self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding)
+                self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding, call)
             opts = collectives.Options(
                 codec, rounding, seed, step, self.error_feedback if ef_name else None,
                 ef_name, stats,
             )  # fmt: skip
             fn = getattr(collectives, op)
-            if op == "send":
-                fn(self.transport, t, peer, opts)
-                out = None
-            elif op == "all_gather":
-                out = back(fn(self.transport, t, opts, total_dim0))
-            else:
-                out = back(fn(self.transport, t, opts))
+            try:
+                if op == "send":
+                    fn(self.transport, t, peer, opts)
+                    out = None
+                elif op == "all_gather":
+                    out = back(fn(self.transport, t, opts, total_dim0))
+                else:
+                    out = back(fn(self.transport, t, opts))
+            except CommPeerError as err:
+                _reraise_with_op(err, op)
             if stats:
                 return out, collectives.collected_stats(opts)
             return out
@@ -262,35 +341,56 @@ class Communicator:
         if t.dim() == 0:
             raise ValueError(f"{op}: a 0-d tensor; reshape to (1,)")
 
-    def _check_peer(self, peer):
+    def _check_peer(self, peer, what):
+        try:
+            if isinstance(peer, bool):
+                raise TypeError
+            peer = operator.index(peer)
+        except TypeError:
+            kind = type(peer).__name__
+            raise TypeError(f"{what}: expected a rank (an int), got {kind}") from None
         if not (0 <= peer < self.world_size) or peer == self.rank:
-            raise ValueError(f"peer {peer}: not another rank of 0..{self.world_size - 1}")
+            raise ValueError(f"{what}: {peer} is not another rank of 0..{self.world_size - 1}")
+        return peer
 
-    def _signature(self, op, shape, dtype, codec, rounding):
+    def _signature(self, op, shape, dtype, codec, rounding, call=-1):
         numel = 1
         for s in shape:
             numel *= s
         if len(shape) > _MAX_DIMS:  # the leading dims and the element count still compare
             shape = (*shape[: _MAX_DIMS - 1], -1)
-        sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), len(shape), numel]
+        sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), call, len(shape), numel]
         return sig + list(shape) + [0] * (_MAX_DIMS - len(shape))
 
     def _should_validate(self, key):
-        if self.validate == "never" or self.control_group is None:
+        if self.control_group is None:
             return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False  # host-side exchanges cannot be captured; the graph replays data only
+        if self.transport.always_validate:
+            return True
+        if self.validate == "never":
+            return False
         return self.validate == "always" or key not in self._validated
 
-    def _validate_all_gather(self, t, codec, rounding, total_dim0):
+    def _check_failed(self, err, what, peer=None):
+        """A RuntimeError of the argument check's exchange, as the CommPeerError it means."""
+        note = ""
+        if self.validate == "first" and not self.transport.always_validate:
+            note = (
+                "; under validate='first' this is also what ranks whose calls differ look "
+                "like: this rank checks a call that is new to it while a peer makes one it has "
+                "checked before"
+            )
+        reraise_peer_error(err, what, self.rank, self.world_size, peer, note)
+
+    def _validate_all_gather(self, t, codec, rounding, total_dim0, call):
         """The ranks compare the gathered shape; a rank whose shard does not have the rows
         ``shard_rows`` gives it sends a shape no other rank has, so every rank raises."""
         rest = tuple(t.shape[1:])
         if total_dim0 is None:
             total_dim0, wrong = self.world_size * t.shape[0], None
         else:
-            if total_dim0 < 0:
-                raise ValueError(f"all_gather: total_dim0 ({total_dim0}) is negative")
             rows = collectives.shard_rows(total_dim0, self.world_size)[self.rank]
             wrong = None
             if t.shape[0] != rows:
@@ -301,17 +401,17 @@ class Communicator:
                 )
         if wrong is None:
             self._validate_collective("all_gather", (total_dim0, *rest), t.dtype, codec,
-                                      rounding)  # fmt: skip
+                                      rounding, call)  # fmt: skip
             return
         try:
-            self._validate_collective("all_gather", (-1, *rest), t.dtype, codec, rounding)
+            self._validate_collective("all_gather", (-1, *rest), t.dtype, codec, rounding, call)
         except ValueError as err:
             raise ValueError(f"{wrong}\n{err}") from None
         raise ValueError(wrong)
 
-    def _validate_collective(self, op, shape, dtype, codec, rounding):
-        sig = self._signature(op, shape, dtype, codec, rounding)
-        key = tuple(sig)
+    def _validate_collective(self, op, shape, dtype, codec, rounding, call):
+        sig = self._signature(op, shape, dtype, codec, rounding, call)
+        key = tuple(sig[:_CALL] + sig[_CALL + 1 :])
         if not self._should_validate(key):
             return
         mine = torch.tensor(sig, dtype=torch.int64)
@@ -320,10 +420,10 @@ class Communicator:
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             gather(every, mine, group=self.control_group)
         except RuntimeError as err:
-            reraise_timeout(err, f"{op} (argument check)")
+            self._check_failed(err, f"{op} (argument check)")
         rows = every.view(self.world_size, _SIG_LEN).tolist()
         if any(r != sig for r in rows):
-            raise ValueError(f"{op}: the ranks disagree:\n" + _describe(rows))
+            raise ValueError(f"{op}: the ranks disagree:\n" + _describe(rows) + _hint(rows))
         self._validated.add(key)
 
     def _validate_p2p(self, op, shape, dtype, codec, rounding, peer):
@@ -346,7 +446,7 @@ class Communicator:
                 dist.recv(theirs, peer_global, group=self.control_group)
                 dist.send(mine, peer_global, group=self.control_group)
         except RuntimeError as err:
-            reraise_timeout(err, f"{op} with rank {peer} (argument check)")
+            self._check_failed(err, f"{op} with rank {peer} (argument check)", peer)
         if theirs.tolist() != sig:
             rows = [sig, theirs.tolist()] if op == "send" else [theirs.tolist(), sig]
             raise ValueError(f"send/recv between ranks {self.rank} and {peer} disagree "
@@ -383,24 +483,79 @@ class CapturedCollective:
         return self.output
 
 
+def _check_timeout(timeout_s):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s: {timeout_s} is not a positive finite number of seconds")
+
+
 def _describe(rows):
     names = {v: k for k, v in _DTYPES.items()}
     lines = []
     for r, sig in enumerate(rows):
-        ndim = sig[4]
-        shape = tuple(sig[6 : 6 + ndim])
+        ndim = sig[_CALL + 1]
+        shape = tuple(sig[_CALL + 3 : _CALL + 3 + ndim])
+        call = f", call #{sig[_CALL]}" if sig[_CALL] >= 0 else ""
         lines.append(
             f"  rank {r}: shape {shape}, dtype {names.get(sig[1])}, codec id {sig[2]:#x}, "
-            f"rounding id {sig[3]:#x}, op id {sig[0]}"
+            f"rounding id {sig[3]:#x}, op id {sig[0]}{call}"
         )
     return "\n".join(lines)
 
 
-def _torch_dtype(dtype):
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = getattr(dtype, "name", None) or str(dtype)
-    return getattr(torch, name.replace("torch.", ""))
+def _hint(rows):
+    calls = {r[_CALL] for r in rows}
+    rest = {tuple(r[:_CALL] + r[_CALL + 1 :]) for r in rows}
+    if len(calls) > 1 and len(rest) == 1:
+        return (
+            "\nthe same call, but the ranks have made different numbers of collectives on this "
+            "communicator before it: one skipped (or added) a collective, or failed one alone"
+        )
+    return ""
+
+
+def _reraise_with_op(err: CommPeerError, op: str):
+    """The transport's CommPeerError, with the collective that was running in its message."""
+    raise type(err)(f"{op}: {err}", op=op, rank=err.rank, peers=err.peers) from err
+
+
+def _shape(shape, what):
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        kind = type(shape).__name__
+        raise TypeError(f"{what}: expected a sequence of ints, got {kind}") from None
+    out = []
+    for d in dims:
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise TypeError(f"{what}: {dims!r} holds a {type(d).__name__}, not an int") from None
+        if d < 0:
+            raise ValueError(f"{what}: {dims!r} has a negative size")
+        out.append(d)
+    if not out:
+        raise ValueError(f"{what}: a 0-d shape; send and receive (1,) instead")
+    return tuple(out)
+
+
+def _torch_dtype(dtype, what):
+    """torch.float32 / bfloat16 / float16 from a torch dtype, a name, or a numpy dtype."""
+    t = dtype if isinstance(dtype, torch.dtype) else None
+    if t is None:
+        name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+        if not isinstance(name, str):
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = None
+        if isinstance(name, str):
+            t = getattr(torch, name.removeprefix("torch."), None)
+    if t not in _DTYPES:
+        raise TypeError(f"{what}: dtype {dtype!r} is not supported; use float32, bfloat16, "
+                        "float16")  # fmt: skip
+    return t
 
 
 class _stream_of:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .communicator import Communicator
+from .codecs import get_codec
+from .communicator import Communicator, check_options
 
 
 @dataclass
@@ -52,7 +53,19 @@ def fp4_allreduce_hook(
 
 def register(model, comm: Communicator, codec="nvfp4", rounding="nearest", error_feedback=True,
              seed=0) -> FP4HookState:  # fmt: skip
-    """Register ``fp4_allreduce_hook`` on a DDP ``model``; returns the hook's state."""
+    """Register ``fp4_allreduce_hook`` on a DDP ``model``; returns the hook's state.
+
+    The options are checked here (ValueError / TypeError naming the argument), not at the
+    first backward.  With error feedback, a gradient bucket that overflows (NaN or Inf, as under
+    mixed precision before a GradScaler skips the step) gives NaN in the blocks that held
+    them, and those blocks' residuals restart from 0: the next step is finite again
+    (``comm.error_feedback.nonfinite_blocks()`` counts such blocks)."""
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm: expected an fp4_comm.Communicator, got {type(comm).__name__}")
+    get_codec(codec)
+    check_options(rounding, seed)
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback: True or False, got {error_feedback!r}")
     state = FP4HookState(comm, codec, rounding, error_feedback, seed)
     model.register_comm_hook(state, fp4_allreduce_hook)
     return state

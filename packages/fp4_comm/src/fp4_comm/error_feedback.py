@@ -8,11 +8,22 @@ transmitted values differs from the sum of the inputs by one residual, not T of 
 A compressed all-reduce quantizes twice, so a buffer has two residuals: the worker residual
 (each rank's whole input, before the exchange) and the server residual (the chunk a rank
 reduces, before the all-gather).  Reduce-scatter has only the worker residual.
+
+Non-finite values: a block (the codec's block of elements) whose input holds NaN or Inf
+decodes to NaN (``docs/formats.md``), so its residual would be NaN, and NaN added to every
+later payload of the buffer would make that block NaN forever.  Such a block's residual is
+reset to 0 instead and counted (``nonfinite_blocks``; on CPU tensors also a RuntimeWarning):
+the step that overflowed gives non-finite values, as it would without compression (a
+GradScaler skips it), and the next step starts that block afresh.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+HOPS = ("worker", "server")
 
 
 class ErrorFeedback:
@@ -21,6 +32,9 @@ class ErrorFeedback:
 
     def __init__(self):
         self._residuals: dict[tuple[str, str], torch.Tensor] = {}
+        # Blocks reset for holding NaN/Inf, per (name, hop): int64 0-d tensors on the residual's
+        # device, so that counting needs no host synchronization on a GPU.
+        self._nonfinite: dict[tuple[str, str], torch.Tensor] = {}
 
     def corrected(self, name, hop, x):
         """``x`` (float, any shape) plus the stored residual of (name, hop), in float32; a new
@@ -36,28 +50,119 @@ class ErrorFeedback:
             )
         return x + e  # bfloat16/float16 + float32 promotes to float32: one op, a new tensor
 
-    def store(self, name, hop, corrected, decoded):
+    def store(self, name, hop, corrected, decoded, block_size=1):
         """Keep corrected - decoded as the residual of (name, hop); ``corrected`` is consumed.
 
+        Every run of ``block_size`` elements (the codec's block; the residual's element count
+        is a multiple of it) that holds a NaN or an Inf gets residual 0, and is counted.
+
         An existing residual is overwritten in place, so a collective captured in a CUDA graph
-        reads and writes the same residual tensor on every replay."""
-        e = self._residuals.get((name, hop))
+        reads and writes the same residual tensor on every replay (the reset is in place too,
+        and needs no host synchronization)."""
+        key = (name, hop)
+        e = self._residuals.get(key)
         if e is None:
-            self._residuals[(name, hop)] = corrected.sub_(decoded)
+            e = self._residuals[key] = corrected.sub_(decoded)
         else:
             torch.sub(corrected, decoded, out=e)
+        if e.numel() % block_size:
+            raise ValueError(f"error feedback {name!r} ({hop}): {e.numel()} elements are no "
+                             f"whole number of blocks of {block_size}")  # fmt: skip
+        blocks = e.view(-1, block_size)
+        bad = ~torch.isfinite(blocks).all(dim=1, keepdim=True)
+        blocks.masked_fill_(bad, 0.0)
+        n_bad = bad.sum()
+        count = self._nonfinite.get(key)
+        if count is None:
+            self._nonfinite[key] = n_bad
+        else:
+            count.add_(n_bad)
+        n = int(n_bad) if e.device.type == "cpu" else 0  # no host synchronization on a GPU
+        if n:
+            warnings.warn(
+                f"error feedback {name!r} ({hop}): {n} block(s) of {block_size} "
+                "held NaN or Inf (their result is NaN); their residual was reset to 0",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def residual(self, name, hop="worker"):
         """The stored residual (None before the first use of the name)."""
         return self._residuals.get((name, hop))
 
+    def nonfinite_blocks(self, name=None) -> int:
+        """How many blocks of ``name`` (every name if None) had their residual reset for holding
+        NaN or Inf, since the first use or the last ``reset``.  Reads GPU counters: a
+        synchronization where the residuals live on a GPU."""
+        return sum(int(n) for (k, _), n in self._nonfinite.items() if name is None or k == name)
+
     def reset(self, name=None):
-        """Forget the residuals of ``name`` (every name if None)."""
+        """Forget the residuals and counts of ``name`` (every name if None)."""
         if name is None:
             self._residuals.clear()
+            self._nonfinite.clear()
         else:
-            for key in [k for k in self._residuals if k[0] == name]:
-                del self._residuals[key]
+            for store in (self._residuals, self._nonfinite):
+                for key in [k for k in store if k[0] == name]:
+                    del store[key]
 
     def names(self):
         return sorted({k[0] for k in self._residuals})
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The residuals (copies, on their devices) and the non-finite counts, as nested dicts
+        of names, tensors and ints that ``torch.save`` writes and ``torch.load(...,
+        weights_only=True)`` reads: ``load_state_dict`` of it into a new ``ErrorFeedback``
+        continues with the very same bits."""
+        residuals: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, hop), e in self._residuals.items():
+            residuals.setdefault(name, {})[hop] = e.detach().clone()
+        counts: dict[str, dict[str, int]] = {}
+        for (name, hop), n in self._nonfinite.items():
+            counts.setdefault(name, {})[hop] = int(n)
+        return {"residuals": residuals, "nonfinite_blocks": counts}
+
+    def load_state_dict(self, state: dict):
+        """Replace every residual and count with those of ``state`` (from ``state_dict``;
+        tensors are copied, and stay on the device they come on: ``torch.load``'s
+        ``map_location`` moves them)."""
+        what = "ErrorFeedback.load_state_dict"
+        if not isinstance(state, dict) or set(state) != {"residuals", "nonfinite_blocks"}:
+            keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"{what}: expected a dict with the keys 'residuals' and 'nonfinite_blocks' "
+                f"(ErrorFeedback.state_dict()), got {keys}"
+            )
+        residuals, counts = {}, {}
+        for (name, hop), e in _entries(state["residuals"], "residuals"):
+            if not isinstance(e, torch.Tensor) or e.dtype != torch.float32:
+                kind = getattr(e, "dtype", type(e).__name__)
+                raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is {kind}, not a "
+                                "float32 tensor")  # fmt: skip
+            residuals[(name, hop)] = e.detach().clone().contiguous()
+        for key, n in _entries(state["nonfinite_blocks"], "nonfinite_blocks"):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise TypeError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] is {n!r}, "
+                                "not a count (an int >= 0)")  # fmt: skip
+            if key not in residuals:
+                raise ValueError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] has no "
+                                 "residual")  # fmt: skip
+            counts[key] = torch.tensor(n, dtype=torch.int64, device=residuals[key].device)
+        self._residuals, self._nonfinite = residuals, counts
+
+
+def _entries(d, where):
+    """((name, hop), value) of a {name: {hop: value}} dict, checked."""
+    if not isinstance(d, dict):
+        raise TypeError(f"ErrorFeedback.load_state_dict: {where} is {type(d).__name__}, not a "
+                        "dict")  # fmt: skip
+    for name, hops in d.items():
+        if not isinstance(hops, dict) or not set(hops) <= set(HOPS):
+            raise ValueError(
+                f"ErrorFeedback.load_state_dict: {where}[{name!r}] should map hops {HOPS} to "
+                f"values, got {hops!r:.200}"
+            )
+        for hop, value in hops.items():
+            yield (name, hop), value

@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ._transport import CommTimeoutError, Transport, reraise_timeout
+from ._transport import CommTimeoutError, Transport, reraise_peer_error
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
@@ -78,7 +78,7 @@ class NcclTransport(Transport):
             # for every rank forever, so a rank that never comes is caught here instead.
             dist.broadcast_object_list(box, src=root, group=control_group)
         except RuntimeError as err:
-            reraise_timeout(err, "NCCL unique id broadcast")
+            reraise_peer_error(err, "NCCL unique id broadcast", self.rank, self.world_size)
         import cupy
 
         with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
