@@ -33,19 +33,20 @@ import numpy as np
 import torch
 
 import fp4_kernels
+from fp4_kernels.formats import e2m1, nvfp4
 
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = e2m1.ROUNDINGS
 # fp4_kernels.quantize's ranges: the Philox key is 64 bits, its counter word 32.
 SEED_LIMIT = 2**64
 STEP_LIMIT = 2**32
 # E2M1 (OCP MX v1.0 §5.3.3): the largest magnitude, and the code of it (sign bit masked off).
-E2M1_MAX = 6.0
-E2M1_MAX_MAGNITUDE_CODE = 0x7
+E2M1_MAX = e2m1.E2M1_MAX
+E2M1_MAX_MAGNITUDE_CODE = e2m1.E2M1_MAX_CODE
 # E4M3 has 3 mantissa bits: rounding a normal value to it errs by at most 2^-4 relative; in the
 # subnormal range (step 2^-9) by at most 2^-10 absolute (a scale below 2^-10 becomes 0).
 E4M3_REL_HALF_ULP = 2.0**-4
 E4M3_SUBNORMAL_HALF_STEP = 2.0**-10
-NVFP4_S_NUMERATOR = 448.0 * 6.0  # S = 2688 / amax (E4M3 max times E2M1 max)
+NVFP4_S_NUMERATOR = float(nvfp4.NVFP4_GLOBAL_AMAX_TARGET)  # S = 2688 / amax
 # float32 roundings on the NVFP4 path (S, fp32(1/6), S * (1/6), * amax_b, 1/S, the decode
 # products), each at most 2^-24 relative: 2^-20 bounds sixteen of them.
 FLOAT32_ROUNDING_SLACK = 2.0**-20

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
+from .formats.e2m1 import ROUNDINGS
 
 FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
-ROUNDINGS = ("nearest", "stochastic")
 SCALE_LAYOUTS = ("linear", "swizzled")
 _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 

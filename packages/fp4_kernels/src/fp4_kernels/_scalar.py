@@ -28,6 +28,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .formats import e2m1, e4m3, nvfp4
+
 # float32 constants (see the module docstring for why they are np.float32).
 F32_ZERO = np.float32(0.0)
 F32_ONE = np.float32(1.0)
@@ -37,10 +39,11 @@ F32_TWO = np.float32(2.0)
 FP32_MAX = np.float32(np.finfo(np.float32).max)
 F32_INF = np.float32(np.inf)
 F32_NAN = np.float32(np.nan)
-E2M1_MAX = np.float32(6.0)  # largest e2m1 magnitude
-E4M3_MAX = np.float32(448.0)  # largest finite e4m3 (OCP "fn") magnitude
-NVFP4_AMAX_TO_SCALE = np.float32(448.0 * 6.0)  # 2688: e4m3 max times e2m1 max
-INV_E2M1_MAX = np.float32(1.0 / 6.0)  # TE writes `1.0f / 6.0f`: the float32 rounding of 1/6
+# the formats' constants, from their specification modules (defined there once)
+E2M1_MAX = np.float32(e2m1.E2M1_MAX)  # largest e2m1 magnitude
+E4M3_MAX = np.float32(e4m3.E4M3_MAX)  # largest finite e4m3 (OCP "fn") magnitude
+NVFP4_AMAX_TO_SCALE = nvfp4.NVFP4_GLOBAL_AMAX_TARGET  # 2688: e4m3 max times e2m1 max
+INV_E2M1_MAX = e2m1.INV_E2M1_MAX  # TE writes `1.0f / 6.0f`: the float32 rounding of 1/6
 TWO_POW_M24 = np.float32(2.0**-24)  # weight of one of the 24 random bits used by SR
 TWO_POW_M9 = np.float32(2.0**-9)  # e4m3 subnormal quantum
 TWO_POW_M24_F16 = np.float32(2.0**-24)  # fp16 subnormal quantum

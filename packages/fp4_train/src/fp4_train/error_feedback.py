@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import fp4_kernels
+from fp4_kernels.formats import e2m1
 
 Array = torch.Tensor | np.ndarray
 
@@ -137,7 +138,7 @@ class ErrorFeedback:
                 f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)} (error feedback "
                 "keeps NVFP4 or MXFP4 residuals)"
             )
-        if rounding not in ("nearest", "stochastic"):
+        if rounding not in e2m1.ROUNDINGS:
             raise ValueError(f"rounding: {rounding!r} is not 'nearest' or 'stochastic'")
         self.fmt = fmt
         self.rounding = rounding

@@ -26,13 +26,14 @@ from typing import Any, Literal
 import torch
 
 import fp4_kernels
+from fp4_kernels.formats import e2m1
 
 from .error_feedback import STEP_LIMIT, check_seed, check_step, philox_key
 from .gemm import fp4_gemm
 
 BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
 HADAMARD_GROUP = 16  # tokens per Hadamard group on the wgrad path, one NVFP4 block
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = e2m1.ROUNDINGS
 
 
 def _quantize(t, rounding, seed, step):

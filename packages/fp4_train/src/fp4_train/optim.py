@@ -33,10 +33,11 @@ from typing import Any, Literal
 import torch
 
 import fp4_kernels
+from fp4_kernels.formats import e2m1
 
 from .error_feedback import ErrorFeedback, _require_keys, check_seed, philox_key
 
-ROUNDINGS = ("nearest", "stochastic", "error_feedback")
+ROUNDINGS = e2m1.ROUNDINGS + ("error_feedback",)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -10,13 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._scalar import (
-    E4M3_NAN_CODE,
-    E8M0_NAN_CODE,
     F32_INF,
-    F32_NAN,
     F32_ONE,
     F32_ZERO,
-    FP32_MAX,
     INV_E2M1_MAX,
     KIND_BF16,
     KIND_F32,
@@ -37,6 +33,8 @@ _mx_shared_exponent = OPS.mx_shared_exponent
 _pow2_f32 = OPS.pow2_f32
 _philox = OPS.philox4x32_10
 _nvfp4_encode_scale = OPS.nvfp4_encode_scale
+_nvfp4_block_scale = OPS.nvfp4_block_scale
+_mxfp4_block_scale = OPS.mxfp4_block_scale
 
 
 @cpu_jit
@@ -120,25 +118,12 @@ def quantize(
             if a > bmax:
                 bmax = a
         finite = bmax < F32_INF
-        s = F32_ZERO
-        mult = F32_ZERO
+        # the block arithmetic the GPU kernels share (_scalar): scale code, decoded scale,
+        # element multiplier; a non-finite block gets the NaN code and multiplier 0
         if nvfp4:
-            if finite:
-                scode = _e4m3_encode_positive(bmax * s6)
-                s = _e4m3_decode(scode)
-                mult = F32_ONE / (s * s_dec)
-                if mult > FP32_MAX:
-                    mult = FP32_MAX
-            else:
-                scode = E4M3_NAN_CODE
-                s = F32_NAN  # a non-finite block decodes to NaN
+            scode, s, mult = _nvfp4_block_scale(f32_as_u32(bmax), s6, s_dec)
         else:
-            if finite:
-                e = _mx_shared_exponent(bmax)
-                scode = e + 127
-                mult = _pow2_f32(-e)
-            else:
-                scode = E8M0_NAN_CODE
+            scode, s, mult = _mxfp4_block_scale(f32_as_u32(bmax))
         scales[scale_offset(b, kb, padded_kb, swizzled)] = scode
         if not finite:
             codes[:] = 0
@@ -164,10 +149,9 @@ def quantize(
             if nvfp4:
                 for j in range(block):
                     store(out_bits, base + j, kind, (_e2m1_decode(codes[j]) * s) * s_dec)
-            else:
-                x = _e8m0_decode(scode)
+            else:  # s = 2^e: exact
                 for j in range(block):
-                    store(out_bits, base + j, kind, _e2m1_decode(codes[j]) * x)
+                    store(out_bits, base + j, kind, _e2m1_decode(codes[j]) * s)
     return s_dec
 
 

@@ -11,6 +11,10 @@ This module is the numpy reference (the oracle) the kernels are tested against b
 import numpy as np
 
 E2M1_MAX = 6.0  # largest finite magnitude, code 0b0111
+# float32(1) / float32(6), the float32 rounding of 1/6: Transformer Engine writes `1.0f / 6.0f`,
+# and every codec scales a block amax by it (a multiply, not a division)
+INV_E2M1_MAX = np.float32(1.0) / np.float32(6.0)
+ROUNDINGS = ("nearest", "stochastic")  # the two ways a value is rounded onto the e2m1 grid
 E2M1_SIGN_BIT = 0x8  # bit 3 of a code
 E2M1_MAX_CODE = 0x7  # magnitude code of E2M1_MAX
 

@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .e2m1 import decode_e2m1, encode_e2m1, encode_e2m1_stochastic
+from .e2m1 import INV_E2M1_MAX, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .hadamard import check_group_size, check_groups, fwht
 from .philox import stochastic_bits
 
-E2M1_MAX = np.float32(6.0)
-INV_E2M1_MAX = np.float32(1.0) / np.float32(6.0)  # a multiply, not a division, per group
 FP32_MAX = np.finfo(np.float32).max
 BF16_NAN_BITS = 0x7FC0
 GROUP_SIZES_STUDIED = (64, 256, 512)  # the paper's settings

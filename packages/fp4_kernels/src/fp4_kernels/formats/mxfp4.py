@@ -8,14 +8,14 @@ Dequantized value = e2m1(code) * 2**(scale - 127).
 
 import numpy as np
 
-from .e2m1 import decode_e2m1, encode_e2m1, encode_e2m1_stochastic
+from .e2m1 import ROUNDINGS, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .e8m0 import E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
 from .philox import stochastic_bits
 
 BLOCK_SIZE = 32  # elements per E8M0 scale (MX v1.0 k = 32)
 E2M1_EMAX = 2  # exponent of the largest normal E2M1 power of two (4 = 2**2); MX v1.0 Table 2
 
-ROUNDING_MODES = ("nearest", "stochastic")
+ROUNDING_MODES = ROUNDINGS
 
 _FLOAT32_EXPONENT_BIAS = 127
 _FLOAT32_MANTISSA_BITS = 23

@@ -13,16 +13,22 @@ Dequantized value = e2m1(code) * e4m3(block scale) * global_scale.
 
 import numpy as np
 
-from .e2m1 import decode_e2m1, encode_e2m1, encode_e2m1_stochastic
-from .e4m3 import E4M3_NAN, decode_e4m3, encode_e4m3
+from .e2m1 import (
+    E2M1_MAX,
+    INV_E2M1_MAX,
+    ROUNDINGS,
+    decode_e2m1,
+    encode_e2m1,
+    encode_e2m1_stochastic,
+)
+from .e4m3 import E4M3_MAX, E4M3_NAN, decode_e4m3, encode_e4m3
 from .philox import stochastic_bits
 
 BLOCK_SIZE = 16  # elements per E4M3 scale
 FP32_MAX = np.finfo(np.float32).max  # TE's TypeExtrema<float>::max
-INV_E2M1_MAX = np.float32(1.0) / np.float32(6.0)  # TE's `1.0f / 6.0f` (rounded to float32)
-NVFP4_GLOBAL_AMAX_TARGET = np.float32(2688.0)  # E4M3_MAX * E2M1_MAX = 448 * 6, exact in float32
+NVFP4_GLOBAL_AMAX_TARGET = np.float32(E4M3_MAX * E2M1_MAX)  # 448 * 6 = 2688, exact in float32
 
-ROUNDING_MODES = ("nearest", "stochastic")
+ROUNDING_MODES = ROUNDINGS
 
 
 def tensor_amax(x):
