@@ -23,6 +23,7 @@ from ._primitives import (
     f32_as_u32,
     load_v4,
     max_u16x2,
+    store_v2,
     store_v4,
     u32_as_f32,
 )
@@ -39,7 +40,7 @@ def words_per(kind, elements):
 
 @functools.cache
 def make_words_io(kind, n_words, aligned=True):
-    """Device functions for blocks of ``n_words`` words (a multiple of 4) of ``kind``:
+    """Device functions for blocks of ``n_words`` words (a multiple of 4, or 2) of ``kind``:
 
     ``load(x, first, w)``: words ``first ..`` of ``x`` into the local array ``w`` (16-byte loads
     through the read-only path where ``aligned``; ``x`` is then a uint32 array; otherwise ``x``
@@ -47,8 +48,9 @@ def make_words_io(kind, n_words, aligned=True):
     ``element(w, j)``: element ``j`` of the block as float32 (exact);
     ``amax_bits(w)``: max |element| as float32 bits (>= 0x7F800000: a NaN or Inf is present);
     ``finite_amax_bits(w)``: max |element| over the finite elements only;
-    ``store(out, first, v)``: the float32 local array ``v`` of the block's elements rounded to
-    ``kind`` (nearest even) and stored 16 bytes at a time (``out`` a uint32 array).
+    ``store(out, first, v, at)``: the elements ``v[at ..]`` (a float32 local array) rounded to
+    ``kind`` (nearest even) and stored 16 bytes at a time (8 at a time for 4 16-bit elements;
+    ``out`` a uint32 array).
     """
     wide = kind == KIND_F32
     to_f32 = cvt_f16_to_f32 if cvt_f16_to_f32 is not None else OPS.f16_to_f32
@@ -127,26 +129,28 @@ def make_words_io(kind, n_words, aligned=True):
         return half_bits_to_f32_bits(max(U32(m & 0xFFFF), U32(m >> 16)))
 
     @device_jit
-    def store(out, first, v):
+    def store(out, first, v, at):
         if wide:
             for q in range(n_words // 4):
                 store_v4(
                     out,
                     first + 4 * q,
-                    f32_as_u32(v[4 * q]),
-                    f32_as_u32(v[4 * q + 1]),
-                    f32_as_u32(v[4 * q + 2]),
-                    f32_as_u32(v[4 * q + 3]),
+                    f32_as_u32(v[at + 4 * q]),
+                    f32_as_u32(v[at + 4 * q + 1]),
+                    f32_as_u32(v[at + 4 * q + 2]),
+                    f32_as_u32(v[at + 4 * q + 3]),
                 )
+        elif n_words == 2:
+            store_v2(out, first, pack2(v[at + 1], v[at]), pack2(v[at + 3], v[at + 2]))
         else:
             for q in range(n_words // 4):
                 store_v4(
                     out,
                     first + 4 * q,
-                    pack2(v[8 * q + 1], v[8 * q]),
-                    pack2(v[8 * q + 3], v[8 * q + 2]),
-                    pack2(v[8 * q + 5], v[8 * q + 4]),
-                    pack2(v[8 * q + 7], v[8 * q + 6]),
+                    pack2(v[at + 8 * q + 1], v[at + 8 * q]),
+                    pack2(v[at + 8 * q + 3], v[at + 8 * q + 2]),
+                    pack2(v[at + 8 * q + 5], v[at + 8 * q + 4]),
+                    pack2(v[at + 8 * q + 7], v[at + 8 * q + 6]),
                 )
 
     return load, element, amax_bits, finite_amax_bits, store

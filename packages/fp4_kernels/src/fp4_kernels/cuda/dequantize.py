@@ -70,7 +70,7 @@ def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
                 v[4 * h + 1] = b * s
                 v[4 * h + 2] = c * s
                 v[4 * h + 3] = d * s
-        store(out, U64(item) * U64(4), v)
+        store(out, U64(item) * U64(4), v, 0)
 
     @cuda.jit
     def kernel(codes, scales, global_scale, out, n_items, kb, padded_kb):

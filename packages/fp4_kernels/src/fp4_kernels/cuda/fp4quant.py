@@ -1,15 +1,16 @@
 """FP4Quant group codec kernels: one pass each way (``formats.fp4quant`` is the spec).
 
 encode: read x once -> (optional) butterflies -> group amax -> bf16 scale -> e2m1 codes; write
-        the packed codes (4 per uint16, element 4c + r in nibble r) and one uint16 scale per group.
+        the packed codes (8 per uint32; 4 per uint16 at g = 8192 with the transform, whose
+        exchanged layout holds runs of 4 consecutive elements) and one uint16 scale per group.
 decode: read codes and scales once -> (optional) butterflies on the e2m1 values (exact) ->
         * (scale * 2^-log2(g)); write the tensor.
 
 Element layout, launch contract and butterfly order are those of ``cuda.hadamard``.  The group
-amax is reduced like the transform: over a chunk's 4 registers, over the thread's chunks that
-share a group (g >= 256), over the lanes of the group (butterfly shuffles; every lane ends with
-it) and, for g >= 1024, over the CTA's warps through shared memory.  The thread that holds a
-group's first chunk stores its scale.
+amax is reduced like the transform: over a chunk's 8 registers, over the thread's chunks that
+share a group (g >= 512), over the lanes of the group (butterfly shuffles; every lane ends with
+it) and, for g >= 2048, over the CTA's warps through shared memory.  The thread that holds a
+group's first element stores its scale.
 """
 
 from __future__ import annotations
@@ -19,187 +20,207 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._scalar import E2M1_CODE_BIAS
 from . import launch
-from ._chunk import U32, U64, make_chunk_io, max4_abs_bits
-from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, u32_as_f32
+from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, f32_as_u32, u32_as_f32
+from ._words import U32, U64
 from .hadamard import (
-    CHUNKS,
+    CHUNK,
     REGISTERS,
-    TILE_CHUNKS,
+    WARP_TILE,
+    cross_warp_bits,
+    exchanged_element,
     group_grid,
-    group_warps,
     make_butterflies,
-    make_tile_io,
+    make_chunk_io,
     smem_words,
 )
+from .quantize import HORNER_FIX, e2m1_values4
 
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
 
 
 @functools.cache
-def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic):
-    load_tile_raw, unpack_tile = make_tile_io(kind)
-    butterflies = make_butterflies(group_size) if hadamard else None
-    n_smem = smem_words(group_size)
-    warps_per_group = group_warps(group_size)
-    group_chunks = group_size // 4
-    # lanes a group spans, as a shuffle butterfly: offsets 1 .. lanes/2
-    group_lanes = min(WARP_SIZE, group_chunks)
-    chunks_shared = 1 if group_size <= 128 else (2 if group_size == 256 else 4)
-    e2m1_encode = OPS.e2m1_encode
-    e2m1_encode_sr = OPS.e2m1_encode_sr
-    fp4quant_scale = OPS.fp4quant_scale
-    philox = OPS.philox4x32_10
+def _group_layout(group_size, hadamard):
+    """(k, run): the cross-warp bits whose exchange leaves the registers in the exchanged
+    layout (0: the tile layout), and the consecutive elements per register run then."""
+    k = cross_warp_bits(group_size) if hadamard else 0
+    return k, (4 if k == 3 else CHUNK)
 
-    @device_jit
-    def encode_chunk(v, j, mult, finite, c, seed_lo, seed_hi, step):
-        """The 4 codes of chunk j of ``v`` packed into a uint16 (0 for a non-finite group)."""
-        packed = U32(0)
-        if finite:
-            if stochastic:
-                # counter = flat element index // 4 = chunk index, word r for element 4c + r:
-                # the same words as NVFP4 / MXFP4 stochastic rounding and the reference.
-                r0, r1, r2, r3 = philox(
-                    np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
-                    seed_lo, seed_hi,
-                )  # fmt: skip
-                packed = U32(
-                    e2m1_encode_sr(v[4 * j] * mult, r0)
-                    | (e2m1_encode_sr(v[4 * j + 1] * mult, r1) << 4)
-                    | (e2m1_encode_sr(v[4 * j + 2] * mult, r2) << 8)
-                    | (e2m1_encode_sr(v[4 * j + 3] * mult, r3) << 12)
-                )
-            else:
-                packed = U32(
-                    e2m1_encode(v[4 * j] * mult)
-                    | (e2m1_encode(v[4 * j + 1] * mult) << 4)
-                    | (e2m1_encode(v[4 * j + 2] * mult) << 8)
-                    | (e2m1_encode(v[4 * j + 3] * mult) << 12)
-                )
-        return np.uint16(packed)
+
+def _make_lanes_max(group_size):
+    """Max of ``m`` over the lanes one group spans in the tile layout (index bits 3 .. 7)."""
+    lanes = min(WARP_SIZE, max(1, group_size // CHUNK))
 
     @device_jit
     def lanes_max(m):
         off = 1
-        while off < group_lanes:
+        while off < lanes:
             o = cuda.shfl_xor_sync(FULL_MASK, m, off)
             if o > m:
                 m = o
             off *= 2
         return m
 
+    return lanes_max
+
+
+@device_jit
+def run_amax_bits(v, i0, length):
+    """max |v[i0 .. i0 + length - 1]| as int32 bits (NaN above Inf)."""
+    m = np.int32(0)
+    for j in range(length):
+        m = max(m, np.int32(f32_as_u32(v[i0 + j]) & 0x7FFFFFFF))
+    return m
+
+
+@functools.cache
+def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True):
+    """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
+    (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
+    seed_hi, step (uint32)."""
+    load_chunks, _ = make_chunk_io(kind, aligned)
+    before, cross_warp = make_butterflies(group_size)
+    n_smem = smem_words(group_size)
+    k, run = _group_layout(group_size, hadamard)
+    warps_per_group = max(1, group_size // WARP_TILE)
+    lanes_max = _make_lanes_max(group_size)
+    e2m1_code_f = OPS.e2m1_code_f
+    e2m1_encode_sr = OPS.e2m1_encode_sr
+    fp4quant_scale = OPS.fp4quant_scale
+    philox = OPS.philox4x32_10
+    horner_fix = U32(HORNER_FIX) if run == CHUNK else U32((-E2M1_CODE_BIAS * 0x1111) & 0xFFFF)
+
+    @device_jit
+    def encode_run(v, i0, mult, e, seed_lo, seed_hi, step):
+        """The ``run`` codes of v[i0 ..] (elements e ..), element e in nibble 0."""
+        if stochastic:
+            p = U32(0)
+            for q in range(run // 4):
+                c = U64(e // 4 + q)  # counter = flat element index // 4 (as the reference)
+                r0, r1, r2, r3 = philox(
+                    U32(c & 0xFFFFFFFF), U32(c >> 32), step, U32(0), seed_lo, seed_hi
+                )
+                j = i0 + 4 * q
+                p |= U32(U32(e2m1_encode_sr(v[j] * mult, r0)) << U32(16 * q))
+                p |= U32(U32(e2m1_encode_sr(v[j + 1] * mult, r1)) << U32(16 * q + 4))
+                p |= U32(U32(e2m1_encode_sr(v[j + 2] * mult, r2)) << U32(16 * q + 8))
+                p |= U32(U32(e2m1_encode_sr(v[j + 3] * mult, r3)) << U32(16 * q + 12))
+            return p
+        p = U32(0)
+        for t in range(run):  # Horner from the top element down: element e lands in nibble 0
+            y = v[i0 + run - 1 - t]
+            bits = U32(f32_as_u32(e2m1_code_f(abs(y) * mult)) + U32(U32(f32_as_u32(y) >> 28) & 8))
+            p = U32(U32(p << U32(4)) + bits)
+        return U32(p + horner_fix)
+
+    def run_step(i0):
+        """Encode and store register run i0 (a device function per run: with Philox calls
+        inside, a loop over the runs would not be unrolled, and a rolled loop would index the
+        register arrays at run time)."""
+
+        @device_jit
+        def step_fn(v, m, codes, scales16, n, tile0, base, lane, warp, seed_lo, seed_hi, step):
+            if k > 0:
+                e = tile0 + exchanged_element(i0, lane, warp, k)
+            else:
+                e = base + 256 * (i0 // CHUNK)
+            mc = m[i0 // CHUNK]
+            sb, mult = fp4quant_scale(U32(mc))
+            p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
+            if mc >= _NONFINITE:
+                p = U32(0)  # a non-finite group: zero codes under the NaN scale
+            if e < n:
+                if run == CHUNK:
+                    codes[U64(e // CHUNK)] = p
+                else:
+                    codes[U64(e // 4)] = np.uint16(p)
+                if e % group_size == 0:  # the group's first element: its scale
+                    scales16[U64(e // group_size)] = np.uint16(sb)
+
+        return step_fn
+
+    def chain(first, second):
+        @device_jit
+        def both(v, m, codes, scales16, n, tile0, base, lane, warp, seed_lo, seed_hi, step):
+            first(v, m, codes, scales16, n, tile0, base, lane, warp, seed_lo, seed_hi, step)
+            second(v, m, codes, scales16, n, tile0, base, lane, warp, seed_lo, seed_hi, step)
+
+        return both
+
+    encode_runs = functools.reduce(chain, [run_step(i0) for i0 in range(0, REGISTERS, run)])
+
     @cuda.jit
-    def kernel(words, codes16, scales16, n_chunks, seed_lo, seed_hi, step):
+    def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
         tid = cuda.threadIdx.x
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
         sm = cuda.shared.array(n_smem, np.float32)
         warp_amax = cuda.shared.array(16, np.int32)
         v = cuda.local.array(REGISTERS, np.float32)
-        tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
-        n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        t = cuda.blockIdx.x
-        base = t * tile_chunks + warp * TILE_CHUNKS + lane
-        stride = cuda.gridDim.x * tile_chunks
-        w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base, n_chunks)
-        while t < n_tiles:
-            unpack_tile(v, w0, w1, w2, w3, w4, w5, w6, w7)
-            w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base + stride, n_chunks)
+        w = cuda.local.array(8, np.uint32)
+        m = cuda.local.array(4, np.int32)  # the group amax of each run set (see below)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            base = t * tile + 8 * lane + WARP_TILE * warp
+            load_chunks(x, base, n, w, v)
             if hadamard:
-                butterflies(v, lane, sm)
-            # |t| bits (int32: shuffles move signed words); NaN bits exceed Inf's
-            m0 = max4_abs_bits(v[0], v[1], v[2], v[3])
-            m1 = max4_abs_bits(v[4], v[5], v[6], v[7])
-            m2 = max4_abs_bits(v[8], v[9], v[10], v[11])
-            m3 = max4_abs_bits(v[12], v[13], v[14], v[15])
-            if chunks_shared >= 2:  # chunks 0,1 (and 2,3) hold one group: element bit 7
-                m0 = max(m0, m1)
-                m2 = max(m2, m3)
-            if chunks_shared == 4:  # all four: bit 8 too
-                m0 = max(m0, m2)
-            m0 = lanes_max(m0)
-            if chunks_shared < 4:
-                m2 = lanes_max(m2)
-            if chunks_shared == 1:
-                m1 = lanes_max(m1)
-                m3 = lanes_max(m3)
+                before(v, lane)
+                cross_warp(v, lane, warp, sm)
             if warps_per_group > 1:
+                # a CTA is one group: max over the thread, the warp, then the warps
+                a = run_amax_bits(v, 0, REGISTERS)
+                off = 1
+                while off < WARP_SIZE:
+                    o = cuda.shfl_xor_sync(FULL_MASK, a, off)
+                    a = max(a, o)
+                    off *= 2
                 if lane == 0:
-                    warp_amax[warp] = m0
+                    warp_amax[warp] = a
                 cuda.syncthreads()  # every warp's amax is visible
-                m0 = warp_amax[0]
-                for w in range(1, warps_per_group):
-                    m0 = max(m0, warp_amax[w])
-                if not hadamard:
-                    # with the transform, the next tile's barriers order these reads before
-                    # the next writes; without it, this one does
-                    cuda.syncthreads()
-            if chunks_shared >= 2:
-                m1 = m0
-                m3 = m2
-            if chunks_shared == 4:
-                m2 = m0
-                m3 = m0
-            s0, k0 = fp4quant_scale(U32(m0))
-            s1, k1 = s0, k0
-            s2, k2 = s0, k0
-            s3, k3 = s0, k0
-            if chunks_shared < 4:
-                s2, k2 = fp4quant_scale(U32(m2))
-                s3, k3 = s2, k2
-            if chunks_shared == 1:
-                s1, k1 = fp4quant_scale(U32(m1))
-                s3, k3 = fp4quant_scale(U32(m3))
-            for j in range(CHUNKS):
-                c = base + 32 * j
-                if j == 0:
-                    s, k, mj = s0, k0, m0
-                elif j == 1:
-                    s, k, mj = s1, k1, m1
-                elif j == 2:
-                    s, k, mj = s2, k2, m2
+                a = warp_amax[0]
+                for q in range(1, warps_per_group):
+                    a = max(a, warp_amax[q])
+                cuda.syncthreads()  # all read before the next tile writes
+                for c in range(4):
+                    m[c] = a
+            else:
+                # the tile layout: chunk c's 8 registers, then the chunks sharing a group
+                # (bit 8: chunks 0-1, 2-3; bit 9: all four), then the group's lanes
+                for c in range(4):
+                    m[c] = run_amax_bits(v, 8 * c, CHUNK)
+                if group_size >= 512:
+                    m[0] = max(m[0], m[1])
+                    m[2] = max(m[2], m[3])
+                if group_size >= 1024:
+                    m[0] = max(m[0], m[2])
+                m[0] = lanes_max(m[0])
+                if group_size < 1024:
+                    m[2] = lanes_max(m[2])
+                if group_size < 512:
+                    m[1] = lanes_max(m[1])
+                    m[3] = lanes_max(m[3])
                 else:
-                    s, k, mj = s3, k3, m3
-                packed = encode_chunk(v, j, k, mj < _NONFINITE, c, seed_lo, seed_hi, step)
-                if c < n_chunks:
-                    codes16[U64(c)] = packed
-                    if c % group_chunks == 0:  # the group's first chunk stores its scale
-                        scales16[U64(c // group_chunks)] = np.uint16(s)
-            t += cuda.gridDim.x
-            base += stride
+                    m[1] = m[0]
+                    m[3] = m[2]
+                if group_size >= 1024:
+                    m[2] = m[0]
+                    m[3] = m[0]
+            encode_runs(v, m, codes, scales16, n, t * tile, base, lane, warp, seed_lo,
+                        seed_hi, step)  # fmt: skip
 
     return kernel
 
 
 @functools.cache
 def fp4quant_decode_kernel(out_kind, group_size, hadamard):
-    store_chunk = make_chunk_io(out_kind)[1]
-    butterflies = make_butterflies(group_size) if hadamard else None
+    """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n."""
+    _, store_run = make_chunk_io(out_kind)
+    before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
-    group_chunks = group_size // 4
+    k, run = _group_layout(group_size, hadamard)
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
-    e2m1_decode = OPS.e2m1_decode
-
-    @device_jit
-    def load_one(codes16, scales16, c, n_chunks):
-        """Chunk c's packed codes and its group's scale bits (zeros past the end), loaded
-        a tile ahead of their use."""
-        if c >= n_chunks:
-            return U32(0), U32(0)
-        return U32(codes16[U64(c)]), U32(scales16[U64(c // group_chunks)])
-
-    @device_jit
-    def load_codes(codes16, scales16, base, n_chunks):
-        c0, s0 = load_one(codes16, scales16, base, n_chunks)
-        c1, s1 = load_one(codes16, scales16, base + 32, n_chunks)
-        c2, s2 = load_one(codes16, scales16, base + 64, n_chunks)
-        c3, s3 = load_one(codes16, scales16, base + 96, n_chunks)
-        return c0, s0, c1, s1, c2, s2, c3, s3
-
-    @device_jit
-    def decode_chunk(v, j, code):
-        for r in range(4):
-            v[4 * j + r] = e2m1_decode(U32(U32(code >> U32(4 * r)) & 15))
 
     @device_jit
     def group_scale(sbits):
@@ -209,46 +230,47 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
             return s * inv_g  # exact unless s < 2^-126 * g (a float32 subnormal)
         return s
 
-    @device_jit
-    def scale_chunk(v, j, sbits):
-        s = group_scale(sbits)
-        for r in range(4):
-            v[4 * j + r] = v[4 * j + r] * s
-
     @cuda.jit
-    def kernel(codes16, scales16, out_words, n_chunks):
+    def kernel(codes, scales16, out, n):
         tid = cuda.threadIdx.x
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
         sm = cuda.shared.array(n_smem, np.float32)
         v = cuda.local.array(REGISTERS, np.float32)
-        tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
-        n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        t = cuda.blockIdx.x
-        base = t * tile_chunks + warp * TILE_CHUNKS + lane
-        stride = cuda.gridDim.x * tile_chunks
-        c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base, n_chunks)
-        while t < n_tiles:
-            decode_chunk(v, 0, c0)
-            decode_chunk(v, 1, c1)
-            decode_chunk(v, 2, c2)
-            decode_chunk(v, 3, c3)
+        sc = cuda.local.array(4, np.float32)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            base = t * tile + 8 * lane + WARP_TILE * warp
+            for c in range(4):
+                e = base + 256 * c
+                p = U32(0)
+                sbits = U32(0)
+                if e < n:
+                    p = U32(codes[U64(e // CHUNK)])
+                    sbits = U32(scales16[U64(e // group_size)])
+                sc[c] = group_scale(sbits)
+                for h in range(2):
+                    a, b, cc, d = e2m1_values4(U32(p >> U32(16 * h)))
+                    v[8 * c + 4 * h] = a
+                    v[8 * c + 4 * h + 1] = b
+                    v[8 * c + 4 * h + 2] = cc
+                    v[8 * c + 4 * h + 3] = d
             if hadamard:
                 # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below
                 # 6 are exact in float32, so the butterflies round nothing and cannot overflow
-                butterflies(v, lane, sm)
-            # one rounding: a plain multiply after the last add, never part of an FMA
-            scale_chunk(v, 0, s0)
-            scale_chunk(v, 1, s1)
-            scale_chunk(v, 2, s2)
-            scale_chunk(v, 3, s3)
-            c0, s0, c1, s1, c2, s2, c3, s3 = load_codes(codes16, scales16, base + stride, n_chunks)
-            for j in range(CHUNKS):
-                c = base + 32 * j
-                if c < n_chunks:
-                    store_chunk(out_words, c, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3])
-            t += cuda.gridDim.x
-            base += stride
+                before(v, lane)
+                cross_warp(v, lane, warp, sm)
+            # one rounding: a plain multiply after the last add, never part of an FMA; in the
+            # exchanged layout (a CTA is one group) every register has the group's scale
+            for i in range(REGISTERS):
+                v[i] = v[i] * sc[0 if k > 0 else i // CHUNK]
+            for i0 in range(0, REGISTERS, run):
+                if k > 0:
+                    e = t * tile + exchanged_element(i0, lane, warp, k)
+                else:
+                    e = base + 256 * (i0 // CHUNK)
+                store_run(out, e, n, v, i0, run)
 
     return kernel
 
@@ -261,14 +283,17 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
     ``scales`` views (validated and allocated by the caller) on the caller's stream."""
     if n == 0:
         return
-    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    xw, aligned = ctx.words_view(x, kind)
+    _, run = _group_layout(group_size, hadamard)
+    blocks, threads = group_grid(group_size, n, ctx.device_id)
     launch.launch(
-        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic),
+        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned),
         blocks,
         threads,
         ctx.stream,
-        (ctx.view(x, np.uint64), ctx.view(codes, np.uint16), ctx.view(scales, np.uint16),
-         np.int64(n // 4), np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), np.uint32(step)),
+        (xw, ctx.view(codes, np.uint32 if run == CHUNK else np.uint16),
+         ctx.view(scales, np.uint16), np.int64(n), np.uint32(seed & 0xFFFFFFFF),
+         np.uint32(seed >> 32), np.uint32(step)),
     )  # fmt: skip
 
 
@@ -276,12 +301,14 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
     if n == 0:
         return
-    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    blocks, threads = group_grid(group_size, n, ctx.device_id)
+    codes_w, aligned = ctx.codes_view(codes, 4)
+    if not aligned:
+        raise ValueError("q.data: FP4Quant codes must be 4-byte aligned (a view of the payload)")
     launch.launch(
         fp4quant_decode_kernel(out_kind, group_size, hadamard),
         blocks,
         threads,
         ctx.stream,
-        (ctx.view(codes, np.uint16), ctx.view(scales, np.uint16), ctx.view(out, np.uint64),
-         np.int64(n // 4)),
+        (codes_w, ctx.view(scales, np.uint16), ctx.view(out, np.uint32), np.int64(n)),
     )  # fmt: skip

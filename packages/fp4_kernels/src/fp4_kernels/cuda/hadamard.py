@@ -1,26 +1,27 @@
 """Walsh–Hadamard transform kernel, and the butterfly network the FP4Quant codec shares.
 
-Element layout (``formats.hadamard``): a thread holds 16 elements in registers, 4 chunks of 4
-consecutive elements, chunk j of lane l of warp w covering tile elements
-4 * (l + 32 j) + 512 w + (0..3).  Lanes own consecutive chunks, so every load and store of a
-warp is one contiguous 256-byte (16-bit data) or 512-byte (float32) segment.  Index bits then
-fall into three kinds of stage, applied cheapest first:
+Element layout: a thread holds 32 elements in registers, 4 chunks of 8 consecutive elements (a
+16-byte load of bf16 / fp16, two of float32): register i = 8 c + r holds tile element
+``r + 8 * lane + 256 * c + 1024 * warp``.  Index bits 0-2 and 8-9 are in a thread's registers,
+bits 3-7 across the lanes of a warp, bits 10 and up across the warps of a CTA.  Lanes own
+consecutive chunks, so each load and store of a warp is one contiguous 512-byte segment (bf16).
 
-* register stages, bits 0, 1 (inside a chunk) and 7, 8 (across a thread's chunks): two adds per
-  pair, no communication;
-* warp-shuffle stages, bits 2-6 (across lanes): one ``shfl.bfly`` per element and stage, no
-  barrier; a lane keeps ``own + partner`` if it holds the lower element, ``partner - own`` if the
-  upper one (the same operands, in the same order, as ``fwht``'s ``lo + hi`` and ``lo - hi``);
-* shared-memory stages, bits 9 and up (groups of g >= 1024 span g / 512 warps: the CTA is one
-  group): every thread writes its 16 values, a barrier, each thread reads the 16 values that
-  differ only in those bits (16 / (g/512) register slots times g/512 warps), butterflies them in
-  registers, writes them back, a barrier, and reads its own 16 values again.  One round trip
-  covers all the bits above 8 (up to 4 of them, g = 8192), and every shared-memory access of a
-  warp is 32 consecutive words (no bank conflicts).
+The stages run in ``formats.hadamard.stage_order(g)`` (0, 1, 7, 8, 2, 3, 4, 5, 6, 9, 10, ...),
+the order the numpy reference and the CPU path use, so every rounding is the same:
 
-Launch contract: blockDim.x = 32 * (g / 512) for g >= 1024, any multiple of 32 otherwise; a
-1-D grid strides over CTA tiles of 16 * blockDim.x elements, every thread runs the same
-iterations (out-of-range chunks are zeros and not stored), so all lanes reach every shuffle and
+* register stages (bits 0-2, 8, 9): ``a + b``, ``a - b`` between two registers;
+* lane stages (bits 3-7): one ``shfl.bfly`` per element, then ``fma(own, ±1, partner)``:
+  ``own + partner`` in the lower lane, ``partner - own`` in the upper one (the product by ±1 is
+  exact, so the FMA rounds as the add of ``fwht`` does);
+* the shared-memory stage (bits 10 and up, g >= 2048: a CTA of g / 1024 warps is one group):
+  every thread writes its 32 values (16-byte stores, slots XOR-swizzled against bank
+  conflicts), a barrier, and each thread reads back 32 values whose warp bits have traded
+  places with its chunk bits (and, at g = 8192, register bit 2): those stages then run in
+  registers, and the results leave from that layout straight to global memory.
+
+Launch contract: blockDim.x = 32 * max(1, g / 1024) for g >= 2048, any multiple of 32 below; a
+1-D grid strides over CTA tiles of 32 * blockDim.x elements and every thread runs the same
+passes (chunks past the end are zeros and not stored), so all lanes reach every shuffle and
 barrier.  The tensor size is a multiple of g, so a tile never splits a group.
 """
 
@@ -31,18 +32,20 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..formats.hadamard import WARP_TILE, inv_sqrt_group_size
+from .._scalar import KIND_F32
+from ..formats.hadamard import inv_sqrt_group_size, stage_order
 from . import launch
-from ._chunk import U32, make_chunk_io
 from ._primitives import FULL_MASK, WARP_SIZE, device_jit, f32_as_u32, u32_as_f32
+from ._words import U32, U64, make_words_io, words_per
 
-REGISTERS = 16  # elements per thread: 4 chunks of 4
-CHUNKS = 4
-TILE_CHUNKS = WARP_TILE // 4  # chunks per warp tile (128)
+REGISTERS = 32  # elements per thread: 4 chunks of 8
+CHUNK = 8
+WARP_TILE = 1024  # elements a warp holds
+THREADS = 256  # the launch table's row (cuda/launch.py); 32 * g / 1024 for g >= 2048
 
 
 def group_warps(group_size):
-    """Warps one group spans: 1 up to g = 512 (registers and shuffles suffice), g / 512 above."""
+    """Warps one group spans: 1 up to g = 1024, g / 1024 above (a CTA is then one group)."""
     return max(1, group_size // WARP_TILE)
 
 
@@ -56,11 +59,24 @@ def smem_words(group_size):
     return group_size if group_size > WARP_TILE else 1
 
 
+def cross_warp_bits(group_size):
+    """k: index bits above the warp (10 .. 9 + k) that the shared-memory stage handles."""
+    return group_warps(group_size).bit_length() - 1
+
+
+@device_jit
+def slot(e):
+    """The 16-byte shared-memory slot of element e of a group (4 elements a slot), swizzled so
+    that 8 lanes at a stride of 2 slots (every access pattern here) hit 8 different banks."""
+    s = e >> 2
+    return s ^ ((s >> 3) & 1)
+
+
 def _register_stage(stride):
-    """Butterflies between registers i and i + stride (stride 1, 2: bits 0, 1; 4, 8: bits 7, 8)."""
+    """Butterflies between registers i and i + stride (i's stride bit clear)."""
 
     @device_jit
-    def stage(v, lane, sm):
+    def stage(v, lane):
         for i in range(REGISTERS):
             if i & stride == 0:
                 a = v[i]
@@ -72,206 +88,224 @@ def _register_stage(stride):
 
 
 def _lane_stage(offset):
-    """Butterflies between lanes l and l ^ offset (element bits 2-6)."""
+    """Butterflies between lanes l and l ^ offset (element bits 3-7)."""
 
     @device_jit
-    def stage(v, lane, sm):
-        upper = (lane & offset) != 0
+    def stage(v, lane):
+        sign = np.float32(-1.0) if lane & offset else np.float32(1.0)
         for i in range(REGISTERS):
             p = cuda.shfl_xor_sync(FULL_MASK, v[i], offset)
-            if upper:
-                v[i] = p - v[i]
-            else:
-                v[i] = v[i] + p
-
-    return stage
-
-
-def _slot_stage(stride, warps, per_warp):
-    """Butterflies between gathered values h and h + stride of each slot (bits 9 and up)."""
-
-    @device_jit
-    def stage(c):
-        for k in range(per_warp):
-            for h in range(warps):
-                if h & stride == 0:
-                    a = c[k * warps + h]
-                    b = c[k * warps + h + stride]
-                    c[k * warps + h] = a + b
-                    c[k * warps + h + stride] = a - b
+            v[i] = v[i] * sign + p  # fma(own, ±1, partner): the product is exact
 
     return stage
 
 
 def _chain(first, second):
     @device_jit
-    def both(v, lane, sm):
-        first(v, lane, sm)
-        second(v, lane, sm)
+    def both(v, lane):
+        first(v, lane)
+        second(v, lane)
 
     return both
 
 
-def _chain_slots(first, second):
-    @device_jit
-    def both(c):
-        first(c)
-        second(c)
-
-    return both
+@device_jit
+def _nothing(v, lane):
+    pass
 
 
-def _smem_stage(group_size):
-    warps = group_warps(group_size)  # == the CTA's warps
-    per_warp = REGISTERS // warps  # register slots each thread gathers
-    slot_stages = functools.reduce(
-        _chain_slots,
-        [_slot_stage(1 << b, warps, per_warp) for b in range(warps.bit_length() - 1)],
-    )
+def _stage_for(bit):
+    if bit <= 2:
+        return _register_stage(1 << bit)
+    if bit <= 7:
+        return _lane_stage(1 << (bit - 3))
+    return _register_stage(CHUNK << (bit - 8))  # bits 8, 9: the chunk index
 
-    @device_jit
-    def stage(v, lane, sm):
-        w = cuda.threadIdx.x // WARP_SIZE
-        # word lane + 32 * (slot + 16 * warp): a warp's accesses are 32 consecutive words
-        for i in range(REGISTERS):
-            sm[lane + 32 * (i + REGISTERS * w)] = v[i]
-        cuda.syncthreads()  # all of the group is in shared memory
-        # v's own values are in shared memory now, so v holds the gathered slots (no second
-        # register array: the CTA keeps more threads resident)
-        for k in range(per_warp):
-            for h in range(warps):
-                v[k * warps + h] = sm[lane + 32 * (w * per_warp + k + REGISTERS * h)]
-        slot_stages(v)
-        for k in range(per_warp):
-            for h in range(warps):
-                sm[lane + 32 * (w * per_warp + k + REGISTERS * h)] = v[k * warps + h]
-        cuda.syncthreads()  # every slot is transformed before threads read their own back
-        # A thread only ever writes its own words before the next tile's first barrier, so no
-        # barrier is needed between this read and the next tile's writes.
-        for i in range(REGISTERS):
-            v[i] = sm[lane + 32 * (i + REGISTERS * w)]
 
-    return stage
+# Where register i's element sits after the shared-memory exchange, for k = 1, 2, 3 cross-warp
+# bits: (chunk bits taken from the warp index, register bit 2 taken from the warp index) and
+# the register strides of the cross-warp stages 10, 11, 12.
+_EXCHANGE_STRIDES = {1: (8,), 2: (8, 16), 3: (8, 16, 4)}
+
+
+@device_jit
+def exchanged_element(i, lane, warp, k):
+    """Group element held in register i after the exchange of k >= 1 warp bits.
+
+    k = 1: warp bit 0 trades with chunk bit 0; k = 2: warp bits 0-1 with chunk bits 0-1;
+    k = 3: warp bits 0-2 with chunk bits 0-1 and register bit 2."""
+    r = i & 7
+    c = i >> 3
+    if k == 1:
+        return r + 8 * lane + 256 * (2 * (c >> 1) + warp) + 1024 * (c & 1)
+    if k == 2:
+        return r + 8 * lane + 256 * warp + 1024 * c
+    w_old = c + 4 * ((i >> 2) & 1)
+    return (r & 3) + 4 * (warp >> 2) + 8 * lane + 256 * (warp & 3) + 1024 * w_old
 
 
 @functools.cache
 def make_butterflies(group_size):
-    """Device function ``butterflies(v, lane, sm)``: the unnormalized transform, in place, of the
-    16 registers ``v`` (float32 local array) of every group, in ``formats.hadamard``'s stage
-    order.  ``sm`` is a float32 shared array of ``smem_words(g)`` words.  Every thread of the
-    CTA must call it (shuffles, barriers)."""
-    bits = group_size.bit_length() - 1
-    stages = [_register_stage(s) for b, s in ((0, 1), (1, 2), (7, 4), (8, 8)) if b < bits]
-    stages += [_lane_stage(1 << (b - 2)) for b in range(2, min(7, bits))]
-    if group_size > WARP_TILE:
-        stages.append(_smem_stage(group_size))
-    return functools.reduce(_chain, stages)
+    """Device functions ``(before_exchange(v, lane), cross_warp(v, lane, warp, sm))``: the
+    unnormalized transform of the 32 registers ``v`` of every group, in the reference's stage
+    order.  ``cross_warp`` (g >= 2048) does the shared-memory exchange and the stages above bit
+    9, leaving ``v`` in the exchanged layout (``exchanged_element``); below g = 2048 it does
+    nothing.  Every thread of the CTA must call both (shuffles, barriers)."""
+    order = stage_order(group_size)
+    local = [b for b in order if b < 10]
+    k = cross_warp_bits(group_size)
+    before = functools.reduce(_chain, [_stage_for(b) for b in local], _nothing)
+    if k == 0:
+
+        @device_jit
+        def cross_warp(v, lane, warp, sm):
+            pass
+
+        return before, cross_warp
+    after = functools.reduce(_chain, [_register_stage(s) for s in _EXCHANGE_STRIDES[k]])
+
+    @device_jit
+    def cross_warp(v, lane, warp, sm):
+        for i in range(0, REGISTERS, 4):  # the thread's own elements, 4 a slot
+            s = slot(i % 8 + 8 * lane + 256 * (i // 8) + 1024 * warp) * 4
+            for j in range(4):
+                sm[s + j] = v[i + j]
+        cuda.syncthreads()  # the whole group is in shared memory
+        for i in range(0, REGISTERS, 4):
+            s = slot(exchanged_element(i, lane, warp, k)) * 4
+            for j in range(4):
+                v[i + j] = sm[s + j]
+        cuda.syncthreads()  # every read is done before the next tile's writes
+        after(v, lane)
+
+    return before, cross_warp
+
+
+@device_jit
+def tile_element(i, lane, warp):
+    """Element offset of register ``i`` of (lane, warp) inside its CTA tile (before any
+    exchange)."""
+    return (i & 7) + 8 * lane + 256 * (i >> 3) + WARP_TILE * warp
+
+
+@functools.cache
+def make_chunk_io(kind, aligned=True):
+    """``(load_chunks(x, base, n, v), store_run(out, e, n, v, i0, length))`` for ``kind``:
+    load the thread's 4 chunks (element ``base`` of the thread's chunk 0, ``n`` elements in
+    all; zeros past the end) into ``v``; store ``length`` (8 or 4) registers from ``i0`` as the
+    consecutive elements from ``e`` (nothing past the end)."""
+    n_words = words_per(kind, CHUNK)
+    load, element, _, _, store = make_words_io(kind, n_words, aligned)
+    store4 = make_words_io(kind, words_per(kind, 4))[4]
+    per_word = 1 if kind == KIND_F32 else 2
+
+    @device_jit
+    def load_chunks(x, base, n, w, v):
+        for c in range(4):
+            e = base + 256 * c
+            if e < n:
+                load(x, U64(e // per_word), w)
+                for r in range(CHUNK):
+                    v[8 * c + r] = element(w, r)
+            else:
+                for r in range(CHUNK):
+                    v[8 * c + r] = np.float32(0.0)
+
+    @device_jit
+    def store_run(out, e, n, v, i0, length):
+        if e < n:
+            if length == CHUNK:
+                store(out, U64(e // per_word), v, i0)
+            else:
+                store4(out, U64(e // per_word), v, i0)
+
+    return load_chunks, store_run
 
 
 @device_jit
 def flip_signs(v, mask):
     """Negate register i where bit i of ``mask`` is set (an exact sign-bit flip)."""
     for i in range(REGISTERS):
-        v[i] = u32_as_f32(U32(f32_as_u32(v[i]) ^ U32(U32(U32(mask >> i) & 1) << 31)))
+        v[i] = u32_as_f32(U32(f32_as_u32(v[i]) ^ U32(U32(U32(mask >> U32(i)) & 1) << 31)))
 
 
 @device_jit
-def tile_position(i, lane, warp):
-    """Element offset of register ``i`` of (lane, warp) inside its CTA tile."""
-    return (i & 3) + 4 * (lane + 32 * (i >> 2)) + WARP_TILE * warp
+def sign_mask(sign_words, lane, warp, g_mask, k, exchanged):
+    """Bit i set where register i's element (in the tile layout, or the exchanged one) has a
+    negative sign in the group's ±1 vector."""
+    mask = U32(0)
+    for i in range(REGISTERS):
+        if exchanged:
+            p = exchanged_element(i, lane, warp, k)
+        else:
+            p = tile_element(i, lane, warp) & g_mask
+        bit = U32(U32(sign_words[p >> 5] >> U32(p & 31)) & 1)
+        mask = U32(mask | U32(bit << U32(i)))
+    return mask
 
 
 @functools.cache
-def make_tile_io(kind):
-    """``(load_tile_raw, unpack_tile)``: a thread's 4 chunks as 8 raw words (zeros past the end;
-    the second word of each pair is unused for 16-bit data), and their conversion into the 16
-    float32 registers.  Loading the next tile's raw words before transforming the current one
-    keeps twice the bytes in flight (the kernels are otherwise latency-bound between tiles)."""
-    _, _, load_raw, unpack = make_chunk_io(kind)
-
-    @device_jit
-    def load_tile_raw(words, base, n_chunks):
-        a0, a1 = load_raw(words, base, n_chunks)
-        b0, b1 = load_raw(words, base + 32, n_chunks)
-        c0, c1 = load_raw(words, base + 64, n_chunks)
-        d0, d1 = load_raw(words, base + 96, n_chunks)
-        return a0, a1, b0, b1, c0, c1, d0, d1
-
-    @device_jit
-    def unpack_tile(v, a0, a1, b0, b1, c0, c1, d0, d1):
-        v[0], v[1], v[2], v[3] = unpack(a0, a1)
-        v[4], v[5], v[6], v[7] = unpack(b0, b1)
-        v[8], v[9], v[10], v[11] = unpack(c0, c1)
-        v[12], v[13], v[14], v[15] = unpack(d0, d1)
-
-    return load_tile_raw, unpack_tile
-
-
-@functools.cache
-def hadamard_kernel(kind, group_size, inverse, signed):
-    """The normalized transform (or its inverse) of float32 / bf16 / fp16 ``words`` into
-    ``out_words`` (same kind; may alias): forward fwht(x * signs) * fp32(1/sqrt(g)), inverse
-    fwht(y) * fp32(1/sqrt(g)) * signs, rounded once to the kind.  ``sign_words``: the signs as
-    bits (``formats.hadamard.sign_words``), read only when ``signed``."""
-    store_chunk = make_chunk_io(kind)[1]
-    load_tile_raw, unpack_tile = make_tile_io(kind)
-    butterflies = make_butterflies(group_size)
+def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
+    """The normalized transform (or its inverse) of float32 / bf16 / fp16 ``x`` into ``out``
+    (uint32 words; ``x`` the element array itself when not 16-byte aligned): forward
+    fwht(x * signs) * fp32(1/sqrt(g)), inverse fwht(y) * fp32(1/sqrt(g)) * signs, rounded once
+    to the kind.  ``sign_words``: the signs as bits (``formats.hadamard.sign_words``), read
+    only when ``signed``."""
+    load_chunks, store_run = make_chunk_io(kind, aligned)
+    before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
+    k = cross_warp_bits(group_size)
+    run = 4 if k == 3 else CHUNK  # consecutive elements per register run after the stages
 
     @cuda.jit
-    def kernel(words, out_words, n_chunks, sign_words):
+    def kernel(x, out, n, sign_words):
         tid = cuda.threadIdx.x
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
         sm = cuda.shared.array(n_smem, np.float32)
         v = cuda.local.array(REGISTERS, np.float32)
-        # A CTA tile is a whole number of groups, so each register's position in its group is
-        # the same in every tile: the sign mask is computed once.
-        mask = U32(0)
+        w = cuda.local.array(8, np.uint32)
+        # A CTA tile is a whole number of groups: each register's position in its group is
+        # the same in every tile, so the sign masks are computed once.
+        mask_in = U32(0)
+        mask_out = U32(0)
         if signed:
-            for i in range(REGISTERS):
-                p = tile_position(i, lane, warp) & g_mask
-                mask |= U32(U32(U32(sign_words[p >> 5] >> U32(p & 31)) & 1) << i)
-        tile_chunks = TILE_CHUNKS * (cuda.blockDim.x // WARP_SIZE)
-        n_tiles = (n_chunks + tile_chunks - 1) // tile_chunks
-        t = cuda.blockIdx.x
-        base = t * tile_chunks + warp * TILE_CHUNKS + lane
-        stride = cuda.gridDim.x * tile_chunks
-        w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base, n_chunks)
-        while t < n_tiles:
-            unpack_tile(v, w0, w1, w2, w3, w4, w5, w6, w7)
-            w0, w1, w2, w3, w4, w5, w6, w7 = load_tile_raw(words, base + stride, n_chunks)
+            mask_in = sign_mask(sign_words, lane, warp, g_mask, k, False)
+            mask_out = sign_mask(sign_words, lane, warp, g_mask, k, k > 0)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            base = t * tile + 8 * lane + WARP_TILE * warp
+            load_chunks(x, base, n, w, v)
             if signed and not inverse:
-                flip_signs(v, mask)
-            butterflies(v, lane, sm)
+                flip_signs(v, mask_in)
+            before(v, lane)
+            cross_warp(v, lane, warp, sm)
             for i in range(REGISTERS):
                 v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
             if signed and inverse:
-                flip_signs(v, mask)
-            for j in range(CHUNKS):
-                c = base + 32 * j
-                if c < n_chunks:
-                    store_chunk(out_words, c, v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3])
-            t += cuda.gridDim.x
-            base += stride
+                flip_signs(v, mask_out)
+            for i0 in range(0, REGISTERS, run):
+                if k > 0:
+                    e = t * tile + exchanged_element(i0, lane, warp, k)
+                else:
+                    e = base + 256 * (i0 // CHUNK)
+                store_run(out, e, n, v, i0, run)
 
     return kernel
 
 
 # ---------------------------------------------------------------------- host side
 
-THREADS = 256  # the launch table's row (cuda/launch.py); 32 * g / 512 for g >= 1024
 
-
-def group_grid(group_size, n_chunks, device_id):
+def group_grid(group_size, n, device_id):
     """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
-    for g >= 1024 (its warps exchange through shared memory), 256 threads otherwise; a
+    for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise; a
     persistent grid of up to 2048 resident threads per SM."""
     threads = threads_per_block(group_size, launch.threads_for(THREADS))
-    per = threads * REGISTERS // 4  # chunks of 4 elements a CTA takes per pass
-    blocks = launch.grid_for(n_chunks, per)
+    blocks = launch.grid_for(n, threads * REGISTERS)
     return min(blocks, launch.max_blocks(max(1, 2048 // threads), device_id)), threads
 
 
@@ -280,11 +314,12 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     kind, validated by the caller) on the caller's stream."""
     if n == 0:
         return
-    blocks, threads = group_grid(group_size, n // 4, ctx.device_id)
+    xw, aligned = ctx.words_view(x, kind)
+    blocks, threads = group_grid(group_size, n, ctx.device_id)
     launch.launch(
-        hadamard_kernel(kind, group_size, inverse, signed),
+        hadamard_kernel(kind, group_size, inverse, signed, aligned),
         blocks,
         threads,
         ctx.stream,
-        (ctx.view(x, np.uint64), ctx.view(out, np.uint64), np.int64(n // 4), sign_words),
+        (xw, ctx.view(out, np.uint32), np.int64(n), sign_words),
     )

@@ -276,7 +276,7 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
         if fused:
             for g in range(groups):
                 decode8_into(v, 8 * g, p[g], nvfp4, s, s_dec)
-            store(out, U64(item) * U64(n_words), v)
+            store(out, U64(item) * U64(n_words), v, 0)
 
     @cuda.jit
     def kernel(

@@ -29,15 +29,14 @@ import numpy as np
 from .philox import philox4x32_10
 
 MIN_GROUP_SIZE = 16
-MAX_GROUP_SIZE = 8192  # a CTA of 512 threads x 16 elements holds one group
+MAX_GROUP_SIZE = 8192  # a CTA of 256 threads x 32 elements holds one group
 
-# The kernels' element layout: a thread holds 16 elements, 4 "chunks" of 4 consecutive ones, and
-# a warp a tile of 512: element e of the tile sits in register (e & 3) of chunk (e >> 7) & 3 of
-# lane (e >> 2) & 31.  So index bits 0, 1, 7, 8 live in a thread's registers, bits 2-6 across the
-# lanes of a warp and bits 9 and up across the warps of a CTA.
+# The stage order's three parts.  It is the order of the first GPU kernels' register, warp-shuffle
+# and shared-memory stages (a thread held elements 4 * (lane + 32 j) + (0..3), bits 0, 1, 7, 8 in
+# its registers); the kernels now keep other bits in registers (``fp4_kernels.cuda.hadamard``)
+# but run the stages in the same order, which is part of the transform's definition.
 REGISTER_BITS = (0, 1, 7, 8)
 LANE_BITS = (2, 3, 4, 5, 6)
-WARP_TILE = 512
 
 
 def check_group_size(group_size, name="group_size"):
@@ -68,8 +67,8 @@ def check_groups(x, group_size):
 def stage_order(group_size):
     """The index bits of the butterfly stages in the order the kernels apply them.
 
-    Register stages first (bits 0, 1, 7, 8 below log2(g)), then warp-shuffle stages (bits 2-6),
-    then shared-memory stages (bits 9 and up).
+    Bits 0, 1, 7, 8 (those below log2(g)), then bits 2-6, then bits 9 and up in increasing
+    order.
     """
     bits = check_group_size(group_size).bit_length() - 1
     regs = [b for b in REGISTER_BITS if b < bits]
