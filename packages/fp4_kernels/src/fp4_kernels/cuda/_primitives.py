@@ -60,6 +60,15 @@ if SIMULATOR:
     def load_v2(words, i):
         return words[i], words[i + 1]
 
+    def load_shared_v4(sm, i):
+        return sm[i], sm[i + 1], sm[i + 2], sm[i + 3]
+
+    def store_shared_v4(sm, i, a, b, c, d):
+        sm[i] = a
+        sm[i + 1] = b
+        sm[i + 2] = c
+        sm[i + 3] = d
+
     def store_v2(words, i, a, b):
         words[i] = a
         words[i + 1] = b
@@ -296,6 +305,54 @@ if not SIMULATOR:
     # (``st.global.v{2,4}.u32``).
     load_v2 = _vector_load(2)
     load_v4 = _vector_load(4)
+
+    @intrinsic
+    def load_shared_v4(typingctx, sm, index):
+        """Four float32 from a shared-memory array at ``sm[index]`` (16-byte aligned) in one
+        ``ld.shared.v4.f32`` (the array's generic address converted to the shared window)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if not isinstance(index, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            addr = element_address(context, builder, signature.args[0], args[0], args[1])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(64)]),
+                "{ .reg .u64 a; cvta.to.shared.u64 a, $4; "
+                "ld.shared.v4.f32 {$0, $1, $2, $3}, [a]; }",
+                "=f,=f,=f,=f,l",
+            )
+            return builder.call(asm, [addr])
+
+        return types.UniTuple(types.float32, 4)(sm, index), codegen
+
+    @intrinsic
+    def store_shared_v4(typingctx, sm, index, a, b, c, d):
+        """``sm[index : index + 4] = a, b, c, d`` in one ``st.shared.v4.f32``."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if not isinstance(index, types.Integer):
+            return None
+        if any(v != types.float32 for v in (a, b, c, d)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            addr = element_address(context, builder, signature.args[0], args[0], args[1])
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [f32] * 4),
+                "{ .reg .u64 a; cvta.to.shared.u64 a, $0; "
+                "st.shared.v4.f32 [a], {$1, $2, $3, $4}; }",
+                "l,f,f,f,f,~{memory}",
+                side_effect=True,
+            )
+            builder.call(asm, [addr, *args[2:]])
+            return context.get_dummy_value()
+
+        sig = types.void(sm, index, types.float32, types.float32, types.float32, types.float32)
+        return sig, codegen
 
 
 def device_jit(fn=None):

@@ -35,7 +35,15 @@ from numba import cuda
 from .._scalar import KIND_F32
 from ..formats.hadamard import inv_sqrt_group_size, stage_order
 from . import launch
-from ._primitives import FULL_MASK, WARP_SIZE, device_jit, f32_as_u32, u32_as_f32
+from ._primitives import (
+    FULL_MASK,
+    WARP_SIZE,
+    device_jit,
+    f32_as_u32,
+    load_shared_v4,
+    store_shared_v4,
+    u32_as_f32,
+)
 from ._words import U32, U64, make_words_io, words_per
 
 REGISTERS = 32  # elements per thread: 4 chunks of 8
@@ -168,13 +176,11 @@ def make_butterflies(group_size):
     def cross_warp(v, lane, warp, sm):
         for i in range(0, REGISTERS, 4):  # the thread's own elements, 4 a slot
             s = slot(i % 8 + 8 * lane + 256 * (i // 8) + 1024 * warp) * 4
-            for j in range(4):
-                sm[s + j] = v[i + j]
+            store_shared_v4(sm, s, v[i], v[i + 1], v[i + 2], v[i + 3])
         cuda.syncthreads()  # the whole group is in shared memory
         for i in range(0, REGISTERS, 4):
             s = slot(exchanged_element(i, lane, warp, k)) * 4
-            for j in range(4):
-                v[i + j] = sm[s + j]
+            v[i], v[i + 1], v[i + 2], v[i + 3] = load_shared_v4(sm, s)
         cuda.syncthreads()  # every read is done before the next tile's writes
         after(v, lane)
 
