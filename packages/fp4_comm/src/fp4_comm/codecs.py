@@ -167,13 +167,13 @@ class _FP4BlockCodec(Codec):
         codes, scales = sections[0], sections[1]
         ones = _ones(codes.device)
         return fp4_kernels.QuantizedTensor(
-            codes.reshape(chunks, n // 2),
-            scales.reshape(chunks, n // self.granularity),
-            ones,
-            self.fmt,
-            (chunks, n),
-            "float32",
-            "linear",
+            data=codes.reshape(chunks, n // 2),
+            scales=scales.reshape(chunks, n // self.granularity),
+            global_scale=ones,
+            fmt=self.fmt,
+            shape=(chunks, n),
+            dtype="float32",
+            scale_layout="linear",
         )
 
     def saturated(self, sections, n):
@@ -302,13 +302,13 @@ class FP4QuantCodec(Codec):
         codes, scales = sections
         chunks = codes.shape[0]
         q = fp4_kernels.QuantizedTensor(
-            codes.reshape(chunks, n // 2),
-            scales.reshape(chunks, -1).view(torch.uint16),
-            None,
-            self.fmt,
-            (chunks, n),
-            "float32",
-            "linear",
+            data=codes.reshape(chunks, n // 2),
+            scales=scales.reshape(chunks, -1).view(torch.uint16),
+            global_scale=None,
+            fmt=self.fmt,
+            shape=(chunks, n),
+            dtype="float32",
+            scale_layout="linear",
         )
         return fp4_kernels.dequantize(q, _dtype_name(dtype))
 
