@@ -49,7 +49,7 @@ class FP4Quant:
     group_size: int = 64
     hadamard: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         from .formats.hadamard import check_group_size
 
         check_group_size(self.group_size, "FP4Quant.group_size")
@@ -58,13 +58,15 @@ class FP4Quant:
 
     @property
     def block_size(self) -> int:
+        """Elements per scale: the group size."""
         return self.group_size
 
     @property
     def bits_per_element(self) -> float:
+        """4 bits of code plus a 16-bit scale per group: 4 + 16 / group_size."""
         return 4 + 16 / self.group_size
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
 
 
@@ -107,7 +109,7 @@ class QuantizedTensor:
     global_scale: Array | None
     fmt: Format
     shape: tuple[int, ...]
-    dtype: Any
+    dtype: DType
     scale_layout: ScaleLayout
     payload: Array | None = None
 

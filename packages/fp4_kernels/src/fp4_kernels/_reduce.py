@@ -53,7 +53,7 @@ def requantized_sum_reference(q):
     return quantize(acc, fmt=q.fmt, scale_layout=q.scale_layout)
 
 
-def requantized_sum(q):
+def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     """Sum over the rows of a (rows, n) ``QuantizedTensor``, in float32, quantized again to the
     same format (round to nearest even): a (1, n) ``QuantizedTensor`` of dtype float32.
 
