@@ -265,7 +265,8 @@ def _is_cpu_device(device):
 
 
 def _to_host(a):
-    return a.get() if hasattr(a, "get") else a.copy_to_host()
+    """A numpy copy of a CuPy or numba device array."""
+    return a.get() if arrays.backend_of(a).lib == "cupy" else a.copy_to_host()
 
 
 def _nbytes(a):
