@@ -28,7 +28,7 @@ def _check(q, x, fmt, rounding, seed, step, dtype=None):
     np.testing.assert_array_equal(np.asarray(q.data), e2m1.pack_e2m1(codes))
     np.testing.assert_array_equal(np.asarray(q.scales), scales)
     ref = fq.dequantize_reference(codes, scales, fmt.group_size, hadamard=fmt.hadamard)
-    out_dtype = NP[dtype or q.dtype]
+    out_dtype = NP[dtype or q.dtype_name]
     assert same_bits(fk.dequantize(q, dtype), ref.astype(out_dtype))
 
 
@@ -39,7 +39,7 @@ def test_cpu_matches_reference(rng, dtype, rounding, g, hadamard):
     fmt = fk.FP4Quant(g, hadamard)
     x = _data(rng, 3, 2 * g, dtype, g)
     q = fk.quantize(x, fmt=fmt, rounding=rounding, seed=2**40 + 3, step=7)
-    assert q.fmt == fmt and q.shape == x.shape and q.dtype == dtype and q.global_scale is None
+    assert q.fmt == fmt and q.shape == x.shape and q.dtype == x.dtype and q.global_scale is None
     _check(q, x, fmt, rounding, 2**40 + 3, 7)
     _check(q, x, fmt, rounding, 2**40 + 3, 7, "float32")
 

@@ -21,7 +21,14 @@ class CommPeerError(RuntimeError):
     out of step afterwards: make a new one to go on.
     """
 
-    def __init__(self, message, *, op=None, rank=None, peers=None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        rank: int | None = None,
+        peers: list[int] | None = None,
+    ) -> None:
         super().__init__(message)
         self.op, self.rank, self.peers = op, rank, peers
 

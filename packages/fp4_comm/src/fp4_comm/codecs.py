@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -55,6 +57,8 @@ FLOAT32_ROUNDING_SLACK = 2.0**-20
 FLOAT32_REL_HALF_ULP = 2.0**-24
 REL_HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
+Rounding = Literal["nearest", "stochastic"]
+
 
 class Codec(ABC):
     """What a collective needs from a wire format."""
@@ -72,11 +76,15 @@ class Codec(ABC):
         return sum(self.section_nbytes(n))
 
     @abstractmethod
-    def encode(self, x, rounding="nearest", seed=0, step=0) -> list:
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
         """``x`` (chunks, n) contiguous float -> sections, uint8 (chunks, section_nbytes(n)[i])."""
 
     @abstractmethod
-    def decode(self, sections, n: int, dtype=torch.float32):
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Sections of ``chunks`` chunks (each contiguous) -> (chunks, n) of ``dtype``."""
 
     @property
@@ -84,19 +92,21 @@ class Codec(ABC):
         """Identifies the wire format; every rank of a collective must have the same one."""
         return self.name
 
-    def saturated(self, sections, n: int):
+    def saturated(self, sections: Sequence[torch.Tensor], n: int) -> torch.Tensor | None:
         """bool (chunks, n): elements encoded with the largest magnitude of their block, or
         None where the format has no such notion.  Used for the clipped-fraction statistic."""
         return None
 
-    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+    def error_bound(
+        self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
+    ) -> np.ndarray:
         """Per-element bound on ``|decode(encode(x)) - x|`` for a (chunks, n) float32 numpy
         array of finite values, derived from the format (docs/formats.md); decoding to
         ``dtype``.  (FP4Quant with the transform: for groups whose transform stays below
         FLT_MAX, about ``|x| < FLT_MAX / g``; beyond, the encoder marks the group NaN.)"""
         raise NotImplementedError(f"{self.name}: no error bound")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
@@ -109,24 +119,28 @@ class NoneCodec(Codec):
 
     granularity = 1
 
-    def __init__(self, dtype="bfloat16"):
+    def __init__(self, dtype: str | torch.dtype = "bfloat16") -> None:
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if self.dtype not in REL_HALF_ULP:
             raise ValueError(f"NoneCodec: dtype {dtype!r}: use float32, bfloat16 or float16")
         self.name = "none" if self.dtype == torch.bfloat16 else f"none-{_dtype_name(self.dtype)}"
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
 
-    def section_nbytes(self, n):
+    def section_nbytes(self, n: int) -> tuple[int, ...]:
         return (_check_n(self, n) * self.itemsize,)
 
-    def encode(self, x, rounding="nearest", seed=0, step=0):
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
         empty = _encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
         # Casting rounds to nearest even; stochastic rounding is a format feature of FP4 only.
         return [_bytes_per_chunk(x.to(self.dtype), x.shape[0])]
 
-    def decode(self, sections, n, dtype=torch.float32):
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
@@ -134,19 +148,21 @@ class NoneCodec(Codec):
         values = raw.view(self.dtype).reshape(raw.shape[0], n)
         return values.to(dtype) if dtype != self.dtype else values
 
-    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+    def error_bound(
+        self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
+    ) -> np.ndarray:
         rel = REL_HALF_ULP[self.dtype] + (REL_HALF_ULP[dtype] if dtype != self.dtype else 0.0)
         # A second rounding sees a value already within rel of x: (1 + rel) covers it.
         return np.abs(x).astype(np.float64) * rel * (1 + rel)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"NoneCodec({_dtype_name(self.dtype)!r})"
 
 
 class _FP4BlockCodec(Codec):
     fmt: str
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.granularity = fp4_kernels.FORMATS[self.fmt]
         self.name = self.fmt
 
@@ -154,7 +170,9 @@ class _FP4BlockCodec(Codec):
         n = _check_n(self, n)
         return (n // 2, n // self.granularity)
 
-    def encode(self, x, rounding="nearest", seed=0, step=0):
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
         empty = _encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
@@ -168,16 +186,16 @@ class _FP4BlockCodec(Codec):
         codes, scales = sections[0], sections[1]
         ones = _ones(codes.device)
         return fp4_kernels.QuantizedTensor(
-            codes.reshape(chunks, n // 2),
-            scales.reshape(chunks, n // self.granularity),
-            ones,
-            self.fmt,
-            (chunks, n),
-            "float32",
-            "linear",
+            data=codes.reshape(chunks, n // 2),
+            scales=scales.reshape(chunks, n // self.granularity),
+            global_scale=ones,
+            fmt=self.fmt,
+            shape=(chunks, n),
+            dtype="float32",
+            scale_layout="linear",
         )
 
-    def saturated(self, sections, n):
+    def saturated(self, sections: Sequence[torch.Tensor], n: int) -> torch.Tensor:
         codes = sections[0]
         low = (codes & E2M1_MAX_MAGNITUDE_CODE) == E2M1_MAX_MAGNITUDE_CODE
         high = ((codes >> 4) & E2M1_MAX_MAGNITUDE_CODE) == E2M1_MAX_MAGNITUDE_CODE
@@ -195,7 +213,7 @@ class NVFP4Codec(_FP4BlockCodec):
 
     fmt = "nvfp4"
 
-    def section_nbytes(self, n):
+    def section_nbytes(self, n: int) -> tuple[int, ...]:
         return (*self._code_and_scale_nbytes(n), 4)
 
     def _sections(self, q, chunks):
@@ -204,7 +222,9 @@ class NVFP4Codec(_FP4BlockCodec):
         gs = q.global_scale.expand(chunks).contiguous().view(torch.uint8).reshape(chunks, 4)
         return [q.data, q.scales, gs]
 
-    def decode(self, sections, n, dtype=torch.float32):
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
@@ -219,7 +239,9 @@ class NVFP4Codec(_FP4BlockCodec):
         inv_s = sections[2].reshape(chunks, 4).view(torch.float32)
         return y.mul_(inv_s)
 
-    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+    def error_bound(
+        self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
+    ) -> np.ndarray:
         finite = np.abs(x[np.isfinite(x)])
         amax = float(finite.max()) if finite.size else 0.0
         inv_s = amax / NVFP4_S_NUMERATOR if amax > 0 else 1.0
@@ -241,17 +263,19 @@ class MXFP4Codec(_FP4BlockCodec):
 
     fmt = "mxfp4"
 
-    def section_nbytes(self, n):
+    def section_nbytes(self, n: int) -> tuple[int, ...]:
         return self._code_and_scale_nbytes(n)
 
-    def decode(self, sections, n, dtype=torch.float32):
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
         chunks = sections[0].shape[0]
         return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
 
-    def requantized_sum(self, sections, n):
+    def requantized_sum(self, sections: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
         """The received chunks decoded, added in float32 in rank order and encoded again with
         nearest rounding: the sections of one chunk, bit for bit ``encode(decode(...) summed)``
         (``fp4_kernels.requantized_sum``: one kernel on a GPU, no float32 intermediate)."""
@@ -261,7 +285,9 @@ class MXFP4Codec(_FP4BlockCodec):
         q = fp4_kernels.requantized_sum(self._quantized(sections, n, chunks))
         return self._sections(q, 1)
 
-    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+    def error_bound(
+        self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
+    ) -> np.ndarray:
         amax_b = self._block_amax(x)
         with np.errstate(divide="ignore"):
             e = np.floor(np.log2(np.where(amax_b > 0, amax_b, 1.0))) - 2
@@ -279,16 +305,18 @@ class FP4QuantCodec(Codec):
     sections here are that payload's two parts, so chunk i of each is contiguous.
     """
 
-    def __init__(self, group_size=64, hadamard=True):
+    def __init__(self, group_size: int = 64, hadamard: bool = True) -> None:
         self.fmt = fp4_kernels.FP4Quant(group_size=group_size, hadamard=hadamard)
         self.granularity = self.fmt.group_size
         self.name = f"fp4quant-g{group_size}" + ("" if hadamard else "-nohadamard")
 
-    def section_nbytes(self, n):
+    def section_nbytes(self, n: int) -> tuple[int, ...]:
         n = _check_n(self, n)
         return (n // 2, 2 * (n // self.granularity))
 
-    def encode(self, x, rounding="nearest", seed=0, step=0):
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
         empty = _encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
@@ -296,24 +324,28 @@ class FP4QuantCodec(Codec):
         chunks = x.shape[0]
         return [q.data, q.scales.view(torch.uint8).reshape(chunks, -1)]
 
-    def decode(self, sections, n, dtype=torch.float32):
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
         codes, scales = sections
         chunks = codes.shape[0]
         q = fp4_kernels.QuantizedTensor(
-            codes.reshape(chunks, n // 2),
-            scales.reshape(chunks, -1).view(torch.uint16),
-            None,
-            self.fmt,
-            (chunks, n),
-            "float32",
-            "linear",
+            data=codes.reshape(chunks, n // 2),
+            scales=scales.reshape(chunks, -1).view(torch.uint16),
+            global_scale=None,
+            fmt=self.fmt,
+            shape=(chunks, n),
+            dtype="float32",
+            scale_layout="linear",
         )
         return fp4_kernels.dequantize(q, _dtype_name(dtype))
 
-    def error_bound(self, x, rounding="nearest", dtype=torch.float32):
+    def error_bound(
+        self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
+    ) -> np.ndarray:
         g = self.granularity
         stages = g.bit_length() - 1 if self.fmt.hadamard else 0
         groups = np.abs(x.astype(np.float64)).reshape(-1, g)
@@ -334,10 +366,10 @@ class FP4QuantCodec(Codec):
         return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
 
     @property
-    def key(self):
+    def key(self) -> str:
         return self.name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"FP4QuantCodec(group_size={self.granularity}, hadamard={self.fmt.hadamard})"
 
 
@@ -450,7 +482,12 @@ def _dtype_name(dtype):
 _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
 
 
-def get_codec(spec) -> Codec:
+#: ``codec=`` of the collectives: a name ("nvfp4", "mxfp4", "none", "none-float32",
+#: "none-float16"), an ``fp4_kernels.FP4Quant`` or a ``Codec``.
+CodecSpec = str | fp4_kernels.FP4Quant | Codec
+
+
+def get_codec(spec: CodecSpec) -> Codec:
     """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
     / ``"none-float16"``, an ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
     if isinstance(spec, Codec):

@@ -18,16 +18,40 @@ import operator
 import os
 import sys
 import zlib
+from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import collectives
-from ._transport import CommPeerError, CommTimeoutError, GlooTransport, reraise_peer_error
-from .codecs import SEED_LIMIT, STEP_LIMIT, check_int, check_rounding, get_codec
+from ._transport import (
+    CommPeerError,
+    CommTimeoutError,
+    GlooTransport,
+    Transport,
+    reraise_peer_error,
+)
+from .codecs import (
+    SEED_LIMIT,
+    STEP_LIMIT,
+    CodecSpec,
+    Rounding,
+    check_int,
+    check_rounding,
+    get_codec,
+)
 from .error_feedback import ErrorFeedback
+from .stats import HopStats
+
+#: A torch tensor, or a CuPy array (the result is then a CuPy array, queued on CuPy's current
+#: stream).
+TensorLike = Any
+#: A torch.device, a device string ("cuda:1", "cpu") or a CUDA device index.
+DeviceLike = torch.device | str | int
+Validate = Literal["always", "first", "never"]
 
 VALIDATE = ("always", "first", "never")
 _OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
@@ -45,7 +69,9 @@ def _crc(s: str) -> int:
     return zlib.crc32(s.encode())
 
 
-def check_options(rounding, seed, step=None, error_feedback=None):
+def check_options(
+    rounding: Rounding, seed: int, step: int | None = None, error_feedback: str | None = None
+) -> None:
     """The collectives' options that need no tensor: ValueError / TypeError naming the argument
     (before anything moves, so a bad option on every rank leaves the group in step)."""
     check_rounding(rounding)
@@ -86,7 +112,12 @@ class Communicator:
     it did not come in time, ``CommConnectionError`` when its connection closed.
     """
 
-    def __init__(self, transport, control_group=None, validate="always"):
+    def __init__(
+        self,
+        transport: Transport,
+        control_group: dist.ProcessGroup | None = None,
+        validate: Validate = "always",
+    ) -> None:
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
         if control_group is None and isinstance(transport, GlooTransport):
@@ -104,7 +135,13 @@ class Communicator:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_process_group(cls, group=None, device=None, timeout_s=60.0, validate="always"):
+    def from_process_group(
+        cls,
+        group: dist.ProcessGroup | None = None,
+        device: DeviceLike | None = None,
+        timeout_s: float = 60.0,
+        validate: Validate = "always",
+    ) -> Communicator:
         """A communicator over the ranks of ``group`` (default: the default group).
 
         ``device``: a CUDA device (this rank's GPU) for an NCCL communicator through CuPy, or
@@ -149,7 +186,12 @@ class Communicator:
         return cls(transport, control, validate)
 
     @classmethod
-    def from_env(cls, device=None, timeout_s=60.0, validate="always"):
+    def from_env(
+        cls,
+        device: DeviceLike | None = None,
+        timeout_s: float = 60.0,
+        validate: Validate = "always",
+    ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU LOCAL_RANK (or the CPU where there is no CUDA)."""
@@ -167,22 +209,27 @@ class Communicator:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self.transport.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the group."""
         return self.transport.world_size
 
     @property
     def device(self) -> torch.device:
+        """Where the tensors of this communicator live (this rank's GPU, or the CPU)."""
         return self.transport.device
 
-    def synchronize(self, timeout_s=None):
+    def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait until this rank's queued transfers are done; CommTimeoutError (and, for NCCL,
         an aborted communicator) if they are not within the timeout."""
         self.transport.synchronize(timeout_s)
 
-    def close(self):
+    def close(self) -> None:
+        """Stop the NCCL watchdog and destroy the NCCL communicator (nothing to release over
+        gloo); no collective may follow on an NCCL communicator."""
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
@@ -200,7 +247,7 @@ class Communicator:
             "error_feedback": self.error_feedback.state_dict(),
         }
 
-    def load_state_dict(self, state: dict):
+    def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()`` of this rank (every rank of the group loads its own)."""
         if not isinstance(state, dict) or set(state) != {"calls", "sends", "error_feedback"}:
             keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
@@ -215,14 +262,30 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
 
-    def all_reduce(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
-                   error_feedback=None, stats=False):  # fmt: skip
+    def all_reduce(
+        self,
+        x: TensorLike,
+        codec: CodecSpec = "nvfp4",
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+        step: int | None = None,
+        error_feedback: str | None = None,
+        stats: bool = False,
+    ) -> TensorLike | tuple[TensorLike, dict[str, HopStats]]:
         """Sum of ``x`` over the ranks: same shape and dtype as ``x``, the same bits on every
         rank.  Any size (zeros pad it to W chunks of whole blocks)."""
         return self._run("all_reduce", x, codec, rounding, seed, step, error_feedback, stats)
 
-    def reduce_scatter(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None,
-                       error_feedback=None, stats=False):  # fmt: skip
+    def reduce_scatter(
+        self,
+        x: TensorLike,
+        codec: CodecSpec = "nvfp4",
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+        step: int | None = None,
+        error_feedback: str | None = None,
+        stats: bool = False,
+    ) -> TensorLike | tuple[TensorLike, dict[str, HopStats]]:
         """``x`` (d0, ...) -> (d_r, ...): rank r gets the sum over ranks of rows
         [r m, r m + d_r), m = ceil(d0 / W), d_r = ``shard_rows(d0, W)[r]`` (m, or fewer or none
         on the last ranks), decoded once and added in float32 (no requantization).  That is
@@ -230,8 +293,16 @@ class Communicator:
         padding rows dropped; for d0 a multiple of W, exactly its split (d0 / W rows each)."""
         return self._run("reduce_scatter", x, codec, rounding, seed, step, error_feedback, stats)
 
-    def all_gather(self, x, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False,
-                   total_dim0=None):  # fmt: skip
+    def all_gather(
+        self,
+        x: TensorLike,
+        codec: CodecSpec = "nvfp4",
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+        step: int | None = None,
+        stats: bool = False,
+        total_dim0: int | None = None,
+    ) -> TensorLike | tuple[TensorLike, dict[str, HopStats]]:
         """``x`` (d0, ...) -> (W * d0, ...): the ranks' tensors along dim 0, decoded.
 
         ``total_dim0``: the inverse of ``reduce_scatter``'s split of a (total_dim0, ...)
@@ -240,13 +311,29 @@ class Communicator:
         return self._run("all_gather", x, codec, rounding, seed, step, None, stats,
                          total_dim0=total_dim0)  # fmt: skip
 
-    def send(self, x, dst, codec="nvfp4", rounding="nearest", seed=0, step=None, stats=False):
+    def send(
+        self,
+        x: TensorLike,
+        dst: int,
+        codec: CodecSpec = "nvfp4",
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+        step: int | None = None,
+        stats: bool = False,
+    ) -> tuple[None, dict[str, HopStats]] | None:
         """Send ``x`` encoded to rank ``dst``, which calls ``recv`` with its shape and dtype.
         ``step`` defaults to the number of sends this rank has made (only the sender draws
         random words; the receiver needs no step)."""
         return self._run("send", x, codec, rounding, seed, step, None, stats, peer=dst)
 
-    def recv(self, shape, dtype, src, codec="nvfp4", like=None):
+    def recv(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype | str | np.dtype,
+        src: int,
+        codec: CodecSpec = "nvfp4",
+        like: TensorLike | None = None,
+    ) -> TensorLike:
         """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``.
         ``like``: a tensor or CuPy array whose kind and stream the result follows (default: a
         torch tensor on this communicator's device)."""
@@ -262,7 +349,12 @@ class Communicator:
                 _reraise_with_op(err, "recv")
             return back(y)
 
-    def capture(self, op, x, **kwargs) -> CapturedCollective:
+    def capture(
+        self,
+        op: Literal["all_reduce", "reduce_scatter", "all_gather"],
+        x: torch.Tensor,
+        **kwargs: Any,
+    ) -> CapturedCollective:
         """Capture the collective ``op`` ("all_reduce", "reduce_scatter", "all_gather") of the
         CUDA tensor ``x`` in a CUDA graph: ``replay()`` then reruns it on whatever ``x`` holds,
         for a few microseconds of host time, and returns the same ``output`` tensor.
@@ -457,7 +549,9 @@ class Communicator:
 class CapturedCollective:
     """A collective captured in a CUDA graph (``Communicator.capture``)."""
 
-    def __init__(self, comm, op, x, kwargs):
+    def __init__(
+        self, comm: Communicator, op: str, x: torch.Tensor, kwargs: dict[str, Any]
+    ) -> None:
         if op not in ("all_reduce", "reduce_scatter", "all_gather"):
             raise ValueError(f"capture: {op!r} is not all_reduce, reduce_scatter or all_gather")
         if not (isinstance(x, torch.Tensor) and x.is_cuda):
@@ -477,7 +571,7 @@ class CapturedCollective:
         finally:
             comm.validate = validate
 
-    def replay(self):
+    def replay(self) -> torch.Tensor:
         """Run the captured collective on the current contents of ``input``."""
         self.graph.replay()
         return self.output

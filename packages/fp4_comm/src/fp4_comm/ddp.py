@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from .codecs import get_codec
+from .codecs import CodecSpec, Rounding, get_codec
 from .communicator import Communicator, check_options
 
 
@@ -25,8 +26,8 @@ class FP4HookState:
     """What the hook needs; DDP hands it back on every call."""
 
     comm: Communicator
-    codec: object = "nvfp4"
-    rounding: str = "nearest"
+    codec: CodecSpec = "nvfp4"
+    rounding: Rounding = "nearest"
     error_feedback: bool = True
     seed: int = 0
 
@@ -51,8 +52,14 @@ def fp4_allreduce_hook(
     return fut
 
 
-def register(model, comm: Communicator, codec="nvfp4", rounding="nearest", error_feedback=True,
-             seed=0) -> FP4HookState:  # fmt: skip
+def register(
+    model: DistributedDataParallel,
+    comm: Communicator,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    error_feedback: bool = True,
+    seed: int = 0,
+) -> FP4HookState:
     """Register ``fp4_allreduce_hook`` on a DDP ``model``; returns the hook's state.
 
     The options are checked here (ValueError / TypeError naming the argument), not at the

@@ -20,8 +20,11 @@ GradScaler skips it), and the next step starts that block afresh.
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
+
+Hop = Literal["worker", "server"]
 
 HOPS = ("worker", "server")
 
@@ -30,13 +33,13 @@ class ErrorFeedback:
     """Residuals keyed by (buffer name, hop); float32, on the data's device, padded like the
     payload (the padding's residual stays 0: zeros encode exactly)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._residuals: dict[tuple[str, str], torch.Tensor] = {}
         # Blocks reset for holding NaN/Inf, per (name, hop): int64 0-d tensors on the residual's
         # device, so that counting needs no host synchronization on a GPU.
         self._nonfinite: dict[tuple[str, str], torch.Tensor] = {}
 
-    def corrected(self, name, hop, x):
+    def corrected(self, name: str, hop: Hop, x: torch.Tensor) -> torch.Tensor:
         """``x`` (float, any shape) plus the stored residual of (name, hop), in float32; a new
         tensor.  The first call of a name starts from residual 0."""
         e = self._residuals.get((name, hop))
@@ -50,7 +53,14 @@ class ErrorFeedback:
             )
         return x + e  # bfloat16/float16 + float32 promotes to float32: one op, a new tensor
 
-    def store(self, name, hop, corrected, decoded, block_size=1):
+    def store(
+        self,
+        name: str,
+        hop: Hop,
+        corrected: torch.Tensor,
+        decoded: torch.Tensor,
+        block_size: int = 1,
+    ) -> None:
         """Keep corrected - decoded as the residual of (name, hop); ``corrected`` is consumed.
 
         Every run of ``block_size`` elements (the codec's block; the residual's element count
@@ -86,17 +96,17 @@ class ErrorFeedback:
                 stacklevel=2,
             )
 
-    def residual(self, name, hop="worker"):
+    def residual(self, name: str, hop: Hop = "worker") -> torch.Tensor | None:
         """The stored residual (None before the first use of the name)."""
         return self._residuals.get((name, hop))
 
-    def nonfinite_blocks(self, name=None) -> int:
+    def nonfinite_blocks(self, name: str | None = None) -> int:
         """How many blocks of ``name`` (every name if None) had their residual reset for holding
         NaN or Inf, since the first use or the last ``reset``.  Reads GPU counters: a
         synchronization where the residuals live on a GPU."""
         return sum(int(n) for (k, _), n in self._nonfinite.items() if name is None or k == name)
 
-    def reset(self, name=None):
+    def reset(self, name: str | None = None) -> None:
         """Forget the residuals and counts of ``name`` (every name if None)."""
         if name is None:
             self._residuals.clear()
@@ -106,7 +116,8 @@ class ErrorFeedback:
                 for key in [k for k in store if k[0] == name]:
                     del store[key]
 
-    def names(self):
+    def names(self) -> list[str]:
+        """The buffer names that have a residual, sorted."""
         return sorted({k[0] for k in self._residuals})
 
     # ------------------------------------------------------------------ checkpoints
@@ -124,7 +135,7 @@ class ErrorFeedback:
             counts.setdefault(name, {})[hop] = int(n)
         return {"residuals": residuals, "nonfinite_blocks": counts}
 
-    def load_state_dict(self, state: dict):
+    def load_state_dict(self, state: dict) -> None:
         """Replace every residual and count with those of ``state`` (from ``state_dict``;
         tensors are copied, and stay on the device they come on: ``torch.load``'s
         ``map_location`` moves them)."""

@@ -7,6 +7,7 @@ device, so asking for them adds no host synchronization; ``HopStats.as_floats`` 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +26,12 @@ class HopStats:
         elements: the number of elements (padding excluded).
     """
 
-    sqnr_db: object
-    clipped: object
-    zeroed: object
+    sqnr_db: torch.Tensor
+    clipped: torch.Tensor
+    zeroed: torch.Tensor
     elements: int
 
-    def as_floats(self) -> dict:
+    def as_floats(self) -> dict[str, float]:
         """The statistics as Python floats (a host synchronization on a GPU)."""
         return {
             "sqnr_db": float(self.sqnr_db),
@@ -40,7 +41,12 @@ class HopStats:
         }
 
 
-def hop_stats(x, x_hat, saturated, valid=None) -> HopStats:
+def hop_stats(
+    x: torch.Tensor,
+    x_hat: torch.Tensor,
+    saturated: torch.Tensor | None,
+    valid: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> HopStats:
     """Statistics of ``x_hat`` (the decoded payload) against ``x``, both (chunks, n); ``valid``
     maps such a tensor to its elements that are not padding (all of them if None)."""
     if valid is None:
@@ -67,7 +73,7 @@ def _all(t):
     return t
 
 
-def sqnr_db(x, x_hat) -> float:
+def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """SQNR of ``x_hat`` against ``x`` in dB, as a float (for tests and reports)."""
     x = x.double().reshape(-1)
     noise = float(torch.sum((x - x_hat.double().reshape(-1)) ** 2))

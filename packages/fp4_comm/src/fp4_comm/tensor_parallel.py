@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .codecs import CodecSpec, Rounding
 from .communicator import Communicator
 
 
@@ -83,22 +84,42 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
         return grad, None, None, None
 
 
-def copy_to_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
-                            grad_codec=None, error_feedback=None):  # fmt: skip
+def copy_to_tensor_parallel(
+    x: torch.Tensor,
+    comm: Communicator,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    grad_codec: CodecSpec | None = None,
+    error_feedback: str | None = None,
+) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient (a column-parallel layer's input)."""
     opts = _opts(grad_codec or codec, rounding, seed, error_feedback)
     return _CopyToTensorParallel.apply(x, comm, opts)
 
 
-def reduce_from_tensor_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest", seed=0,
-                                error_feedback=None):  # fmt: skip
+def reduce_from_tensor_parallel(
+    x: torch.Tensor,
+    comm: Communicator,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    error_feedback: str | None = None,
+) -> torch.Tensor:
     """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
     return _ReduceFromTensorParallel.apply(x, comm, _opts(codec, rounding, seed, error_feedback))
 
 
-def gather_from_sequence_parallel(x, comm: Communicator, codec="nvfp4", rounding="nearest",
-                                  seed=0, grad_codec=None, total_dim0=None,
-                                  error_feedback=None):  # fmt: skip
+def gather_from_sequence_parallel(
+    x: torch.Tensor,
+    comm: Communicator,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    grad_codec: CodecSpec | None = None,
+    total_dim0: int | None = None,
+    error_feedback: str | None = None,
+) -> torch.Tensor:
     """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
     ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
     return _GatherFromSequenceParallel.apply(
@@ -110,9 +131,15 @@ def gather_from_sequence_parallel(x, comm: Communicator, codec="nvfp4", rounding
     )
 
 
-def reduce_scatter_to_sequence_parallel(x, comm: Communicator, codec="nvfp4",
-                                        rounding="nearest", seed=0, grad_codec=None,
-                                        error_feedback=None):  # fmt: skip
+def reduce_scatter_to_sequence_parallel(
+    x: torch.Tensor,
+    comm: Communicator,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    grad_codec: CodecSpec | None = None,
+    error_feedback: str | None = None,
+) -> torch.Tensor:
     """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
     gradient back to x's length backward."""
     return _ReduceScatterToSequenceParallel.apply(

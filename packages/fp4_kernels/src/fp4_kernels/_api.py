@@ -7,20 +7,32 @@ codes and scales.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+import sys
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from . import _arrays as arrays
+from . import _arrays as arrays, _autograd
 from .formats.e2m1 import ROUNDINGS
 
 FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
 SCALE_LAYOUTS = ("linear", "swizzled")
 _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
+
+#: A numpy array, a torch tensor (CPU or CUDA), a CuPy array or a numba device array; results
+#: are arrays of the input's kind, on its device.
+Array = Any
+#: A dtype: a name ("float32", "bfloat16", "float16"), a numpy / ml_dtypes or a torch dtype.
+DType = Any
+Rounding = Literal["nearest", "stochastic"]
+ScaleLayout = Literal["linear", "swizzled"]
+#: A torch.device, a device string ("cuda:1", "cpu") or a CUDA device index.
+Device = Any
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,7 @@ class FP4Quant:
     group_size: int = 64
     hadamard: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         from .formats.hadamard import check_group_size
 
         check_group_size(self.group_size, "FP4Quant.group_size")
@@ -46,51 +58,92 @@ class FP4Quant:
 
     @property
     def block_size(self) -> int:
+        """Elements per scale: the group size."""
         return self.group_size
 
     @property
     def bits_per_element(self) -> float:
+        """4 bits of code plus a 16-bit scale per group: 4 + 16 / group_size."""
         return 4 + 16 / self.group_size
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
 
 
-@dataclass
+#: ``fmt=`` of quantize / dequantize: "nvfp4", "mxfp4" or an ``FP4Quant``.
+Format = Literal["nvfp4", "mxfp4"] | FP4Quant
+
+
+@dataclass(kw_only=True)
 class QuantizedTensor:
-    """A tensor in NVFP4, MXFP4 or FP4Quant.
+    """A tensor in NVFP4, MXFP4 or FP4Quant, as ``quantize`` returns it.
+
+    Construction is by keyword only.  The arrays are of one kind (numpy, torch, CuPy or numba
+    device arrays) and live on one device; ``dequantize`` checks every field it reads.
 
     Attributes:
         data: uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
         scales: uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
             swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
-            FP4Quant: uint16 raw bfloat16 bits (..., K/g).
-        global_scale: float32, shape (1,): the NVFP4 decode scale 1/S (1.0 for MXFP4), an array
-            of the input's kind so that it can stay on the GPU.  None for FP4Quant.
+            FP4Quant: uint16 raw bfloat16 bits (..., K/g).  ``typed_scales()`` views them as
+            float8 (bfloat16) values.
+        global_scale: float32, shape (1,): the NVFP4 tensor *decode* scale, fp32(1) / S with
+            S = 2688 / amax (1.0 for MXFP4), an array of the input's kind so that it can stay
+            on the GPU; a decoded element is e2m1 * block scale * global_scale.  None for
+            FP4Quant.  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
+            ``nvfp4_quantize`` take is the *encode* scale S itself (its decode takes 1 / S,
+            which is this one).
         fmt: "nvfp4", "mxfp4" or an ``FP4Quant``.
         shape: the shape of the tensor that was quantized.
-        dtype: its dtype name ("float32", "bfloat16" or "float16").
+        dtype: its dtype, as the array library spells it (``torch.bfloat16`` for torch tensors,
+            ``numpy.float32`` or ``ml_dtypes.bfloat16`` for numpy, CuPy and numba arrays).  The
+            constructor accepts a name ("float32", "bfloat16", "float16") or any library's
+            dtype and converts it to that of ``data``; ``dtype_name`` is the name.
         scale_layout: "linear" or "swizzled".
         payload: FP4Quant only: the wire buffer, uint8 (n/2 + 2n/g,), codes then scales;
             ``data`` and ``scales`` are views of it, so it can be sent as one message.
     """
 
-    data: object
-    scales: object
-    global_scale: object
-    fmt: str
-    shape: tuple
-    dtype: str
-    scale_layout: str
-    payload: object = None
+    data: Array
+    scales: Array
+    global_scale: Array | None
+    fmt: Format
+    shape: tuple[int, ...]
+    dtype: DType
+    scale_layout: ScaleLayout
+    payload: Array | None = None
+
+    def __post_init__(self) -> None:
+        # The dtype of data's library, so that q.dtype compares equal to x.dtype.  A dtype or
+        # data that is not supported stays as given: check_quantized (dequantize) names it.
+        try:
+            name = arrays.normalize_dtype(self.dtype)
+            lib = arrays.backend_of(self.data).lib
+        except TypeError:
+            return
+        if lib == "torch":
+            self.dtype = getattr(sys.modules["torch"], name)
+        else:
+            self.dtype = arrays.numpy_dtype(name)
+
+    @property
+    def dtype_name(self) -> str:
+        """The name of ``dtype``: "float32", "bfloat16" or "float16"."""
+        return arrays.normalize_dtype(self.dtype, "dtype")
 
     @property
     def block_size(self) -> int:
+        """Elements per scale: 16 (NVFP4), 32 (MXFP4) or the FP4Quant group size."""
         return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else FORMATS[self.fmt]
 
     @property
     def rows(self) -> int:
+        """The number of rows: the product of ``shape`` without its last dimension."""
         return math.prod(self.shape[:-1])
+
+    def numel(self) -> int:
+        """Elements of the tensor that was quantized (the product of ``shape``)."""
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +151,122 @@ class QuantizedTensor:
         if self.payload is not None:
             return int(_nbytes(self.payload))
         return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if self.fmt == "nvfp4" else 0))
+
+    def typed_scales(self) -> Array:
+        """The scales viewed as what they are, without a copy: ``float8_e4m3fn`` (NVFP4),
+        ``float8_e8m0fnu`` (MXFP4) or ``bfloat16`` (FP4Quant), as torch dtypes for torch
+        tensors (what ``torch._scaled_mm`` takes for block-scaled FP4 operands) and ml_dtypes
+        dtypes for numpy arrays.  Same shape and layout as ``scales``; the NaN scale code
+        (e4m3 0x7F, e8m0 0xFF) reads as NaN.  CuPy and numba arrays have no such dtypes:
+        TypeError.
+        """
+        backend = arrays.backend_of(self.scales, "scales")
+        if isinstance(self.fmt, FP4Quant):
+            name = "bfloat16"
+        else:
+            name = {"nvfp4": "float8_e4m3fn", "mxfp4": "float8_e8m0fnu"}[self.fmt]
+        if backend.lib == "torch":
+            return self.scales.view(getattr(sys.modules["torch"], name))
+        if backend.lib == "numpy":
+            import ml_dtypes
+
+            return self.scales.view(getattr(ml_dtypes, name))
+        raise TypeError(
+            f"scales: {backend.lib} arrays have no {name} dtype; typed_scales() views torch "
+            "tensors and numpy arrays (move the tensor with .cpu() first, or use torch)"
+        )
+
+    def to(self, device: Device, *, non_blocking: bool = False) -> QuantizedTensor:
+        """The tensor on ``device`` (a ``torch.device``, "cuda:1", "cpu", a GPU index): each
+        field moved with ``torch.Tensor.to``; ``self`` when every field is already there (as
+        torch does).  FP4Quant's ``data`` and ``scales`` stay views of the moved ``payload``.
+
+        Fields that are not torch tensors: ``to("cpu")`` is ``cpu()``; moving numpy, CuPy or
+        numba arrays to a GPU is not supported (TypeError): convert them to torch tensors.
+        The dtype cannot change (``dequantize(q, dtype)`` decodes to another one).
+        """
+        _check_device(device)
+        backend = check_quantized(self, "self")
+        if backend.lib != "torch":
+            if _is_cpu_device(device):
+                return self.cpu()
+            raise TypeError(
+                f"device: moving {backend.lib} arrays to {device!r} is not supported; .to() "
+                "moves torch tensors (wrap the fields with torch.from_numpy / torch.as_tensor)"
+            )
+        return self._map_torch(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def cpu(self) -> QuantizedTensor:
+        """The tensor in host memory: torch CPU tensors for torch fields, numpy arrays for CuPy
+        and numba device arrays; ``self`` when it is there already."""
+        backend = check_quantized(self, "self")
+        if backend.lib == "torch":
+            return self._map_torch(lambda t: t.cpu())
+        if not backend.gpu:
+            return self
+        return self._map(_to_host)
+
+    def cuda(self, device: Device | None = None, *, non_blocking: bool = False) -> QuantizedTensor:
+        """The tensor on a CUDA device (default: torch's current one), as ``torch.Tensor.cuda``;
+        ``self`` when it is there already.  Torch tensors only (TypeError otherwise)."""
+        if device is not None:
+            _check_device(device)
+        backend = check_quantized(self, "self")
+        if backend.lib != "torch":
+            raise TypeError(
+                f"self: .cuda() moves torch tensors; these fields are {backend.lib} arrays "
+                "(wrap them with torch.from_numpy / torch.as_tensor first)"
+            )
+        return self._map_torch(lambda t: t.cuda(device, non_blocking=non_blocking))
+
+    def _map_torch(self, move):
+        fields = (self.data, self.scales) if self.payload is None else (self.payload,)
+        moved = [move(a) for a in fields]
+        gs = None if self.global_scale is None else move(self.global_scale)
+        if all(m is a for m, a in zip(moved, fields, strict=True)) and gs is self.global_scale:
+            return self  # already there, as torch.Tensor.to returns the tensor itself
+        return self._replace_arrays(moved, gs)
+
+    def _map(self, move):
+        fields = (self.data, self.scales) if self.payload is None else (self.payload,)
+        gs = None if self.global_scale is None else move(self.global_scale)
+        return self._replace_arrays([move(a) for a in fields], gs)
+
+    def _replace_arrays(self, moved, global_scale):
+        """A copy with (data, scales) or, for FP4Quant, the payload replaced by ``moved``;
+        FP4Quant's views are re-derived from the moved payload (moving them one by one would
+        give three unrelated buffers)."""
+        if self.payload is None:
+            data, scales = moved
+            return dataclasses.replace(self, data=data, scales=scales, global_scale=global_scale)
+        from ._fp4quant import _payload_views
+
+        (payload,) = moved
+        lib = arrays.backend_of(payload, "payload").lib
+        data, scales = _payload_views(payload, self.shape, self.numel(), self.block_size, lib)
+        return dataclasses.replace(
+            self, data=data, scales=scales, global_scale=global_scale, payload=payload
+        )
+
+
+def _check_device(device):
+    torch = sys.modules.get("torch")
+    ok = isinstance(device, (str, int)) and not isinstance(device, bool)
+    if not (ok or (torch is not None and isinstance(device, torch.device))):
+        raise TypeError(
+            f"device: expected a torch.device, a device string ('cuda:0', 'cpu') or a GPU "
+            f"index, got {device!r}; a QuantizedTensor keeps its dtype (dequantize(q, dtype) "
+            "decodes to another one)"
+        )
+
+
+def _is_cpu_device(device):
+    return str(device) == "cpu"
+
+
+def _to_host(a):
+    """A numpy copy of a CuPy or numba device array."""
+    return a.get() if arrays.backend_of(a).lib == "cupy" else a.copy_to_host()
 
 
 def _nbytes(a):
@@ -107,7 +276,7 @@ def _nbytes(a):
     return n
 
 
-def swizzled_scale_shape(rows, blocks_per_row):
+def swizzled_scale_shape(rows: int, blocks_per_row: int) -> tuple[int, int]:
     """(padded_rows, padded_cols) of the 128x4-tile scale layout."""
     rows = _check_int(rows, "rows", 0, 2**63)
     blocks_per_row = _check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
@@ -176,8 +345,14 @@ def _geometry(shape, fmt, layout):
 
 
 def quantize(
-    x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None, scale_layout="linear"
-):
+    x: Array,
+    fmt: Format = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    global_amax: float | Array | None = None,
+    scale_layout: ScaleLayout = "linear",
+) -> QuantizedTensor:
     """Quantize ``x`` (..., K) to NVFP4 or MXFP4 along its last dimension.
 
     Args:
@@ -211,12 +386,29 @@ def quantize(
     return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused=False)
 
 
-def quantize_dequantize(x, fmt="nvfp4", rounding="nearest", seed=0, step=0, global_amax=None):
+def quantize_dequantize(
+    x: Array,
+    fmt: Format = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    global_amax: float | Array | None = None,
+) -> Array:
     """Fused fake-quantization: ``dequantize(quantize(x, ...))`` in one pass, same dtype as x.
 
     Bit-identical to the two-step version; the codes and scales never touch memory (for
     FP4Quant it is the two kernels, encode then decode, through the wire buffer).
+
+    Autograd: for a torch tensor that requires grad (with grad mode on) the result requires
+    grad too, and the gradient passes straight through: ``d(out)/dx`` is the identity, as in
+    torchao's fake quantization (the values are the same bits as without grad).
     """
+    if _autograd.requires_autograd(x):
+
+        def qdq(t):
+            return _quantize(t, fmt, rounding, seed, step, global_amax, "linear", fused=True)
+
+        return _autograd.fake_quantize(x, qdq)
     return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", fused=True)
 
 
@@ -291,13 +483,13 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         return arrays.cpu_from_bits(out_bits, dt, shape, backend)
     gs = np.array([s_dec], np.float32)
     return QuantizedTensor(
-        arrays.wrap_cpu(packed, backend),
-        arrays.wrap_cpu(scales, backend),
-        arrays.wrap_cpu(gs, backend),
-        fmt,
-        shape,
-        dt,
-        scale_layout,
+        data=arrays.wrap_cpu(packed, backend),
+        scales=arrays.wrap_cpu(scales, backend),
+        global_scale=arrays.wrap_cpu(gs, backend),
+        fmt=fmt,
+        shape=shape,
+        dtype=dt,
+        scale_layout=scale_layout,
     )
 
 
@@ -341,7 +533,10 @@ def _quantize_gpu(x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, 
     if fused:
         return out
     layout = "swizzled" if geo.swizzled else "linear"
-    return QuantizedTensor(data, scales, gs, fmt, geo.shape, dt, layout)
+    return QuantizedTensor(
+        data=data, scales=scales, global_scale=gs, fmt=fmt, shape=geo.shape, dtype=dt,
+        scale_layout=layout,
+    )  # fmt: skip
 
 
 def _fill_one(gs, ctx):
@@ -458,7 +653,7 @@ def _check_field(a, backend, name, dtype, shape, size=None):
         raise ValueError(f"{name}: must be C-contiguous (the kernels read it as a flat buffer)")
 
 
-def dequantize(q, dtype=None):
+def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     """Decode a ``QuantizedTensor`` to ``dtype`` (default: the dtype it was quantized from).
 
     NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;

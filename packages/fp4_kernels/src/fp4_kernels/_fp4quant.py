@@ -42,7 +42,7 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
                 ctx, x, codes, scales, n, seed, step, arrays.KIND_OF_DTYPE[dt], g,
                 fmt.hadamard, stochastic,
             )  # fmt: skip
-        return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
+        return _quantized(codes, scales, fmt, shape, dt, payload)
     from .cpu import fp4quant as cpu
 
     payload = np.empty(nbytes, np.uint8)
@@ -65,7 +65,14 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
 
         payload = torch.from_numpy(payload)
         codes, scales = _payload_views(payload, shape, n, g, "torch")
-    return QuantizedTensor(codes, scales, None, fmt, shape, dt, "linear", payload)
+    return _quantized(codes, scales, fmt, shape, dt, payload)
+
+
+def _quantized(codes, scales, fmt, shape, dt, payload):
+    return QuantizedTensor(
+        data=codes, scales=scales, global_scale=None, fmt=fmt, shape=shape, dtype=dt,
+        scale_layout="linear", payload=payload,
+    )  # fmt: skip
 
 
 def dequantize_fp4quant(q, dt, backend):

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 
 from . import _arrays as arrays
-from ._api import _device, _to_numpy
+from ._api import Array, _device, _to_numpy
 from .formats import hadamard as spec
 
 _SIGN_CACHE = {}  # (array kind, device, g, sign words) -> the words on that device
 
 
-def hadamard(x, *, group_size, inverse=False, signs=None):
+def hadamard(
+    x: Array,
+    *,
+    group_size: int,
+    inverse: bool = False,
+    signs: int | Sequence[int] | Array | None = None,
+) -> Array:
     """Normalized Walsh–Hadamard transform over contiguous groups of the last dimension.
 
     Equivalent to ``x.reshape(-1, g) @ (diag(signs) @ scipy.linalg.hadamard(g)) / sqrt(g)``
@@ -25,7 +32,7 @@ def hadamard(x, *, group_size, inverse=False, signs=None):
     shared-memory stages on the GPU; the CPU path gives the same bits), scaled once by
     float32(1/sqrt(g)) and rounded once to the input dtype.  Range: the butterflies add in
     float32 before the scaling, so a group whose partial sums exceed FLT_MAX (possible once
-    |x| > FLT_MAX / g) gives ±inf where they do (and NaN for inf - inf), as float32 arithmetic
+    ``|x| > FLT_MAX / g``) gives ±inf where they do (and NaN for inf - inf), as float32 arithmetic
     does; below FLT_MAX / g nothing overflows.
 
     Args:

@@ -53,7 +53,7 @@ def requantized_sum_reference(q):
     return quantize(acc, fmt=q.fmt, scale_layout=q.scale_layout)
 
 
-def requantized_sum(q):
+def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     """Sum over the rows of a (rows, n) ``QuantizedTensor``, in float32, quantized again to the
     same format (round to nearest even): a (1, n) ``QuantizedTensor`` of dtype float32.
 
@@ -77,4 +77,7 @@ def requantized_sum(q):
             from .cuda import reduce as op
 
             op.requantized_sum_mxfp4(ctx, q.data, q.scales, rows, codes, scales, gs, n)
-    return QuantizedTensor(codes, scales, gs, "mxfp4", (1, n), "float32", "linear")
+    return QuantizedTensor(
+        data=codes, scales=scales, global_scale=gs, fmt="mxfp4", shape=(1, n), dtype="float32",
+        scale_layout="linear",
+    )  # fmt: skip

@@ -12,6 +12,11 @@ that contract deadlocks or errors in the simulator instead of silently passing.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import Any, SupportsFloat
+
+import numpy as np
+import numpy.typing as npt
 
 WARP_SIZE = 32
 
@@ -49,7 +54,7 @@ def _shfl_down_sync(self, mask, value, delta):
     return _exchange(value, lambda lane: lane + delta)
 
 
-def install_simulator_warp_intrinsics():
+def install_simulator_warp_intrinsics() -> None:
     """Patch the simulator's fake ``cuda`` module; a no-op unless NUMBA_ENABLE_CUDASIM=1."""
     from numba import config
 
@@ -68,7 +73,7 @@ def install_simulator_warp_intrinsics():
 # ---------------------------------------------------------------------- test data
 
 
-def adversarial_blocks(rng, rows, k, block=16):
+def adversarial_blocks(rng: np.random.Generator, rows: int, k: int, block: int = 16) -> np.ndarray:
     """float32 (rows, k) mixing what breaks codecs, block by block (k % block == 0):
 
     Gaussian blocks at scales from 2^-140 (float32 subnormals) to 2^120; exact e2m1 ties
@@ -77,8 +82,6 @@ def adversarial_blocks(rng, rows, k, block=16):
     scale rounding boundaries.  Non-finite values are a small fraction so the tensor amax
     stays finite.
     """
-    import numpy as np
-
     n_blocks = rows * k // block
     x = rng.standard_normal((n_blocks, block)).astype(np.float32)
     kind = rng.integers(0, 10, n_blocks)
@@ -104,15 +107,19 @@ def adversarial_blocks(rng, rows, k, block=16):
 
 
 def reference_quantization(
-    x, fmt, rounding="nearest", seed=0, step=0, global_amax=None, scale_layout="linear"
-):
+    x: npt.ArrayLike,
+    fmt: str,
+    rounding: str = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    global_amax: SupportsFloat | None = None,
+    scale_layout: str = "linear",
+) -> tuple[np.ndarray, np.ndarray, np.float32, np.ndarray]:
     """What ``quantize`` must return for float32 ``x``, from the numpy oracle in ``formats``.
 
     Returns numpy ``(data, scales, global_scale, dequantized_float32)`` in the public layouts:
     packed codes (..., K/2), scales linear (..., K/block) or swizzled (flat, padded).
     """
-    import numpy as np
-
     from .formats import e2m1, mxfp4, nvfp4, scale_layout as layout
 
     x = np.ascontiguousarray(x, np.float32)
@@ -131,10 +138,8 @@ def reference_quantization(
     return e2m1.pack_e2m1(codes), scales, np.float32(gs), deq
 
 
-def same_bits(a, b):
+def same_bits(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
     """Bitwise equality of two float arrays of one dtype, NaN payloads aside (any NaN == NaN)."""
-    import numpy as np
-
     a = np.asarray(a)
     b = np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -151,7 +156,7 @@ def same_bits(a, b):
 # ---------------------------------------------------------------------- compile check
 
 
-def compile_ptx(kernel, signature, cc=(9, 0)):
+def compile_ptx(kernel: Any, signature: str | Sequence[Any], cc: tuple[int, int] = (9, 0)) -> str:
     """PTX of a ``@cuda.jit`` kernel for compute capability ``cc``, with or without a GPU.
 
     numba-cuda compiles the device functions a kernel calls for the *current device's* compute

@@ -32,13 +32,13 @@ def test_cpu_quantized_tensor_decodes_identically_on_the_gpu(kernels, rng):
     x = rng.standard_normal((2, 64)).astype(np.float32)
     q = fk.quantize(x)
     q_gpu = fk.QuantizedTensor(
-        to_gpu(q.data, "numba"),
-        to_gpu(q.scales, "numba"),
-        to_gpu(q.global_scale, "numba"),
-        q.fmt,
-        q.shape,
-        q.dtype,
-        q.scale_layout,
+        data=to_gpu(q.data, "numba"),
+        scales=to_gpu(q.scales, "numba"),
+        global_scale=to_gpu(q.global_scale, "numba"),
+        fmt=q.fmt,
+        shape=q.shape,
+        dtype=q.dtype,
+        scale_layout=q.scale_layout,
     )
     assert same_bits(to_host(fk.dequantize(q_gpu)), fk.dequantize(q))
 
@@ -46,13 +46,13 @@ def test_cpu_quantized_tensor_decodes_identically_on_the_gpu(kernels, rng):
 def test_mismatched_scales_are_rejected(kernels):
     q = fk.quantize(to_gpu(np.ones((2, 32), np.float32), "numba"))
     bad = fk.QuantizedTensor(
-        q.data,
-        to_gpu(np.zeros((2, 3), np.uint8), "numba"),
-        q.global_scale,
-        q.fmt,
-        q.shape,
-        q.dtype,
-        q.scale_layout,
+        data=q.data,
+        scales=to_gpu(np.zeros((2, 3), np.uint8), "numba"),
+        global_scale=q.global_scale,
+        fmt=q.fmt,
+        shape=q.shape,
+        dtype=q.dtype,
+        scale_layout=q.scale_layout,
     )
     with pytest.raises(ValueError, match="q.scales: shape"):
         fk.dequantize(bad)

@@ -1,6 +1,8 @@
 """cuda/reduce.py: the one-pass MXFP4 requantized row sum, equal bit for bit to its definition
 (decode the rows, add them in row order in float32, quantize the sum: the CPU composition)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from _devices import available_kinds, to_host
@@ -25,8 +27,9 @@ def _random_mxfp4(rng, rows, n, scale_lo=110, scale_hi=140, nan_blocks=0, huge_b
     for b in rng.choice(n // 32, huge_blocks, replace=False) if huge_blocks else []:
         scales[:, b] = 254
         codes[:, b * 16 : (b + 1) * 16] = 0x77  # 6.0 in both nibbles: 6 * 2^127 per row
-    return fk.QuantizedTensor(codes, scales, np.ones(1, np.float32), "mxfp4", (rows, n),
-                              "float32", "linear")  # fmt: skip
+    return fk.QuantizedTensor(data=codes, scales=scales, global_scale=np.ones(1, np.float32),
+                              fmt="mxfp4", shape=(rows, n), dtype="float32",
+                              scale_layout="linear")  # fmt: skip
 
 
 def _on_gpu(q, kind):
@@ -41,8 +44,8 @@ def _on_gpu(q, kind):
 
         return cupy.asarray(a)
 
-    return fk.QuantizedTensor(put(q.data), put(q.scales), put(q.global_scale), q.fmt, q.shape,
-                              q.dtype, q.scale_layout)  # fmt: skip
+    return dataclasses.replace(q, data=put(q.data), scales=put(q.scales),
+                               global_scale=put(q.global_scale))  # fmt: skip
 
 
 def _same(got, expect):
@@ -92,8 +95,8 @@ def test_bad_input_is_rejected(rng):
     q = _random_mxfp4(rng, 2, 64)
     with pytest.raises(TypeError, match="q: expected a QuantizedTensor"):
         fk.requantized_sum(q.data)
-    flat = fk.QuantizedTensor(q.data.reshape(-1), q.scales.reshape(-1), q.global_scale,
-                              "mxfp4", (128,), "float32", "linear")  # fmt: skip
+    flat = dataclasses.replace(q, data=q.data.reshape(-1), scales=q.scales.reshape(-1),
+                               shape=(128,))  # fmt: skip
     with pytest.raises(ValueError, match=r"q.shape: \(128,\): expected \(rows, n\)"):
         fk.requantized_sum(flat)
 

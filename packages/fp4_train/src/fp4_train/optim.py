@@ -352,12 +352,15 @@ class FP4StoredWeights:
                     f"state['packed'][{i}]: data, scales and global_scale must be torch tensors"
                 )
             device = self.params[i].device
+            data, scales, global_scale = (t.to(device) for t in fields)
             q = fp4_kernels.QuantizedTensor(
-                *(t.to(device) for t in fields),
-                self.fmt,
-                padded,
-                "float32",
-                "linear",
+                data=data,
+                scales=scales,
+                global_scale=global_scale,
+                fmt=self.fmt,
+                shape=padded,
+                dtype="float32",
+                scale_layout="linear",
             )
             fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
             packed.append(q)

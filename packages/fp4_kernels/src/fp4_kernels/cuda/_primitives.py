@@ -322,7 +322,9 @@ if not SIMULATOR:
                 ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(64)]),
                 "{ .reg .u64 a; cvta.to.shared.u64 a, $4; "
                 "ld.shared.v4.f32 {$0, $1, $2, $3}, [a]; }",
-                "=f,=f,=f,=f,l",
+                "=f,=f,=f,=f,l,~{memory}",
+                # it reads what other threads wrote before a barrier: never moved across one
+                side_effect=True,
             )
             return builder.call(asm, [addr])
 

@@ -8,7 +8,10 @@ code is a search on that grid, and "ties to even" means "ties to the even code" 
 This module is the numpy reference (the oracle) the kernels are tested against bit for bit.
 """
 
+from __future__ import annotations
+
 import numpy as np
+import numpy.typing as npt
 
 E2M1_MAX = 6.0  # largest finite magnitude, code 0b0111
 # float32(1) / float32(6), the float32 rounding of 1/6: Transformer Engine writes `1.0f / 6.0f`,
@@ -58,7 +61,7 @@ def _apply_sign(y, magnitude_codes):
     return np.where(np.isnan(y), np.uint8(0), codes).astype(np.uint8)
 
 
-def encode_e2m1(y):
+def encode_e2m1(y: npt.ArrayLike) -> np.ndarray:
     """Rounds float32 ``y`` to E2M1 codes, round-to-nearest-even, saturating (OCP MX v1.0 §5.3.3).
 
     abs(y) >= 6 (including Inf) saturates to magnitude code 7, as the MX spec's conversion to FP4
@@ -76,7 +79,7 @@ def encode_e2m1(y):
     return _apply_sign(y, passed.sum(axis=-1))
 
 
-def encode_e2m1_stochastic(y, rbits):
+def encode_e2m1_stochastic(y: npt.ArrayLike, rbits: npt.ArrayLike) -> np.ndarray:
     """Rounds float32 ``y`` to E2M1 codes stochastically, using one uint32 random word per element.
 
     With a = abs(y): if a >= 6 (or Inf) the magnitude code is 7 (saturation). Otherwise lo is the
@@ -105,13 +108,13 @@ def encode_e2m1_stochastic(y, rbits):
     return _apply_sign(y, magnitude_codes)
 
 
-def decode_e2m1(codes):
+def decode_e2m1(codes: npt.ArrayLike) -> np.ndarray:
     """Maps uint8 E2M1 codes to float32 values (OCP MX Table 5); only the low 4 bits are read."""
     codes = _check_uint8(codes, "codes")
     return E2M1_VALUES[codes & np.uint8(0xF)]
 
 
-def pack_e2m1(codes):
+def pack_e2m1(codes: npt.ArrayLike) -> np.ndarray:
     """Packs uint8 codes (..., K) into bytes (..., K // 2): element 2i low nibble, 2i+1 high nibble.
 
     This is the byte order of PyTorch's ``float4_e2m1fn_x2`` and of the cuBLASLt/PTX FP4 operands
@@ -126,7 +129,7 @@ def pack_e2m1(codes):
     return (codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))).astype(np.uint8)
 
 
-def unpack_e2m1(packed):
+def unpack_e2m1(packed: npt.ArrayLike) -> np.ndarray:
     """Inverse of ``pack_e2m1``: bytes (..., K // 2) to codes (..., K), low nibble first."""
     packed = _check_uint8(packed, "packed")
     if packed.ndim == 0:

@@ -12,7 +12,10 @@ This module is the numpy reference (the oracle); ml_dtypes is used only as an in
 in the tests.
 """
 
+from __future__ import annotations
+
 import numpy as np
+import numpy.typing as npt
 
 E4M3_MAX = 448.0  # S.1111.110
 E4M3_NAN = 0x7F  # S.1111.111; 0xFF is NaN too
@@ -43,7 +46,7 @@ def _e4m3_table():
 E4M3_VALUES = _e4m3_table()  # index = code; NaN at 0x7F and -NaN at 0xFF
 
 
-def encode_e4m3(v):
+def encode_e4m3(v: npt.ArrayLike) -> np.ndarray:
     """Rounds float32 ``v`` to E4M3 codes: round-to-nearest-even, saturating to ±448 (OFP8 v1.0 §4).
 
     abs(v) >= 448 (including Inf) gives 0x7E with v's sign; NaN gives 0x7F; subnormals are kept;
@@ -73,7 +76,7 @@ def encode_e4m3(v):
     return np.where(np.isnan(v), E4M3_NAN, codes).astype(np.uint8)
 
 
-def decode_e4m3(codes):
+def decode_e4m3(codes: npt.ArrayLike) -> np.ndarray:
     """Maps uint8 E4M3 codes to float32 values (OFP8 v1.0 Table 1); 0x7F and 0xFF decode to NaN."""
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:

@@ -6,7 +6,10 @@ sign, no zero and no Inf. Code 0 is 2**-127, which float32 holds exactly as a su
 This module is the numpy reference (the oracle).
 """
 
+from __future__ import annotations
+
 import numpy as np
+import numpy.typing as npt
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
@@ -17,7 +20,7 @@ E8M0_MAX_EXP = 127  # code 254
 E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - E8M0_BIAS), np.nan).astype(np.float32)
 
 
-def decode_e8m0(codes):
+def decode_e8m0(codes: npt.ArrayLike) -> np.ndarray:
     """Maps uint8 E8M0 codes to float32 2**(c - 127) (OCP MX v1.0 Table 7); 0xFF decodes to NaN."""
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:
@@ -25,7 +28,7 @@ def decode_e8m0(codes):
     return E8M0_VALUES[codes]
 
 
-def encode_e8m0_exponent(e):
+def encode_e8m0_exponent(e: npt.ArrayLike) -> np.ndarray:
     """Encodes integer exponents e (meaning 2**e) as E8M0 codes: clip(e, -127, 127) + 127.
 
     Clipping to the representable range is the MX rule for a shared exponent outside it

@@ -47,6 +47,7 @@ Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes o
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from .e2m1 import INV_E2M1_MAX, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .hadamard import check_group_size, check_groups, fwht
@@ -57,22 +58,30 @@ BF16_NAN_BITS = 0x7FC0
 GROUP_SIZES_STUDIED = (64, 256, 512)  # the paper's settings
 
 
-def bits_per_element(group_size):
+def bits_per_element(group_size: int) -> float:
     """4-bit codes plus one 16-bit scale per group."""
     return 4 + 16 / check_group_size(group_size)
 
 
-def bf16_round_up(s):
+def bf16_round_up(s: npt.ArrayLike) -> np.ndarray:
     """float32 >= 0 (finite) -> bfloat16 bits, rounded toward +inf."""
     u = np.asarray(s, np.float32).view(np.uint32).astype(np.uint64)
     return (((u + 0xFFFF) >> 16) & 0xFFFF).astype(np.uint16)
 
 
-def bf16_bits_to_f32(bits):
+def bf16_bits_to_f32(bits: npt.ArrayLike) -> np.ndarray:
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def quantize_reference(x, group_size, *, hadamard=True, rounding="nearest", seed=0, step=0):
+def quantize_reference(
+    x: npt.ArrayLike,
+    group_size: int,
+    *,
+    hadamard: bool = True,
+    rounding: str = "nearest",
+    seed: int = 0,
+    step: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``x`` (..., K), K % g == 0 -> (codes uint8 (..., K) unpacked, scales uint16
     (..., K // g) bfloat16 bits)."""
     x, g = check_groups(x, group_size)
@@ -96,7 +105,9 @@ def quantize_reference(x, group_size, *, hadamard=True, rounding="nearest", seed
     return codes.reshape(x.shape), scales.reshape(x.shape[:-1] + (x.shape[-1] // g,))
 
 
-def dequantize_reference(codes, scales, group_size, *, hadamard=True):
+def dequantize_reference(
+    codes: npt.ArrayLike, scales: npt.ArrayLike, group_size: int, *, hadamard: bool = True
+) -> np.ndarray:
     """Inverse of ``quantize_reference`` -> float32 of the codes' shape."""
     codes = np.asarray(codes)
     g = check_group_size(group_size)

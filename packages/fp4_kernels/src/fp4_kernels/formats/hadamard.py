@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from .philox import philox4x32_10
 
@@ -39,7 +41,7 @@ REGISTER_BITS = (0, 1, 7, 8)
 LANE_BITS = (2, 3, 4, 5, 6)
 
 
-def check_group_size(group_size, name="group_size"):
+def check_group_size(group_size: int, name: str = "group_size") -> int:
     """``group_size`` as an int, or an error naming the allowed values."""
     try:
         g = operator.index(group_size)
@@ -53,7 +55,7 @@ def check_group_size(group_size, name="group_size"):
     return g
 
 
-def check_groups(x, group_size):
+def check_groups(x: npt.ArrayLike, group_size: int) -> tuple[np.ndarray, int]:
     """``(x, g)`` for a float32 array whose last dimension is a whole number of groups."""
     x = np.asarray(x)
     if x.dtype != np.float32:
@@ -64,7 +66,7 @@ def check_groups(x, group_size):
     return x, g
 
 
-def stage_order(group_size):
+def stage_order(group_size: int) -> tuple[int, ...]:
     """The index bits of the butterfly stages in the order the kernels apply them.
 
     Bits 0, 1, 7, 8 (those below log2(g)), then bits 2-6, then bits 9 and up in increasing
@@ -76,7 +78,7 @@ def stage_order(group_size):
     return tuple(regs + lanes + list(range(9, bits)))
 
 
-def fwht(x, group_size, order=None):
+def fwht(x: npt.ArrayLike, group_size: int, order: Sequence[int] | None = None) -> np.ndarray:
     """Unnormalized fast Walsh–Hadamard transform ``x.reshape(-1, g) @ H_g`` in float32.
 
     One float32 rounding per stage per element, stages in ``order`` (default: the kernels'
@@ -94,13 +96,19 @@ def fwht(x, group_size, order=None):
     return y.reshape(x.shape)
 
 
-def inv_sqrt_group_size(group_size):
+def inv_sqrt_group_size(group_size: int) -> np.float32:
     """float32(1 / sqrt(g)): exact for g = 4^k, otherwise the correctly rounded value."""
     g = check_group_size(group_size)
     return np.float32(1.0 / math.sqrt(g))
 
 
-def hadamard_reference(x, group_size, *, inverse=False, signs=None):
+def hadamard_reference(
+    x: npt.ArrayLike,
+    group_size: int,
+    *,
+    inverse: bool = False,
+    signs: int | npt.ArrayLike | None = None,
+) -> np.ndarray:
     """Normalized transform of float32 ``x`` in the kernels' operation order (float32 out).
 
     forward: fwht(x * signs) * float32(1/sqrt(g)); inverse: fwht(x) * float32(1/sqrt(g)) * signs.
@@ -120,7 +128,7 @@ def hadamard_reference(x, group_size, *, inverse=False, signs=None):
     return y.reshape(x.shape)
 
 
-def hadamard_signs(group_size, seed):
+def hadamard_signs(group_size: int, seed: int) -> np.ndarray:
     """The ±1 float32 vector of length g that ``signs=seed`` stands for.
 
     Bit i of the stream decides sign i (set: -1): bit i % 32 of output word (i // 32) % 4 of
@@ -138,7 +146,7 @@ def hadamard_signs(group_size, seed):
 SIGNS_DOMAIN = 0x48414441  # counter word 3: keeps these words apart from stochastic rounding's
 
 
-def sign_words(group_size, seed):
+def sign_words(group_size: int, seed: int) -> np.ndarray:
     """uint32 words whose bits are the signs (bit i % 32 of word i // 32; set = negative)."""
     g = check_group_size(group_size)
     n_words = -(-g // 32)
@@ -153,14 +161,14 @@ def sign_words(group_size, seed):
     return words
 
 
-def sign_bits_to_values(words, group_size):
+def sign_bits_to_values(words: npt.ArrayLike, group_size: int) -> np.ndarray:
     """The ±1 float32 vector encoded by ``sign_words``."""
     i = np.arange(group_size)
     bits = (np.asarray(words, np.uint32)[i // 32] >> (i % 32).astype(np.uint32)) & 1
     return np.where(bits == 1, np.float32(-1.0), np.float32(1.0)).astype(np.float32)
 
 
-def sign_values_to_words(signs):
+def sign_values_to_words(signs: npt.ArrayLike) -> np.ndarray:
     """Inverse of ``sign_bits_to_values`` for a ±1 vector (checked by the caller)."""
     s = np.asarray(signs)
     neg = (s < 0).astype(np.uint64)

@@ -6,7 +6,10 @@ scale) and §6.3 (conversion from higher precision). This is the numpy reference
 Dequantized value = e2m1(code) * 2**(scale - 127).
 """
 
+from __future__ import annotations
+
 import numpy as np
+import numpy.typing as npt
 
 from .e2m1 import ROUNDINGS, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .e8m0 import E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
@@ -21,7 +24,7 @@ _FLOAT32_EXPONENT_BIAS = 127
 _FLOAT32_MANTISSA_BITS = 23
 
 
-def shared_exponent(amax_b):
+def shared_exponent(amax_b: npt.ArrayLike) -> np.ndarray:
     """The MX shared exponent floor(log2(amax_b)) - 2 of blocks with float32 max magnitude amax_b.
 
     OCP MX v1.0 §6.3: X = 2**(floor(log2(max_i abs(V_i))) - emax_elem) with emax_elem = 2 for E2M1,
@@ -54,7 +57,9 @@ def _check_x(x):
     return x
 
 
-def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
+def quantize_reference(
+    x: npt.ArrayLike, *, rounding: str = "nearest", seed: int = 0, step: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Quantizes float32 ``x`` (..., K), K % 32 == 0, to MXFP4 (OCP MX v1.0 §6.3).
 
     Returns ``(codes, scales)``: codes uint8 (..., K) unpacked E2M1 codes, scales uint8
@@ -90,7 +95,7 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0):
     return codes.reshape(x.shape), scale_codes.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK_SIZE,))
 
 
-def dequantize_reference(codes, scales):
+def dequantize_reference(codes: npt.ArrayLike, scales: npt.ArrayLike) -> np.ndarray:
     """Inverse of ``quantize_reference``: e2m1(code) * 2**(scale - 127) in float32 (MX v1.0 §6.2).
 
     ``codes`` uint8 (..., K) unpacked, ``scales`` uint8 (..., K // 32). A NaN scale (0xFF) makes

@@ -11,7 +11,12 @@ multiplication is not associative, so it is kept exactly and each step is an exp
 Dequantized value = e2m1(code) * e4m3(block scale) * global_scale.
 """
 
+from __future__ import annotations
+
+from typing import SupportsFloat
+
 import numpy as np
+import numpy.typing as npt
 
 from .e2m1 import (
     E2M1_MAX,
@@ -31,7 +36,7 @@ NVFP4_GLOBAL_AMAX_TARGET = np.float32(E4M3_MAX * E2M1_MAX)  # 448 * 6 = 2688, ex
 ROUNDING_MODES = ROUNDINGS
 
 
-def tensor_amax(x):
+def tensor_amax(x: npt.ArrayLike) -> np.float32:
     """Max abs(x) over the finite elements of float32 ``x`` (NaN, ±Inf ignored); 0 if none.
 
     Non-finite elements are left out so that one Inf does not make every other block quantize to
@@ -44,7 +49,7 @@ def tensor_amax(x):
     return np.float32(finite.max()) if finite.size else np.float32(0.0)
 
 
-def global_encode_scale(amax):
+def global_encode_scale(amax: SupportsFloat) -> np.float32:
     """The global encode scale S = 2688 / amax in float32.
 
     Transformer Engine's ``compute_global_encode_scaling_factor_FP4``.
@@ -73,7 +78,14 @@ def _check_x(x):
     return x
 
 
-def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=None):
+def quantize_reference(
+    x: npt.ArrayLike,
+    *,
+    rounding: str = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    global_amax: SupportsFloat | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.float32]:
     """Quantizes float32 ``x`` (..., K), K % 16 == 0, to NVFP4 exactly as Transformer Engine does.
 
     Returns ``(codes, scales, global_scale)``: codes uint8 (..., K) unpacked E2M1 codes, scales
@@ -129,7 +141,9 @@ def quantize_reference(x, *, rounding="nearest", seed=0, step=0, global_amax=Non
     )
 
 
-def dequantize_reference(codes, scales, global_scale):
+def dequantize_reference(
+    codes: npt.ArrayLike, scales: npt.ArrayLike, global_scale: SupportsFloat
+) -> np.ndarray:
     """Inverse of ``quantize_reference``: (e2m1(code) * e4m3(scale)) * global_scale in float32.
 
     ``codes`` uint8 (..., K) unpacked, ``scales`` uint8 (..., K // 16). A NaN scale (0x7F/0xFF)

@@ -7,9 +7,12 @@ counter-based, the word for element i is a pure function of (seed, step, i), so 
 layout can reproduce this reference exactly.
 """
 
+from __future__ import annotations
+
 import operator
 
 import numpy as np
+import numpy.typing as npt
 
 PHILOX_M0 = 0xD2511F53  # multiplies counter word 0
 PHILOX_M1 = 0xCD9E8D57  # multiplies counter word 2
@@ -27,7 +30,7 @@ def _mulhilo(multiplier, word):
     return product >> _SHIFT32, product & _MASK32
 
 
-def philox4x32_10(counter, key):
+def philox4x32_10(counter: npt.ArrayLike, key: npt.ArrayLike) -> np.ndarray:
     """Philox4x32 with 10 rounds (Random123 ``philox4x32_R(10, ctr, key)``).
 
     ``counter`` is uint32 (..., 4) and ``key`` uint32 (..., 2); they broadcast. One round:
@@ -56,7 +59,7 @@ def philox4x32_10(counter, key):
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
 
 
-def stochastic_bits(seed, step, n):
+def stochastic_bits(seed: int, step: int, n: int) -> np.ndarray:
     """The uint32 random word for each flat element index i in [0, n) of one quantization call.
 
     Element i uses output word i % 4 of Philox4x32-10 at

@@ -11,7 +11,10 @@ padded with zeros to whole tiles.
 This module is the numpy reference (the oracle).
 """
 
+from __future__ import annotations
+
 import numpy as np
+import numpy.typing as npt
 
 SCALE_TILE_ROWS = 128  # rows per tile
 SCALE_TILE_COLS = 4  # scale columns per tile
@@ -19,7 +22,7 @@ SCALE_TILE_BYTES = SCALE_TILE_ROWS * SCALE_TILE_COLS  # 512
 _ROW_GROUP = 32  # rows i*32 .. i*32+31 of a tile interleave with the other three groups
 
 
-def swizzled_shape(rows, cols):
+def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """The tile-padded size (padded_rows, padded_cols) = (ceil(rows/128)*128, ceil(cols/4)*4)."""
     if rows < 0 or cols < 0:
         raise ValueError(f"rows and cols must be >= 0, got {rows}, {cols}")
@@ -29,7 +32,7 @@ def swizzled_shape(rows, cols):
     )
 
 
-def swizzled_offsets(rows, cols):
+def swizzled_offsets(rows: int, cols: int) -> np.ndarray:
     """int64 (rows, cols): the byte offset of scale (r, c) in the swizzled buffer.
 
     offset = ((r // 128) * (padded_cols // 4) + c // 4) * 512
@@ -45,7 +48,7 @@ def swizzled_offsets(rows, cols):
     return tile * SCALE_TILE_BYTES + within_tile
 
 
-def to_swizzled(scales):
+def to_swizzled(scales: npt.ArrayLike) -> np.ndarray:
     """uint8 scales (rows, cols) -> uint8 1-D swizzled buffer of padded_rows * padded_cols bytes.
 
     Padding bytes are 0 (an E4M3 zero scale; for E8M0 code 0 is 2**-127, and padded scales only
@@ -61,7 +64,7 @@ def to_swizzled(scales):
     return flat
 
 
-def from_swizzled(flat, rows, cols):
+def from_swizzled(flat: npt.ArrayLike, rows: int, cols: int) -> np.ndarray:
     """Inverse of ``to_swizzled``: the 1-D swizzled buffer back to uint8 (rows, cols), unpadded."""
     flat = np.asarray(flat)
     padded_rows, padded_cols = swizzled_shape(rows, cols)

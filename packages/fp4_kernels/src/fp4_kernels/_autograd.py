@@ -1,0 +1,48 @@
+"""Fake quantization as a torch autograd function with a straight-through gradient.
+
+``quantize_dequantize`` of a torch tensor that requires grad (with grad mode on) goes through
+``FakeQuantize``: the forward pass is the fused quantize-dequantize, bit for bit the no-grad
+call; the backward pass is the identity, the straight-through estimator of torchao's and
+Transformer Engine's fake quantization (rounding has zero derivative almost everywhere, so
+the gradient of the unquantized value is passed on as it is).
+
+torch is an optional dependency of fp4_kernels: it is imported only when a torch tensor that
+requires grad arrives, and then it is already loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def requires_autograd(x) -> bool:
+    """Whether ``quantize_dequantize(x)`` must record a gradient: ``x`` is a torch tensor with
+    ``requires_grad`` and grad mode is on."""
+    if not getattr(x, "requires_grad", False):
+        return False
+    import torch
+
+    return isinstance(x, torch.Tensor) and torch.is_grad_enabled()
+
+
+def fake_quantize(x, qdq):
+    """``qdq(x)`` (a fused quantize-dequantize of a torch tensor) with the identity gradient."""
+    return _function().apply(x, qdq)
+
+
+@functools.cache
+def _function():
+    import torch
+
+    class FakeQuantize(torch.autograd.Function):
+        """forward: ``qdq(x)``; backward: the incoming gradient as it is (straight through)."""
+
+        @staticmethod
+        def forward(ctx, x, qdq):
+            return qdq(x.detach())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    return FakeQuantize

@@ -1,0 +1,114 @@
+"""fp4_kernels' public API (and the numpy references and test support documented with it)
+carries type annotations that resolve, and the package ships a py.typed marker."""
+
+import importlib
+import importlib.resources
+import inspect
+import pkgutil
+import typing
+from pathlib import Path
+
+import pytest
+
+import fp4_kernels
+import fp4_kernels.formats
+import fp4_kernels.testing
+
+SOURCE = Path(fp4_kernels.__file__).resolve().parent
+
+
+def _written_here(fn):
+    """Defined in fp4_kernels' own source (not generated, as dataclasses' __eq__ is)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and Path(code.co_filename).resolve().is_relative_to(SOURCE)
+
+
+def _public_callables():
+    """(qualified name, function) of every public function that fp4_kernels exports, and of
+    every public method, property and dunder of its exported classes (their base classes in
+    fp4_kernels included); and the public functions of the modules documented with it, the
+    numpy references in ``fp4_kernels.formats`` and ``fp4_kernels.testing``."""
+    found = {}
+    documented = [
+        importlib.import_module(f"fp4_kernels.formats.{m.name}")
+        for m in pkgutil.iter_modules(fp4_kernels.formats.__path__)
+    ]
+    for module in [*documented, fp4_kernels.testing]:
+        for name, obj in vars(module).items():
+            if not name.startswith("_") and inspect.isfunction(obj):
+                if obj.__module__ == module.__name__:
+                    found[f"{module.__name__.removeprefix('fp4_kernels.')}.{name}"] = obj
+    for name in fp4_kernels.__all__:
+        obj = getattr(fp4_kernels, name)
+        if inspect.isfunction(obj):
+            found[name] = obj
+        elif inspect.isclass(obj):
+            for base in obj.__mro__:
+                if not base.__module__.startswith("fp4_kernels"):
+                    continue
+                for attr, value in vars(base).items():
+                    if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
+                        continue
+                    if isinstance(value, (staticmethod, classmethod)):
+                        value = value.__func__
+                    if isinstance(value, property):
+                        value = value.fget
+                    if inspect.isfunction(value) and _written_here(value):
+                        found.setdefault(f"{name}.{attr}", value)
+    return found
+
+
+def test_the_public_api_lists_what_it_should():
+    expected = {
+        "quantize",
+        "dequantize",
+        "quantize_dequantize",
+        "hadamard",
+        "requantized_sum",
+        "swizzled_scale_shape",
+        "FP4Quant.bits_per_element",
+        "QuantizedTensor.to",
+        "QuantizedTensor.cpu",
+        "QuantizedTensor.cuda",
+        "QuantizedTensor.numel",
+        "QuantizedTensor.nbytes",
+        "QuantizedTensor.typed_scales",
+        "formats.nvfp4.quantize_reference",
+        "formats.e2m1.pack_e2m1",
+        "formats.hadamard.hadamard_reference",
+        "testing.reference_quantization",
+    }
+    assert expected <= set(_public_callables())
+
+
+@pytest.mark.parametrize("qualname", sorted(_public_callables()))
+def test_public_functions_carry_type_annotations(qualname):
+    fn = _public_callables()[qualname]
+    signature = inspect.signature(fn)
+    missing = [
+        p.name
+        for i, p in enumerate(signature.parameters.values())
+        if p.annotation is inspect.Parameter.empty and not (i == 0 and p.name in ("self", "cls"))
+    ]
+    assert not missing, f"{qualname}: parameters without annotation: {missing}"
+    assert signature.return_annotation is not inspect.Signature.empty, f"{qualname}: no return"
+    typing.get_type_hints(fn)  # the annotations resolve (no typo, no missing import)
+
+
+def test_quantized_tensor_fields_are_annotated():
+    hints = typing.get_type_hints(fp4_kernels.QuantizedTensor)
+    assert set(hints) == {
+        "data",
+        "scales",
+        "global_scale",
+        "fmt",
+        "shape",
+        "dtype",
+        "scale_layout",
+        "payload",
+    }
+
+
+def test_py_typed_marker_is_in_the_package():
+    # hatchling ships every file of src/fp4_kernels in the wheel, this marker included
+    assert importlib.resources.files("fp4_kernels").joinpath("py.typed").is_file()

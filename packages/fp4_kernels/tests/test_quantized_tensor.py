@@ -1,0 +1,228 @@
+"""QuantizedTensor (in _api.py) as a torch user expects it: keyword construction, the array
+library's dtype, numel / nbytes, the scales as float8 (bfloat16) views, and .to / .cpu / .cuda
+(CPU here; the CUDA moves in the gpu-marked tests)."""
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda
+
+import fp4_kernels as fk
+from fp4_kernels.formats.e4m3 import decode_e4m3
+from fp4_kernels.formats.e8m0 import decode_e8m0
+from fp4_kernels.testing import adversarial_blocks, same_bits
+
+torch = pytest.importorskip("torch")
+
+FORMATS = ["nvfp4", "mxfp4", fk.FP4Quant(32)]
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _x(rng, rows=3, k=128):
+    # NaN, Inf, zeros, ties: NaN scale codes too; finite values within float16's range
+    return np.clip(adversarial_blocks(rng, rows, k, 32), -6e4, 6e4)
+
+
+def _tensor(rng, dtype="float32", rows=3, k=128):
+    return torch.from_numpy(_x(rng, rows, k)).to(TORCH_DTYPES[dtype])
+
+
+def _same_q(a, b):
+    assert a.fmt == b.fmt and a.shape == b.shape and a.dtype == b.dtype
+    for name in ("data", "scales", "global_scale", "payload"):
+        u, v = getattr(a, name), getattr(b, name)
+        assert (u is None) == (v is None), name
+        if u is not None:
+            np.testing.assert_array_equal(np.asarray(_host(u)), np.asarray(_host(v)), name)
+
+
+def _host(a):
+    if isinstance(a, torch.Tensor):
+        return a.cpu().numpy()
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else a
+
+
+def test_construction_is_by_keyword_only(rng):
+    q = fk.quantize(_x(rng))
+    fields = [q.data, q.scales, q.global_scale, q.fmt, q.shape, q.dtype, q.scale_layout]
+    with pytest.raises(TypeError, match="positional"):
+        fk.QuantizedTensor(*fields)
+    names = ["data", "scales", "global_scale", "fmt", "shape", "dtype", "scale_layout"]
+    same = fk.QuantizedTensor(**dict(zip(names, fields, strict=True)))
+    assert same_bits(fk.dequantize(same), fk.dequantize(q))
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_dtype_is_the_array_librarys(rng, fmt, dtype):
+    t = _tensor(rng, dtype)
+    q = fk.quantize(t, fmt=fmt)
+    assert q.dtype == t.dtype and isinstance(q.dtype, torch.dtype) and q.dtype_name == dtype
+    assert fk.dequantize(q).dtype == t.dtype
+    x = _x(rng).astype(NP_DTYPES[dtype])
+    qn = fk.quantize(x, fmt=fmt)
+    assert qn.dtype == x.dtype and isinstance(qn.dtype, np.dtype) and qn.dtype_name == dtype
+
+
+@pytest.mark.parametrize("given", ["bfloat16", ml_dtypes.bfloat16, torch.bfloat16])
+def test_dtype_given_any_way_becomes_that_of_data(rng, given):
+    q = fk.quantize(_tensor(rng, "bfloat16"))
+    assert dataclasses.replace(q, dtype=given).dtype is torch.bfloat16
+    qn = dataclasses.replace(
+        q, data=q.data.numpy(), scales=q.scales.numpy(), global_scale=q.global_scale.numpy()
+    )
+    assert qn.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert same_bits(fk.dequantize(qn), fk.dequantize(q).view(torch.int16).numpy().view(qn.dtype))
+
+
+def test_an_unsupported_dtype_is_named_when_used(rng):
+    q = dataclasses.replace(fk.quantize(_tensor(rng)), dtype=torch.float64)
+    assert q.dtype is torch.float64  # kept as given: nothing to convert it to
+    with pytest.raises(TypeError, match=r"q.dtype: torch.float64 is not supported"):
+        fk.dequantize(q)
+
+
+@pytest.mark.parametrize(
+    "fmt,layout",
+    [("nvfp4", "linear"), ("nvfp4", "swizzled"), ("mxfp4", "linear"), ("mxfp4", "swizzled"),
+     (fk.FP4Quant(32), "linear")],
+    ids=str,
+)  # fmt: skip
+def test_numel_and_nbytes(rng, fmt, layout):
+    t = _tensor(rng, "bfloat16", rows=5, k=64)
+    q = fk.quantize(t, fmt=fmt, scale_layout=layout)
+    assert q.numel() == t.numel() == 320
+    scale_bytes = q.scales.numel() * q.scales.element_size()
+    assert q.nbytes == 160 + scale_bytes + (4 if fmt == "nvfp4" else 0)
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_typed_scales_torch(rng, fmt, layout):
+    q = fk.quantize(_tensor(rng, rows=130), fmt=fmt, scale_layout=layout)
+    s = q.typed_scales()
+    expect = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.float8_e8m0fnu}[fmt]
+    assert s.dtype == expect and s.shape == q.scales.shape
+    assert s.data_ptr() == q.scales.data_ptr()  # a view, no copy
+    codes = q.scales.numpy()
+    want = decode_e4m3(codes) if fmt == "nvfp4" else decode_e8m0(codes)
+    got = s.float().numpy()
+    assert np.isnan(got).any()  # the NaN scale code reads as NaN
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_typed_scales_numpy(rng, fmt):
+    q = fk.quantize(_x(rng), fmt=fmt)
+    s = q.typed_scales()
+    name = {"nvfp4": "float8_e4m3fn", "mxfp4": "float8_e8m0fnu"}.get(fmt, "bfloat16")
+    assert s.dtype == np.dtype(getattr(ml_dtypes, name)) and np.shares_memory(s, q.scales)
+    if fmt == "nvfp4":
+        np.testing.assert_array_equal(s.astype(np.float32), decode_e4m3(q.scales))
+    elif fmt == "mxfp4":
+        np.testing.assert_array_equal(s.astype(np.float32), decode_e8m0(q.scales))
+    else:
+        assert np.array_equal(s.view(np.uint16), q.scales)
+
+
+def test_typed_scales_fp4quant_torch(rng):
+    q = fk.quantize(_tensor(rng), fmt=fk.FP4Quant(64))
+    s = q.typed_scales()
+    assert s.dtype == torch.bfloat16 and torch.equal(s.view(torch.uint16), q.scales)
+
+
+def test_typed_scales_numba_arrays_are_refused(kernels, rng):
+    q = fk.quantize(_x(rng))
+    qd = dataclasses.replace(q, **{k: cuda.to_device(getattr(q, k)) for k in _ARRAYS})
+    with pytest.raises(TypeError, match="scales: numba arrays have no float8_e4m3fn dtype"):
+        qd.typed_scales()
+
+
+_ARRAYS = ("data", "scales", "global_scale")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_to_the_device_it_is_on_returns_it(rng, fmt):
+    q = fk.quantize(_tensor(rng), fmt=fmt)
+    assert q.to("cpu") is q and q.to(torch.device("cpu")) is q and q.cpu() is q
+    qn = fk.quantize(_x(rng), fmt=fmt)
+    assert qn.to("cpu") is qn and qn.cpu() is qn
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_to_moves_every_field(rng, fmt):
+    # the meta device: a real move of every field that needs no GPU
+    q = fk.quantize(_tensor(rng, "bfloat16"), fmt=fmt)
+    m = q.to("meta")
+    assert m is not q and m.dtype is torch.bfloat16 and m.shape == q.shape and m.fmt == q.fmt
+    for name in ("data", "scales", "global_scale", "payload"):
+        a, b = getattr(q, name), getattr(m, name)
+        if a is None:
+            assert b is None
+        else:
+            assert b.device.type == "meta" and b.dtype == a.dtype and b.shape == a.shape
+    if m.payload is not None:  # FP4Quant: data and scales stay views of the one payload
+        assert _root(m.data) is m.payload
+        # a uint16 view of the payload's tail (a dtype view ends the _base chain)
+        assert m.scales.untyped_storage().nbytes() == m.payload.nbytes
+        assert m.scales.storage_offset() * 2 == m.numel() // 2
+
+
+def _root(t):
+    """The tensor whose memory the view ``t`` shows."""
+    while t._base is not None:
+        t = t._base
+    return t
+
+
+def test_cpu_of_device_arrays_gives_numpy(kernels, rng):
+    for fmt in FORMATS:
+        q = fk.quantize(_x(rng), fmt=fmt)
+        if q.payload is None:
+            qd = dataclasses.replace(q, **{k: cuda.to_device(getattr(q, k)) for k in _ARRAYS})
+        else:
+            p = cuda.to_device(q.payload)
+            n = q.numel()
+            qd = dataclasses.replace(q, payload=p, data=p[: n // 2].reshape(q.data.shape),
+                                     scales=cuda.to_device(q.scales))  # fmt: skip
+        h = qd.cpu()
+        assert isinstance(h.data, np.ndarray) and isinstance(h.scales, np.ndarray)
+        _same_q(h, q)
+        assert same_bits(fk.dequantize(h), fk.dequantize(q))
+        assert qd.to("cpu").shape == q.shape
+
+
+def test_moves_that_cannot_be_made_are_refused(rng):
+    q = fk.quantize(_tensor(rng))
+    for bad in (torch.float16, torch.zeros(1), None, True, 1.5):
+        with pytest.raises(TypeError, match="device: expected a torch.device"):
+            q.to(bad)
+    with pytest.raises(TypeError, match="device: expected a torch.device"):
+        q.cuda(torch.float32)
+    qn = fk.quantize(_x(rng))
+    with pytest.raises(TypeError, match=r"self: .cuda\(\) moves torch tensors; these fields"):
+        qn.cuda()
+    with pytest.raises(TypeError, match="device: moving numpy arrays to 'cuda' is not supported"):
+        qn.to("cuda")
+    broken = dataclasses.replace(q, scales=q.scales.numpy())
+    with pytest.raises(ValueError, match="self.scales: must live where self.data lives"):
+        broken.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_cuda_and_back(gpu, rng, fmt):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch")
+    q = fk.quantize(_tensor(rng, "bfloat16"), fmt=fmt)
+    g = q.cuda()
+    assert g.data.is_cuda and g.scales.is_cuda and g.cuda() is g and g.to("cuda:0") is g
+    if g.payload is not None:
+        assert g.payload.is_cuda and g.data.data_ptr() == g.payload.data_ptr()
+    assert torch.equal(fk.dequantize(g).cpu(), fk.dequantize(q))
+    _same_q(g.cpu(), q)
+    _same_q(q.to("cuda", non_blocking=True).cpu(), q)
+    assert g.typed_scales().is_cuda
