@@ -112,13 +112,15 @@ def test_quantize_kernel_unaligned_input_compiles_clean(kind, fmt):
     "kind,fmt,swizzled", list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True)))
 )
 def test_dequantize_kernel_compiles_clean(kind, fmt, swizzled):
-    ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled), DEQUANTIZE_SIG)
+    # 16 bytes of output an item: 8 codes (a uint32) for 16-bit outputs, 4 (a uint16) for float32
+    codes = U16 if kind == 0 else W32
+    ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled), (codes,) + DEQUANTIZE_SIG[1:])
     _check_block_kernel(ptx)
-    assert ("ld.global.nc.v2.u32" if fmt == FMT_NVFP4 else "ld.global.nc.v4.u32") in ptx
+    assert ("ld.global.u16" if kind == 0 else "ld.global.u32") in ptx  # one load of codes
     assert "prmt.b32" in ptx and "st.global.v4.u32" in ptx
     ptx = compile_ptx(dequantize_kernel(kind, fmt, swizzled, False), (U8,) + DEQUANTIZE_SIG[1:])
     _check_block_kernel(ptx)
-    assert "ld.global.nc.v" not in ptx
+    assert "ld.global.u8" in ptx  # unaligned codes: byte loads
 
 
 @pytest.mark.parametrize("kind", (0, 1, 2))
