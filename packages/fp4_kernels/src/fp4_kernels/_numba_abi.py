@@ -212,3 +212,94 @@ class PackedLauncher:
             )
         if rc:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {rc}")
+
+
+# ---------------------------------------------------------------------- on-disk cache
+
+
+def _user_cache_dir():
+    """Where compiled CPU kernels are kept: ``FP4_KERNELS_CACHE_DIR``, else the user's cache
+    directory (``$XDG_CACHE_HOME`` or ``~/.cache``) / fp4_kernels / numba."""
+    import os
+    from pathlib import Path
+
+    explicit = os.environ.get("FP4_KERNELS_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fp4_kernels" / "numba"
+
+
+_LOCATOR = []
+
+
+def package_source_stamp(package):
+    """A hash of every ``.py`` file under ``package`` (names and contents) and the numba version:
+    the key of every cached CPU function, so that an edit anywhere in the package invalidates
+    them all."""
+    import hashlib
+
+    import numba
+
+    digest = hashlib.sha256(numba.__version__.encode())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def install_cache_locator():
+    """Let numba cache fp4_kernels' CPU functions on disk, keyed to the whole package's source.
+
+    numba keys a cached function to its own source file only; here one function inlines the
+    scalar codec of another module, so an edited ``_scalar.py`` could leave a stale kernel in
+    the cache.  The locator registered here (first in numba's list, for files of this package
+    only) stamps every entry with a hash of all the package's ``.py`` files and the numba
+    version, and keeps the entries in the user's cache directory; a directory it cannot write
+    makes numba fall back to its other locators, or compile without a cache."""
+    if _LOCATOR:
+        return
+    import hashlib
+    from pathlib import Path
+
+    import numba
+    from numba.core import caching
+
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256(numba.__version__.encode())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    stamp = digest.hexdigest()
+    root = _user_cache_dir() / stamp[:16]
+
+    class PackageCacheLocator(caching._CacheLocator):
+        def __init__(self, py_func, py_file):
+            self._lineno = py_func.__code__.co_firstlineno
+            rel = Path(py_file).resolve().relative_to(package)
+            self._path = str(root / rel.parent)
+
+        def get_cache_path(self):
+            return self._path
+
+        def get_source_stamp(self):
+            return stamp
+
+        def get_disambiguator(self):
+            return str(self._lineno)
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            try:
+                Path(py_file).resolve().relative_to(package)
+            except (ValueError, OSError):
+                return None
+            locator = cls(py_func, py_file)
+            try:
+                locator.ensure_cache_path()
+            except OSError:
+                return None
+            return locator
+
+    caching.CacheImpl._locator_classes.insert(0, PackageCacheLocator)
+    _LOCATOR.append(PackageCacheLocator)
