@@ -7,10 +7,11 @@ import inspect
 import re
 import sys
 import types
-import typing
 from pathlib import Path
 
 import pytest
+
+from fp4_kernels.testing import missing_annotations
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -119,16 +120,8 @@ def test_the_public_api_lists_what_it_should():
 
 @pytest.mark.parametrize("qualname", sorted(_public_callables()))
 def test_public_functions_carry_type_annotations(qualname):
-    fn = _public_callables()[qualname]
-    signature = inspect.signature(fn)
-    missing = [
-        p.name
-        for i, p in enumerate(signature.parameters.values())
-        if p.annotation is inspect.Parameter.empty and not (i == 0 and p.name in ("self", "cls"))
-    ]
-    assert not missing, f"{qualname}: parameters without annotation: {missing}"
-    assert signature.return_annotation is not inspect.Signature.empty, f"{qualname}: no return"
-    typing.get_type_hints(fn)  # the annotations resolve (no typo, no missing import)
+    missing = missing_annotations(_public_callables()[qualname])  # and the hints resolve
+    assert not missing, f"{qualname}: without annotation: {missing}"
 
 
 def test_py_typed_marker_is_in_the_package():
