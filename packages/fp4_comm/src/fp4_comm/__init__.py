@@ -8,7 +8,9 @@
 
 The same algorithms run over NCCL (through ``cupy.cuda.nccl``) for CUDA tensors and over a gloo
 group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_comm.ddp`` (a DDP
-communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions).
+communication hook), ``fp4_comm.tensor_parallel`` (autograd functions), ``TensorParallelGroup``
+(a block's tensor-parallel collectives, with forward and gradient policies),
+``fp4_comm.pipeline`` (stage boundaries) and ``TimedCommunicator`` (time spent communicating).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -18,7 +20,9 @@ from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get
 from .collectives import shard_rows
 from .communicator import Communicator
 from .error_feedback import ErrorFeedback
+from .parallel_group import TensorParallelGroup, WirePolicy
 from .stats import HopStats
+from .timing import TimedCommunicator
 
 try:
     __version__ = _version("fp4-comm")
@@ -36,6 +40,9 @@ __all__ = [
     "NVFP4Codec",
     "NoneCodec",
     "get_codec",
+    "TensorParallelGroup",
+    "TimedCommunicator",
+    "WirePolicy",
     "shard_rows",
     "__version__",
 ]
