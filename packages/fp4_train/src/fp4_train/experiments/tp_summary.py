@@ -1,0 +1,142 @@
+"""The table and loss curves of a folder of tp_train runs.
+
+    python -m fp4_train.experiments.tp_summary docs/results/tp_cpu_smoke
+
+Reads every ``<name>.json`` there and writes ``summary.md`` (a Markdown table), ``summary.csv``
+and ``loss.png`` (validation loss against step; training loss, smoothed, beside it).  Speedup
+is relative to the mean of the bf16 runs (codec "none") of the same parallel layout, the loss
+gap to the bf16 run of the same seed (same initialization and batches); the spread of the
+bf16 runs over seeds is the seed noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .records import pyplot, write_csv
+
+SMOOTH = 20  # training-loss moving average, steps
+# table order: references first, then by format and group size
+CODEC_ORDER = ["native", "bf16", "fp32", "nvfp4", "mxfp4"] + [
+    f"fp4quant-g{g}{had}" for g in (64, 256, 512) for had in ("", "-nohad")
+]
+
+
+def load(folder):
+    runs = []
+    for path in sorted(Path(folder).glob("*.json")):
+        record = json.loads(path.read_text())
+        if "summary" in record and "steps" in record:
+            runs.append(record)
+
+    def order(r):
+        codec = r["codec"]
+        return (layout(r), CODEC_ORDER.index(codec) if codec in CODEC_ORDER else 99, r["name"])
+
+    return sorted(runs, key=order)
+
+
+def layout(record):
+    c = record["config"]
+    return c["parallel"] + ("-sp" if c.get("sequence_parallel") else "")
+
+
+def rows_of(runs):
+    rows = []
+    for r in runs:
+        base = [b for b in runs if b["codec"] == "bf16" and layout(b) == layout(r)]
+        s = r["summary"]
+        c = r["config"]
+        row = {
+            "run": r["name"],
+            "layout": layout(r),
+            "codec": r["codec"],
+            "rounding": c["rounding"] if not c["codec"].startswith("none") else "-",
+            "error_feedback": "yes" if c.get("error_feedback") else "no",
+            "seed": c["seed"],
+            "tokens_per_s_per_rank": round(s["tokens_per_s_per_rank"]),
+            "speedup_vs_bf16": None,
+            "comm_share": round(s["comm_share"], 3),
+            "final_val_loss": round(s["final_val_loss"], 4),
+            "val_loss_minus_bf16": None,
+            "final_val_ppl": round(s["final_val_ppl"], 2),
+        }
+        if base:
+            tps = sum(b["summary"]["tokens_per_s_per_rank"] for b in base) / len(base)
+            row["speedup_vs_bf16"] = round(s["tokens_per_s_per_rank"] / tps, 3)
+            # paired: the bf16 run with the same seed (same initialization and batches)
+            paired = [b for b in base if b["config"]["seed"] == c["seed"]] or base
+            loss = sum(b["summary"]["final_val_loss"] for b in paired) / len(paired)
+            row["val_loss_minus_bf16"] = round(s["final_val_loss"] - loss, 4)
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, runs):
+    head = ["run", "tokens/s per rank", "speedup vs bf16", "comm share", "val loss",
+            "Δ vs bf16 same seed", "val ppl"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"`{r['run']}`", str(r["tokens_per_s_per_rank"]),
+                 f"{r['speedup_vs_bf16']:.2f}×" if r["speedup_vs_bf16"] is not None else "-",
+                 f"{100 * r['comm_share']:.0f} %", f"{r['final_val_loss']:.4f}",
+                 f"{r['val_loss_minus_bf16']:+.4f}" if r["val_loss_minus_bf16"] is not None
+                 else "-", f"{r['final_val_ppl']:.2f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = runs[0].get("meta", {})
+    cfg = runs[0]["config"]
+    commits = sorted({r.get("meta", {}).get("commit", "?") for r in runs})
+    dates = sorted(r.get("meta", {}).get("date", "?") for r in runs)
+    lines += [
+        "",
+        f"Model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, "
+        f"sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
+        f"{runs[0]['world_size']} ranks. Device: {meta.get('device', '?')}; torch "
+        f"{meta.get('torch', '?')}; commits {', '.join(commits)}; {dates[0]} to {dates[-1]}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs, path):
+    plt = pyplot()
+    fig, (ax_val, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in runs:
+        style = "-" if r["codec"] != "bf16" else "--"
+        lw = 2.2 if r["codec"] == "bf16" else 1.3
+        ev = r["evals"]
+        ax_val.plot([e["step"] for e in ev], [e["val_loss"] for e in ev], style, lw=lw,
+                    marker="o", ms=3, label=r["name"])  # fmt: skip
+        loss = [s["loss"] for s in r["steps"]]
+        k = min(SMOOTH, len(loss))
+        smooth = [sum(loss[i : i + k]) / k for i in range(len(loss) - k + 1)]
+        ax_train.plot(range(k, len(loss) + 1), smooth, style, lw=lw, label=r["name"])
+    ax_val.set(xlabel="step", ylabel="validation loss (nats/byte)", title="validation")
+    ax_train.set(xlabel="step", ylabel=f"training loss, {SMOOTH}-step mean", title="training")
+    for ax in (ax_val, ax_train):
+        ax.grid(alpha=0.3)
+    last = min(e["val_loss"] for r in runs for e in r["evals"])
+    ax_val.set_ylim(last - 0.1, last + 1.0)
+    ax_val.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    folder = ap.parse_args(argv).folder
+    runs = load(folder)
+    if not runs:
+        raise SystemExit(f"{folder}: no tp_train records")
+    rows = rows_of(runs)
+    write_csv(folder / "summary.csv", rows)
+    table = markdown(rows, runs)
+    (folder / "summary.md").write_text(table)
+    plot(runs, folder / "loss.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
