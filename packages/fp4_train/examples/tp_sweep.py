@@ -1,7 +1,8 @@
 """Presets of tp_train runs under torchrun, then their summary: the command line of
 ``fp4_train.experiments.tp_sweep`` (its ``--help`` lists the options).
 
-    python packages/fp4_train/examples/tp_sweep.py --preset cpu-smoke --out docs/results/tp_cpu_smoke
+    python packages/fp4_train/examples/tp_sweep.py --preset cpu-boundary \
+        --out docs/results/tp_boundary_cpu
 """
 
 import sys

@@ -7,6 +7,17 @@ and ``loss.png`` (validation loss against step; training loss, smoothed, beside 
 is relative to the mean of the bf16 runs (codec "none") of the same parallel layout, the loss
 gap to the bf16 run of the same seed (same initialization and batches); the spread of the
 bf16 runs over seeds is the seed noise.
+
+Where the folder has a run of torch.distributed's own all-reduce (codec "native": NCCL's bf16
+on GPUs), also ``speed.md`` / ``speed.csv``, the speed the way the FP4Quant preprint reports
+it: model TFLOP/s per GPU and MFU (``transformer.training_flops``, the GPU's dense bf16 peak),
+step and communication ms, speedup against NCCL bf16, the Amdahl bound (the speedup if
+communication were free: native step / (native step - native communication)) and the
+fraction of it reached ((speedup - 1) / (bound - 1)); eager and CUDA-graph runs are compared
+with the native run of the same execution, and the preprint's figures close the table.
+Communication ms are CUDA events around each call on the compute stream: for tensor
+parallelism all of it is exposed (nothing overlaps it); in the pipeline a receive's time
+includes waiting for the other stage (the bubble).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import json
 from pathlib import Path
 
 from .records import pyplot, write_csv
+from .transformer import training_flops
 
 SMOOTH = 20  # training-loss moving average, steps
 # table order: references first, then by format and group size
@@ -123,6 +135,64 @@ def plot(runs, path):
     fig.savefig(path, dpi=120)
 
 
+# The FP4Quant preprint's tensor-parallel figures (7B model, 4-way TP on H100s): speedup
+# against the bf16 baseline and its bf16 throughput.
+PAPER = [("FP4Quant preprint, g = 64 (7B, TP 4, H100)", 64, 1.40),
+         ("FP4Quant preprint, g = 256 (7B, TP 4, H100)", 256, 1.56)]  # fmt: skip
+PAPER_BF16_TFLOPS = 111  # per GPU, about 11 % of the H100's dense bf16 peak
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}  # dense, NVIDIA's data sheets
+
+
+def speed_rows(runs):
+    """The speed table's rows, or [] without a native run."""
+    rows = []
+    for r in runs:
+        c, s = r["config"], r["summary"]
+        graph = bool(c.get("cuda_graph"))
+        native = [n for n in runs if n["codec"] == "native" and layout(n) == layout(r)
+                  and bool(n["config"].get("cuda_graph")) == graph]  # fmt: skip
+        if not native:
+            continue
+        n = native[0]["summary"]
+        tokens = c["batch"] * c["seq_len"]
+        tflops = training_flops(c["layers"], c["d_model"], c["seq_len"], tokens) / 1e12
+        per_gpu = tflops / r["world_size"] / (s["step_ms"] / 1e3)
+        device = r.get("meta", {}).get("device", "")
+        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
+        speedup = n["step_ms"] / s["step_ms"]
+        bound = n["step_ms"] / (n["step_ms"] - n["comm_ms"])
+        rows.append({
+            "run": r["name"], "execution": "graph" if graph else "eager",
+            "step_ms": round(s["step_ms"], 2), "comm_ms": round(s["comm_ms"], 2),
+            "tflops_per_gpu": round(per_gpu, 1),
+            "mfu": None if peak is None else round(per_gpu / peak, 3),
+            "speedup_vs_nccl_bf16": round(speedup, 3), "amdahl_bound": round(bound, 3),
+            "fraction_of_bound": round((speedup - 1) / (bound - 1), 3) if bound > 1 else None,
+        })  # fmt: skip
+    return rows
+
+
+def speed_markdown(rows):
+    head = ["run", "execution", "step ms", "comm ms", "TFLOP/s per GPU", "MFU",
+            "speedup vs NCCL bf16", "Amdahl bound", "fraction of bound"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        mfu, frac = r["mfu"], r["fraction_of_bound"]
+        cells = [f"`{r['run']}`", r["execution"], f"{r['step_ms']:.1f}", f"{r['comm_ms']:.1f}",
+                 f"{r['tflops_per_gpu']:.0f}", "-" if mfu is None else f"{100 * mfu:.0f} %",
+                 f"{r['speedup_vs_nccl_bf16']:.3f}×", f"{r['amdahl_bound']:.2f}×",
+                 "-" if frac is None else f"{100 * frac:.0f} %"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, g, speedup in PAPER:
+        # FP4Quant moves (4 + 16/g) / 16 of bf16's bytes: a speedup s needs a share c of the
+        # bf16 step in exposed communication with 1 / (1 - c (1 - bytes ratio)) >= s
+        need = (1 - 1 / speedup) / (1 - (4 + 16 / g) / 16)
+        lines.append(f"| {name} | - | - | - | {PAPER_BF16_TFLOPS} (bf16) | ~11 % | "
+                     f"{speedup:.2f}× | - | needs ≥ {100 * need:.0f} % of the bf16 step in "
+                     "exposed communication |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
@@ -136,6 +206,11 @@ def main(argv=None):
     (folder / "summary.md").write_text(table)
     plot(runs, folder / "loss.png")
     print(table)
+    speed = speed_rows(runs)
+    if speed:
+        write_csv(folder / "speed.csv", speed)
+        (folder / "speed.md").write_text(speed_markdown(speed))
+        print(speed_markdown(speed))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ FORWARD_LEVERS = [
                                                                        "fp4quant-g64-nohad"))
 ]  # fmt: skip
 
+# fmt: off
 # The H200 model: 8 layers of d 1024 (~100M parameters), 16k tokens a step (each TP
 # all-reduce: 16M bf16 values, 32 MB).
 H200 = ["--device", "cuda", "--layers", "8", "--d-model", "1024", "--heads", "16",
@@ -93,6 +94,7 @@ H200_1B = ["--device", "cuda", "--layers", "24", "--d-model", "2048", "--heads",
 CPU_BOUNDARY = ["--device", "cpu", "--layers", "4", "--d-model", "128", "--heads", "4",
                 "--seq-len", "64", "--batch", "16", "--steps", "600", "--lr", "3e-3",
                 "--eval-every", "100", "--eval-batches", "8", "--stats-every", "10"]
+# fmt: on
 
 PRESETS = {
     # 2 CPU cores, gloo: a smoke study (tokens/s mean nothing for GPUs; losses show the codec)

@@ -69,6 +69,7 @@ GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = ap.add_argument
+    # fmt: off
     a("--parallel", choices=("tp", "pp"), default="tp")
     a("--sequence-parallel", action="store_true", help="TP with the sequence split (Megatron SP)")
     a("--codec", default="none", type=_codec_spec,
@@ -114,7 +115,8 @@ def parse_args(argv=None):
            "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
            "time of the collectives' launches (nearest rounding only)")
     a("--quiet", action="store_true")
-    return ap.parse_args(argv)  # fmt: skip
+    # fmt: on
+    return ap.parse_args(argv)
 
 
 def _codec_spec(spec):
@@ -240,8 +242,9 @@ class Runner:
             half = args.layers // 2
             layers = range(half) if self.stage == 0 else range(half, args.layers)
             par = TensorParallelGroup(None)
+            first, last = self.stage == 0, self.stage == 1
             self.model = Transformer(args.layers, args.d_model, args.heads, args.seed, par,
-                                     layers, first=self.stage == 0, last=self.stage == 1)  # fmt: skip
+                                     layers, first=first, last=last)  # fmt: skip
         else:
             par = TensorParallelGroup(self.timed, self.forward, self.backward, seed=args.seed,
                                       sequence_parallel=args.sequence_parallel)  # fmt: skip
