@@ -8,8 +8,8 @@ is relative to the mean of the bf16 runs (codec "none") of the same parallel lay
 gap to the bf16 run of the same seed (same initialization and batches); the spread of the
 bf16 runs over seeds is the seed noise.
 
-Where the folder has a run of torch.distributed's own all-reduce (codec "native": NCCL's bf16
-on GPUs), also ``speed.md`` / ``speed.csv``, the speed the way the FP4Quant preprint reports
+Where the folder has GPU runs and one of torch.distributed's own all-reduce (codec "native":
+NCCL's bf16), also ``speed.md`` / ``speed.csv``, the speed the way the FP4Quant preprint reports
 it: model TFLOP/s per GPU and MFU (``transformer.training_flops``, the GPU's dense bf16 peak),
 step and communication ms, speedup against NCCL bf16, the Amdahl bound (the speedup if
 communication were free: native step / (native step - native communication)) and the
@@ -73,6 +73,7 @@ def rows_of(runs):
             "comm_share": round(s["comm_share"], 3),
             "final_val_loss": round(s["final_val_loss"], 4),
             "val_loss_minus_bf16": None,
+            "train_loss_minus_bf16_last_fifth": None,
             "final_val_ppl": round(s["final_val_ppl"], 2),
         }
         if base:
@@ -82,20 +83,36 @@ def rows_of(runs):
             paired = [b for b in base if b["config"]["seed"] == c["seed"]] or base
             loss = sum(b["summary"]["final_val_loss"] for b in paired) / len(paired)
             row["val_loss_minus_bf16"] = round(s["final_val_loss"] - loss, 4)
+            if len(paired) == 1 and paired[0] is not r:
+                row["train_loss_minus_bf16_last_fifth"] = round(late_gap(r, paired[0]), 4)
         rows.append(row)
     return rows
 
 
+def _signed(v):
+    return "-" if v is None else f"{v:+.4f}"
+
+
+def late_gap(run, base):
+    """Mean over the last fifth of the steps of the paired training-loss difference (the same
+    batches at every step): where one validation loss is noisy, many steps are not."""
+    a, b = run["steps"], base["steps"]
+    n = min(len(a), len(b))
+    tail = range(n - n // 5, n)
+    return sum(a[i]["loss"] - b[i]["loss"] for i in tail) / len(tail)
+
+
 def markdown(rows, runs):
     head = ["run", "tokens/s per rank", "speedup vs bf16", "comm share", "val loss",
-            "Δ vs bf16 same seed", "val ppl"]  # fmt: skip
+            "Δ vs bf16 same seed", "Δ train loss, last fifth", "val ppl"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [f"`{r['run']}`", str(r["tokens_per_s_per_rank"]),
                  f"{r['speedup_vs_bf16']:.2f}×" if r["speedup_vs_bf16"] is not None else "-",
                  f"{100 * r['comm_share']:.0f} %", f"{r['final_val_loss']:.4f}",
                  f"{r['val_loss_minus_bf16']:+.4f}" if r["val_loss_minus_bf16"] is not None
-                 else "-", f"{r['final_val_ppl']:.2f}"]  # fmt: skip
+                 else "-", _signed(r["train_loss_minus_bf16_last_fifth"]),
+                 f"{r['final_val_ppl']:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     meta = runs[0].get("meta", {})
     cfg = runs[0]["config"]
@@ -144,9 +161,12 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}  # dense, NVIDIA's data sheets
 
 
 def speed_rows(runs):
-    """The speed table's rows, or [] without a native run."""
+    """The speed table's rows, or [] without a native run (GPU runs only: on the CPU the
+    codec's CPU path and gloo's latency say nothing about the GPUs)."""
     rows = []
     for r in runs:
+        if not r.get("meta", {}).get("device", "").startswith("cuda"):
+            continue
         c, s = r["config"], r["summary"]
         graph = bool(c.get("cuda_graph"))
         native = [n for n in runs if n["codec"] == "native" and layout(n) == layout(r)
