@@ -129,8 +129,8 @@ def runs(tmp_path_factory):
     try:
         results = []
         for c in conns:
-            if not c.poll(datetime.timedelta(minutes=5).total_seconds()):
-                raise TimeoutError("a tp_train worker did not finish in 5 minutes")
+            if not c.poll(datetime.timedelta(minutes=15).total_seconds()):
+                raise TimeoutError("a tp_train worker did not finish in 15 minutes")
             status, value = c.recv()
             if status != "ok":
                 raise RuntimeError(value)

@@ -4,7 +4,8 @@
     python -m fp4_train.experiments.boundary_study --run --preset cpu-boundary \\
         --out docs/results/tp_boundary_cpu
 
-``--run`` first runs the preset's missing runs (``tp_sweep``: under torchrun, 2 processes); then,
+``--run`` first runs the preset's missing runs (``tp_sweep``: under torchrun, 2 processes; the
+arguments after ``--`` are added to every run, e.g. ``-- --data corpus.txt``); then,
 from the records in ``--out``, it writes ``boundary.md`` (the table), ``boundary.csv`` /
 ``boundary.json`` (the same numbers, with every seed's) and ``boundary.png``.
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from pathlib import Path
 
 from .records import finite_or_none, pyplot, write_csv, write_json
@@ -260,6 +262,9 @@ def _finite(obj):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="the folder of the runs")
     ap.add_argument("--run", action="store_true", help="first run the preset's missing runs")
@@ -272,7 +277,7 @@ def main(argv=None):
         sweep = ["--preset", args.preset, "--out", str(args.out), "--no-summary"]
         if args.budget_s is not None:
             sweep += ["--budget-s", str(args.budget_s)]
-        tp_sweep.main([*sweep, "--", "--quiet"])
+        tp_sweep.main([*sweep, "--", "--quiet", *extra])
     print(write(args.out))
     return 0
 
