@@ -21,10 +21,27 @@ def _record(name, seed, offset, parallel="pp", sp=False, codec="none", grad_code
             rounding="nearest", grad_rounding="stochastic"):  # fmt: skip
     """A tp_train record whose validation loss is 3 - step / 100 + offset."""
     evals = [{"step": s, "val_loss": 3 - s / 100 + offset} for s in (25, 50, 75, 100)]
-    wire = [{"step": s, "site": "boundary", "direction": d, "op": "send", "rms": rms,
-             "sqnr_db": sq, "payloads": 2}
-            for s in range(0, STEPS, 10) for d, rms, sq in (("forward", 2.0, 18.0),
-                                                            ("backward", 1e-4, None))]  # fmt: skip
+    sites = (
+        {"forward": "enter", "backward": "exit"}
+        if sp
+        else {"forward": "boundary", "backward": "boundary"}
+    )
+    wire = [
+        {
+            "step": s,
+            "site": sites[d],
+            "direction": d,
+            "op": "send",
+            "rms": rms,
+            "sqnr_db": sq,
+            "payloads": 2,
+        }
+        for s in range(0, STEPS, 10)
+        for d, rms, sq in (("forward", 2.0, 18.0), ("backward", 1e-4, None))
+    ]
+    if sp:  # the other SP sites, which the table does not show
+        wire += [{**w, "site": "exit" if w["site"] == "enter" else "enter", "rms": 7.0}
+                 for w in wire]  # fmt: skip
     final = evals[-1]["val_loss"]
     return {
         "name": f"{name}_s{seed}",
@@ -81,6 +98,8 @@ def test_pairs_by_layout_and_seed(folder):
     assert pp["backward_rms"] == 1e-4 and pp["backward_sqnr_db"] is None
     sp = rows["sp_bwd-sr"]
     assert sp["layout"] == "sp" and sp["what"] == "backward stochastic only"
+    assert (sp["forward_rms"], sp["backward_rms"]) == (2.0, 1e-4)  # the all-gathers
+    assert sp["wire"]["exit.forward"]["rms"] == 7.0
     assert sp["delta_100"] == pytest.approx(0.005) and sp["delta_100_ci"] == pytest.approx(0)
     assert rows["pp_bf16"]["what"] == "bf16 (baseline)"
 

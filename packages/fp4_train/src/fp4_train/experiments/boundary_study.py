@@ -15,8 +15,9 @@ the bf16 one, per seed; the table gives the mean over seeds and its 95 % confide
 (Student's t with n - 1 degrees of freedom: the seeds are the only replication), at 25, 50
 and 100 % of training.  Beside it: the final checkpoint evaluated with an exact (float32)
 boundary in place of the trained-with codec, and the payloads' RMS and SQNR per direction
-(means over the logged steps of the last half of training and over the seeds; for SP the
-mean over the layers' sites).
+(means over the logged steps of the last half of training, the seeds and, under SP, the
+layers): the pipeline's boundary; under SP the all-gathers of the block input (forward) and of
+the residual stream's gradient (backward); ``boundary.json`` has every site.
 """
 
 from __future__ import annotations
@@ -91,20 +92,28 @@ def val_at(record, fraction):
     return min(record["evals"], key=lambda e: abs(e["step"] - target))["val_loss"]
 
 
-def wire_means(record, site_prefix=""):
-    """{direction: (rms, sqnr_db)} over the logged steps of the last half of training."""
+# The payloads the table shows, per layout: the pipeline's boundary; under SP the two
+# all-gathers, of the block input forward (what the column-parallel linears read) and of the
+# residual stream's gradient backward.
+SHOWN = {"pp": {"forward": ("boundary", "forward"), "backward": ("boundary", "backward")},
+         "sp": {"forward": ("enter", "forward"), "backward": ("exit", "backward")}}  # fmt: skip
+
+
+def wire_means(record):
+    """{(site, direction): (rms, sqnr_db)} over the logged steps of the last half of training
+    (sqnr_db None for an exact codec)."""
     half = record["config"]["steps"] / 2
     acc = {}
     for w in record.get("wire", []):
         if w["step"] < half:
             continue
-        a = acc.setdefault(w["direction"], [0.0, 0.0, 0, 0])
+        a = acc.setdefault((w["site"], w["direction"]), [0.0, 0.0, 0, 0])
         a[0] += w["rms"]
         a[2] += 1
         if w["sqnr_db"] is not None:
             a[1] += w["sqnr_db"]
             a[3] += 1
-    return {d: (a[0] / a[2], a[1] / a[3] if a[3] else None) for d, a in acc.items()}
+    return {k: (a[0] / a[2], a[1] / a[3] if a[3] else None) for k, a in acc.items()}
 
 
 def analyse(runs):
@@ -134,13 +143,19 @@ def analyse(runs):
             d = [r["summary"]["final_evals"][spec] - r["summary"]["final_val_loss"]
                  for r in by_seed.values()]  # fmt: skip
             row[f"eval_{spec}_minus_trained"], row[f"eval_{spec}_minus_trained_ci"], _ = mean_ci(d)
-        for direction in ("forward", "backward"):
-            means = [wire_means(r).get(direction) for r in by_seed.values()]
-            means = [m for m in means if m is not None]
-            if means:
-                row[f"{direction}_rms"] = sum(m[0] for m in means) / len(means)
-                sq = [m[1] for m in means if m[1] is not None]
-                row[f"{direction}_sqnr_db"] = sum(sq) / len(sq) if sq else None
+        per_seed = [wire_means(r) for r in by_seed.values()]
+        for site, direction in sorted({k for m in per_seed for k in m}):
+            means = [m[(site, direction)] for m in per_seed if (site, direction) in m]
+            sq = [m[1] for m in means if m[1] is not None]
+            row.setdefault("wire", {})[f"{site}.{direction}"] = {
+                "rms": sum(m[0] for m in means) / len(means),
+                "sqnr_db": sum(sq) / len(sq) if sq else None,
+            }
+        for direction, key in SHOWN.get(lay, {}).items():
+            shown = row.get("wire", {}).get(".".join(key))
+            if shown is not None:
+                row[f"{direction}_rms"] = shown["rms"]
+                row[f"{direction}_sqnr_db"] = shown["sqnr_db"]
         rows.append(row)
     return rows
 
@@ -194,7 +209,9 @@ def markdown(rows, runs):
         "",
         f"Δ: the configuration's validation loss minus that of the bf16 run of the same layout "
         f"and seed, mean over the seeds ± the half-width of its 95 % confidence interval "
-        f"(Student's t). Model: {cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} "
+        f"(Student's t). RMS and SQNR: of the pipeline's boundary, or under SP of the "
+        f"all-gathered block input (fwd) and residual stream's gradient (bwd); means over the "
+        f"last half of training. Model: {cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} "
         f"heads, sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
         f"lr {cfg['lr']}; {any_run['world_size']} ranks. Device: {meta.get('device', '?')}; "
         f"torch {meta.get('torch', '?')}; commits {', '.join(commits)}.",
