@@ -11,8 +11,9 @@ Without sequence parallelism ``enter`` is ``copy_to_tensor_parallel`` and ``exit
 ``reduce_from_tensor_parallel``; with it (the residual stream split along dim 0, the sequence)
 ``gather_from_sequence_parallel`` and ``reduce_scatter_to_sequence_parallel``
 (``fp4_comm.tensor_parallel``).  Codec ``"native"`` (both policies) runs torch.distributed's own
-all-reduce instead, NCCL's on GPUs (tensor parallelism without SP or error feedback): the
-reference the compressed collectives have to beat.
+all-reduce instead (tensor parallelism without SP or error feedback): the reference the
+compressed collectives have to beat; gloo's over the communicator's ranks on the CPU, NCCL's on
+GPUs (a group that every rank of the default group makes with the TensorParallelGroup).
 """
 
 from __future__ import annotations
@@ -84,12 +85,14 @@ class TensorParallelGroup:
                 raise ValueError("codec 'native' is tensor parallelism without sequence "
                                  "parallelism or error feedback")  # fmt: skip
             if self.size > 1:
-                # the communicator's ranks (only they take part in making it); NCCL for CUDA
-                ranks = dist.get_process_group_ranks(comm.control_group)
-                backend = "nccl" if comm.device.type == "cuda" else "gloo"
-                self.native_group = dist.new_group(
-                    ranks, backend=backend, use_local_synchronization=True
-                )
+                self.native_group = comm.control_group  # gloo, over the communicator's ranks
+                if comm.device.type == "cuda":
+                    # NCCL over the same ranks.  Not locally synchronized: torch names such a
+                    # group after the number of groups each rank has made, which differs
+                    # between ranks that made other subgroups; so every rank of the default
+                    # group makes it (with a communicator over the default group, all do).
+                    ranks = dist.get_process_group_ranks(comm.control_group)
+                    self.native_group = dist.new_group(ranks, backend="nccl")
 
     def native_all_reduce(self, x):
         """torch.distributed's all-reduce of ``x`` in its dtype (timed where ``comm`` is a
