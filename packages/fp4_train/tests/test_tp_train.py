@@ -275,3 +275,19 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
     names = [line.split()[0] for line in lines]
     assert len(names) == 12 * 3 and "pp_fwd-rn_bwd-sr_s2" in names
     assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
+
+
+@pytest.mark.parametrize("flag", ["--error-feedback", "--grad-error-feedback"])
+def test_pipeline_refuses_error_feedback(flag):
+    """A send's payload is not a sum: error feedback asked for in the pipeline is an error,
+    not silently nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fp4_train.experiments import tp_train
+
+    args = tp_train.parse_args(["--parallel", "pp", "--codec", "nvfp4", flag])
+    comm = SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="the pipeline's sends have none"):
+        tp_train.Runner(args, comm, torch.device("cpu"))

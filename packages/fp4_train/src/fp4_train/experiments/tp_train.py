@@ -238,6 +238,9 @@ class Runner:
                 raise ValueError("--parallel pp runs on exactly 2 ranks")
             if "native" in (self.forward.codec, self.backward.codec):
                 raise ValueError("--codec native is implemented for --parallel tp only")
+            if self.forward.error_feedback or self.backward.error_feedback:
+                raise ValueError("--error-feedback / --grad-error-feedback correct sums (TP); "
+                                 "the pipeline's sends have none")  # fmt: skip
             self.stage = comm.rank
             half = args.layers // 2
             layers = range(half) if self.stage == 0 else range(half, args.layers)
