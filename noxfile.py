@@ -168,8 +168,10 @@ def benchmark_comm(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def study(session: nox.Session) -> None:
-    """The training studies (fp4_train.experiments) on the CPU, args after `--` to boundary_study:
-    `nox -s study -- --run --preset cpu-boundary --out docs/results/tp_boundary_cpu`."""
+    """The training studies on the CPU: the args after `--` go to boundary_study.
+
+    `nox -s study -- --run --preset cpu-boundary --out docs/results/tp_boundary_cpu` runs the
+    preset's missing runs (fp4_train.experiments) and rebuilds the table."""
     session.install(KERNELS, COMM, f"{TRAIN}[examples]", TORCH)
     args = session.posargs or ["--out", "docs/results/tp_boundary_cpu"]
     session.run("python", "-m", "fp4_train.experiments.boundary_study", *args)
@@ -177,9 +179,10 @@ def study(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def study_gpu(session: nox.Session) -> None:
-    """A training study preset on the GPU machine, in the Python that runs nox: the args after
-    `--` go to fp4_train.experiments.boundary_study (`--run --preset h200-boundary --out ...`)
-    or, first `sweep`, to tp_sweep (`-- sweep --preset h200-tp --out ... -- --data ...`)."""
+    """A training study preset on the GPU machine, in the Python that runs nox.
+
+    The args after `--` go to fp4_train.experiments.boundary_study (`--run --preset
+    h200-boundary --out ...`) or, after `sweep`, to tp_sweep (`sweep --preset h200-tp ...`)."""
     env = {**_install_offline(session), **NCCL_ENV}
     args = list(session.posargs)
     module = "boundary_study"
