@@ -53,7 +53,7 @@ def _record(name, seed, offset, parallel="pp", sp=False, codec="none", grad_code
         "summary": {"final_val_loss": final,
                     "final_evals": {"as_trained": final, "none-float32": final - offset / 2}},
         "evals": evals,
-        "steps": [{"step": s, "loss": 3.0} for s in range(STEPS)],
+        "steps": [{"step": s, "loss": 3.0 + offset} for s in range(STEPS)],
         "wire": wire,
         "meta": {"device": "cpu: x86_64", "torch": "2.13", "commit": "abc1234"},
     }  # fmt: skip
@@ -91,6 +91,7 @@ def test_pairs_by_layout_and_seed(folder):
     for key in ("delta_25", "delta_50", "delta_100"):
         assert pp[key] == pytest.approx(0.02)
         assert pp[key + "_ci"] == pytest.approx(4.302653 * 0.01 / math.sqrt(3), rel=1e-6)
+    assert pp["delta_train_last_fifth"] == pytest.approx(0.02)
     # evaluated with an exact boundary, each record loses half its offset (0.001 seed + cost):
     # the mean over seeds of cost / 2 - 0.0005 seed
     assert pp["delta_exact_eval"] == pytest.approx(0.02 / 2 - 0.0005)
@@ -107,6 +108,7 @@ def test_pairs_by_layout_and_seed(folder):
 def test_writes_table_numbers_and_plot(folder):
     table = bs.write(folder)
     assert "| `pp_fwd-rn_bwd-rn` | both nearest | 3 | +0.0200 ± 0.0248 |" in table
+    assert "| +0.0200 ± 0.0248 | +0.0095 ± " in table  # training loss; exact boundary
     assert (folder / "boundary.md").read_text() == table
     rows = json.loads((folder / "boundary.json").read_text())["rows"]
     assert {r["config"] for r in rows} == {"pp_bf16", "pp_fwd-rn_bwd-rn", "sp_bf16", "sp_bwd-sr"}

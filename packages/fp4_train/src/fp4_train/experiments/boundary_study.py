@@ -13,7 +13,9 @@ Every configuration is paired with the bf16 run of its layout and seed (the same
 initialization, batches and stochastic-rounding keys): Δ = its final validation loss minus
 the bf16 one, per seed; the table gives the mean over seeds and its 95 % confidence interval
 (Student's t with n - 1 degrees of freedom: the seeds are the only replication), at 25, 50
-and 100 % of training.  Beside it: the final checkpoint evaluated with an exact (float32)
+and 100 % of training, and the same for the paired training-loss difference averaged over the
+last fifth of the steps (many paired batches where the final validation loss is one number).
+Beside it: the final checkpoint evaluated with an exact (float32)
 boundary in place of the trained-with codec, and the payloads' RMS and SQNR per direction
 (means over the logged steps of the last half of training, the seeds and, under SP, the
 layers): the pipeline's boundary; under SP the all-gathers of the block input (forward) and of
@@ -30,6 +32,7 @@ import sys
 from pathlib import Path
 
 from .records import finite_or_none, pyplot, write_csv, write_json
+from .tp_summary import late_gap
 
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training where Δ is reported
 EXACT = "none-float32"
@@ -130,6 +133,10 @@ def analyse(runs):
             key = f"delta_{round(100 * f)}"
             row[key], row[key + "_ci"], _ = mean_ci(deltas) if deltas else (None, None, 0)
             row[key + "_per_seed"] = deltas
+        late = [late_gap(by_seed[s], base[s]) for s in seeds]
+        row["delta_train_last_fifth"], row["delta_train_last_fifth_ci"], _ = (
+            mean_ci(late) if late else (None, None, 0))  # fmt: skip
+        row["delta_train_last_fifth_per_seed"] = late
         exact = [by_seed[s]["summary"]["final_evals"].get(EXACT) for s in seeds]
         if seeds and all(v is not None for v in exact):
             trained = [base[s]["summary"]["final_val_loss"] for s in seeds]
@@ -173,8 +180,9 @@ def _fmt(mean, ci, digits=4):
 
 def markdown(rows, runs):
     head = ["configuration", "what is quantized (FP4Quant g = 64)", "seeds",
-            "Δ val loss at 25 %", "at 50 %", "at 100 %", "Δ, exact boundary at eval",
-            "fwd RMS", "fwd SQNR dB", "bwd RMS", "bwd SQNR dB"]  # fmt: skip
+            "Δ val loss at 25 %", "at 50 %", "at 100 %", "Δ train loss, last fifth",
+            "Δ, exact boundary at eval", "fwd RMS", "fwd SQNR dB", "bwd RMS",
+            "bwd SQNR dB"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["config"].endswith("_bf16"):
@@ -182,6 +190,7 @@ def markdown(rows, runs):
         cells = [f"`{r['config']}`", r["what"], str(len(r["seeds"])),
                  _fmt(r["delta_25"], r["delta_25_ci"]), _fmt(r["delta_50"], r["delta_50_ci"]),
                  _fmt(r["delta_100"], r["delta_100_ci"]),
+                 _fmt(r["delta_train_last_fifth"], r["delta_train_last_fifth_ci"]),
                  _fmt(r.get("delta_exact_eval"), r.get("delta_exact_eval_ci"))]  # fmt: skip
         for direction in ("forward", "backward"):
             rms, sq = r.get(f"{direction}_rms"), r.get(f"{direction}_sqnr_db")
@@ -209,7 +218,9 @@ def markdown(rows, runs):
         "",
         f"Δ: the configuration's validation loss minus that of the bf16 run of the same layout "
         f"and seed, mean over the seeds ± the half-width of its 95 % confidence interval "
-        f"(Student's t). RMS and SQNR: of the pipeline's boundary, or under SP of the "
+        f"(Student's t); the training-loss column averages the paired difference over the "
+        f"last fifth of the steps (the same batches) before the seeds. RMS and SQNR: of the "
+        f"pipeline's boundary, or under SP of the "
         f"all-gathered block input (fwd) and residual stream's gradient (bwd); means over the "
         f"last half of training. Model: {cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} "
         f"heads, sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
