@@ -41,10 +41,10 @@ from typing import NamedTuple
 
 import torch
 
+from .codecs import ROUNDINGS
 from .communicator import Communicator
 from .stats import HopStats
 
-ROUNDINGS = ("nearest", "stochastic")
 #: the default rounding of the residual stream's gradient (SP all-gather, pipeline boundary)
 RESIDUAL_GRAD_ROUNDING = "stochastic"
 
