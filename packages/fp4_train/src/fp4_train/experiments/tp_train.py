@@ -50,6 +50,7 @@ import torch.distributed as dist
 import fp4_comm
 import fp4_kernels
 from fp4_comm import TensorParallelGroup, TimedCommunicator, WirePolicy, pipeline
+from fp4_comm.codecs import ROUNDINGS
 from fp4_comm.tensor_parallel import RESIDUAL_GRAD_ROUNDING
 
 from .corpus import DEFAULT_CORPUS, load_corpus, split, train_batch, val_batches
@@ -57,7 +58,6 @@ from .records import finite_or_none, metadata, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
 CODECS = ("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native")
-ROUNDINGS = ("nearest", "stochastic")
 # dense bf16 peak of the GPUs the studies ran on, TFLOP/s (NVIDIA's data sheets), for MFU
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
 GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's default 5)
