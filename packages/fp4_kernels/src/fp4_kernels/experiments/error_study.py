@@ -1,6 +1,6 @@
 """Quantization-error study: NVFP4, MXFP4 and FP4Quant, with and without the Walsh–Hadamard
 transform, on Gaussian data, on heavy-tailed activations with outlier channels and on the
-linear weights of all-MiniLM-L6-v2 (issue 3, deliverable 3).
+linear weights of all-MiniLM-L6-v2.
 
     python -m fp4_kernels.experiments.error_study [--out docs/results] [--quick]
 
