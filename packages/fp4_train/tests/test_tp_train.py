@@ -273,7 +273,7 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
     assert tp_sweep.main(["--preset", "cpu-boundary", "--out", "/nonexistent", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [line.split()[0] for line in lines]
-    assert len(names) == 12 * 3 and "pp_fwd-rn_bwd-sr_s2" in names
+    assert len(names) == 18 * 3 and "pp_fwd-rn_bwd-sr_s2" in names
     assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
 
 

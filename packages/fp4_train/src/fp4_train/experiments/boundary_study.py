@@ -97,9 +97,11 @@ def val_at(record, fraction):
 
 # The payloads the table shows, per layout: the pipeline's boundary; under SP the two
 # all-gathers, of the block input forward (what the column-parallel linears read) and of the
-# residual stream's gradient backward.
+# residual stream's gradient backward; in plain TP the two all-reduces, of the block outputs
+# forward and of the block inputs' gradients backward.
 SHOWN = {"pp": {"forward": ("boundary", "forward"), "backward": ("boundary", "backward")},
-         "sp": {"forward": ("enter", "forward"), "backward": ("exit", "backward")}}  # fmt: skip
+         "sp": {"forward": ("enter", "forward"), "backward": ("exit", "backward")},
+         "tp": {"forward": ("exit", "forward"), "backward": ("enter", "backward")}}  # fmt: skip
 
 
 def wire_means(record):
@@ -220,8 +222,9 @@ def markdown(rows, runs):
         f"and seed, mean over the seeds ± the half-width of its 95 % confidence interval "
         f"(Student's t); the training-loss column averages the paired difference over the "
         f"last fifth of the steps (the same batches) before the seeds. RMS and SQNR: of the "
-        f"pipeline's boundary, or under SP of the "
-        f"all-gathered block input (fwd) and residual stream's gradient (bwd); means over the "
+        f"pipeline's boundary; under SP of the all-gathered block input (fwd) and residual "
+        f"stream's gradient (bwd); in TP of the all-reduced block output (fwd) and block input "
+        f"gradient (bwd); means over the "
         f"last half of training. Model: {cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} "
         f"heads, sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
         f"lr {cfg['lr']}; {any_run['world_size']} ranks. Device: {meta.get('device', '?')}; "

@@ -73,6 +73,14 @@ BOUNDARY = [
     # the default: the residual stream's gradient (all-gather) stochastic, the summed
     # gradients (reduce-scatter) nearest
     ("sp_fwd-rn_bwd-sr", [*SP, "--codec", G64]),
+    # plain TP: the block outputs' all-reduce forward, the block inputs' gradient all-reduce
+    # backward (nearest by default)
+    ("tp_bf16", ["--codec", "none", "--eval-codecs", "none-float32", G64]),
+    ("tp_fwd-rn", ["--codec", G64, "--grad-codec", "none"]),
+    ("tp_bwd-rn", ["--codec", "none", "--grad-codec", G64, "--grad-rounding", "nearest"]),
+    ("tp_bwd-sr", ["--codec", "none", "--grad-codec", G64, "--grad-rounding", "stochastic"]),
+    ("tp_fwd-rn_bwd-rn", ["--codec", G64]),
+    ("tp_fwd-rn_bwd-sr", ["--codec", G64, "--grad-rounding", "stochastic"]),
 ]  # fmt: skip
 # The forward levers once the backward is fixed (FP4Quant g = 64, stochastic).
 FORWARD_LEVERS = [
