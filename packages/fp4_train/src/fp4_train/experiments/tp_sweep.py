@@ -73,6 +73,8 @@ BOUNDARY = [
     # the default: the residual stream's gradient (all-gather) stochastic, the summed
     # gradients (reduce-scatter) nearest
     ("sp_fwd-rn_bwd-sr", [*SP, "--codec", G64]),
+]  # fmt: skip
+BOUNDARY_TP = [
     # plain TP: the block outputs' all-reduce forward, the block inputs' gradient all-reduce
     # backward (nearest by default)
     ("tp_bf16", ["--codec", "none", "--eval-codecs", "none-float32", G64]),
@@ -119,7 +121,7 @@ PRESETS = {
         "runs": [*CODECS[:2], ("tp_bf16", ["--codec", "none"], [1]), *CODECS[2:], *PUSHES],
         "seeds": [0],
     },
-    "cpu-boundary": {"common": CPU_BOUNDARY, "runs": BOUNDARY, "seeds": [0, 1, 2]},
+    "cpu-boundary": {"common": CPU_BOUNDARY, "runs": BOUNDARY + BOUNDARY_TP, "seeds": [0, 1, 2]},
     "h200-boundary": {
         "common": [*H200, "--steps", "2000", "--eval-every", "250", *EAGER],
         "runs": BOUNDARY + FORWARD_LEVERS,
