@@ -239,7 +239,7 @@ def plot(rows, runs, path):
     shown = [r for r in rows if not r["config"].endswith("_bf16") and r["delta_100"] is not None]
     ys = range(len(shown))
     for y, r in zip(ys, shown, strict=True):
-        color = "C0" if r["layout"] == "pp" else "C1"
+        color = {"pp": "C0", "sp": "C1"}.get(r["layout"], "C2")
         ax_d.errorbar(r["delta_100"], y, xerr=r["delta_100_ci"] or 0, fmt="o", color=color,
                       capsize=3)  # fmt: skip
         ax_d.plot(r["delta_100_per_seed"], [y] * len(r["delta_100_per_seed"]), "x", color="0.5",
