@@ -114,3 +114,10 @@ def test_writes_table_numbers_and_plot(folder):
     assert {r["config"] for r in rows} == {"pp_bf16", "pp_fwd-rn_bwd-rn", "sp_bf16", "sp_bwd-sr"}
     assert (folder / "boundary.csv").read_text().startswith("config,")
     assert (folder / "boundary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_describe_names_codecs_other_than_the_tables():
+    lever = _record("pp_fwd-nvfp4_bwd-sr", 0, 0.0, codec="nvfp4", grad_codec="fp4quant-g64")
+    assert bs.describe(lever) == "nvfp4: forward nearest + backward stochastic"
+    native = _record("tp_native", 0, 0.0, parallel="tp", codec="native")
+    assert bs.describe(native) == "torch.distributed's all-reduce (NCCL's on GPUs)"

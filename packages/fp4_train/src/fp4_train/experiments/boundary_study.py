@@ -36,6 +36,7 @@ from .tp_summary import late_gap
 
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training where Δ is reported
 EXACT = "none-float32"
+DEFAULT_CODEC = "fp4quant-g64"  # the codec the table's header names
 _SEED = re.compile(r"_s(\d+)$")
 
 
@@ -80,13 +81,18 @@ def describe(record):
     fwd = None if c["codec"] in ("none", "none-float32") else c["rounding"]
     grad_codec = c.get("grad_codec") or c["codec"]
     bwd = None if grad_codec in ("none", "none-float32") else record.get("grad_rounding")
+    if c["codec"] == "native":
+        return "torch.distributed's all-reduce (NCCL's on GPUs)"
     parts = [f"{name} {rounding}" for name, rounding in (("forward", fwd), ("backward", bwd))
              if rounding is not None]  # fmt: skip
     if not parts:
-        return "bf16 (baseline)"
+        return "bf16 (baseline)" if c["codec"] == "none" else c["codec"]
     if fwd is not None and bwd is not None and fwd == bwd:
-        return f"both {fwd}"
-    return " + ".join(parts) + (" only" if len(parts) == 1 else "")
+        what = f"both {fwd}"
+    else:
+        what = " + ".join(parts) + (" only" if len(parts) == 1 else "")
+    codecs = {c["codec"], grad_codec} - {"none", "none-float32", DEFAULT_CODEC}
+    return what if not codecs else f"{'/'.join(sorted(codecs))}: {what}"
 
 
 def val_at(record, fraction):
@@ -181,7 +187,7 @@ def _fmt(mean, ci, digits=4):
 
 
 def markdown(rows, runs):
-    head = ["configuration", "what is quantized (FP4Quant g = 64)", "seeds",
+    head = ["configuration", "what is quantized (FP4Quant g = 64 unless named)", "seeds",
             "Δ val loss at 25 %", "at 50 %", "at 100 %", "Δ train loss, last fifth",
             "Δ, exact boundary at eval", "fwd RMS", "fwd SQNR dB", "bwd RMS",
             "bwd SQNR dB"]  # fmt: skip
