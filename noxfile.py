@@ -203,6 +203,32 @@ def benchmark_comm(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def study(session: nox.Session) -> None:
+    """The training studies on the CPU: the args after `--` go to boundary_study.
+
+    `nox -s study -- --run --preset cpu-boundary --out docs/results/tp_boundary_cpu` runs the
+    preset's missing runs (fp4_train.experiments) and rebuilds the table."""
+    session.install(KERNELS, COMM, f"{TRAIN}[examples]", TORCH)
+    args = session.posargs or ["--out", "docs/results/tp_boundary_cpu"]
+    session.run("python", "-m", "fp4_train.experiments.boundary_study", *args)
+
+
+@nox.session(venv_backend="none")
+def study_gpu(session: nox.Session) -> None:
+    """A training study preset on the GPU machine, in the Python that runs nox.
+
+    The args after `--` go to fp4_train.experiments.boundary_study (`--run --preset
+    h200-boundary --out ...`) or, after `sweep`, to tp_sweep (`sweep --preset h200-tp ...`)."""
+    env = {**_install_offline(session), **NCCL_ENV}
+    args = list(session.posargs)
+    module = "boundary_study"
+    if args[:1] == ["sweep"]:
+        module, args = "tp_sweep", args[1:]
+    session.run(sys.executable, "-m", f"fp4_train.experiments.{module}", *args, env=env,
+                external=True)  # fmt: skip
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over packages/, benchmarks/ and this file."""
     session.install(RUFF)

@@ -1,11 +1,13 @@
-"""examples/error_study.py: the properties its numbers must have, on its --quick data, and its
-outputs (the JSON schema, the CSV, the table the docs include, the plot)."""
+"""fp4_kernels.experiments.error_study: the properties its numbers must have, on its --quick
+data, and its outputs (the JSON schema, the CSV, the table the docs include, the plot); the
+example script is its command line."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +17,10 @@ from fp4_kernels.formats import fp4quant
 
 pytest.importorskip("matplotlib")
 
+from fp4_kernels.experiments import error_study as es  # noqa: E402 - after the skip
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "error_study.py"
 SYNTHETIC = ("gaussian", "heavy_tailed", "activations")
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("error_study", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-es = _load_example()
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +201,7 @@ def test_json_schema_and_bits(quick):
     assert set(loaded["datasets"]) == set(SYNTHETIC)
     assert loaded["provenance"]["commit"] == "0000000"
     assert set(loaded["provenance"]["source_sha256"]) == {
-        "examples/error_study.py",
+        "experiments/error_study.py",
         "formats/fp4quant.py",
         "formats/hadamard.py",
     }
@@ -259,3 +253,10 @@ def test_cli(tmp_path, capsys):
     assert "--quick" in capsys.readouterr().out
     assert es.main(["--datasets", "gaussian,nope", "--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+def test_example_script_is_the_command_line():
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr
+    assert len(EXAMPLE.read_text().splitlines()) < 20

@@ -1,6 +1,8 @@
-"""examples/tp_train.py on two gloo processes: it trains (bf16 and NVFP4 on the wire), TP and
-the pipeline with exact float32 communication match a one-process run of the same model, and
-the entry point writes its record.
+"""fp4_train.experiments.tp_train on two gloo processes (on the CPU, whatever GPUs the machine
+has): it trains (bf16 and NVFP4 on the wire), TP and the pipeline with exact float32
+communication match a one-process run of the same model, the forward and gradient policies
+reach the boundary, and the entry point writes its record; the example scripts are its command
+lines.
 
 One pair of spawned workers runs every configuration (starting a process and compiling the
 FP4 codec's CPU path cost seconds each); the corpus is the repository's own Markdown (real
@@ -15,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -29,9 +32,11 @@ WORLD = 2
 STEPS = 20
 EXACT_STEPS = 4
 LAYERS, D_MODEL = 2, 32
-TINY = ["--layers", str(LAYERS), "--d-model", str(D_MODEL), "--heads", "2", "--seq-len", "32",
-        "--batch", "4", "--lr", "3e-3", "--eval-every", "0", "--eval-batches", "2",
-        "--timing-warmup", "0", "--quiet"]  # fmt: skip
+# --device cpu: gloo on the CPU even where there are GPUs (a machine with one GPU has no GPU
+# for rank 1)
+TINY = ["--device", "cpu", "--layers", str(LAYERS), "--d-model", str(D_MODEL), "--heads", "2",
+        "--seq-len", "32", "--batch", "4", "--lr", "3e-3", "--eval-every", "0",
+        "--eval-batches", "2", "--timing-warmup", "0", "--stats-every", "1", "--quiet"]  # fmt: skip
 # float32 unit roundoff
 U32 = 2.0**-24
 
@@ -50,11 +55,10 @@ def _worker(rank, port, corpus, out, conn):
     try:
         env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "MASTER_PORT": port}
         os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
-        sys.path.insert(0, str(EXAMPLES))
         import torch.distributed as dist
-        import tp_train
 
         import fp4_comm
+        from fp4_train.experiments import tp_train
 
         base = [*TINY, "--data", str(corpus)]
         res = {}
@@ -64,9 +68,12 @@ def _worker(rank, port, corpus, out, conn):
         solo = dist.new_group([0])  # every rank takes part in making it
         comm1 = fp4_comm.Communicator.from_process_group(solo, "cpu") if rank == 0 else None
 
-        def run(*extra):
+        def run(*extra, record=None):
             args = tp_train.parse_args([*base, *extra])
-            return _losses(tp_train.train(args, comm))
+            out = tp_train.train(args, comm)
+            if record is not None:
+                res[record] = {k: out[k] for k in ("name", "wire", "summary", "grad_rounding")}
+            return _losses(out)
 
         res["nvfp4"] = run("--steps", str(STEPS), "--codec", "nvfp4", "--rounding", "stochastic")
         exact = ["--steps", str(EXACT_STEPS), "--codec", "none-float32"]
@@ -74,7 +81,22 @@ def _worker(rank, port, corpus, out, conn):
         res["sp_fp32"] = run(*exact, "--sequence-parallel")
         res["native"] = run("--steps", str(EXACT_STEPS), "--codec", "native")
         res["pp_fp32"] = run(*exact, "--parallel", "pp", "--microbatches", "2")
-        res["pp_fp4"] = run("--steps", "3", "--parallel", "pp", "--codec", "nvfp4")
+        res["pp_fp4"] = run(
+            "--steps", "3", "--parallel", "pp", "--codec", "nvfp4", record="pp_fp4_record"
+        )
+        # forward only: the gradient crosses in bf16, so the boundary's backward SQNR is bf16's
+        run(
+            "--steps",
+            "2",
+            "--parallel",
+            "pp",
+            "--codec",
+            "fp4quant-g64",
+            "--grad-codec",
+            "none",
+            record="pp_fwd_record",
+        )
+        run("--steps", "2", "--sequence-parallel", "--codec", "nvfp4", record="sp_record")
         ef = ("--steps", "3", "--codec", "nvfp4", "--error-feedback")
         res["tp_ef"] = run(*ef)
         res["sp_ef"] = run(*ef, "--sequence-parallel")
@@ -107,8 +129,8 @@ def runs(tmp_path_factory):
     try:
         results = []
         for c in conns:
-            if not c.poll(datetime.timedelta(minutes=5).total_seconds()):
-                raise TimeoutError("a tp_train worker did not finish in 5 minutes")
+            if not c.poll(datetime.timedelta(minutes=15).total_seconds()):
+                raise TimeoutError("a tp_train worker did not finish in 15 minutes")
             status, value = c.recv()
             if status != "ok":
                 raise RuntimeError(value)
@@ -180,14 +202,92 @@ def test_error_feedback_runs_with_and_without_sequence_parallelism(runs, config)
         (["--device", "cpu"], "needs a GPU"),
         (["--parallel", "pp"], "tensor-parallel step only"),
         (["--rounding", "stochastic"], "same random words"),
+        # the residual stream's gradient is stochastic by default under SP
+        (["--sequence-parallel"], "--grad-rounding nearest"),
         (["--optimizer", "sgd"], "adamw"),
     ],
 )
 def test_cuda_graph_refuses_what_it_cannot_replay(extra, why):
-    sys.path.insert(0, str(EXAMPLES))
-    import tp_train
+    from fp4_train.experiments import tp_train
 
     args = tp_train.parse_args(["--cuda-graph", *extra])
     device = __import__("torch").device("cuda" if "--device" not in extra else "cpu")
     with pytest.raises(SystemExit, match=why):
-        tp_train._check_graph_args(args, device)
+        tp_train.check_graph_args(args, device)
+
+
+def test_pipeline_boundary_records_its_policies_and_payloads(runs):
+    """The pipeline's default: FP4 forward with nearest rounding, its gradient stochastic;
+    every step's RMS and SQNR of both directions (SQNR of a 4-bit code: 10-25 dB; of bf16
+    values: above 40 dB); the final checkpoint also evaluated with an exact boundary."""
+    results, _ = runs
+    rec = results[0]["pp_fp4_record"]
+    assert rec["name"] == "pp_nvfp4_grad-nvfp4-sr_s0" and rec["grad_rounding"] == "stochastic"
+    by_dir = {}
+    for w in rec["wire"]:
+        assert w["site"] == "boundary" and w["op"] == "send" and w["payloads"] == 2
+        by_dir.setdefault(w["direction"], []).append(w)
+    assert sorted(by_dir) == ["backward", "forward"]
+    assert [w["step"] for w in by_dir["forward"]] == [0, 1, 2]
+    for w in by_dir["forward"] + by_dir["backward"]:
+        assert w["rms"] > 0 and 10 < w["sqnr_db"] < 25
+    evals = rec["summary"]["final_evals"]
+    assert set(evals) == {"as_trained", "none-float32"}
+    assert evals["none-float32"] != evals["as_trained"]
+    assert abs(evals["none-float32"] - evals["as_trained"]) < 0.1
+
+    fwd_only = results[0]["pp_fwd_record"]
+    assert fwd_only["name"] == "pp_fp4quant-g64_grad-bf16_s0"
+    sqnr = {w["direction"]: w["sqnr_db"] for w in fwd_only["wire"] if w["step"] == 1}
+    assert 10 < sqnr["forward"] < 25 and sqnr["backward"] > 40
+
+
+def test_sequence_parallel_records_every_site(runs):
+    results, _ = runs
+    rec = results[0]["sp_record"]
+    assert rec["grad_rounding"] == "stochastic"  # the residual stream's gradient
+    seen = {(w["site"], w["direction"], w["op"]) for w in rec["wire"]}
+    assert seen == {
+        ("enter", "forward", "all_gather"),
+        ("enter", "backward", "reduce_scatter"),
+        ("exit", "forward", "reduce_scatter"),
+        ("exit", "backward", "all_gather"),
+    }
+    for w in rec["wire"]:
+        # LAYERS blocks of two sub-blocks, on both ranks
+        assert w["payloads"] == 2 * LAYERS * WORLD
+
+
+@pytest.mark.parametrize("script", ["tp_train.py", "tp_sweep.py", "tp_summary.py"])
+def test_example_scripts_are_the_command_lines(script):
+    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage:")
+    assert len((EXAMPLES / script).read_text().splitlines()) < 20
+
+
+def test_sweep_lists_a_preset_without_running_it(capsys):
+    from fp4_train.experiments import tp_sweep
+
+    assert tp_sweep.main(["--preset", "cpu-boundary", "--out", "/nonexistent", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert len(names) == 18 * 3 and "pp_fwd-rn_bwd-sr_s2" in names
+    assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
+
+
+@pytest.mark.parametrize("flag", ["--error-feedback", "--grad-error-feedback"])
+def test_pipeline_refuses_error_feedback(flag):
+    """A send's payload is not a sum: error feedback asked for in the pipeline is an error,
+    not silently nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fp4_train.experiments import tp_train
+
+    args = tp_train.parse_args(["--parallel", "pp", "--codec", "nvfp4", flag])
+    comm = SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="the pipeline's sends have none"):
+        tp_train.Runner(args, comm, torch.device("cpu"))

@@ -9,8 +9,10 @@
 The same algorithms run over NCCL (through ``cupy.cuda.nccl``) for CUDA tensors and over a gloo
 group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_comm.ddp`` (a DDP
 communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions), both imported with
-the package.  A peer that is gone raises ``CommPeerError`` (``CommTimeoutError``: it did not
-come in time; ``CommConnectionError``: its connection closed).
+the package; ``TensorParallelGroup`` (a block's tensor-parallel collectives, with forward and
+gradient policies), ``fp4_comm.pipeline`` (stage boundaries) and ``TimedCommunicator`` (time
+spent communicating).  A peer that is gone raises ``CommPeerError`` (``CommTimeoutError``: it did
+not come in time; ``CommConnectionError``: its connection closed).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -21,7 +23,9 @@ from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get
 from .collectives import shard_rows
 from .communicator import Communicator
 from .error_feedback import ErrorFeedback
+from .parallel_group import TensorParallelGroup, WirePolicy
 from .stats import HopStats
+from .timing import TimedCommunicator
 
 try:
     __version__ = _version("fp4-comm")
@@ -41,6 +45,9 @@ __all__ = [
     "NVFP4Codec",
     "NoneCodec",
     "get_codec",
+    "TensorParallelGroup",
+    "TimedCommunicator",
+    "WirePolicy",
     "shard_rows",
     "ddp",
     "tensor_parallel",

@@ -10,13 +10,24 @@ collective that matches its forward:
 | ``gather_from_sequence_parallel`` (dim 0) | all-gather | reduce-scatter |
 | ``reduce_scatter_to_sequence_parallel`` (dim 0) | reduce-scatter | all-gather |
 
-Each takes the communicator of the tensor-parallel group and the codec options of the forward
-collective (``codec``, ``rounding``, ``seed``); ``grad_codec`` (default: ``codec``) is used for
-the backward one.  ``error_feedback``, a buffer name unique to the call site (e.g. the layer's
-name), turns on error feedback (``Communicator.all_reduce``) for the function's all-reduce or
-reduce-scatter, whichever direction it runs in: forward for ``reduce_from_tensor_parallel`` and
-``reduce_scatter_to_sequence_parallel``, backward (the gradient) for ``copy_to_tensor_parallel``
-and ``gather_from_sequence_parallel``.  All-gathers have none: their payload is not a sum.
+The forward value and its gradient each have their own policy:
+
+- ``codec``, ``rounding``, ``error_feedback``: the forward collective's;
+- ``grad_codec`` (default: ``codec``), ``grad_rounding``, ``grad_error_feedback``: the backward
+  one's.  ``grad_rounding`` defaults to ``rounding`` for a gradient that is summed (all-reduce,
+  reduce-scatter) and to ``"stochastic"`` for the gradient that
+  ``reduce_scatter_to_sequence_parallel`` all-gathers: that one is the residual stream's
+  gradient, which every weight gradient of the layer sums over the tokens, so the error of
+  nearest rounding, correlated from token to token, adds up into a bias (docs/tp_training.md
+  measures it); stochastic rounding's error is zero in the mean.
+
+``codec``: as ``Communicator`` takes it ("nvfp4", "mxfp4", "none", "none-float32", a ``Codec``
+or an ``fp4_kernels.FP4Quant``).  ``error_feedback`` / ``grad_error_feedback``: a buffer name
+unique to the call site (``Communicator.all_reduce``); only a sum (all-reduce, reduce-scatter)
+has error feedback, so naming one for an all-gather or an identity raises ValueError.
+``seed``: the stochastic-rounding key of both directions.  ``stats``: a list; every collective
+the function runs, forward and backward, appends a ``WireStats`` to it (the payload's RMS and
+the codec's per-hop ``HopStats``; 0-d tensors, no host synchronization).
 
 The sequence dimension is dim 0 (Megatron's [s, b, h] layout); its length
 need not be a multiple of the world size: rank r holds ``fp4_comm.shard_rows(s, W)[r]`` rows
@@ -26,62 +37,129 @@ need not be a multiple of the world size: rank r holds ``fp4_comm.shard_rows(s, 
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
-from .codecs import CodecSpec, Rounding
+from .codecs import ROUNDINGS, CodecSpec, Rounding
 from .communicator import Communicator
+from .stats import HopStats
+
+#: the default rounding of the residual stream's gradient (SP all-gather, pipeline boundary)
+RESIDUAL_GRAD_ROUNDING = "stochastic"
 
 
-def _opts(codec, rounding, seed, error_feedback=None):
+class WireStats(NamedTuple):
+    """What one compressed collective or send did to its payload (this rank's view)."""
+
+    #: "forward" (the value) or "backward" (its gradient)
+    direction: str
+    #: the collective: "all_reduce", "reduce_scatter", "all_gather" or "send"
+    op: str
+    #: root mean square of this rank's payload, a 0-d float32 tensor
+    rms: torch.Tensor
+    #: hop name ("reduce_scatter", "all_gather", "send") -> HopStats of this rank's encodes
+    hops: dict[str, HopStats]
+
+
+FORWARD = ("rounding", "error_feedback")  # the argument names of each direction
+BACKWARD = ("grad_rounding", "grad_error_feedback")
+_SUMS = ("all-reduce", "reduce-scatter")
+
+
+def direction_options(
+    codec: CodecSpec,
+    rounding: Rounding,
+    seed: int,
+    error_feedback: str | None,
+    names: tuple[str, str],
+    runs: str,
+) -> dict[str, Any]:
+    """The keyword arguments of one direction's collective, checked: ``names`` are that
+    direction's argument names (``FORWARD`` / ``BACKWARD``), for the errors; ``runs`` the
+    collective it runs ("all-reduce", "reduce-scatter", "all-gather", "send", or "no
+    collective")."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{names[0]}: {rounding!r} is not one of {ROUNDINGS}")
+    if error_feedback is not None and runs not in _SUMS:
+        raise ValueError(
+            f"{names[1]}={error_feedback!r}: error feedback corrects a sum (all-reduce or "
+            f"reduce-scatter), and this direction runs {runs}"
+        )
     opts = {"codec": codec, "rounding": rounding, "seed": seed}
     if error_feedback is not None:
         opts["error_feedback"] = error_feedback
     return opts
 
 
+def run_collective(
+    comm: Communicator,
+    op: str,
+    x: torch.Tensor,
+    opts: dict[str, Any],
+    direction: str,
+    stats: list[WireStats] | None,
+    **extra: Any,
+) -> torch.Tensor | None:
+    """``comm.<op>(x, **opts)``; with ``stats`` a list, also append its ``WireStats``."""
+    fn = getattr(comm, op)
+    if stats is None:
+        return fn(x, **opts, **extra)
+    rms = x.detach().float().pow(2).mean().sqrt()
+    out, hops = fn(x, **opts, **extra, stats=True)  # a send returns (None, hops)
+    stats.append(WireStats(direction, op, rms, hops))
+    return out
+
+
 class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, grad_opts):
-        ctx.comm, ctx.grad_opts = comm, grad_opts
+    def forward(ctx, x, comm, grad_opts, stats):
+        ctx.comm, ctx.grad_opts, ctx.stats = comm, grad_opts, stats
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous(), **ctx.grad_opts), None, None
+        g = run_collective(ctx.comm, "all_reduce", grad.contiguous(), ctx.grad_opts, "backward",
+                           ctx.stats)  # fmt: skip
+        return g, None, None, None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, opts):
-        return comm.all_reduce(x.contiguous(), **opts)
+    def forward(ctx, x, comm, opts, stats):
+        return run_collective(comm, "all_reduce", x.contiguous(), opts, "forward", stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, opts, grad_opts, total_dim0):
-        ctx.comm, ctx.grad_opts = comm, grad_opts
-        return comm.all_gather(x.contiguous(), total_dim0=total_dim0, **opts)
+    def forward(ctx, x, comm, opts, grad_opts, total_dim0, stats):
+        ctx.comm, ctx.grad_opts, ctx.stats = comm, grad_opts, stats
+        return run_collective(comm, "all_gather", x.contiguous(), opts, "forward", stats,
+                              total_dim0=total_dim0)  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad):
         # reduce_scatter splits dim 0 as shard_rows does: this rank's rows, x's shape
-        return ctx.comm.reduce_scatter(grad.contiguous(), **ctx.grad_opts), None, None, None, None
+        g = run_collective(ctx.comm, "reduce_scatter", grad.contiguous(), ctx.grad_opts,
+                           "backward", ctx.stats)  # fmt: skip
+        return g, None, None, None, None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, opts, grad_opts):
-        ctx.comm, ctx.grad_opts, ctx.dim0 = comm, grad_opts, x.shape[0]
-        return comm.reduce_scatter(x.contiguous(), **opts)
+    def forward(ctx, x, comm, opts, grad_opts, stats):
+        ctx.comm, ctx.grad_opts, ctx.stats, ctx.dim0 = comm, grad_opts, stats, x.shape[0]
+        return run_collective(comm, "reduce_scatter", x.contiguous(), opts, "forward", stats)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = ctx.comm.all_gather(grad.contiguous(), total_dim0=ctx.dim0, **ctx.grad_opts)
-        return grad, None, None, None
+        g = run_collective(ctx.comm, "all_gather", grad.contiguous(), ctx.grad_opts, "backward",
+                           ctx.stats, total_dim0=ctx.dim0)  # fmt: skip
+        return g, None, None, None, None
 
 
 def copy_to_tensor_parallel(
@@ -90,12 +168,22 @@ def copy_to_tensor_parallel(
     codec: CodecSpec = "nvfp4",
     rounding: Rounding = "nearest",
     seed: int = 0,
+    *,
     grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding | None = None,
     error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
-    """Identity forward; backward all-reduces the gradient (a column-parallel layer's input)."""
-    opts = _opts(grad_codec or codec, rounding, seed, error_feedback)
-    return _CopyToTensorParallel.apply(x, comm, opts)
+    """Identity forward; backward all-reduces the gradient (a column-parallel layer's input).
+
+    The forward runs no collective: ``codec`` and ``rounding`` only give the gradient's
+    defaults, and ``error_feedback`` must be None (the gradient's sum takes
+    ``grad_error_feedback``)."""
+    direction_options(codec, rounding, seed, error_feedback, FORWARD, "no collective")
+    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
+                                  grad_error_feedback, BACKWARD, "all-reduce")  # fmt: skip
+    return _CopyToTensorParallel.apply(x, comm, grad_opts, stats)
 
 
 def reduce_from_tensor_parallel(
@@ -104,10 +192,13 @@ def reduce_from_tensor_parallel(
     codec: CodecSpec = "nvfp4",
     rounding: Rounding = "nearest",
     seed: int = 0,
+    *,
     error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
-    return _ReduceFromTensorParallel.apply(x, comm, _opts(codec, rounding, seed, error_feedback))
+    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-reduce")
+    return _ReduceFromTensorParallel.apply(x, comm, opts, stats)
 
 
 def gather_from_sequence_parallel(
@@ -116,19 +207,20 @@ def gather_from_sequence_parallel(
     codec: CodecSpec = "nvfp4",
     rounding: Rounding = "nearest",
     seed: int = 0,
+    *,
     grad_codec: CodecSpec | None = None,
-    total_dim0: int | None = None,
+    grad_rounding: Rounding | None = None,
     error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    total_dim0: int | None = None,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
     ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
-    return _GatherFromSequenceParallel.apply(
-        x,
-        comm,
-        _opts(codec, rounding, seed),
-        _opts(grad_codec or codec, rounding, seed, error_feedback),
-        total_dim0,
-    )
+    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-gather")
+    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
+                                  grad_error_feedback, BACKWARD, "reduce-scatter")  # fmt: skip
+    return _GatherFromSequenceParallel.apply(x, comm, opts, grad_opts, total_dim0, stats)
 
 
 def reduce_scatter_to_sequence_parallel(
@@ -137,14 +229,17 @@ def reduce_scatter_to_sequence_parallel(
     codec: CodecSpec = "nvfp4",
     rounding: Rounding = "nearest",
     seed: int = 0,
+    *,
     grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding = RESIDUAL_GRAD_ROUNDING,
     error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
-    gradient back to x's length backward."""
-    return _ReduceScatterToSequenceParallel.apply(
-        x,
-        comm,
-        _opts(codec, rounding, seed, error_feedback),
-        _opts(grad_codec or codec, rounding, seed),
-    )
+    gradient back to x's length backward, stochastically rounded unless ``grad_rounding``
+    says otherwise (the residual stream's gradient: see the module docstring)."""
+    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "reduce-scatter")
+    grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, grad_error_feedback,
+                                  BACKWARD, "all-gather")  # fmt: skip
+    return _ReduceScatterToSequenceParallel.apply(x, comm, opts, grad_opts, stats)

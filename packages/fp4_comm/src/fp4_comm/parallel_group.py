@@ -1,0 +1,188 @@
+"""``TensorParallelGroup``: one rank's place in a Megatron tensor-parallel group, and the two
+collectives a transformer sub-block needs, with a policy for the forward values and one for
+their gradients.
+
+    group = TensorParallelGroup(comm, forward=WirePolicy("mxfp4"),
+                                backward=WirePolicy("mxfp4", rounding="stochastic"))
+    h = group.enter(ln(x), "L0.attn")          # before the column-parallel linear
+    x = x + group.exit(h @ w_o_shard.T, "L0.attn")   # the row-parallel linear's partial sum
+
+Without sequence parallelism ``enter`` is ``copy_to_tensor_parallel`` and ``exit``
+``reduce_from_tensor_parallel``; with it (the residual stream split along dim 0, the sequence)
+``gather_from_sequence_parallel`` and ``reduce_scatter_to_sequence_parallel``
+(``fp4_comm.tensor_parallel``).  Codec ``"native"`` (both policies) runs torch.distributed's own
+all-reduce instead (tensor parallelism without SP or error feedback): the reference the
+compressed collectives have to beat; gloo's over the communicator's ranks on the CPU, NCCL's on
+GPUs (a group that every rank of the default group makes with the TensorParallelGroup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import tensor_parallel as tp
+from .communicator import Communicator
+
+
+@dataclass(frozen=True)
+class WirePolicy:
+    """How one direction (forward values, or their gradients) crosses the ranks.
+
+    ``codec``: as ``Communicator`` takes it, or ``"native"``.  ``rounding``: "nearest",
+    "stochastic", or None for the collective's default (``fp4_comm.tensor_parallel``: the
+    forward's rounding for a summed gradient, stochastic for the residual stream's gradient).
+    ``error_feedback``: keep a residual at every site whose collective in this direction is a
+    sum (buffer names ``<site>.out`` forward, ``<site>.in.grad`` backward); a forward residual
+    moves in training only (not under ``torch.no_grad``).
+    """
+
+    codec: object = "nvfp4"
+    rounding: str | None = None
+    error_feedback: bool = False
+
+
+class _NativeAllReduce(torch.autograd.Function):
+    """Megatron's copy_to (``forward=False``) / reduce_from (``forward=True``) pair through
+    torch.distributed's all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group, forward):
+        ctx.group, ctx.forward = group, forward
+        return group.native_all_reduce(x) if forward else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad if ctx.forward else ctx.group.native_all_reduce(grad)
+        return g, None, None
+
+
+class TensorParallelGroup:
+    """This rank's place in the tensor-parallel group of ``comm`` (None: one rank, no
+    communication) and the collectives of a block's input (``enter``) and output (``exit``).
+
+    ``stats``: None, or a dict that ``enter`` and ``exit`` fill with lists of
+    ``tensor_parallel.WireStats`` under the keys "enter" and "exit" (set it for the steps to
+    log; each statistic costs a decode)."""
+
+    def __init__(
+        self,
+        comm: Communicator | Any | None,
+        forward: WirePolicy = WirePolicy(),
+        backward: WirePolicy | None = None,
+        *,
+        seed: int = 0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        backward = forward if backward is None else backward
+        self.comm = comm
+        self.size = 1 if comm is None else comm.world_size
+        self.rank = 0 if comm is None else comm.rank
+        self.forward, self.backward, self.seed = forward, backward, seed
+        self.sequence_parallel = sequence_parallel and self.size > 1
+        self.stats = None
+        self.native_group = None
+        native = [p.codec == "native" for p in (forward, backward)]
+        if any(native):
+            if not all(native):
+                raise ValueError("codec 'native' is torch.distributed's all-reduce for the "
+                                 "forward values and their gradients both")  # fmt: skip
+            if sequence_parallel or forward.error_feedback or backward.error_feedback:
+                raise ValueError("codec 'native' is tensor parallelism without sequence "
+                                 "parallelism or error feedback")  # fmt: skip
+            if self.size > 1:
+                self.native_group = comm.control_group  # gloo, over the communicator's ranks
+                if comm.device.type == "cuda":
+                    # NCCL over the same ranks.  Not locally synchronized: torch names such a
+                    # group after the number of groups each rank has made, which differs
+                    # between ranks that made other subgroups; so every rank of the default
+                    # group makes it (with a communicator over the default group, all do).
+                    ranks = dist.get_process_group_ranks(comm.control_group)
+                    self.native_group = dist.new_group(ranks, backend="nccl")
+
+    def native_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.distributed's all-reduce of ``x`` in its dtype (timed where ``comm`` is a
+        ``TimedCommunicator``)."""
+
+        def run(x):
+            y = x.contiguous().clone()
+            dist.all_reduce(y, group=self.native_group)
+            return y
+
+        timed = getattr(self.comm, "timed", None)
+        return timed(run, x) if timed is not None else run(x)
+
+    def _kwargs(self, site, kind):
+        fwd, bwd = self.forward, self.backward
+        kw = {
+            "codec": fwd.codec,
+            "rounding": fwd.rounding or "nearest",
+            "seed": self.seed,
+            "stats": None if self.stats is None else self.stats.setdefault(kind, []),
+        }
+        if kind == "enter":  # the gradient is summed
+            kw.update(
+                grad_codec=bwd.codec,
+                grad_rounding=bwd.rounding,
+                grad_error_feedback=f"{site}.in.grad" if bwd.error_feedback else None,
+            )
+        elif torch.is_grad_enabled() and fwd.error_feedback:
+            # a validation pass must not move the residuals
+            kw["error_feedback"] = f"{site}.out"
+        return kw  # fmt: skip
+
+    def enter(self, x: torch.Tensor, site: str) -> torch.Tensor:
+        """A block's input, replicated (or, with SP, gathered) before its column-parallel
+        linear.  ``site``: a name unique to the call site (error-feedback buffers)."""
+        if self.size == 1:
+            return x
+        if self.native_group is not None:
+            return _NativeAllReduce.apply(x, self, False)
+        kw = self._kwargs(site, "enter")
+        if self.sequence_parallel:
+            return tp.gather_from_sequence_parallel(x, self.comm, **kw)
+        return tp.copy_to_tensor_parallel(x, self.comm, **kw)
+
+    def exit(self, x: torch.Tensor, site: str) -> torch.Tensor:
+        """A row-parallel linear's partial output, summed over the ranks (with SP: and
+        scattered along the sequence)."""
+        if self.size == 1:
+            return x
+        if self.native_group is not None:
+            return _NativeAllReduce.apply(x, self, True)
+        kw = self._kwargs(site, "exit")
+        if self.sequence_parallel:
+            kw["grad_codec"] = self.backward.codec
+            if self.backward.rounding is not None:
+                kw["grad_rounding"] = self.backward.rounding
+            return tp.reduce_scatter_to_sequence_parallel(x, self.comm, **kw)
+        return tp.reduce_from_tensor_parallel(x, self.comm, **kw)
+
+    def shard(self, w: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's slice of a full tensor along ``dim`` (a weight, or with SP the
+        sequence): ``torch.chunk``'s piece, as ``shard_rows`` splits dim 0."""
+        pieces = w.chunk(self.size, dim)
+        if self.rank >= len(pieces):
+            return w.narrow(dim, 0, 0).clone()
+        return pieces[self.rank].clone()
+
+    def sum_partial_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """With SP, the gradients of the parameters every rank holds whole (LayerNorms,
+        embedding, head) are partial over the sequence shards: sum them over the ranks, in
+        float32 (exact up to the adds).  A no-op without SP."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.sequence_parallel or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads]).float()
+        flat = self.comm.all_reduce(flat, codec="none-float32")
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+
+__all__ = ["TensorParallelGroup", "WirePolicy"]

@@ -1,0 +1,14 @@
+"""The experiments behind the committed study results (docs/results): importable modules, each
+with a command line (``python -m fp4_train.experiments.<module> --help``).
+
+- ``tp_train``: tensor-, sequence- and pipeline-parallel training of a small byte-level
+  transformer whose activations and gradients cross ranks through fp4_comm;
+- ``tp_sweep``: presets of ``tp_train`` runs under torchrun (CPU smoke study, the H200 studies);
+- ``tp_summary``: the table and loss curves of a folder of runs;
+- ``boundary_study``: the pipeline-boundary and sequence-parallel decomposition (forward only,
+  backward only, nearest or stochastic rounding), paired against bf16 over seeds, with 95 %
+  confidence intervals;
+- ``corpus``, ``transformer``, ``records``: the data, the model and the result files they share.
+
+They need fp4-comm and the ``examples`` extra (matplotlib, scipy) beside fp4-train.
+"""

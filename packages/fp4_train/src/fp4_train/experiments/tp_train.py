@@ -1,0 +1,575 @@
+"""Tensor- or pipeline-parallel training of a small decoder-only transformer whose activations
+and activation gradients cross ranks through fp4_comm (FP4 or bf16 on the wire).
+
+    torchrun --standalone --nproc-per-node 2 -m fp4_train.experiments.tp_train \\
+        --codec fp4quant --group-size 64 --steps 2000 --out docs/results/tp_runs
+
+Model: ``transformer.Transformer`` (``--layers`` blocks of width ``--d-model``).  Parallelism
+(one process per rank, ``--parallel``):
+
+- ``tp`` (default): Megatron tensor parallelism over all ranks through a
+  ``fp4_comm.TensorParallelGroup`` (four all-reduces per layer and step: the gradient of each
+  block input, the sum of each block output).  ``--sequence-parallel`` splits the residual
+  stream along the sequence instead (all-gather / reduce-scatter pairs; the replicated
+  LayerNorm, embedding and head gradients are then summed over the ranks in float32).
+- ``pp``: two pipeline stages (the first half of the layers with the embedding, the second
+  with the head), GPipe order over ``--microbatches``; the residual stream crosses forward and
+  its gradient backward through ``fp4_comm.pipeline``.
+
+Communication.  The forward values: ``--codec`` (``none``: bfloat16 values, the baseline;
+``none-float32``; ``nvfp4``; ``mxfp4``; ``fp4quant`` with ``--group-size`` and
+``--no-hadamard``, or spelled ``fp4quant-g16``, ``fp4quant-g64-nohad``; ``native``:
+torch.distributed's own all-reduce, TP only), ``--rounding``, ``--error-feedback``.  The
+gradients: ``--grad-codec`` (default: ``--codec``), ``--grad-rounding`` (default: ``--rounding``
+for the summed gradients of TP; stochastic for the residual stream's gradient, which the
+pipeline boundary and SP's all-gather carry), ``--grad-error-feedback`` (default:
+``--error-feedback``).  Error feedback applies where the collective is a sum.
+
+Data: ``corpus.load_corpus`` of ``--data`` (one or more files; default the Jargon File); the
+seed fixes initialization, batch order and the rounding words, whatever the codec.
+
+Per step it records loss, step time, time inside fp4_comm calls (``TimedCommunicator``), tokens/s
+per rank and model TFLOP/s per rank; every ``--stats-every`` steps the RMS and SQNR of every
+compressed payload (``WireStats``), averaged per site and direction.  The final checkpoint is
+evaluated as trained and with the codecs of ``--eval-codecs`` in place of the forward codec
+(default ``none-float32``: an exact boundary).  Rank 0 writes ``<out>/<name>.json`` and
+``.csv``; ``tp_summary`` and ``boundary_study`` read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import fp4_comm
+import fp4_kernels
+from fp4_comm import TensorParallelGroup, TimedCommunicator, WirePolicy, pipeline
+from fp4_comm.codecs import ROUNDINGS
+from fp4_comm.tensor_parallel import RESIDUAL_GRAD_ROUNDING
+
+from .corpus import DEFAULT_CORPUS, load_corpus, split, train_batch, val_batches
+from .records import finite_or_none, metadata, write_csv, write_json
+from .transformer import Transformer, lm_loss, training_flops
+
+CODECS = ("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native")
+# dense bf16 peak of the GPUs the studies ran on, TFLOP/s (NVIDIA's data sheets), for MFU
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
+GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's default 5)
+
+
+# ------------------------------------------------------------------------------------ args
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = ap.add_argument
+    # fmt: off
+    a("--parallel", choices=("tp", "pp"), default="tp")
+    a("--sequence-parallel", action="store_true", help="TP with the sequence split (Megatron SP)")
+    a("--codec", default="none", type=_codec_spec,
+      help=f"forward values: one of {', '.join(CODECS)}, or fp4quant-g<G>[-nohad]")
+    a("--group-size", type=int, default=64, help="FP4Quant group size g (--codec fp4quant)")
+    a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
+    a("--rounding", choices=ROUNDINGS, default="nearest", help="forward values")
+    a("--error-feedback", action="store_true", help="residual per forward sum (TP)")
+    a("--grad-codec", default=None, type=_codec_spec, help="gradients (default: --codec)")
+    a("--grad-rounding", choices=ROUNDINGS, default=None,
+      help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
+    a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
+      help="residual per gradient sum (TP; default: --error-feedback)")
+    a("--layers", type=int, default=4)
+    a("--d-model", type=int, default=256)
+    a("--heads", type=int, default=4)
+    a("--seq-len", type=int, default=256)
+    a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
+    a("--microbatches", type=int, default=2, help="pipeline micro-batches per step")
+    a("--steps", type=int, default=200)
+    a("--lr", type=float, default=1e-3)
+    a("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    a("--warmup", type=int, default=None, help="linear warm-up steps (default: steps // 10)")
+    a("--seed", type=int, default=0, help="initialization, batch order and rounding words")
+    a("--data", type=Path, nargs="+", default=[DEFAULT_CORPUS],
+      help="text files (.gz read as gzip), concatenated")
+    a("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
+    a("--val-fraction", type=float, default=0.1)
+    a("--eval-every", type=int, default=50)
+    a("--eval-batches", type=int, default=8)
+    a("--eval-codecs", type=_codec_spec, nargs="*", default=["none-float32"],
+      help="also evaluate the final checkpoint with these forward codecs")
+    a("--stats-every", type=int, default=10, help="RMS/SQNR of every payload every N steps")
+    a("--dtype", choices=("float32", "bfloat16"), default=None,
+      help="compute dtype (autocast); default bfloat16 on CUDA, float32 on the CPU")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    a("--threads", type=int, default=1, help="torch CPU threads per process")
+    a("--timing-warmup", type=int, default=5, help="steps left out of the throughput means")
+    a("--name", default=None, help="run name (default: from the configuration)")
+    a("--out", type=Path, default=None, help="folder for <name>.json/.csv (rank 0)")
+    a("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+      help="TP, GPU: capture the whole training step (forward, backward with its collectives, "
+           "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
+           "time of the collectives' launches (nearest rounding only)")
+    a("--quiet", action="store_true")
+    # fmt: on
+    return ap.parse_args(argv)
+
+
+def _codec_spec(spec):
+    if spec in CODECS:
+        return spec
+    try:
+        parse_fp4quant(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return spec
+
+
+def parse_fp4quant(spec):
+    """``fp4quant-g<G>[-nohad]`` -> (G, hadamard)."""
+    parts = spec.split("-")
+    if parts[0] != "fp4quant" or len(parts) not in (2, 3) or not parts[1][1:].isdigit() \
+            or parts[1][0] != "g" or parts[2:] not in ([], ["nohad"]):  # fmt: skip
+        raise ValueError(f"codec {spec!r}: use one of {', '.join(CODECS)} or fp4quant-g<G>[-nohad]")
+    return int(parts[1][1:]), len(parts) == 2
+
+
+def codec_label(spec, args):
+    """The name a codec goes by in run names and tables."""
+    if spec == "fp4quant":
+        return f"fp4quant-g{args.group_size}" + ("-nohad" if args.no_hadamard else "")
+    return {"none": "bf16", "none-float32": "fp32"}.get(spec, spec)
+
+
+def codec_of(spec, args):
+    """What fp4_comm takes for a codec spec."""
+    label = codec_label(spec, args)
+    if label.startswith("fp4quant"):
+        g, hadamard = parse_fp4quant(label)
+        return fp4_kernels.FP4Quant(g, hadamard=hadamard)
+    return spec
+
+
+def _exact(spec):
+    return spec in ("none", "none-float32", "native")
+
+
+def policies(args):
+    """The forward and backward ``WirePolicy`` of the run (rounding None: the default)."""
+    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
+    grad_ef = args.error_feedback if args.grad_error_feedback is None else args.grad_error_feedback
+    forward = WirePolicy(codec_of(args.codec, args), args.rounding, args.error_feedback)
+    backward = WirePolicy(codec_of(grad_codec, args), args.grad_rounding, grad_ef)
+    return forward, backward
+
+
+def grad_rounding(args, residual):
+    """The rounding the gradients get: ``residual``, the residual stream's gradient."""
+    if args.grad_rounding is not None:
+        return args.grad_rounding
+    return RESIDUAL_GRAD_ROUNDING if residual else args.rounding
+
+
+def run_name(args):
+    if args.name:
+        return args.name
+    layout = args.parallel + ("-sp" if args.sequence_parallel else "")
+    parts = [layout, codec_label(args.codec, args)]
+    if args.rounding == "stochastic" and not _exact(args.codec):
+        parts.append("sr")
+    if args.error_feedback:
+        parts.append("ef")
+    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
+    residual = args.parallel == "pp" or args.sequence_parallel
+    rounding = grad_rounding(args, residual)
+    if grad_codec != args.codec or (rounding != args.rounding and not _exact(grad_codec)):
+        grad = [codec_label(grad_codec, args)]
+        if not _exact(grad_codec):
+            grad.append("sr" if rounding == "stochastic" else "rn")
+        parts.append("grad-" + "-".join(grad))
+    return "_".join(parts + [f"s{args.seed}"])
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+def _lr_factor(step, warmup, steps):
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def check_graph_args(args, device):
+    """What --cuda-graph does not do, named before anything runs."""
+    why = []
+    if device.type != "cuda":
+        why.append("it needs a GPU (--device cuda)")
+    if args.parallel != "tp":
+        why.append("it captures the tensor-parallel step only (--parallel tp)")
+    residual = args.sequence_parallel
+    if args.rounding != "nearest" or grad_rounding(args, residual) != "nearest":
+        # the step number that seeds the random rounding would be frozen into the graph: every
+        # replay would draw the same rounding words
+        why.append("stochastic rounding would replay the same random words every step "
+                   "(with --sequence-parallel the gradients' default is stochastic: pass "
+                   "--grad-rounding nearest, or run eagerly)")  # fmt: skip
+    if args.optimizer != "adamw":
+        why.append("it needs --optimizer adamw (capturable)")
+    if why:
+        raise SystemExit("--cuda-graph: " + "; ".join(why))
+
+
+class Runner:
+    """One training run on this rank: model, optimizer, one step, one evaluation."""
+
+    def __init__(self, args, comm, device):
+        self.args, self.device = args, device
+        self.timed = TimedCommunicator(comm) if comm is not None else None
+        self.forward, self.backward = policies(args)
+        self.pp = args.parallel == "pp"
+        self.stats = None  # per-step WireStats, on the steps that log them
+        if self.pp:
+            if comm is None or comm.world_size != 2:
+                raise ValueError("--parallel pp runs on exactly 2 ranks")
+            if "native" in (self.forward.codec, self.backward.codec):
+                raise ValueError("--codec native is implemented for --parallel tp only")
+            if self.forward.error_feedback or self.backward.error_feedback:
+                raise ValueError("--error-feedback / --grad-error-feedback correct sums (TP); "
+                                 "the pipeline's sends have none")  # fmt: skip
+            self.stage = comm.rank
+            half = args.layers // 2
+            layers = range(half) if self.stage == 0 else range(half, args.layers)
+            par = TensorParallelGroup(None)
+            first, last = self.stage == 0, self.stage == 1
+            self.model = Transformer(args.layers, args.d_model, args.heads, args.seed, par,
+                                     layers, first=first, last=last)  # fmt: skip
+        else:
+            par = TensorParallelGroup(self.timed, self.forward, self.backward, seed=args.seed,
+                                      sequence_parallel=args.sequence_parallel)  # fmt: skip
+            self.model = Transformer(args.layers, args.d_model, args.heads, args.seed, par)
+        self.par = par
+        self.model.to(device)
+        params = list(self.model.parameters())
+        self.graphed = args.cuda_graph
+        if self.graphed:
+            check_graph_args(args, device)
+        self.warmup = args.steps // 10 if args.warmup is None else args.warmup
+        if args.optimizer == "adamw":
+            # capturable: Adam's step count and bias corrections live on the device, and the
+            # learning rate is a device tensor the schedule fills between replays
+            lr = torch.tensor(args.lr, device=device) if self.graphed else args.lr
+            self.opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                         capturable=self.graphed)  # fmt: skip
+        else:
+            self.opt = torch.optim.SGD(params, lr=args.lr)
+        self.sched = None
+        if not self.graphed:
+            self.sched = torch.optim.lr_scheduler.LambdaLR(
+                self.opt, lambda s: _lr_factor(s, self.warmup, args.steps)
+            )
+        dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        self.autocast = dtype == "bfloat16"
+        self.graph, self.steps_done = None, 0
+
+    def _ctx(self):
+        # autocast's cast cache must be off in a graph capture (its casts are captured too)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
+                              cache_enabled=not self.graphed)  # fmt: skip
+
+    def lr(self):
+        """The learning rate of the next step."""
+        if self.sched is not None:
+            return self.sched.get_last_lr()[0]
+        return self.args.lr * _lr_factor(self.steps_done, self.warmup, self.args.steps)
+
+    # --- tensor parallel (and the single-rank reference)
+    def _tp_step(self, inputs, targets):
+        with self._ctx():
+            loss = lm_loss(self.model(inputs), targets, self.par)
+        # Under SP each rank's loss is the mean over its shard of the sequence and the model's
+        # loss their mean; the backward collectives already sum over the ranks, so each rank
+        # backpropagates its loss / W.
+        scale = 1.0 / self.par.size if self.par.sequence_parallel else 1.0
+        (loss * scale).backward()
+        self.par.sum_partial_grads(self.model.replicated_parameters())
+        return loss.detach()
+
+    # --- two pipeline stages, GPipe order: all forwards, then all backwards
+    def _pp_step(self, inputs, targets, train=True, codec=None):
+        """``codec``: the forward codec in place of the run's (an evaluation)."""
+        m = self.args.microbatches if train else 1
+        ins, tgts = inputs.chunk(m, dim=1), targets.chunk(m, dim=1)
+        wire_dtype = torch.bfloat16 if self.autocast else torch.float32
+        fwd, bwd = self.forward, self.backward
+        codec = fwd.codec if codec is None else codec
+        kw = {"seed": self.args.seed, "grad_codec": bwd.codec, "stats": self.stats}
+        losses, handles = [], []
+        for x, y in zip(ins, tgts, strict=True):
+            if self.stage == 0:
+                with self._ctx():
+                    h = self.model(x).to(wire_dtype)
+                handles.append(pipeline.send_forward(h, self.timed, 1, codec, fwd.rounding or
+                                                     "nearest", **kw))  # fmt: skip
+            else:
+                shape = (x.shape[0], x.shape[1], self.args.d_model)
+                if bwd.rounding is not None:
+                    kw["grad_rounding"] = bwd.rounding
+                h = pipeline.recv_forward(shape, wire_dtype, self.timed, 0, codec, **kw)
+                with self._ctx():
+                    losses.append(lm_loss(self.model(h), y, self.par))
+        if train:
+            for i in range(m):
+                if self.stage == 1:
+                    (losses[i] / m).backward()  # sends the boundary's gradient to stage 0
+                else:
+                    pipeline.backward(handles[i])
+        if self.stage == 1:
+            return torch.stack([v.detach() for v in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    def step(self, inputs, targets, log_stats=False):
+        self.stats = [] if log_stats else None
+        self.par.stats = {} if log_stats else None
+        if self.graphed:
+            return self._graphed_step(inputs, targets)
+        self.opt.zero_grad(set_to_none=True)
+        if self.pp:
+            loss = self._pp_step(inputs, targets)
+        else:
+            loss = self._tp_step(inputs, targets)
+        self.opt.step()
+        self.sched.step()
+        self.steps_done += 1
+        return loss
+
+    def _graphed_step(self, inputs, targets):
+        """GRAPH_WARMUP eager steps on a side stream (kernels compiled and loaded, Adam's state
+        and the error-feedback residuals allocated), then the next step captured once, as in
+        PyTorch's whole-network capture, and every step from there a replay.  The same
+        arithmetic as the eager step: grads are set to None before the capture, so the captured
+        backward writes them rather than adding to them."""
+        self.par.stats = None  # statistics are host work; a replay does none
+        for group in self.opt.param_groups:
+            group["lr"].fill_(self.lr())
+        if self.steps_done < GRAPH_WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.opt.zero_grad(set_to_none=True)
+                loss = self._tp_step(inputs, targets)
+                self.opt.step()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            if self.graph is None:
+                self.static = (inputs.clone(), targets.clone())
+                self.opt.zero_grad(set_to_none=True)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.static_loss = self._tp_step(*self.static)
+                    self.opt.step()
+            self.static[0].copy_(inputs)
+            self.static[1].copy_(targets)
+            self.graph.replay()
+            loss = self.static_loss
+        self.steps_done += 1
+        return loss
+
+    def wire_stats(self):
+        """The logged step's payload statistics, per (site, direction, op), averaged over the
+        step's payloads and the ranks: RMS, SQNR (mean of the hops' dB), payloads."""
+        records = []
+        if self.stats:
+            records += [("boundary", s) for s in self.stats]
+        for site, stats in (self.par.stats or {}).items():
+            records += [(site, s) for s in stats]
+        mine = {}
+        for site, s in records:
+            sqnr = [float(h.sqnr_db) for h in s.hops.values()]
+            entry = mine.setdefault((site, s.direction, s.op), [0.0, 0.0, 0])
+            entry[0] += float(s.rms)
+            entry[1] += sum(sqnr) / len(sqnr) if sqnr else math.nan
+            entry[2] += 1
+        every = [mine]
+        if self.timed is not None and self.timed.world_size > 1:
+            every = [None] * self.timed.world_size
+            dist.all_gather_object(every, mine, group=self.timed.comm.control_group)
+        merged = {}
+        for part in every:
+            for key, (rms, sqnr, n) in part.items():
+                m = merged.setdefault(key, [0.0, 0.0, 0])
+                m[0], m[1], m[2] = m[0] + rms, m[1] + sqnr, m[2] + n
+        return [
+            {"site": site, "direction": d, "op": op, "rms": rms / n,
+             "sqnr_db": finite_or_none(sqnr / n), "payloads": n}
+            for (site, d, op), (rms, sqnr, n) in sorted(merged.items())
+        ]  # fmt: skip
+
+    @torch.no_grad()
+    def evaluate(self, batches, codec=None):
+        """Mean validation loss; ``codec``: the forward codec in place of the run's."""
+        self.model.eval()
+        self.stats = self.par.stats = None
+        saved = self.par.forward
+        if codec is not None and not self.pp:
+            self.par.forward = WirePolicy(codec, saved.rounding, saved.error_feedback)
+        total = 0.0
+        try:
+            for x, y in batches:
+                x, y = x.to(self.device), y.to(self.device)
+                if self.pp:
+                    total += float(self._pp_step(x, y, train=False, codec=codec))
+                else:
+                    with self._ctx():
+                        total += float(lm_loss(self.model(x), y, self.par))
+        finally:
+            self.par.forward = saved
+            self.model.train()
+        return self.mean_over_ranks(total / len(batches))
+
+    def mean_over_ranks(self, value):
+        """The loss every rank reports: under SP each rank has its shard's mean; in the
+        pipeline only the last stage has one."""
+        if self.timed is None or not (self.par.sequence_parallel or self.pp):
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        group = self.timed.comm.control_group
+        if self.pp:
+            dist.broadcast(t, group_src=1, group=group)
+        else:
+            dist.all_reduce(t, group=group)
+            t /= self.timed.world_size
+        return float(t)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_tflops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def train(args, comm, device=None):
+    """Run one configuration on this rank (every rank of ``comm`` calls it); the record."""
+    device = device or (comm.device if comm is not None else torch.device("cpu"))
+    if comm is not None:
+        comm.error_feedback.reset()  # a run starts without residuals left by an earlier one
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    tokens = load_corpus(args.data, args.max_bytes)
+    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
+    runner = Runner(args, comm, device)
+    rank = 0 if comm is None else comm.rank
+    world = 1 if comm is None else comm.world_size
+    steps, evals, wire = [], [], []
+    tokens_per_step = args.batch * args.seq_len  # the model replica's, over all its ranks
+    flops = training_flops(args.layers, args.d_model, args.seq_len, tokens_per_step)
+    for step in range(args.steps):
+        x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
+        x, y = x.to(device), y.to(device)
+        log_stats = bool(args.stats_every) and step % args.stats_every == 0 and not (
+            runner.graphed)  # fmt: skip
+        _sync(device)
+        t0 = time.perf_counter()
+        lr = runner.lr()
+        loss = runner.step(x, y, log_stats)
+        _sync(device)
+        step_ms = 1e3 * (time.perf_counter() - t0)
+        replayed = runner.graph is not None
+        comm_ms = runner.timed.take_ms(replayed) if runner.timed is not None else 0.0
+        loss = runner.mean_over_ranks(float(loss))
+        steps.append({
+            "step": step, "loss": loss, "lr": lr,
+            "step_ms": step_ms, "comm_ms": comm_ms,
+            "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+        })  # fmt: skip
+        if log_stats:
+            wire += [{"step": step, **w} for w in runner.wire_stats()]
+        last = step == args.steps - 1
+        if last or (args.eval_every and (step + 1) % args.eval_every == 0):
+            evals.append({"step": step + 1, "val_loss": runner.evaluate(val)})
+            if runner.timed is not None:
+                runner.timed.take_ms()  # evaluation is not training communication
+        if rank == 0 and not args.quiet and (step % 10 == 0 or last):
+            print(f"step {step:5d} loss {loss:.4f} {step_ms:7.1f} ms/step, comm {comm_ms:6.1f} ms"
+                  + (f"  val {evals[-1]['val_loss']:.4f}" if evals and evals[-1]["step"] == step + 1
+                     else ""), flush=True)  # fmt: skip
+    final_evals = {"as_trained": evals[-1]["val_loss"]}
+    for spec in args.eval_codecs:
+        if spec != args.codec and spec != "native":
+            final_evals[spec] = runner.evaluate(val, codec_of(spec, args))
+    if runner.timed is not None:
+        runner.timed.take_ms()
+    timed = steps[args.timing_warmup :] or steps
+    step_ms = sum(s["step_ms"] for s in timed) / len(timed)
+    comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
+    final = evals[-1]["val_loss"]
+    tflops = flops / world / (step_ms / 1e3) / 1e12
+    peak = _peak_tflops(device)
+    return {
+        "name": run_name(args),
+        "config": {k: _plain(v) for k, v in vars(args).items()},
+        "codec": codec_label(args.codec, args),
+        "grad_codec": codec_label(args.grad_codec or args.codec, args),
+        "grad_rounding": grad_rounding(args, args.parallel == "pp" or args.sequence_parallel),
+        "world_size": world,
+        "corpus_bytes": len(tokens),
+        "summary": {
+            "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+            "step_ms": step_ms,
+            "comm_ms": comm_ms,
+            "comm_share": comm_ms / step_ms,
+            "model_tflop_per_step": flops / 1e12,
+            "tflops_per_rank": tflops,
+            "mfu": None if peak is None else tflops / peak,
+            "final_val_loss": final,
+            "final_val_ppl": math.exp(final),
+            "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
+            "final_evals": final_evals,
+        },
+        "evals": evals,
+        "steps": steps,
+        "wire": wire,
+    }
+
+
+def _plain(v):
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    device = None
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        device = "cpu"
+    comm = fp4_comm.Communicator.from_env(device=device, validate="first")
+    record = train(args, comm)
+    record["meta"] = metadata(str(comm.device))
+    if comm.rank == 0 and args.out is not None:
+        write_json(args.out / f"{record['name']}.json", record)
+        write_csv(args.out / f"{record['name']}.csv", record["steps"])
+    s = record["summary"]
+    if comm.rank == 0 and not args.quiet:
+        print(f"{record['name']}: {s['tokens_per_s_per_rank']:.0f} tokens/s per rank, "
+              f"comm {100 * s['comm_share']:.1f}% of the step, val loss {s['final_val_loss']:.4f} "
+              f"(ppl {s['final_val_ppl']:.2f})")  # fmt: skip
+    return record
+
+
+if __name__ == "__main__":
+    main()
