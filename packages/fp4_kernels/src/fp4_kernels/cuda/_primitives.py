@@ -57,9 +57,6 @@ if SIMULATOR:
         words[i + 2] = c
         words[i + 3] = d
 
-    def load_v2(words, i):
-        return words[i], words[i + 1]
-
     def load_shared_v4(sm, i):
         return sm[i], sm[i + 1], sm[i + 2], sm[i + 3]
 
@@ -299,11 +296,9 @@ if not SIMULATOR:
             return None
         return types.void(words, index, a, b, c, d), _store_codegen(4)
 
-    # n uint32 from words[index] in one 8- or 16-byte load through the non-coherent
-    # (read-only) path, ``ld.global.nc.v{2,4}.u32``: the address must be aligned to the load's
-    # size and the data not written by the kernel.  The stores above likewise
-    # (``st.global.v{2,4}.u32``).
-    load_v2 = _vector_load(2)
+    # n uint32 from words[index] in one 16-byte load through the non-coherent (read-only)
+    # path, ``ld.global.nc.v4.u32``: the address must be 16-byte aligned and the data not
+    # written by the kernel.  The stores above likewise (``st.global.v{2,4}.u32``).
     load_v4 = _vector_load(4)
 
     @intrinsic

@@ -30,8 +30,6 @@ from .. import _numba_abi as abi
 from ._primitives import SIMULATOR
 
 THREADS_PER_BLOCK = 256
-DeviceBuffer = abi.DeviceBuffer
-StreamRef = abi.StreamRef
 
 
 @dataclass(frozen=True)
