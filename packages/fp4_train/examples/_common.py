@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
+
+from fp4_train.experiments import records
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = REPO / "docs" / "results"
@@ -29,28 +27,8 @@ def parse_args(doc, **extra):
     return ap.parse_args()
 
 
-def commit():
-    """The commit measured: $FP4_COMMIT first (set by whoever copied the tree to a GPU machine,
-    where a stale .git can say another commit), else git's HEAD."""
-    if os.environ.get("FP4_COMMIT"):
-        return os.environ["FP4_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except Exception:
-        return "unknown"
-
-
 def metadata(device):
-    dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-    return {
-        "device": f"{dev.type}: {name}",
-        "torch": torch.__version__,
-        "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    return records.metadata(device, cwd=REPO)
 
 
 def write_json(path, obj):
@@ -66,13 +44,7 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+pyplot = records.pyplot
 
 
 def progress(iterable, **kw):

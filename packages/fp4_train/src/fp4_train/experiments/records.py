@@ -27,13 +27,14 @@ def commit(cwd=None):
         return "unknown"
 
 
-def metadata(device):
+def metadata(device, cwd=None):
+    """device, torch version, commit (of the checkout at ``cwd``) and UTC date of a run."""
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     return {
         "device": f"{dev.type}: {name}",
         "torch": torch.__version__,
-        "commit": commit(),
+        "commit": commit(cwd),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
