@@ -1,4 +1,4 @@
-"""QuantizedTensor (in _api.py) as a torch user expects it: keyword construction, the array
+"""QuantizedTensor (in _quantized.py) as a torch user expects it: keyword construction, the array
 library's dtype, numel / nbytes, the scales as float8 (bfloat16) views, and .to / .cpu / .cuda
 (CPU here; the CUDA moves in the gpu-marked tests)."""
 

@@ -9,22 +9,8 @@ import math
 import numpy as np
 
 from . import _arrays as arrays
-from ._api import QuantizedTensor, _device, _to_numpy
-
-
-def _payload_views(payload, shape, n, g, lib):
-    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer of the ``n``
-    elements of ``shape``."""
-    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
-    tail = payload[n // 2 :]
-    if lib == "torch":
-        import torch
-
-        # an empty tail has stride 0, which torch refuses to reinterpret
-        scales = tail.view(torch.uint16) if tail.numel() else tail.new_empty(0, dtype=torch.uint16)
-    else:
-        scales = tail.view(np.uint16)
-    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))
+from ._devices import on_device, to_numpy
+from ._quantized import QuantizedTensor, payload_views
 
 
 def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
@@ -35,9 +21,9 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
         from .cuda import fp4quant as op
 
         ctx = arrays.GpuContext(x, backend)
-        with _device(ctx):
+        with on_device(ctx):
             payload = ctx.empty((nbytes,), np.uint8)
-            codes, scales = _payload_views(payload, shape, n, g, backend.lib)
+            codes, scales = payload_views(payload, shape, n, g, backend.lib)
             op.encode(
                 ctx, x, codes, scales, n, seed, step, arrays.KIND_OF_DTYPE[dt], g,
                 fmt.hadamard, stochastic,
@@ -46,7 +32,7 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
     from .cpu import fp4quant as cpu
 
     payload = np.empty(nbytes, np.uint8)
-    codes, scales = _payload_views(payload, shape, n, g, "numpy")
+    codes, scales = payload_views(payload, shape, n, g, "numpy")
     cpu.encode(
         arrays.cpu_bits(x, dt),
         arrays.KIND_OF_DTYPE[dt],
@@ -64,7 +50,7 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
         import torch
 
         payload = torch.from_numpy(payload)
-        codes, scales = _payload_views(payload, shape, n, g, "torch")
+        codes, scales = payload_views(payload, shape, n, g, "torch")
     return _quantized(codes, scales, fmt, shape, dt, payload)
 
 
@@ -76,7 +62,7 @@ def _quantized(codes, scales, fmt, shape, dt, payload):
 
 
 def dequantize_fp4quant(q, dt, backend):
-    """Decode a validated (``_api.check_quantized``) FP4Quant tensor to dtype ``dt``."""
+    """Decode a validated (``check_quantized``) FP4Quant tensor to dtype ``dt``."""
     g = q.fmt.group_size
     shape = tuple(q.shape)
     n = math.prod(shape)
@@ -84,14 +70,14 @@ def dequantize_fp4quant(q, dt, backend):
         from .cuda import fp4quant as op
 
         ctx = arrays.GpuContext(q.data, backend)
-        with _device(ctx):
+        with on_device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             op.decode(ctx, q.data, q.scales, out, n, arrays.KIND_OF_DTYPE[dt], g, q.fmt.hadamard)
         return out
     from .cpu import fp4quant as cpu
 
-    codes = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1).view(np.uint8)
-    scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1).view(np.uint16)
+    codes = np.ascontiguousarray(to_numpy(q.data)).reshape(-1).view(np.uint8)
+    scales = np.ascontiguousarray(to_numpy(q.scales)).reshape(-1).view(np.uint16)
     out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
     cpu.decode(
         codes,

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import _arrays as arrays
-from ._api import Array, _device, _to_numpy
+from ._devices import on_device, to_numpy
+from ._quantized import Array
 from .formats import hadamard as spec
 
 _SIGN_CACHE = {}  # (array kind, device, g, sign words) -> the words on that device
@@ -65,7 +66,7 @@ def hadamard(
         from .cuda import hadamard as op
 
         ctx = arrays.GpuContext(x, backend)
-        with _device(ctx):
+        with on_device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             if n:
                 dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
@@ -106,7 +107,7 @@ def _sign_words(signs, g):
         pass
     if backend is not None and backend.gpu:
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
-    s = np.asarray(_to_numpy(signs) if backend is not None else signs, dtype=np.float64)
+    s = np.asarray(to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")
     if not np.all(np.abs(s) == 1):

@@ -11,15 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays as arrays
-from ._api import (
-    FP4Quant,
-    QuantizedTensor,
-    _device,
-    _fill_one,
-    check_quantized,
-    dequantize,
-    quantize,
-)
+from ._api import dequantize, quantize
+from ._devices import fill_one, on_device
+from ._quantized import FP4Quant, QuantizedTensor, check_quantized
 
 
 def _rows_and_n(q):
@@ -67,12 +61,12 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
         return requantized_sum_reference(q)
     ctx = arrays.GpuContext(q.data, backend)
-    with _device(ctx):
+    with on_device(ctx):
         codes = ctx.empty((1, n // 2), np.uint8)
         scales = ctx.empty((1, n // 32), np.uint8)
         gs = ctx.empty((1,), np.float32)
         if n == 0:
-            _fill_one(gs, ctx)
+            fill_one(gs, ctx)
         else:
             from .cuda import reduce as op
 
