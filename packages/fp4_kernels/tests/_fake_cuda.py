@@ -1,0 +1,124 @@
+"""The host side of a torch CUDA call, driven on a machine without a GPU.
+
+``fake_cuda()`` makes every torch tensor report itself as living on ``cuda:0`` (its memory stays
+in host RAM), turns CUDA allocations into CPU ones, compiles no kernel and records each
+``cuLaunchKernel`` instead of queuing it: what ``quantize(x)`` does on the host for a torch CUDA
+tensor (checks, plans, allocation, argument packing) runs as on a GPU machine, and the launches
+it would queue can be compared.  Nothing reads or writes the outputs' memory.
+
+Used by the host-path tests and ``benchmarks/host_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+
+import numpy as np
+import torch
+
+from fp4_kernels import _arrays, _devices, _numba_abi as abi
+from fp4_kernels.cuda import launch
+
+CUDA0 = torch.device("cuda", 0)
+SM_COUNT = 132
+
+
+class FakeKernel:
+    """What ``compile_kernel`` returns: a handle and the parameter table of the signature."""
+
+    _handles = itertools.count(0x1000)
+
+    def __init__(self, kernel, argtypes):
+        self.kernel = kernel
+        self.handle = next(self._handles)
+        dummies = []
+        for t in argtypes:
+            if hasattr(t, "ndim"):  # an array type: a DeviceBuffer of its dtype
+                dummies.append(abi.DeviceBuffer(0, 0, np.dtype(str(t.dtype))))
+            else:
+                dummies.append(np.dtype(str(t)).type(0))
+        self.layout = abi.parameter_layout(dummies)
+        self.arguments_info = self.layout[1]
+        self.occupancy = self
+
+    def max_active_blocks_per_multiprocessor(self, threads, smem):
+        return max(1, 2048 // threads)
+
+
+class Recorder:
+    """The launches queued while it is installed: (kernel, blocks, threads, stream, values)."""
+
+    def __init__(self):
+        self.launches = []
+        self.kernels = {}
+
+    def compile(self, kernel, argtypes):
+        k = FakeKernel(kernel, list(argtypes))
+        self.kernels[k.handle] = k
+        return k
+
+    def cu_launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        k = self.kernels[function]
+        fmt, layout = k.layout
+        values = []
+        for i, (_, size) in enumerate(layout):
+            code = {8: ctypes.c_uint64, 4: ctypes.c_uint32}[size]
+            raw = code.from_address(params[i]).value
+            values.append(raw)
+        self.launches.append((k.kernel, gx, bx, stream, tuple(values)))
+        return 0
+
+
+@contextlib.contextmanager
+def fake_cuda(recorder=None):
+    """Torch tensors on a pretend ``cuda:0``; launches recorded by ``recorder`` (or dropped)."""
+    recorder = recorder or Recorder()
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    real_empty, real_zeros, real_to = torch.empty, torch.zeros, torch.Tensor.to
+
+    def empty(*shape, device=None, **kw):
+        return real_empty(*shape, **kw)
+
+    def zeros(*shape, device=None, **kw):
+        return real_zeros(*shape, **kw)
+
+    def to(self, *a, **kw):
+        if a and isinstance(a[0], torch.device) and a[0].type == "cuda":
+            return self
+        return real_to(self, *a, **kw)
+
+    patch(torch.Tensor, "is_cuda", property(lambda self: True))
+    patch(torch.Tensor, "device", property(lambda self: CUDA0))
+    patch(torch.Tensor, "to", to)
+    patch(torch, "empty", empty)
+    patch(torch, "zeros", zeros)
+    patch(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5713EA)
+    patch(abi, "compile_kernel", recorder.compile)
+    patch(abi, "_libcuda", recorder.cu_launch)
+    launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT})
+    _devices._GPU_COUNT[:] = [1]
+    _devices._THREAD.bound = {0}
+    _arrays.init_torch_tables()
+    try:
+        yield recorder
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        launch._sm_count.clear()
+        launch._compiled.clear()
+        launch._resident.clear()
+        _devices._GPU_COUNT.clear()
+        _devices._THREAD.bound = set()
+
+
+_MISSING = object()
