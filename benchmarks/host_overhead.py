@@ -23,9 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "packages", "fp4_kernels", "tests"))
 
 import torch  # noqa: E402
+from _fake_cuda import Recorder, fake_cuda  # noqa: E402
 
 import fp4_kernels as fk  # noqa: E402
-from _fake_cuda import fake_cuda  # noqa: E402
 
 
 def ops():
@@ -65,9 +65,7 @@ def calls_of(f, n=10):
         f()
     prof.disable()
     stats = pstats.Stats(prof).stats
-    total = sum(
-        v[0] for (file, _, _), v in stats.items() if not file.endswith("_fake_cuda.py")
-    )
+    total = sum(v[0] for (file, _, _), v in stats.items() if not file.endswith("_fake_cuda.py"))
     return total / n - 1, prof  # minus the lambda itself
 
 
@@ -87,7 +85,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print each op's cProfile")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    with fake_cuda():
+    with fake_cuda(Recorder(keep=False)):
         cases = ops()
         print(f"{'op':30s} {'calls':>6s} {'us/call':>8s}")
         for name, f in cases.items():

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import itertools
 
+import numba
 import numpy as np
 import torch
 
@@ -48,11 +49,17 @@ class FakeKernel:
 
 
 class Recorder:
-    """The launches queued while it is installed: (kernel, blocks, threads, stream, values)."""
+    """The launches queued while it is installed: (kernel, blocks, threads, stream, values);
+    with ``keep=False`` they are dropped (the cost of a no-op launch only)."""
 
-    def __init__(self):
+    def __init__(self, keep=True):
+        self.keep = keep
         self.launches = []
         self.kernels = {}
+
+    def stream(self, device):
+        """torch's current stream on ``device``: a fake handle naming the device."""
+        return 0x5713EA00 + device
 
     def compile(self, kernel, argtypes):
         k = FakeKernel(kernel, list(argtypes))
@@ -60,6 +67,8 @@ class Recorder:
         return k
 
     def cu_launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        if not self.keep:
+            return 0
         k = self.kernels[function]
         fmt, layout = k.layout
         values = []
@@ -95,16 +104,19 @@ def fake_cuda(recorder=None):
         return real_to(self, *a, **kw)
 
     patch(torch.Tensor, "is_cuda", property(lambda self: True))
-    patch(torch.Tensor, "device", property(lambda self: CUDA0))
+    patch(torch.Tensor, "device", property(lambda self: getattr(self, "fake_device", CUDA0)))
     patch(torch.Tensor, "to", to)
     patch(torch, "empty", empty)
     patch(torch, "zeros", zeros)
-    patch(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5713EA)
+    patch(torch._C, "_cuda_getCurrentRawStream", recorder.stream)
     patch(abi, "compile_kernel", recorder.compile)
+    # the simulator tier too: the launcher, not numba's simulated dispatcher, takes the launches
+    patch(launch, "SIMULATOR", False)
+    patch(numba.config, "ENABLE_CUDASIM", 0)
     patch(abi, "_libcuda", recorder.cu_launch)
-    launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT})
+    launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT, 1: SM_COUNT})
     _devices._GPU_COUNT[:] = [1]
-    _devices._THREAD.bound = {0}
+    _devices._THREAD.bound = {0, 1}
     _arrays.init_torch_tables()
     try:
         yield recorder

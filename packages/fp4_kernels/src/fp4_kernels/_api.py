@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 
-from . import _arrays as arrays, _autograd
+from . import _arrays as arrays, _autograd, _plans
 from ._devices import fill_one, on_device, to_numpy
-from ._fp4quant import dequantize_fp4quant, quantize_fp4quant
+from ._fp4quant import dequantize_fp4quant, quantize_fp4quant, run_encode_plan
 from ._quantized import (
     FORMATS,
     SCALE_LAYOUTS,
@@ -128,7 +128,41 @@ def quantize_dequantize(
     return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", fused=True)
 
 
+def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
+    """The plan key of a torch CUDA call (``_plans``), or None."""
+    if not _plans.enabled():
+        return None
+    xk = _plans.tensor_key(x)
+    if xk is None:
+        return None
+    if global_amax is None:
+        ak = None
+    elif type(global_amax) is float or type(global_amax) is int:
+        ak = "number"
+    else:
+        ak = _plans.tensor_key(global_amax)
+        if ak is None:
+            return None
+    return ("quantize", xk, fmt, rounding, scale_layout, ak, fused, _plans.policy())
+
+
 def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
+    key = _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused)
+    if key is not None:
+        plan = _plans.get(key)
+        if (
+            plan is not None
+            and type(seed) is int
+            and 0 <= seed < 2**64
+            and type(step) is int
+            and 0 <= step < 2**32
+        ):
+            if type(fmt) is FP4Quant:
+                q = run_encode_plan(plan, x, fmt, seed, step)
+                return dequantize(q) if fused else q
+            amax_value = -1.0 if key[5] != "number" else float(global_amax)
+            if 0.0 <= amax_value < math.inf or key[5] != "number":
+                return _run_quantize_plan(plan, x, fmt, seed, step, global_amax, amax_value)
     _check_fmt(fmt)
     _check_choice(rounding, "rounding", ROUNDINGS)
     _check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
@@ -140,7 +174,8 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
             raise ValueError("global_amax: FP4Quant has no tensor scale; leave it None")
         if scale_layout != "linear":
             raise ValueError("scale_layout: FP4Quant stores its scales linearly (after the codes)")
-        q = quantize_fp4quant(x, backend, dt, shape, fmt, rounding == "stochastic", seed, step)
+        stochastic = rounding == "stochastic"
+        q = quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step, key)
         return dequantize(q) if fused else q
     amax_value, amax_array = -1.0, None
     if global_amax is not None:
@@ -155,6 +190,11 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     geo = _geometry(shape, fmt, scale_layout)
     stochastic = rounding == "stochastic"
     if backend.gpu:
+        if key is not None and geo.n:
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _plans.put(key, _quantize_plan(x, amax_array, dt, fmt, geo, key, fused))
+            return _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value)
         return _quantize_gpu(
             x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused
         )
@@ -238,18 +278,84 @@ def _quantize_gpu(x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, 
     )  # fmt: skip
 
 
+def _quantize_plan(x, amax_array, dt, fmt, geo, key, fused):
+    """Record the launches of a checked NVFP4 / MXFP4 call (see ``_plans``)."""
+    from .cuda import quantize as op
+
+    tracer = _plans.Tracer(x.device.index)
+    vx, va = tracer.input(x), tracer.input(amax_array)
+    amax_value = _plans.PROBE_AMAX if key[5] == "number" else -1.0
+    stochastic = key[3] == "stochastic"
+    with on_device(tracer):  # the kernels compile for the input's device
+        result = op.quantize(
+            tracer, vx, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[fmt], geo, stochastic,
+            _plans.PROBE_SEED, _plans.PROBE_STEP, amax_value, va, fused,
+        )  # fmt: skip
+    plan = tracer.plan(result)
+    plan.shape = geo.shape
+    plan.scale_layout = "swizzled" if geo.swizzled else "linear"
+    plan.fused = fused
+    return plan
+
+
+def _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value):
+    """One planned NVFP4 / MXFP4 call; ``amax_array`` is ``global_amax`` when it is a tensor."""
+    inputs = (x, amax_array) if plan.n_inputs == 2 else (x,)
+    scalars = (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(amax_value))
+    data, scales, gs, out = plan(inputs, scalars)
+    if plan.fused:
+        return out
+    return QuantizedTensor._from_checked(
+        {"data": data, "scales": scales, "global_scale": gs, "fmt": fmt, "shape": plan.shape,
+         "dtype": x.dtype, "scale_layout": plan.scale_layout, "payload": None}
+    )  # fmt: skip
+
+
+def _dequantize_key(q, dtype):
+    """The plan key of a torch CUDA ``dequantize`` (``_plans``), or None."""
+    if type(q) is not QuantizedTensor or not _plans.enabled():
+        return None
+    dk, sk = _plans.tensor_key(q.data), _plans.tensor_key(q.scales)
+    if dk is None or sk is None:
+        return None
+    gk = None
+    if q.global_scale is not None:
+        gk = _plans.tensor_key(q.global_scale)
+        if gk is None:
+            return None
+    # repr: a shape of bools or floats equals one of ints, and check_quantized refuses it
+    shape = repr(q.shape)
+    return ("dequantize", q.fmt, shape, q.dtype, q.scale_layout, dk, sk, gk, dtype, _plans.policy())
+
+
+def _dequantize_inputs(q):
+    if q.global_scale is None:
+        return (q.data, q.scales)
+    return (q.data, q.scales, q.global_scale)
+
+
 def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     """Decode a ``QuantizedTensor`` to ``dtype`` (default: the dtype it was quantized from).
 
     NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
     """
+    key = _dequantize_key(q, dtype)
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan(_dequantize_inputs(q))[0]
     backend = check_quantized(q)
     dt = arrays.normalize_dtype(q.dtype if dtype is None else dtype)
     if isinstance(q.fmt, FP4Quant):
-        return dequantize_fp4quant(q, dt, backend)
+        return dequantize_fp4quant(q, dt, backend, key)
     geo = _geometry(q.shape, q.fmt, q.scale_layout)
     n = geo.n
+    if backend.gpu and key is not None and n:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.put(key, _dequantize_plan(q, dt, geo, backend))
+        return plan(_dequantize_inputs(q))[0]
     if backend.gpu:
         from .cuda import dequantize as op
 
@@ -282,6 +388,24 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
         arrays.KIND_OF_DTYPE[dt],
     )
     return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)
+
+
+def _dequantize_plan(q, dt, geo, backend):
+    """Record the launch of a checked NVFP4 / MXFP4 ``dequantize`` (see ``_plans``)."""
+    from .cuda import dequantize as op
+
+    tracer = _plans.Tracer(q.data.device.index)
+    data, scales = tracer.input(q.data), tracer.input(q.scales)
+    with on_device(tracer):
+        if q.global_scale is None:
+            gs = _global_scale_or_one(q, arrays.GpuContext(q.data, backend))
+        else:
+            gs = tracer.input(q.global_scale)
+        out = tracer.empty(q.shape, None, like_dtype=tracer.float_dtype(dt))
+        op.dequantize(
+            tracer, data, scales, gs, out, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[q.fmt], geo
+        )
+    return tracer.plan((out,))
 
 
 def _global_scale_or_one(q, ctx):

@@ -23,6 +23,12 @@ _GPU_COUNT = []
 _THREAD = threading.local()  # .bound: the devices whose context this thread has made current
 
 
+def needs_scope(device_id):
+    """Whether a call on ``device_id`` must enter ``on_device`` (the first call on a thread, or
+    a process with several GPUs)."""
+    return not _GPU_COUNT or _GPU_COUNT[0] > 1 or device_id not in getattr(_THREAD, "bound", ())
+
+
 class on_device:
     """Make the input's GPU numba's current device for the duration of the call (a no-op on a
     one-GPU process, which skips the context query on the hot path).

@@ -119,6 +119,14 @@ class QuantizedTensor:
         else:
             self.dtype = arrays.numpy_dtype(name)
 
+    @classmethod
+    def _from_checked(cls, fields):
+        """A tensor of ``fields`` (all eight) that a plan guarantees: ``dtype`` already that
+        of data's library, nothing to convert or check."""
+        q = cls.__new__(cls)
+        q.__dict__.update(fields)
+        return q
+
     @property
     def dtype_name(self) -> str:
         """The name of ``dtype``: "float32", "bfloat16" or "float16"."""
