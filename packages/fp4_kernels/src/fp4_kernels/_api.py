@@ -301,7 +301,8 @@ def _quantize_plan(x, amax_array, dt, fmt, geo, key, fused):
 def _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value):
     """One planned NVFP4 / MXFP4 call; ``amax_array`` is ``global_amax`` when it is a tensor."""
     inputs = (x, amax_array) if plan.n_inputs == 2 else (x,)
-    scalars = (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(amax_value))
+    amax32 = np.float32(amax_value) if amax_value >= 0 else 0.0  # a probe slot only if >= 0
+    scalars = (seed & 0xFFFFFFFF, seed >> 32, step, amax32)
     data, scales, gs, out = plan(inputs, scalars)
     if plan.fused:
         return out

@@ -81,10 +81,16 @@ def tensor_key(t):
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % _ALIGN)
 
 
-def policy():
-    from .cuda import launch
+_POLICY = []  # launch's ContextVar of the launch policy, once cuda.launch is imported
 
-    return launch._POLICY.get()
+
+def policy():
+    """The launch policy in force (a plan depends on it)."""
+    if not _POLICY:
+        from .cuda import launch
+
+        _POLICY.append(launch._POLICY)
+    return _POLICY[0].get()
 
 
 def enabled() -> bool:
@@ -244,72 +250,103 @@ class Tracer(arrays.GpuContext):
 
 
 class Plan:
-    """One kind of call: allocations, launches with their argument templates, the result."""
+    """One kind of call: allocations, launches with their argument templates, the result.
+
+    A call fills ``slots``: the inputs' addresses (in the order they were recorded), the
+    shared buffer's sections, the own tensors, then the scalars; each launch's template gets
+    ``slots[slot] + rel`` at the positions recorded for it."""
+
+    simulator = False  # (read by ``_devices.on_device``)
 
     def __init__(self, tracer, result):
         torch = sys.modules["torch"]
         self.device_id = tracer.device_id
         self.device = torch.device("cuda", tracer.device_id)
-        self.n_inputs = sum(1 for s in tracer.sources if s[0] == "input")
+        # torch's current stream of a device, without building a Stream object
+        self.current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda device: torch.cuda.current_stream(device).cuda_stream
+        )
         self.keep = tracer.keep
-        self.launches = [
-            (launcher, blocks, threads, values, tuple(ptrs), tuple(scalars))
-            for launcher, blocks, threads, values, ptrs, scalars in tracer.launches
-        ]
-        # sources -> where they live in a call: the shared byte buffer or their own tensor
-        offsets = {}
-        own = []  # (source, shape, dtype)
-        zero = []  # (byte offset, bytes) of the shared buffer to clear
+        inputs, sections, own = [], [], []  # source indices of each kind
+        self.zero = []  # (byte offset, bytes) of the shared buffer to clear
+        self.section_offsets = []
         packed = 0
         for i, s in enumerate(tracer.sources):
-            if s[0] != "alloc":
+            if s[0] == "input":
+                inputs.append(i)
                 continue
             _, shape, dtype, is_packed, is_zero = s
-            if is_packed:
-                nbytes = math.prod(shape) * _torch_itemsize(dtype)
-                offsets[i] = packed
-                if is_zero:
-                    zero.append((packed, nbytes))
-                packed += -(-nbytes // SECTION_ALIGN) * SECTION_ALIGN
-            else:
-                own.append((i, shape, dtype))
+            if not is_packed:
+                own.append(i)
+                continue
+            nbytes = math.prod(shape) * _torch_itemsize(dtype)
+            sections.append(i)
+            self.section_offsets.append(packed)
+            if is_zero:
+                self.zero.append((packed, nbytes))
+            packed += -(-nbytes // SECTION_ALIGN) * SECTION_ALIGN
         self.packed_bytes = packed
-        self.offsets = offsets
-        self.own = own
-        self.zero = zero
-        self.result = tuple(None if r is None else self._result_spec(r) for r in result)
-
-    def _result_spec(self, v):
-        if v.offset % v.itemsize:
-            raise ValueError("a result view must start on a whole element")
-        strides = []
-        step = 1
-        for d in reversed(v.shape):
-            strides.append(step)
-            step *= max(d, 1)
-        stride = tuple(reversed(strides))
-        if v.source in self.offsets:
-            offset = (self.offsets[v.source] + v.offset) // v.itemsize
-            return ("packed", v.dtype, v.shape, stride, offset)
-        return ("own", v.source, v.shape, stride, v.offset // v.itemsize)
+        self.n_inputs = len(inputs)
+        self.own = [tracer.sources[i][1:3] for i in own]  # (shape, dtype)
+        order = inputs + sections + own
+        slot = {source: k for k, source in enumerate(order)}
+        n_slots = len(order)
+        self.launches = [
+            (
+                launcher, blocks, threads, values,
+                tuple((pos, slot[source], rel) for pos, source, rel in pointers)
+                + tuple((pos, n_slots + k, 0) for pos, k in scalars),
+            )
+            for launcher, blocks, threads, values, pointers, scalars in tracer.launches
+        ]  # fmt: skip
+        # results: views of the shared buffer (as uint8 or another dtype) or own tensors
+        self.view_dtypes = []
+        specs = []
+        for v in result:
+            if v is None:
+                specs.append(None)
+                continue
+            if v.offset % v.itemsize:
+                raise ValueError("a result view must start on a whole element")
+            stride, step = [], 1
+            for d in reversed(v.shape):
+                stride.insert(0, step)
+                step *= max(d, 1)
+            if v.source in own:
+                k = own.index(v.source)
+                specs.append(["own", k, v.shape, tuple(stride), v.offset // v.itemsize])
+                continue
+            offset = self.section_offsets[sections.index(v.source)] + v.offset
+            if v.dtype != torch.uint8 and v.dtype not in self.view_dtypes:
+                self.view_dtypes.append(v.dtype)
+            specs.append(["packed", v.dtype, v.shape, tuple(stride), offset // v.itemsize])
+        # bases of a call: [buffer, buffer viewed as each of view_dtypes..., own tensors...]
+        n_views = 1 + len(self.view_dtypes)
+        self.result = []
+        for spec in specs:
+            if spec is None:
+                self.result.append(None)
+            elif spec[0] == "own":
+                _, k, shape, stride, offset = spec
+                whole = offset == 0 and tuple(self.own[k][0]) == shape
+                self.result.append((n_views + k, shape, stride, offset, whole))
+            else:
+                _, dtype, shape, stride, offset = spec
+                base = 0 if dtype == torch.uint8 else 1 + self.view_dtypes.index(dtype)
+                self.result.append((base, shape, stride, offset, False))
 
     def __call__(self, inputs, scalars=()):
         """Queue the plan's launches for ``inputs`` (the tensors, in the recorded order) and
         ``scalars`` (seed low and high words, step, amax as float32); returns the result."""
-        dev = self.device_id
-        if _devices.needs_scope(dev):
+        if _devices.needs_scope(self.device_id):
             with _devices.on_device(self):
                 return self._run(inputs, scalars)
         return self._run(inputs, scalars)
 
-    simulator = False  # for on_device
-
     def _run(self, inputs, scalars):
         torch = sys.modules["torch"]
-        stream = arrays._torch_stream(torch, self.device_id)
-        base = [t.data_ptr() for t in inputs]
-        tensors = {}
-        buf = None
+        slots = [t.data_ptr() for t in inputs]
+        bases = []
         if self.packed_bytes:
             buf = torch.empty(self.packed_bytes, dtype=torch.uint8, device=self.device)
             p = buf.data_ptr()
@@ -317,37 +354,27 @@ class Plan:
                 raise RuntimeError(f"the allocator returned an address {p:#x} not 16-byte aligned")
             for off, nbytes in self.zero:
                 buf[off : off + nbytes].zero_()
-        ptrs = {}
-        for i, off in self.offsets.items():
-            ptrs[i] = p + off
-        for i, shape, dtype in self.own:
-            t = tensors[i] = torch.empty(shape, dtype=dtype, device=self.device)
-            ptrs[i] = t.data_ptr()
-        for i in range(self.n_inputs):
-            ptrs[i] = base[i]
-        for launcher, blocks, threads, template, pointers, scalar_slots in self.launches:
-            values = list(template)
-            for pos, source, rel in pointers:
-                values[pos] = ptrs[source] + rel
-            for pos, k in scalar_slots:
-                values[pos] = scalars[k]
+            slots += [p + off for off in self.section_offsets]
+            bases.append(buf)
+            bases += [buf.view(dt) for dt in self.view_dtypes]
+        else:
+            bases.append(None)
+        for shape, dtype in self.own:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            slots.append(t.data_ptr())
+            bases.append(t)
+        slots += scalars
+        stream = self.current_stream(self.device_id)
+        for launcher, blocks, threads, template, patches in self.launches:
+            values = template.copy()
+            for pos, slot, rel in patches:
+                values[pos] = slots[slot] + rel
             launcher.launch_values(stream, blocks, threads, values)
-        out = []
-        views = {}
-        for spec in self.result:
-            if spec is None:
-                out.append(None)
-            elif spec[0] == "packed":
-                _, dtype, shape, stride, offset = spec
-                b = views.get(dtype)
-                if b is None:
-                    b = views[dtype] = buf if dtype == torch.uint8 else buf.view(dtype)
-                out.append(b.as_strided(shape, stride, offset))
-            else:
-                _, source, shape, stride, offset = spec
-                t = tensors[source]
-                if offset == 0 and tuple(t.shape) == shape:
-                    out.append(t)
-                else:
-                    out.append(t.as_strided(shape, stride, offset))
-        return out
+        return [
+            None
+            if spec is None
+            else bases[spec[0]]
+            if spec[4]
+            else bases[spec[0]].as_strided(spec[1], spec[2], spec[3])
+            for spec in self.result
+        ]
