@@ -72,7 +72,9 @@ class QuantizedTensor:
     """A tensor in NVFP4, MXFP4 or FP4Quant, as ``quantize`` returns it.
 
     Construction is by keyword only.  The arrays are of one kind (numpy, torch, CuPy or numba
-    device arrays) and live on one device; ``dequantize`` checks every field it reads.
+    device arrays) and live on one device; ``dequantize`` checks every field it reads.  From a
+    torch CUDA ``quantize``, ``data``, ``scales`` and ``global_scale`` are views of one
+    allocation (each 256-byte aligned in it).
 
     Attributes:
         data: uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
