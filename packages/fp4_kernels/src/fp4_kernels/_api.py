@@ -312,8 +312,9 @@ def _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value):
     )  # fmt: skip
 
 
-def _dequantize_key(q, dtype):
-    """The plan key of a torch CUDA ``dequantize`` (``_plans``), or None."""
+def _dequantize_key(q, dtype, op="dequantize"):
+    """The plan key of a torch CUDA ``dequantize`` (or another ``op`` reading a quantized
+    tensor) (``_plans``), or None."""
     if type(q) is not QuantizedTensor or not _plans.enabled():
         return None
     dk, sk = _plans.tensor_key(q.data), _plans.tensor_key(q.scales)
@@ -326,7 +327,7 @@ def _dequantize_key(q, dtype):
             return None
     # repr: a shape of bools or floats equals one of ints, and check_quantized refuses it
     shape = repr(q.shape)
-    return ("dequantize", q.fmt, shape, q.dtype, q.scale_layout, dk, sk, gk, dtype, _plans.policy())
+    return (op, q.fmt, shape, q.dtype, q.scale_layout, dk, sk, gk, dtype, _plans.policy())
 
 
 def _dequantize_inputs(q):

@@ -112,8 +112,12 @@ def get(key):
 
 
 def put(key, plan):
+    """Keep ``plan`` under ``key`` (not kept if the key cannot be hashed); returns it."""
     with _LOCK:
-        _PLANS[key] = plan
+        try:
+            _PLANS[key] = plan
+        except TypeError:
+            return plan
         while len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return plan

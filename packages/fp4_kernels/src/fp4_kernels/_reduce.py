@@ -58,7 +58,7 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     writes the encoded sum (no float32 intermediate); every other case runs the composition.
     A block whose sum is not finite (a NaN-scale row block, or an overflow) gets the NaN scale.
     """
-    key = _dequantize_key(q, "requantized_sum")
+    key = _dequantize_key(q, None, op="requantized_sum")
     if key is not None:
         plan = _plans.get(key)
         if plan is not None:
