@@ -348,7 +348,7 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
     with _plans.disabled():
         qs = {
             "nvfp4": fk.quantize(x),
-            "mxfp4": fk.quantize(x),
+            "mxfp4": fk.quantize(x, fmt="mxfp4"),
             "swizzled": fk.quantize(x, scale_layout="swizzled"),
             "fp4quant": fk.quantize(x, fmt=G64),
             "sum": fk.quantize(x[:4].float(), fmt="mxfp4"),
