@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from fp4_kernels import _arrays, _devices, _numba_abi as abi
+from fp4_kernels import _api, _arrays, _devices, _hadamard, _numba_abi as abi, _plans
 from fp4_kernels.cuda import launch
 
 CUDA0 = torch.device("cuda", 0)
@@ -114,7 +114,18 @@ def fake_cuda(recorder=None):
     patch(launch, "SIMULATOR", False)
     patch(numba.config, "ENABLE_CUDASIM", 0)
     patch(abi, "_libcuda", recorder.cu_launch)
+    # the caches of device state and device arrays: the fake's own while it runs (on a GPU
+    # machine the real ones hold real launchers and device pointers, restored afterwards)
+    caches = [
+        (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"),
+        (_api, "_ONES"), (_hadamard, "_SIGN_CACHE"), (_plans, "_PLANS"),
+    ]  # fmt: skip
+    saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]
+    for obj, name, value in saved_caches:
+        setattr(obj, name, type(value)())
     launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT, 1: SM_COUNT})
+    saved_gpu_count = list(_devices._GPU_COUNT)
+    saved_bound = getattr(_devices._THREAD, "bound", None)
     _devices._GPU_COUNT[:] = [1]
     _devices._THREAD.bound = {0, 1}
     _arrays.init_torch_tables()
@@ -126,11 +137,13 @@ def fake_cuda(recorder=None):
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
-        launch._sm_count.clear()
-        launch._compiled.clear()
-        launch._resident.clear()
-        _devices._GPU_COUNT.clear()
-        _devices._THREAD.bound = set()
+        for obj, name, value in saved_caches:
+            setattr(obj, name, value)
+        _devices._GPU_COUNT[:] = saved_gpu_count
+        if saved_bound is None:
+            del _devices._THREAD.bound
+        else:
+            _devices._THREAD.bound = saved_bound
 
 
 _MISSING = object()
