@@ -291,7 +291,7 @@ def _quantize_plan(x, amax_array, dt, fmt, geo, key, fused):
             tracer, vx, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[fmt], geo, stochastic,
             _plans.PROBE_SEED, _plans.PROBE_STEP, amax_value, va, fused,
         )  # fmt: skip
-    plan = tracer.plan(result)
+    plan = tracer.plan(result, (0, 1, 2, 3) if key[5] == "number" else (0, 1, 2))
     plan.shape = geo.shape
     plan.scale_layout = "swizzled" if geo.swizzled else "linear"
     plan.fused = fused

@@ -74,7 +74,7 @@ def _encode_plan(x, dt, shape, fmt, stochastic, nbytes):
             tracer, vx, codes, scales, n, _plans.PROBE_SEED, _plans.PROBE_STEP,
             arrays.KIND_OF_DTYPE[dt], fmt.group_size, fmt.hadamard, stochastic,
         )  # fmt: skip
-    plan = tracer.plan((payload, codes, scales))
+    plan = tracer.plan((payload, codes, scales), (0, 1, 2))
     plan.shape = shape
     return plan
 

@@ -247,9 +247,15 @@ class Tracer(arrays.GpuContext):
     def _misalign(self, source):
         return self._misaligns.get(source, 0)
 
-    def plan(self, result):
+    def plan(self, result, scalars=()):
         """The plan of what was recorded; ``result``: the placeholders (or None) the call
-        returns, in the order the plan returns them."""
+        returns, in the order the plan returns them; ``scalars``: the probes (indices into
+        seed low, seed high, step, amax) the call must find in the arguments, or a per-call
+        value would silently be the probe's."""
+        found = {k for launch in self.launches for _, k in launch[5]}
+        missing = set(scalars) - found
+        if missing:
+            raise RuntimeError(f"probe scalars {sorted(missing)} not found in the launches")
         return Plan(self, result)
 
 
