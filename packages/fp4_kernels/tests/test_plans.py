@@ -9,6 +9,7 @@ so that the two paths' launches compare although their allocations differ.  On a
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -187,7 +188,7 @@ def test_each_call_gets_its_own_seed_and_step(fake):
 def test_each_call_gets_its_own_float_amax(fake):
     x = _x()
     fk.quantize(x, global_amax=1.0)  # the plan
-    for amax in (2.5, 0.0, 1e30, 7):
+    for amax in (2.5, 0.0, 1e30, 7, np.float32(0.25), np.int64(3)):
         _compare(fake, lambda: fk.quantize(x, global_amax=amax), {"x": x}, new_plan=False)  # noqa: B023
     assert len(_plans._PLANS) == 1
 
@@ -236,7 +237,7 @@ def test_bad_arguments_after_a_planned_call_are_refused(fake):
         fk.quantize(x, rounding="stochastic", seed=1.0)
     with pytest.raises(ValueError, match="step"):
         fk.quantize(x, fmt=G64, step=-1)
-    for amax in (float("nan"), float("inf"), -1.0, -1):
+    for amax in (float("nan"), float("inf"), -1.0, -1, np.float32("nan"), np.float64(-2)):
         with pytest.raises(ValueError, match="global_amax"):
             fk.quantize(x, global_amax=amax)
     with pytest.raises(ValueError, match="rounding"):

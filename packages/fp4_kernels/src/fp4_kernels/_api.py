@@ -137,7 +137,9 @@ def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
         return None
     if global_amax is None:
         ak = None
-    elif type(global_amax) is float or type(global_amax) is int:
+    elif type(global_amax) is float or (
+        isinstance(global_amax, (int, np.floating, np.integer)) and type(global_amax) is not bool
+    ):
         ak = "number"
     else:
         ak = _plans.tensor_key(global_amax)
