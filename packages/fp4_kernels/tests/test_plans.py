@@ -370,3 +370,19 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
         for a, b, c in zip(ref, cold, warm, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c), name
     _plans.clear()
+
+
+def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch):
+    # the per-call scalars are found in the recorded arguments by their probe values; a host
+    # function passing a function of the seed would leave the probe in every later call
+    from fp4_kernels.cuda import quantize as op
+
+    real = op.quantize
+
+    def seed_plus_one(ctx, x, kind, fmt, geo, stochastic, seed, step, *rest):
+        return real(ctx, x, kind, fmt, geo, stochastic, seed + 1, step, *rest)
+
+    monkeypatch.setattr(op, "quantize", seed_plus_one)
+    with pytest.raises(RuntimeError, match="probe scalars"):
+        fk.quantize(_x(), rounding="stochastic", seed=3)
+    assert not _plans._PLANS
