@@ -110,6 +110,8 @@ def main():
     ap.add_argument("--out", default=None, help="also write host_overhead.txt (and profiles)")
     ap.add_argument("--profile", action="store_true", help="print each op's cProfile")
     args = ap.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     if args.cuda:
         scope, sync, device = contextlib.nullcontext(), torch.cuda.synchronize, "cuda"
@@ -153,7 +155,6 @@ def main():
                     with open(os.path.join(args.out, f"profile_{name}.txt"), "w") as fh:
                         pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(40)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
