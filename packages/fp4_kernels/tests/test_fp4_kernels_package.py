@@ -1,10 +1,13 @@
 """fp4_kernels' public API (and the numpy references and test support documented with it)
 carries type annotations that resolve, and the package ships a py.typed marker."""
 
+import ast
 import importlib
 import importlib.resources
 import inspect
 import pkgutil
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -105,3 +108,89 @@ def test_quantized_tensor_fields_are_annotated():
 def test_py_typed_marker_is_in_the_package():
     # hatchling ships every file of src/fp4_kernels in the wheel, this marker included
     assert importlib.resources.files("fp4_kernels").joinpath("py.typed").is_file()
+
+
+def _module_name(path):
+    rel = path.relative_to(SOURCE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph():
+    """{module: {modules it imports}} for every module of fp4_kernels, from its source: every
+    ``import`` statement counts, those inside functions (deferred imports) included.  The
+    packages that Python imports implicitly before a submodule are not edges."""
+    modules = {_module_name(p): p for p in SOURCE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                # `from .pkg import sub` imports the submodule; `from .mod import f` the module
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph):
+    """One import cycle of ``graph`` as a list of modules, or None."""
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, stack)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _import_graph()
+    assert {"fp4_kernels._api", "fp4_kernels._quantized", "fp4_kernels._fp4quant"} <= set(graph)
+    assert "fp4_kernels._quantized" in graph["fp4_kernels._fp4quant"]  # edges are seen
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+PRIVATE_HOST_MODULES = ["_quantized", "_devices", "_fp4quant", "_api", "_hadamard", "_reduce"]
+
+
+@pytest.mark.parametrize("module", PRIVATE_HOST_MODULES)
+def test_each_host_module_imports_alone(module):
+    # a fresh interpreter, so that no other module of the package is imported already
+    code = f"import importlib; importlib.import_module('fp4_kernels.{module}')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

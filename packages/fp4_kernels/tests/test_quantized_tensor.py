@@ -1,4 +1,4 @@
-"""QuantizedTensor (in _api.py) as a torch user expects it: keyword construction, the array
+"""QuantizedTensor (in _quantized.py) as a torch user expects it: keyword construction, the array
 library's dtype, numel / nbytes, the scales as float8 (bfloat16) views, and .to / .cpu / .cuda
 (CPU here; the CUDA moves in the gpu-marked tests)."""
 
@@ -229,3 +229,16 @@ def test_cuda_and_back(gpu, rng, fmt):
     _same_q(g.cpu(), q)
     _same_q(q.to("cuda", non_blocking=True).cpu(), q)
     assert g.typed_scales().is_cuda
+
+
+def test_pickle_round_trip_and_the_old_module_path(rng):
+    import pickle
+
+    from fp4_kernels import _api as old_home
+
+    q = fk.quantize(rng.standard_normal((4, 64)).astype(np.float32))
+    back = pickle.loads(pickle.dumps(q))
+    assert repr(back) == repr(q)
+    # pickles made when the class lived in fp4_kernels._api still load
+    assert old_home.QuantizedTensor is fk.QuantizedTensor
+    assert old_home.FP4Quant is fk.FP4Quant

@@ -14,16 +14,9 @@ The plain-numpy references that define each format (the test oracles) live in
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._api import (
-    FORMATS,
-    FP4Quant,
-    QuantizedTensor,
-    dequantize,
-    quantize,
-    quantize_dequantize,
-    swizzled_scale_shape,
-)
+from ._api import dequantize, quantize, quantize_dequantize
 from ._hadamard import hadamard
+from ._quantized import FORMATS, FP4Quant, QuantizedTensor, swizzled_scale_shape
 from ._reduce import requantized_sum
 
 try:

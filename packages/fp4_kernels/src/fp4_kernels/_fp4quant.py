@@ -8,36 +8,28 @@ import math
 
 import numpy as np
 
-from . import _arrays as arrays
-from ._api import QuantizedTensor, _device, _to_numpy
+from . import _arrays as arrays, _plans
+from ._devices import on_device, to_numpy
+from ._quantized import QuantizedTensor, payload_views
 
 
-def _payload_views(payload, shape, n, g, lib):
-    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer of the ``n``
-    elements of ``shape``."""
-    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
-    tail = payload[n // 2 :]
-    if lib == "torch":
-        import torch
-
-        # an empty tail has stride 0, which torch refuses to reinterpret
-        scales = tail.view(torch.uint16) if tail.numel() else tail.new_empty(0, dtype=torch.uint16)
-    else:
-        scales = tail.view(np.uint16)
-    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))
-
-
-def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
+def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step, key=None):
+    """``key``: the call's plan key (``_plans``) when it is a torch CUDA call."""
     g = fmt.group_size
     n = math.prod(shape)
     nbytes = n // 2 + 2 * (n // g)
+    if backend.gpu and key is not None and n:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.put(key, _encode_plan(x, dt, shape, fmt, stochastic, nbytes))
+        return run_encode_plan(plan, x, fmt, seed, step)
     if backend.gpu:
         from .cuda import fp4quant as op
 
         ctx = arrays.GpuContext(x, backend)
-        with _device(ctx):
+        with on_device(ctx):
             payload = ctx.empty((nbytes,), np.uint8)
-            codes, scales = _payload_views(payload, shape, n, g, backend.lib)
+            codes, scales = payload_views(payload, shape, n, g, backend.lib)
             op.encode(
                 ctx, x, codes, scales, n, seed, step, arrays.KIND_OF_DTYPE[dt], g,
                 fmt.hadamard, stochastic,
@@ -46,7 +38,7 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
     from .cpu import fp4quant as cpu
 
     payload = np.empty(nbytes, np.uint8)
-    codes, scales = _payload_views(payload, shape, n, g, "numpy")
+    codes, scales = payload_views(payload, shape, n, g, "numpy")
     cpu.encode(
         arrays.cpu_bits(x, dt),
         arrays.KIND_OF_DTYPE[dt],
@@ -64,8 +56,36 @@ def quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step):
         import torch
 
         payload = torch.from_numpy(payload)
-        codes, scales = _payload_views(payload, shape, n, g, "torch")
+        codes, scales = payload_views(payload, shape, n, g, "torch")
     return _quantized(codes, scales, fmt, shape, dt, payload)
+
+
+def _encode_plan(x, dt, shape, fmt, stochastic, nbytes):
+    """Record the launch of a checked FP4Quant encode (see ``_plans``)."""
+    from .cuda import fp4quant as op
+
+    n = math.prod(shape)
+    tracer = _plans.Tracer(x.device.index)
+    vx = tracer.input(x)
+    with on_device(tracer):
+        payload = tracer.empty((nbytes,), np.uint8)
+        codes, scales = payload_views(payload, shape, n, fmt.group_size, "torch")
+        op.encode(
+            tracer, vx, codes, scales, n, _plans.PROBE_SEED, _plans.PROBE_STEP,
+            arrays.KIND_OF_DTYPE[dt], fmt.group_size, fmt.hadamard, stochastic,
+        )  # fmt: skip
+    plan = tracer.plan((payload, codes, scales), (0, 1, 2))
+    plan.shape = shape
+    return plan
+
+
+def run_encode_plan(plan, x, fmt, seed, step):
+    """One planned FP4Quant encode."""
+    payload, codes, scales = plan((x,), (seed & 0xFFFFFFFF, seed >> 32, step))
+    return QuantizedTensor._from_checked(
+        {"data": codes, "scales": scales, "global_scale": None, "fmt": fmt, "shape": plan.shape,
+         "dtype": x.dtype, "scale_layout": "linear", "payload": payload}
+    )  # fmt: skip
 
 
 def _quantized(codes, scales, fmt, shape, dt, payload):
@@ -75,23 +95,29 @@ def _quantized(codes, scales, fmt, shape, dt, payload):
     )  # fmt: skip
 
 
-def dequantize_fp4quant(q, dt, backend):
-    """Decode a validated (``_api.check_quantized``) FP4Quant tensor to dtype ``dt``."""
+def dequantize_fp4quant(q, dt, backend, key=None):
+    """Decode a validated (``check_quantized``) FP4Quant tensor to dtype ``dt``; ``key``: the
+    call's plan key (``_plans``) when it is a torch CUDA call."""
     g = q.fmt.group_size
     shape = tuple(q.shape)
     n = math.prod(shape)
+    if backend.gpu and key is not None and n:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.put(key, _decode_plan(q, dt, shape, n))
+        return plan((q.data, q.scales))[0]
     if backend.gpu:
         from .cuda import fp4quant as op
 
         ctx = arrays.GpuContext(q.data, backend)
-        with _device(ctx):
+        with on_device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             op.decode(ctx, q.data, q.scales, out, n, arrays.KIND_OF_DTYPE[dt], g, q.fmt.hadamard)
         return out
     from .cpu import fp4quant as cpu
 
-    codes = np.ascontiguousarray(_to_numpy(q.data)).reshape(-1).view(np.uint8)
-    scales = np.ascontiguousarray(_to_numpy(q.scales)).reshape(-1).view(np.uint16)
+    codes = np.ascontiguousarray(to_numpy(q.data)).reshape(-1).view(np.uint8)
+    scales = np.ascontiguousarray(to_numpy(q.scales)).reshape(-1).view(np.uint16)
     out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
     cpu.decode(
         codes,
@@ -104,3 +130,18 @@ def dequantize_fp4quant(q, dt, backend):
         arrays.KIND_OF_DTYPE[dt],
     )
     return arrays.cpu_from_bits(out_bits, dt, shape, backend)
+
+
+def _decode_plan(q, dt, shape, n):
+    """Record the launch of a checked FP4Quant decode (see ``_plans``)."""
+    from .cuda import fp4quant as op
+
+    tracer = _plans.Tracer(q.data.device.index)
+    codes, scales = tracer.input(q.data), tracer.input(q.scales)
+    with on_device(tracer):
+        out = tracer.empty(shape, None, like_dtype=tracer.float_dtype(dt))
+        op.decode(
+            tracer, codes, scales, out, n, arrays.KIND_OF_DTYPE[dt], q.fmt.group_size,
+            q.fmt.hadamard,
+        )  # fmt: skip
+    return tracer.plan((out,))

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _arrays as arrays
-from ._api import Array, _device, _to_numpy
+from . import _arrays as arrays, _plans
+from ._devices import on_device, to_numpy
+from ._quantized import Array
 from .formats import hadamard as spec
 
 _SIGN_CACHE = {}  # (array kind, device, g, sign words) -> the words on that device
@@ -45,6 +46,11 @@ def hadamard(
             ``fp4_kernels.formats.hadamard.hadamard_signs(g, seed)``, the same on every rank
             and backend), or a ±1 vector of length g (numpy, list or torch CPU).
     """
+    key = _hadamard_key(x, group_size, inverse, signs)
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan((x,))[0]
     g = spec.check_group_size(group_size)
     if not isinstance(inverse, bool):
         raise TypeError(f"inverse: expected True or False, got {inverse!r}")
@@ -61,11 +67,16 @@ def hadamard(
     words = _sign_words(signs, g)
     n = math.prod(shape)
     kind = arrays.KIND_OF_DTYPE[dt]
+    if backend.gpu and key is not None and n:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.put(key, _hadamard_plan(x, backend, dt, shape, g, inverse, words))
+        return plan((x,))[0]
     if backend.gpu:
         from .cuda import hadamard as op
 
         ctx = arrays.GpuContext(x, backend)
-        with _device(ctx):
+        with on_device(ctx):
             out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
             if n:
                 dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
@@ -90,6 +101,35 @@ def hadamard(
     return arrays.cpu_from_bits(out_bits, dt, shape, backend)
 
 
+def _hadamard_key(x, group_size, inverse, signs):
+    """The plan key of a torch CUDA call (``_plans``), or None (signs given as a vector)."""
+    if not _plans.enabled() or type(group_size) is not int or type(inverse) is not bool:
+        return None
+    if signs is not None and type(signs) is not int:
+        return None
+    xk = _plans.tensor_key(x)
+    if xk is None:
+        return None
+    return ("hadamard", xk, group_size, inverse, signs, _plans.policy())
+
+
+def _hadamard_plan(x, backend, dt, shape, g, inverse, words):
+    """Record the launch of a checked torch CUDA transform (see ``_plans``)."""
+    from .cuda import hadamard as op
+
+    tracer = _plans.Tracer(x.device.index)
+    vx = tracer.input(x)
+    with on_device(tracer):
+        out = tracer.empty(shape, None, like_dtype=tracer.float_dtype(dt))
+        ctx = arrays.GpuContext(x, backend)
+        dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
+        op.hadamard(
+            tracer, vx, out, math.prod(shape), dev_words, arrays.KIND_OF_DTYPE[dt], g, inverse,
+            words is not None,
+        )  # fmt: skip
+    return tracer.plan((out,))
+
+
 def _sign_words(signs, g):
     """None, a seed or a ±1 vector -> the uint32 sign words (or None)."""
     if signs is None:
@@ -106,7 +146,7 @@ def _sign_words(signs, g):
         pass
     if backend is not None and backend.gpu:
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
-    s = np.asarray(_to_numpy(signs) if backend is not None else signs, dtype=np.float64)
+    s = np.asarray(to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")
     if not np.all(np.abs(s) == 1):

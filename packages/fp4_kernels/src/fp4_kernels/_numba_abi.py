@@ -204,9 +204,13 @@ class PackedLauncher:
         self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
 
     def __call__(self, stream_ptr, blocks, threads, args):
+        self.launch_values(stream_ptr, blocks, threads, _values(args))
+
+    def launch_values(self, stream_ptr, blocks, threads, values):
+        """Launch with the parameter values already laid out (``_values`` of the arguments)."""
         launch = _cu_launch_kernel()
         with self.lock:
-            self.struct.pack_into(self.buffer, 0, *_values(args))
+            self.struct.pack_into(self.buffer, 0, *values)
             rc = launch(
                 self.function, blocks, 1, 1, threads, 1, 1, 0, stream_ptr, self.pointers, None
             )

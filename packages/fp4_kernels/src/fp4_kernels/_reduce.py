@@ -8,18 +8,14 @@ the same bits in one pass over the encoded rows.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from . import _arrays as arrays
-from ._api import (
-    FP4Quant,
-    QuantizedTensor,
-    _device,
-    _fill_one,
-    check_quantized,
-    dequantize,
-    quantize,
-)
+from . import _arrays as arrays, _plans
+from ._api import _dequantize_key, dequantize, quantize
+from ._devices import fill_one, on_device
+from ._quantized import FP4Quant, QuantizedTensor, check_quantized
 
 
 def _rows_and_n(q):
@@ -62,17 +58,27 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     writes the encoded sum (no float32 intermediate); every other case runs the composition.
     A block whose sum is not finite (a NaN-scale row block, or an overflow) gets the NaN scale.
     """
+    key = _dequantize_key(q, None, op="requantized_sum")
+    if key is not None:
+        plan = _plans.get(key)
+        if plan is not None:
+            return _run_sum_plan(plan, q)
     rows, n = _rows_and_n(q)
     backend = arrays.backend_of(q.data, "q.data")
     if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
         return requantized_sum_reference(q)
+    if key is not None and n:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans.put(key, _sum_plan(q, rows, n))
+        return _run_sum_plan(plan, q)
     ctx = arrays.GpuContext(q.data, backend)
-    with _device(ctx):
+    with on_device(ctx):
         codes = ctx.empty((1, n // 2), np.uint8)
         scales = ctx.empty((1, n // 32), np.uint8)
         gs = ctx.empty((1,), np.float32)
         if n == 0:
-            _fill_one(gs, ctx)
+            fill_one(gs, ctx)
         else:
             from .cuda import reduce as op
 
@@ -80,4 +86,29 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(
         data=codes, scales=scales, global_scale=gs, fmt="mxfp4", shape=(1, n), dtype="float32",
         scale_layout="linear",
+    )  # fmt: skip
+
+
+def _sum_plan(q, rows, n):
+    """Record the launch of a checked one-kernel MXFP4 sum (see ``_plans``)."""
+    from .cuda import reduce as op
+
+    tracer = _plans.Tracer(q.data.device.index)
+    data, scales = tracer.input(q.data), tracer.input(q.scales)
+    with on_device(tracer):
+        codes = tracer.empty((1, n // 2), np.uint8)
+        scales_out = tracer.empty((1, n // 32), np.uint8)
+        gs = tracer.empty((1,), np.float32)
+        op.requantized_sum_mxfp4(tracer, data, scales, rows, codes, scales_out, gs, n)
+    plan = tracer.plan((codes, scales_out, gs))
+    plan.shape = (1, n)
+    return plan
+
+
+def _run_sum_plan(plan, q):
+    codes, scales, gs = plan((q.data, q.scales))
+    torch = sys.modules["torch"]
+    return QuantizedTensor._from_checked(
+        {"data": codes, "scales": scales, "global_scale": gs, "fmt": "mxfp4", "shape": plan.shape,
+         "dtype": torch.float32, "scale_layout": "linear", "payload": None}
     )  # fmt: skip

@@ -52,7 +52,7 @@ class ThroughputUnavailable(Exception):
 
 def _fmt(name):
     if name.startswith("fp4quant-g"):
-        from ._api import FP4Quant
+        from ._quantized import FP4Quant
 
         return FP4Quant(int(name[len("fp4quant-g") :]))
     return name

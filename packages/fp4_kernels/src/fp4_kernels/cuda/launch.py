@@ -114,7 +114,11 @@ def launch(kernel, blocks, threads, stream, args):
         per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(None)
     blocks = min(blocks, resident)
-    launcher(stream.ptr, blocks, threads, args)
+    record = getattr(stream, "record", None)
+    if record is not None:  # a plan being recorded (``fp4_kernels._plans``): not queued
+        record(launcher, blocks, threads, args)
+    else:
+        launcher(stream.ptr, blocks, threads, args)
     return blocks
 
 

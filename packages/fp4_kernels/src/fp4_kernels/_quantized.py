@@ -1,0 +1,412 @@
+"""``QuantizedTensor`` and ``FP4Quant``, the checks of every field a kernel reads
+(``check_quantized``) and the sizes derived from a shape and a format."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from . import _arrays as arrays
+
+FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
+SCALE_LAYOUTS = ("linear", "swizzled")
+
+#: A numpy array, a torch tensor (CPU or CUDA), a CuPy array or a numba device array; results
+#: are arrays of the input's kind, on its device.
+Array = Any
+#: A dtype: a name ("float32", "bfloat16", "float16"), a numpy / ml_dtypes or a torch dtype.
+DType = Any
+Rounding = Literal["nearest", "stochastic"]
+ScaleLayout = Literal["linear", "swizzled"]
+#: A torch.device, a device string ("cuda:1", "cpu") or a CUDA device index.
+Device = Any
+
+
+@dataclass(frozen=True)
+class FP4Quant:
+    """The FP4Quant group codec, usable as ``fmt=`` of quantize / dequantize.
+
+    Contiguous groups of ``group_size`` elements of the last dimension (a power of two, 16 to
+    8192), each transformed by the Walsh–Hadamard transform when ``hadamard`` is true (which
+    spreads an outlier over its group), scaled by one bfloat16 scale (the transformed group's
+    amax / 6, rounded up) and rounded to e2m1: 4 + 16/g bits per element.  The exact operation
+    order, the wire layout and why one scale suffices: ``fp4_kernels.formats.fp4quant``.
+    """
+
+    group_size: int = 64
+    hadamard: bool = True
+
+    def __post_init__(self) -> None:
+        from .formats.hadamard import check_group_size
+
+        check_group_size(self.group_size, "FP4Quant.group_size")
+        if not isinstance(self.hadamard, bool):
+            raise TypeError(f"FP4Quant.hadamard: expected True or False, got {self.hadamard!r}")
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale: the group size."""
+        return self.group_size
+
+    @property
+    def bits_per_element(self) -> float:
+        """4 bits of code plus a 16-bit scale per group: 4 + 16 / group_size."""
+        return 4 + 16 / self.group_size
+
+    def __str__(self) -> str:
+        return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
+
+
+#: ``fmt=`` of quantize / dequantize: "nvfp4", "mxfp4" or an ``FP4Quant``.
+Format = Literal["nvfp4", "mxfp4"] | FP4Quant
+
+
+@dataclass(kw_only=True)
+class QuantizedTensor:
+    """A tensor in NVFP4, MXFP4 or FP4Quant, as ``quantize`` returns it.
+
+    Construction is by keyword only.  The arrays are of one kind (numpy, torch, CuPy or numba
+    device arrays) and live on one device; ``dequantize`` checks every field it reads.  From a
+    torch CUDA ``quantize``, ``data``, ``scales`` and ``global_scale`` are views of one
+    allocation (each 256-byte aligned in it).
+
+    Attributes:
+        data: uint8 (..., K/2): element 2i in the low nibble, 2i+1 in the high nibble.
+        scales: uint8 raw e4m3 bits (NVFP4) or e8m0 bits (MXFP4); linear: (..., K/block);
+            swizzled: 1-D, the padded 128x4-tile layout cuBLASLt and torch._scaled_mm read.
+            FP4Quant: uint16 raw bfloat16 bits (..., K/g).  ``typed_scales()`` views them as
+            float8 (bfloat16) values.
+        global_scale: float32, shape (1,): the NVFP4 tensor *decode* scale, fp32(1) / S with
+            S = 2688 / amax (1.0 for MXFP4), an array of the input's kind so that it can stay
+            on the GPU; a decoded element is e2m1 * block scale * global_scale.  None for
+            FP4Quant.  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
+            ``nvfp4_quantize`` take is the *encode* scale S itself (its decode takes 1 / S,
+            which is this one).
+        fmt: "nvfp4", "mxfp4" or an ``FP4Quant``.
+        shape: the shape of the tensor that was quantized.
+        dtype: its dtype, as the array library spells it (``torch.bfloat16`` for torch tensors,
+            ``numpy.float32`` or ``ml_dtypes.bfloat16`` for numpy, CuPy and numba arrays).  The
+            constructor accepts a name ("float32", "bfloat16", "float16") or any library's
+            dtype and converts it to that of ``data``; ``dtype_name`` is the name.
+        scale_layout: "linear" or "swizzled".
+        payload: FP4Quant only: the wire buffer, uint8 (n/2 + 2n/g,), codes then scales;
+            ``data`` and ``scales`` are views of it, so it can be sent as one message.
+    """
+
+    data: Array
+    scales: Array
+    global_scale: Array | None
+    fmt: Format
+    shape: tuple[int, ...]
+    dtype: DType
+    scale_layout: ScaleLayout
+    payload: Array | None = None
+
+    def __post_init__(self) -> None:
+        # The dtype of data's library, so that q.dtype compares equal to x.dtype.  A dtype or
+        # data that is not supported stays as given: check_quantized (dequantize) names it.
+        try:
+            name = arrays.normalize_dtype(self.dtype)
+            lib = arrays.backend_of(self.data).lib
+        except TypeError:
+            return
+        if lib == "torch":
+            self.dtype = getattr(sys.modules["torch"], name)
+        else:
+            self.dtype = arrays.numpy_dtype(name)
+
+    @classmethod
+    def _from_checked(cls, fields):
+        """A tensor of ``fields`` (all eight) that a plan guarantees: ``dtype`` already that
+        of data's library, nothing to convert or check."""
+        q = cls.__new__(cls)
+        q.__dict__.update(fields)
+        return q
+
+    @property
+    def dtype_name(self) -> str:
+        """The name of ``dtype``: "float32", "bfloat16" or "float16"."""
+        return arrays.normalize_dtype(self.dtype, "dtype")
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale: 16 (NVFP4), 32 (MXFP4) or the FP4Quant group size."""
+        return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else FORMATS[self.fmt]
+
+    @property
+    def rows(self) -> int:
+        """The number of rows: the product of ``shape`` without its last dimension."""
+        return math.prod(self.shape[:-1])
+
+    def numel(self) -> int:
+        """Elements of the tensor that was quantized (the product of ``shape``)."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 has none)."""
+        if self.payload is not None:
+            return int(_nbytes(self.payload))
+        return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if self.fmt == "nvfp4" else 0))
+
+    def typed_scales(self) -> Array:
+        """The scales viewed as what they are, without a copy: ``float8_e4m3fn`` (NVFP4),
+        ``float8_e8m0fnu`` (MXFP4) or ``bfloat16`` (FP4Quant), as torch dtypes for torch
+        tensors (what ``torch._scaled_mm`` takes for block-scaled FP4 operands) and ml_dtypes
+        dtypes for numpy arrays.  Same shape and layout as ``scales``; the NaN scale code
+        (e4m3 0x7F, e8m0 0xFF) reads as NaN.  CuPy and numba arrays have no such dtypes:
+        TypeError.
+        """
+        backend = arrays.backend_of(self.scales, "scales")
+        if isinstance(self.fmt, FP4Quant):
+            name = "bfloat16"
+        else:
+            name = {"nvfp4": "float8_e4m3fn", "mxfp4": "float8_e8m0fnu"}[self.fmt]
+        if backend.lib == "torch":
+            return self.scales.view(getattr(sys.modules["torch"], name))
+        if backend.lib == "numpy":
+            import ml_dtypes
+
+            return self.scales.view(getattr(ml_dtypes, name))
+        raise TypeError(
+            f"scales: {backend.lib} arrays have no {name} dtype; typed_scales() views torch "
+            "tensors and numpy arrays (move the tensor with .cpu() first, or use torch)"
+        )
+
+    def to(self, device: Device, *, non_blocking: bool = False) -> QuantizedTensor:
+        """The tensor on ``device`` (a ``torch.device``, "cuda:1", "cpu", a GPU index): each
+        field moved with ``torch.Tensor.to``; ``self`` when every field is already there (as
+        torch does).  FP4Quant's ``data`` and ``scales`` stay views of the moved ``payload``.
+
+        Fields that are not torch tensors: ``to("cpu")`` is ``cpu()``; moving numpy, CuPy or
+        numba arrays to a GPU is not supported (TypeError): convert them to torch tensors.
+        The dtype cannot change (``dequantize(q, dtype)`` decodes to another one).
+        """
+        _check_device(device)
+        backend = check_quantized(self, "self")
+        if backend.lib != "torch":
+            if _is_cpu_device(device):
+                return self.cpu()
+            raise TypeError(
+                f"device: moving {backend.lib} arrays to {device!r} is not supported; .to() "
+                "moves torch tensors (wrap the fields with torch.from_numpy / torch.as_tensor)"
+            )
+        return self._map_torch(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def cpu(self) -> QuantizedTensor:
+        """The tensor in host memory: torch CPU tensors for torch fields, numpy arrays for CuPy
+        and numba device arrays; ``self`` when it is there already."""
+        backend = check_quantized(self, "self")
+        if backend.lib == "torch":
+            return self._map_torch(lambda t: t.cpu())
+        if not backend.gpu:
+            return self
+        return self._map(_to_host)
+
+    def cuda(self, device: Device | None = None, *, non_blocking: bool = False) -> QuantizedTensor:
+        """The tensor on a CUDA device (default: torch's current one), as ``torch.Tensor.cuda``;
+        ``self`` when it is there already.  Torch tensors only (TypeError otherwise)."""
+        if device is not None:
+            _check_device(device)
+        backend = check_quantized(self, "self")
+        if backend.lib != "torch":
+            raise TypeError(
+                f"self: .cuda() moves torch tensors; these fields are {backend.lib} arrays "
+                "(wrap them with torch.from_numpy / torch.as_tensor first)"
+            )
+        return self._map_torch(lambda t: t.cuda(device, non_blocking=non_blocking))
+
+    def _map_torch(self, move):
+        fields = (self.data, self.scales) if self.payload is None else (self.payload,)
+        moved = [move(a) for a in fields]
+        gs = None if self.global_scale is None else move(self.global_scale)
+        if all(m is a for m, a in zip(moved, fields, strict=True)) and gs is self.global_scale:
+            return self  # already there, as torch.Tensor.to returns the tensor itself
+        return self._replace_arrays(moved, gs)
+
+    def _map(self, move):
+        fields = (self.data, self.scales) if self.payload is None else (self.payload,)
+        gs = None if self.global_scale is None else move(self.global_scale)
+        return self._replace_arrays([move(a) for a in fields], gs)
+
+    def _replace_arrays(self, moved, global_scale):
+        """A copy with (data, scales) or, for FP4Quant, the payload replaced by ``moved``;
+        FP4Quant's views are re-derived from the moved payload (moving them one by one would
+        give three unrelated buffers)."""
+        if self.payload is None:
+            data, scales = moved
+            return dataclasses.replace(self, data=data, scales=scales, global_scale=global_scale)
+        (payload,) = moved
+        lib = arrays.backend_of(payload, "payload").lib
+        data, scales = payload_views(payload, self.shape, self.numel(), self.block_size, lib)
+        return dataclasses.replace(
+            self, data=data, scales=scales, global_scale=global_scale, payload=payload
+        )
+
+
+def _check_device(device):
+    torch = sys.modules.get("torch")
+    ok = isinstance(device, (str, int)) and not isinstance(device, bool)
+    if not (ok or (torch is not None and isinstance(device, torch.device))):
+        raise TypeError(
+            f"device: expected a torch.device, a device string ('cuda:0', 'cpu') or a GPU "
+            f"index, got {device!r}; a QuantizedTensor keeps its dtype (dequantize(q, dtype) "
+            "decodes to another one)"
+        )
+
+
+def _is_cpu_device(device):
+    return str(device) == "cpu"
+
+
+def _to_host(a):
+    """A numpy copy of a CuPy or numba device array."""
+    return a.get() if arrays.backend_of(a).lib == "cupy" else a.copy_to_host()
+
+
+def _nbytes(a):
+    n = getattr(a, "nbytes", None)
+    if n is None:  # torch
+        n = a.numel() * a.element_size()
+    return n
+
+
+def swizzled_scale_shape(rows: int, blocks_per_row: int) -> tuple[int, int]:
+    """(padded_rows, padded_cols) of the 128x4-tile scale layout."""
+    rows = _check_int(rows, "rows", 0, 2**63)
+    blocks_per_row = _check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
+    return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
+
+
+def _check_choice(value, name, choices):
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _check_int(value, name, lo, hi):
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+    if not lo <= v < hi:
+        raise ValueError(f"{name}: {v} is outside [{lo}, {hi})")
+    return v
+
+
+class _Geometry(NamedTuple):
+    """Sizes every path derives from (shape, format, scale layout)."""
+
+    shape: tuple
+    n: int  # elements
+    kb: int  # blocks per row
+    padded_kb: int  # blocks per row including the swizzled layout's column padding
+    scale_shape: tuple
+    pad: bool  # the swizzled layout has padding bytes (which must be zero)
+    swizzled: bool
+
+
+def _geometry(shape, fmt, layout):
+    rows = math.prod(shape[:-1])
+    kb = shape[-1] // FORMATS[fmt]
+    n = rows * shape[-1]
+    if layout == "swizzled":
+        pr, pk = swizzled_scale_shape(rows, kb)
+        return _Geometry(shape, n, kb, pk, (pr * pk,), pr * pk != rows * kb, True)
+    return _Geometry(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
+
+
+def _check_fmt(fmt, name="fmt"):
+    if not isinstance(fmt, FP4Quant):
+        if not isinstance(fmt, str):
+            raise TypeError(
+                f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
+            )
+        _check_choice(fmt, name, tuple(FORMATS))
+
+
+def check_quantized(q, name="q"):
+    """Validate every field of a ``QuantizedTensor`` that a kernel indexes; returns its backend.
+
+    A hand-built or modified ``QuantizedTensor`` is checked as thoroughly as a bad argument:
+    the kernels read ``data`` and ``scales`` as flat buffers of the sizes ``shape`` implies, so
+    a wrong dtype, size, layout or device would read memory the tensor does not own.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(
+            f"{name}: expected a QuantizedTensor from quantize(), got {type(q).__name__}"
+        )
+    _check_fmt(q.fmt, f"{name}.fmt")
+    shape = q.shape
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise TypeError(f"{name}.shape: expected a tuple of non-negative ints, got {shape!r}")
+    if len(shape) == 0:
+        raise ValueError(f"{name}.shape: () has no last dimension; a QuantizedTensor is >= 1-d")
+    block = q.block_size
+    if shape[-1] % block:
+        raise ValueError(
+            f"{name}.shape: last dimension {shape[-1]} is not a multiple of the block size {block}"
+        )
+    arrays.normalize_dtype(q.dtype, f"{name}.dtype")
+    fp4quant = isinstance(q.fmt, FP4Quant)
+    _check_choice(
+        q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS
+    )
+    backend = arrays.backend_of(q.data, f"{name}.data")
+    _check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
+    arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
+    if fp4quant:
+        scale_shape, scale_dtype = shape[:-1] + (shape[-1] // block,), "uint16"
+    else:
+        scale_shape, scale_dtype = _geometry(shape, q.fmt, q.scale_layout).scale_shape, "uint8"
+    _check_field(q.scales, backend, f"{name}.scales", scale_dtype, scale_shape)
+    if q.fmt == "nvfp4" or (q.fmt == "mxfp4" and q.global_scale is not None):
+        gs = q.global_scale
+        if gs is None:
+            raise ValueError(
+                f"{name}.global_scale: NVFP4 needs its tensor decode scale 1/S (a one-element "
+                "float32 array, as quantize() returns it); got None"
+            )
+        if isinstance(gs, (int, float, np.floating)) or not hasattr(gs, "shape"):
+            raise TypeError(
+                f"{name}.global_scale: expected a one-element float32 array where "
+                f"{name}.data lives, got {type(gs).__name__}"
+            )
+        arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
+        _check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
+    return backend
+
+
+def _check_field(a, backend, name, dtype, shape, size=None):
+    dt = arrays.element_dtype(a, backend)
+    if dt != dtype:
+        raise TypeError(f"{name}: dtype {dt}, expected {dtype}")
+    got = tuple(int(d) for d in a.shape)
+    if shape is not None and got != shape:
+        raise ValueError(f"{name}: shape {got} != expected {shape}")
+    if size is not None and math.prod(got) != size:
+        raise ValueError(f"{name}: {math.prod(got)} elements, expected {size}")
+    if not arrays.is_c_contiguous(a, backend):
+        raise ValueError(f"{name}: must be C-contiguous (the kernels read it as a flat buffer)")
+
+
+def payload_views(payload, shape, n, g, lib):
+    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer of the ``n``
+    elements of ``shape``."""
+    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
+    tail = payload[n // 2 :]
+    if lib == "torch":
+        import torch
+
+        # an empty tail has stride 0, which torch refuses to reinterpret
+        scales = tail.view(torch.uint16) if tail.numel() else tail.new_empty(0, dtype=torch.uint16)
+    else:
+        scales = tail.view(np.uint16)
+    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))

@@ -1,0 +1,149 @@
+"""The host side of a torch CUDA call, driven on a machine without a GPU.
+
+``fake_cuda()`` makes every torch tensor report itself as living on ``cuda:0`` (its memory stays
+in host RAM), turns CUDA allocations into CPU ones, compiles no kernel and records each
+``cuLaunchKernel`` instead of queuing it: what ``quantize(x)`` does on the host for a torch CUDA
+tensor (checks, plans, allocation, argument packing) runs as on a GPU machine, and the launches
+it would queue can be compared.  Nothing reads or writes the outputs' memory.
+
+Used by the host-path tests and ``benchmarks/host_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+
+import numba
+import numpy as np
+import torch
+
+from fp4_kernels import _api, _arrays, _devices, _hadamard, _numba_abi as abi, _plans
+from fp4_kernels.cuda import launch
+
+CUDA0 = torch.device("cuda", 0)
+SM_COUNT = 132
+
+
+class FakeKernel:
+    """What ``compile_kernel`` returns: a handle and the parameter table of the signature."""
+
+    _handles = itertools.count(0x1000)
+
+    def __init__(self, kernel, argtypes):
+        self.kernel = kernel
+        self.handle = next(self._handles)
+        dummies = []
+        for t in argtypes:
+            if hasattr(t, "ndim"):  # an array type: a DeviceBuffer of its dtype
+                dummies.append(abi.DeviceBuffer(0, 0, np.dtype(str(t.dtype))))
+            else:
+                dummies.append(np.dtype(str(t)).type(0))
+        self.layout = abi.parameter_layout(dummies)
+        self.arguments_info = self.layout[1]
+        self.occupancy = self
+
+    def max_active_blocks_per_multiprocessor(self, threads, smem):
+        return max(1, 2048 // threads)
+
+
+class Recorder:
+    """The launches queued while it is installed: (kernel, blocks, threads, stream, values);
+    with ``keep=False`` they are dropped (the cost of a no-op launch only)."""
+
+    def __init__(self, keep=True):
+        self.keep = keep
+        self.launches = []
+        self.kernels = {}
+
+    def stream(self, device):
+        """torch's current stream on ``device``: a fake handle naming the device."""
+        return 0x5713EA00 + device
+
+    def compile(self, kernel, argtypes):
+        k = FakeKernel(kernel, list(argtypes))
+        self.kernels[k.handle] = k
+        return k
+
+    def cu_launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        if not self.keep:
+            return 0
+        k = self.kernels[function]
+        fmt, layout = k.layout
+        values = []
+        for i, (_, size) in enumerate(layout):
+            code = {8: ctypes.c_uint64, 4: ctypes.c_uint32}[size]
+            raw = code.from_address(params[i]).value
+            values.append(raw)
+        self.launches.append((k.kernel, gx, bx, stream, tuple(values)))
+        return 0
+
+
+@contextlib.contextmanager
+def fake_cuda(recorder=None):
+    """Torch tensors on a pretend ``cuda:0``; launches recorded by ``recorder`` (or dropped)."""
+    recorder = recorder or Recorder()
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    real_empty, real_zeros, real_to = torch.empty, torch.zeros, torch.Tensor.to
+
+    def empty(*shape, device=None, **kw):
+        return real_empty(*shape, **kw)
+
+    def zeros(*shape, device=None, **kw):
+        return real_zeros(*shape, **kw)
+
+    def to(self, *a, **kw):
+        if a and isinstance(a[0], torch.device) and a[0].type == "cuda":
+            return self
+        return real_to(self, *a, **kw)
+
+    patch(torch.Tensor, "is_cuda", property(lambda self: True))
+    patch(torch.Tensor, "device", property(lambda self: getattr(self, "fake_device", CUDA0)))
+    patch(torch.Tensor, "to", to)
+    patch(torch, "empty", empty)
+    patch(torch, "zeros", zeros)
+    patch(torch._C, "_cuda_getCurrentRawStream", recorder.stream)
+    patch(abi, "compile_kernel", recorder.compile)
+    # the simulator tier too: the launcher, not numba's simulated dispatcher, takes the launches
+    patch(launch, "SIMULATOR", False)
+    patch(numba.config, "ENABLE_CUDASIM", 0)
+    patch(abi, "_libcuda", recorder.cu_launch)
+    # the caches of device state and device arrays: the fake's own while it runs (on a GPU
+    # machine the real ones hold real launchers and device pointers, restored afterwards)
+    caches = [
+        (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"),
+        (_api, "_ONES"), (_hadamard, "_SIGN_CACHE"), (_plans, "_PLANS"),
+    ]  # fmt: skip
+    saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]
+    for obj, name, value in saved_caches:
+        setattr(obj, name, type(value)())
+    launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT, 1: SM_COUNT})
+    saved_gpu_count = list(_devices._GPU_COUNT)
+    saved_bound = getattr(_devices._THREAD, "bound", None)
+    _devices._GPU_COUNT[:] = [1]
+    _devices._THREAD.bound = {0, 1}
+    _arrays.init_torch_tables()
+    try:
+        yield recorder
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        for obj, name, value in saved_caches:
+            setattr(obj, name, value)
+        _devices._GPU_COUNT[:] = saved_gpu_count
+        if saved_bound is None:
+            del _devices._THREAD.bound
+        else:
+            _devices._THREAD.bound = saved_bound
+
+
+_MISSING = object()

@@ -1,0 +1,388 @@
+"""Launch plans (``fp4_kernels._plans``): a planned torch CUDA call queues exactly the launches
+of the unplanned path, and a plan is never reused for a call it does not fit.
+
+Without a GPU: torch tensors pretend to live on cuda:0 (``_fake_cuda``), launches are recorded
+with their packed parameters, and the pointers in them are read back as (output field, offset)
+so that the two paths' launches compare although their allocations differ.  On a GPU,
+``test_planned_results_equal_unplanned_on_the_gpu`` compares the bits of every op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _fake_cuda import fake_cuda  # noqa: E402
+
+import fp4_kernels as fk  # noqa: E402
+from fp4_kernels import _plans  # noqa: E402
+from fp4_kernels.cuda.launch import launch_policy  # noqa: E402
+
+G64 = fk.FP4Quant(group_size=64)
+
+
+@pytest.fixture
+def fake():
+    _plans.clear()
+    with fake_cuda() as recorder:
+        yield recorder
+    _plans.clear()
+
+
+def _tensors(result):
+    """(name, tensor) of what a call returned (a tensor or a QuantizedTensor's fields)."""
+    if isinstance(result, fk.QuantizedTensor):
+        fields = ("data", "scales", "global_scale", "payload")
+        return [(f, getattr(result, f)) for f in fields if getattr(result, f) is not None]
+    return [("out", result)]
+
+
+def _roles(launches, named):
+    """The launches' values with each pointer (a value >= 2^32) read as (name, byte offset)
+    inside a named tensor, or else as the order of its first appearance (scratch buffers that
+    the call does not return)."""
+    ranges = [(t.data_ptr(), t.numel() * t.element_size(), name) for name, t in named]
+    anonymous = {}
+
+    def role(v):
+        if v < 2**32:
+            return v
+        for start, nbytes, name in ranges:
+            if start <= v < start + max(nbytes, 1):
+                return (name, v - start)
+        return ("scratch", anonymous.setdefault(v, len(anonymous)))
+
+    return [
+        (kernel, blocks, threads, stream, tuple(role(v) for v in values))
+        for kernel, blocks, threads, stream, values in launches
+    ]
+
+
+def _launches(recorder, call, inputs):
+    """Run ``call``; its result and its launches with pointers read as roles."""
+    recorder.launches.clear()
+    result = call()
+    return result, _roles(recorder.launches, list(inputs.items()) + _tensors(result))
+
+
+def _compare(recorder, call, inputs, new_plan=True):
+    with _plans.disabled():
+        ref_result, ref = _launches(recorder, call, inputs)
+    assert ref, "the unplanned path launched nothing"
+    n_plans = len(_plans._PLANS)
+    cold_result, cold = _launches(recorder, call, inputs)  # records the plan, then runs it
+    n_cold = len(_plans._PLANS)
+    if new_plan:  # (two for FP4Quant's quantize_dequantize: encode, decode)
+        assert n_cold > n_plans
+    warm_result, warm = _launches(recorder, call, inputs)  # the plan alone
+    assert len(_plans._PLANS) == n_cold
+    assert cold == ref
+    assert warm == ref
+    for r in (cold_result, warm_result):
+        _same_structure(r, ref_result)
+    return warm_result
+
+
+def _same_structure(a, b):
+    if isinstance(b, fk.QuantizedTensor):
+        assert isinstance(a, fk.QuantizedTensor)
+        assert repr(a.fmt) == repr(b.fmt) and a.shape == b.shape and a.dtype == b.dtype
+        assert a.scale_layout == b.scale_layout
+        for (na, ta), (nb, tb) in zip(_tensors(a), _tensors(b), strict=True):
+            assert na == nb and ta.dtype == tb.dtype and ta.shape == tb.shape
+            assert ta.is_contiguous() and ta.data_ptr() % 16 == 0
+        assert fk.dequantize is not None
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous()
+
+
+def _x(shape=(64, 256), dtype=torch.bfloat16, offset=0):
+    flat = torch.randn(offset + shape[0] * shape[1]).to(dtype)
+    return flat[offset:].reshape(shape)
+
+
+QUANTIZE_CASES = {
+    "nvfp4": {},
+    "nvfp4_stochastic": {"rounding": "stochastic", "seed": 2**40 + 12345, "step": 777},
+    "nvfp4_swizzled": {"scale_layout": "swizzled"},
+    "nvfp4_amax_float": {"global_amax": 3.5},
+    "mxfp4": {"fmt": "mxfp4"},
+    "mxfp4_stochastic": {"fmt": "mxfp4", "rounding": "stochastic", "seed": 5, "step": 9},
+    "fp4quant": {"fmt": G64},
+    "fp4quant_no_hadamard_sr": {"fmt": fk.FP4Quant(128, hadamard=False), "rounding": "stochastic"},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(QUANTIZE_CASES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_planned_quantize_launches_what_the_unplanned_path_launches(fake, case, dtype, fused):
+    x = _x(dtype=dtype)
+    kw = QUANTIZE_CASES[case]
+    f = fk.quantize_dequantize if fused else fk.quantize
+    if fused and "scale_layout" in kw:
+        pytest.skip("quantize_dequantize has no scale layout")
+    _compare(fake, lambda: f(x, **kw), {"x": x})
+
+
+def test_planned_quantize_with_an_amax_tensor(fake):
+    x = _x()
+    amax = x.float().abs().amax().reshape(1)
+    _compare(fake, lambda: fk.quantize(x, global_amax=amax), {"x": x, "amax": amax})
+
+
+def test_unaligned_input_gets_the_unaligned_plan(fake):
+    aligned, unaligned = _x(), _x(offset=1)  # 2 bytes off a 16-byte boundary
+    assert unaligned.data_ptr() % 16
+    for x in (aligned, unaligned):
+        _compare(fake, lambda: fk.quantize(x), {"x": x})  # noqa: B023
+        _compare(fake, lambda: fk.hadamard(x, group_size=64), {"x": x})  # noqa: B023
+    kernels = {launch[0] for launch in fake.launches}
+    assert kernels  # the two alignments do not share a plan: the comparisons above hold
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", G64])
+@pytest.mark.parametrize("out", [None, torch.float32, "float16"])
+def test_planned_dequantize_launches_what_the_unplanned_path_launches(fake, fmt, out):
+    x = _x()
+    with _plans.disabled():
+        q = fk.quantize(x, fmt=fmt)
+    named = {
+        f: getattr(q, f) for f in ("data", "scales", "global_scale") if getattr(q, f) is not None
+    }
+    _compare(fake, lambda: fk.dequantize(q, out), named)
+
+
+def test_planned_dequantize_of_swizzled_scales(fake):
+    with _plans.disabled():
+        q = fk.quantize(_x(), scale_layout="swizzled")
+    _compare(fake, lambda: fk.dequantize(q), {"data": q.data, "scales": q.scales})
+
+
+@pytest.mark.parametrize("signs", [None, 7])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("g", [16, 256, 2048])
+def test_planned_hadamard_launches_what_the_unplanned_path_launches(fake, g, inverse, signs):
+    x = _x((8, 4096))
+    _compare(fake, lambda: fk.hadamard(x, group_size=g, inverse=inverse, signs=signs), {"x": x})
+
+
+def test_planned_requantized_sum_launches_what_the_unplanned_path_launches(fake):
+    with _plans.disabled():
+        q = fk.quantize(_x((4, 1024), torch.float32), fmt="mxfp4")
+    _compare(fake, lambda: fk.requantized_sum(q), {"data": q.data, "scales": q.scales})
+
+
+def test_each_call_gets_its_own_seed_and_step(fake):
+    x = _x()
+    for seed, step in [(1, 2), (2**64 - 1, 2**32 - 1), (0, 0)]:
+        kw = {"rounding": "stochastic", "seed": seed, "step": step}
+        _compare(fake, lambda: fk.quantize(x, **kw), {"x": x})  # noqa: B023
+        _plans.clear()
+        _compare(fake, lambda: fk.quantize(x, fmt=G64, **kw), {"x": x})  # noqa: B023
+        _plans.clear()
+
+
+def test_each_call_gets_its_own_float_amax(fake):
+    x = _x()
+    fk.quantize(x, global_amax=1.0)  # the plan
+    for amax in (2.5, 0.0, 1e30, 7, np.float32(0.25), np.int64(3)):
+        _compare(fake, lambda: fk.quantize(x, global_amax=amax), {"x": x}, new_plan=False)  # noqa: B023
+    assert len(_plans._PLANS) == 1
+
+
+def test_a_launch_policy_is_part_of_the_plan(fake):
+    x = _x()
+    _compare(fake, lambda: fk.quantize(x), {"x": x})
+    with launch_policy(threads=64, max_blocks=3, lanes_per_block=1):
+        _compare(fake, lambda: fk.quantize(x), {"x": x})
+        assert {launch[2] for launch in fake.launches} == {64}
+
+
+def test_same_shape_other_dtype_gets_its_own_plan(fake):
+    fk.quantize(_x(dtype=torch.bfloat16))
+    x = _x(dtype=torch.float32)
+    _compare(fake, lambda: fk.quantize(x), {"x": x})
+    q = fk.quantize(x)
+    assert q.dtype == torch.float32
+    assert len(_plans._PLANS) == 2
+
+
+def test_non_contiguous_input_after_a_contiguous_one_is_refused(fake):
+    x = _x((256, 256))
+    fk.quantize(x)
+    fk.hadamard(x, group_size=256)
+    for bad in (x.t(), x[:, ::2].repeat_interleave(2, dim=1).t()):
+        assert bad.shape == x.shape and not bad.is_contiguous()
+        with pytest.raises(ValueError, match="contiguous"):
+            fk.quantize(bad)
+        with pytest.raises(ValueError, match="contiguous"):
+            fk.hadamard(bad, group_size=256)
+
+
+def test_bad_arguments_after_a_planned_call_are_refused(fake):
+    x = _x()
+    fk.quantize(x, rounding="stochastic")
+    fk.quantize(x, global_amax=1.0)
+    fk.quantize(x, fmt=G64)
+    with pytest.raises(ValueError, match="seed"):
+        fk.quantize(x, rounding="stochastic", seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        fk.quantize(x, rounding="stochastic", seed=2**64)
+    with pytest.raises(ValueError, match="step"):
+        fk.quantize(x, rounding="stochastic", step=2**32)
+    with pytest.raises(TypeError, match="seed"):
+        fk.quantize(x, rounding="stochastic", seed=1.0)
+    with pytest.raises(ValueError, match="step"):
+        fk.quantize(x, fmt=G64, step=-1)
+    for amax in (float("nan"), float("inf"), -1.0, -1, np.float32("nan"), np.float64(-2)):
+        with pytest.raises(ValueError, match="global_amax"):
+            fk.quantize(x, global_amax=amax)
+    with pytest.raises(ValueError, match="rounding"):
+        fk.quantize(x, rounding="up")
+    with pytest.raises(TypeError, match="fmt"):
+        fk.quantize(x, fmt=["nvfp4"])  # unhashable: no plan lookup can fail on it
+
+
+def test_a_tampered_quantized_tensor_after_a_planned_dequantize_is_refused(fake):
+    import dataclasses
+
+    q = fk.quantize(_x())
+    fk.dequantize(q)
+    bad_shapes = [(64.0, 256), (64, 256.0)]
+    for shape in bad_shapes:
+        with pytest.raises(TypeError, match="shape"):
+            fk.dequantize(dataclasses.replace(q, shape=shape))
+    with pytest.raises(ValueError, match="global_scale"):
+        fk.dequantize(dataclasses.replace(q, global_scale=None))
+    with pytest.raises(TypeError, match="data"):
+        fk.dequantize(dataclasses.replace(q, data=q.data.view(torch.int8)))
+    with pytest.raises(ValueError, match="scales"):
+        fk.dequantize(dataclasses.replace(q, scales=q.scales[:-1]))
+    with pytest.raises(ValueError, match="shape"):
+        fk.dequantize(dataclasses.replace(q, shape=(32, 512)))  # data's shape no longer fits
+
+
+def test_another_device_gets_its_own_plan(fake):
+    x0 = _x()
+    x1 = _x()
+    x1.fake_device = torch.device("cuda", 1)
+    fk.quantize(x0)
+    fake.launches.clear()
+    fk.quantize(x1)
+    plans = list(_plans._PLANS.values())
+    assert [p.device_id for p in plans] == [0, 1]
+    assert {launch[3] for launch in fake.launches} == {fake.stream(1)}  # device 1's stream
+
+
+def test_requires_grad_inputs(fake):
+    x = _x().requires_grad_()
+    q = fk.quantize(x)
+    assert not q.data.requires_grad
+    y = fk.quantize_dequantize(x)
+    assert y.requires_grad
+    y.float().sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    x2 = _x()
+    _compare(fake, lambda: fk.quantize_dequantize(x2), {"x": x2}, new_plan=False)
+
+
+def test_the_cache_is_bounded_and_keeps_the_recent_plans(fake, monkeypatch):
+    monkeypatch.setattr(_plans, "PLAN_CACHE_SIZE", 3)
+    xs = [_x((16, 64 * (i + 1))) for i in range(5)]
+    for x in xs:
+        fk.quantize(x)
+    fk.quantize(xs[2])  # used again: the most recent
+    fk.quantize(_x((16, 64 * 9)))
+    assert len(_plans._PLANS) == 3
+    shapes = [key[1][2][1] for key in _plans._PLANS]
+    assert shapes == [64 * 5, 64 * 3, 64 * 9]
+
+
+def test_disabled_makes_no_plan(fake):
+    with _plans.disabled():
+        fk.quantize(_x())
+        fk.hadamard(_x(), group_size=64)
+    assert not _plans._PLANS
+
+
+def test_a_plan_is_not_made_for_empty_tensors(fake):
+    x = torch.empty((0, 64), dtype=torch.bfloat16)
+    with _plans.disabled():
+        pass
+    fk.quantize(x)
+    assert not _plans._PLANS
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+
+def _bits(result):
+    return [t.contiguous().view(torch.uint8) for _, t in _tensors(result)]
+
+
+@pytest.mark.gpu
+def test_planned_results_equal_unplanned_on_the_gpu(gpu):
+    _plans.clear()
+    dev = torch.device("cuda")
+    x = torch.randn(64, 4096, device=dev).to(torch.bfloat16)
+    x[3, 17] = float("nan")
+    amax = x.float().nan_to_num(0).abs().amax().reshape(1)
+    xu = torch.randn(64 * 4096 + 1, device=dev)[1:].reshape(64, 4096)  # 4 bytes off
+    calls = {}
+    for name, kw in QUANTIZE_CASES.items():
+        for xi, tag in ((x, ""), (x.float(), "_f32"), (xu, "_unaligned")):
+            calls[f"quantize_{name}{tag}"] = lambda xi=xi, kw=kw: fk.quantize(xi, **kw)
+            if "scale_layout" not in kw:
+                calls[f"qdq_{name}{tag}"] = lambda xi=xi, kw=kw: fk.quantize_dequantize(xi, **kw)
+    calls["quantize_amax_tensor"] = lambda: fk.quantize(x, global_amax=amax)
+    for g in (16, 256, 4096):
+        for signs in (None, 3):
+            calls[f"hadamard_{g}_{signs}"] = lambda g=g, s=signs: fk.hadamard(
+                x, group_size=g, signs=s
+            )
+            calls[f"hadamard_inv_{g}_{signs}"] = lambda g=g, s=signs: fk.hadamard(
+                x, group_size=g, signs=s, inverse=True
+            )
+    with _plans.disabled():
+        qs = {
+            "nvfp4": fk.quantize(x),
+            "mxfp4": fk.quantize(x, fmt="mxfp4"),
+            "swizzled": fk.quantize(x, scale_layout="swizzled"),
+            "fp4quant": fk.quantize(x, fmt=G64),
+            "sum": fk.quantize(x[:4].float(), fmt="mxfp4"),
+        }
+    for name, q in qs.items():
+        for dt in (None, torch.float32, torch.float16):
+            calls[f"dequantize_{name}_{dt}"] = lambda q=q, dt=dt: fk.dequantize(q, dt)
+    calls["requantized_sum"] = lambda: fk.requantized_sum(qs["sum"])
+    for name, call in calls.items():
+        with _plans.disabled():
+            ref = _bits(call())
+        cold = _bits(call())
+        torch.cuda.set_sync_debug_mode("error")  # a planned call never synchronizes
+        try:
+            warm = _bits(call())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b, c in zip(ref, cold, warm, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c), name
+    _plans.clear()
+
+
+def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch):
+    # the per-call scalars are found in the recorded arguments by their probe values; a host
+    # function passing a function of the seed would leave the probe in every later call
+    from fp4_kernels.cuda import quantize as op
+
+    real = op.quantize
+
+    def seed_plus_one(ctx, x, kind, fmt, geo, stochastic, seed, step, *rest):
+        return real(ctx, x, kind, fmt, geo, stochastic, seed + 1, step, *rest)
+
+    monkeypatch.setattr(op, "quantize", seed_plus_one)
+    with pytest.raises(RuntimeError, match="probe scalars"):
+        fk.quantize(_x(), rounding="stochastic", seed=3)
+    assert not _plans._PLANS
