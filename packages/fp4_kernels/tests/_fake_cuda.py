@@ -56,6 +56,7 @@ class Recorder:
         self.keep = keep
         self.launches = []
         self.kernels = {}
+        self.device_id = 0  # the device of "numba's current context" (launch.current_device_id)
 
     def stream(self, device):
         """torch's current stream on ``device``: a fake handle naming the device."""
@@ -110,6 +111,7 @@ def fake_cuda(recorder=None):
     patch(torch, "zeros", zeros)
     patch(torch._C, "_cuda_getCurrentRawStream", recorder.stream)
     patch(abi, "compile_kernel", recorder.compile)
+    patch(launch, "current_device_id", lambda: recorder.device_id)
     # the simulator tier too: the launcher, not numba's simulated dispatcher, takes the launches
     patch(launch, "SIMULATOR", False)
     patch(numba.config, "ENABLE_CUDASIM", 0)

@@ -277,6 +277,23 @@ def test_another_device_gets_its_own_plan(fake):
     assert {launch[3] for launch in fake.launches} == {fake.stream(1)}  # device 1's stream
 
 
+def test_each_device_gets_its_own_compiled_launcher(fake):
+    """A CUfunction belongs to one context: the launcher compiled while device 0 was current
+    must not be used to launch on device 1."""
+    from fp4_kernels.cuda import launch
+
+    with _plans.disabled():
+        fk.quantize(_x())
+        on_device0 = dict(launch._compiled)
+        fake.device_id = 1
+        fk.quantize(_x())
+    assert on_device0 and {k[1] for k in on_device0} == {0}
+    added = {k: v for k, v in launch._compiled.items() if k not in on_device0}
+    assert {k[0] for k in added} == {k[0] for k in on_device0}  # the same kernels, again
+    assert {k[1] for k in added} == {1}
+    assert {id(v) for v in added.values()}.isdisjoint(id(v) for v in on_device0.values())
+
+
 def test_requires_grad_inputs(fake):
     x = _x().requires_grad_()
     q = fk.quantize(x)

@@ -92,8 +92,16 @@ def grid_for(work_items, per_cta):
     return blocks if cap is None else min(blocks, cap)
 
 
-_compiled = {}
-_resident = {}
+_compiled = {}  # (kernel, device, argument dtypes) -> PackedLauncher
+_resident = {}  # (that key, threads) -> CTAs resident at once on that device
+
+
+def current_device_id():
+    """The device of numba's current CUDA context: a kernel handle (``CUfunction``) belongs to
+    one context, so compiled launchers and occupancy are kept per device."""
+    from numba import cuda
+
+    return cuda.current_context().device.id
 
 
 def launch(kernel, blocks, threads, stream, args):
@@ -103,7 +111,8 @@ def launch(kernel, blocks, threads, stream, args):
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
         return blocks
-    key = (kernel, tuple(a.dtype for a in args))
+    device = current_device_id()
+    key = (kernel, device, tuple(a.dtype for a in args))
     launcher = _compiled.get(key)
     if launcher is None:
         cu_kernel = abi.compile_kernel(kernel, map(abi.numba_type, args))
@@ -112,7 +121,7 @@ def launch(kernel, blocks, threads, stream, args):
     resident = _resident.get((key, threads))
     if resident is None:
         per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
-        resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(None)
+        resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(device)
     blocks = min(blocks, resident)
     record = getattr(stream, "record", None)
     if record is not None:  # a plan being recorded (``fp4_kernels._plans``): not queued
