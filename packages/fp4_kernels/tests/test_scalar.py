@@ -128,19 +128,25 @@ _sr_code_f = OPS.e2m1_sr_code_f
 _sr_random = OPS.sr_random_f32
 
 
+_sr_sum = OPS.e2m1_sr_sum
+
+
 @numba.njit(nogil=True)
-def _sr_codes_for_every_r16(a, out):
-    """out[i, r] = the magnitude code of a[i] with random bits r, from the float-pipe core."""
+def _sr_codes_for_every_r16(a, out, byte2):
+    """out[i, r] = the magnitude code of a[i] with random bits r, from the float-pipe core;
+    byte2[i, r] = byte 2 of the bits of its unfloored sum (what the quantize kernel reads)."""
     for i in range(a.size):
         for r in range(1 << 16):
             c = _sr_code_f(a[i], _sr_random(np.uint32(r)))
             out[i, r] = np.uint32(f32_as_u32(c) - np.uint32(0x4B000000))
+            byte2[i, r] = (f32_as_u32(_sr_sum(a[i], _sr_random(np.uint32(r)))) >> 16) & 0xFF
 
 
 def test_e2m1_sr_core_every_random_value_at_the_edges(rng):
     """The float-pipe core (the kernels' function) for all 2^16 random values at every edge
     magnitude and 300 random ones: equal to the oracle, and rounding up exactly
-    floor(p 2^16 + 1/2) times (counted in rational arithmetic)."""
+    floor(p 2^16 + 1/2) times (counted in rational arithmetic); byte 2 of the unfloored sum's
+    bits is the same code."""
     a = np.concatenate(
         [
             edge_magnitudes(),
@@ -149,8 +155,10 @@ def test_e2m1_sr_core_every_random_value_at_the_edges(rng):
         ]
     )
     got = np.empty((a.size, 1 << 16), np.uint8)
-    _sr_codes_for_every_r16(a, got)
+    byte2 = np.empty((a.size, 1 << 16), np.uint8)
+    _sr_codes_for_every_r16(a, got, byte2)
     np.testing.assert_array_equal(got, expected_codes(a, ALL_R16))
+    np.testing.assert_array_equal(byte2, got)  # the code, with nothing above it in the byte
     for i in range(a.size):
         oracle = e2m1.encode_e2m1_stochastic(np.full(ALL_R16.size, a[i], np.float32), ALL_R16)
         np.testing.assert_array_equal(got[i], oracle, err_msg=f"a = {a[i]!r}")

@@ -294,10 +294,12 @@ def build_scalar_ops(
         return U32(U32(U32(u >> 28) & 8) | m)
 
     @jit
-    def e2m1_sr_code_f(a, big_r):
+    def e2m1_sr_sum(a, big_r):
         """Stochastic rounding of ``a`` = |y| >= 0 onto the e2m1 grid, saturating at 6, on the
         float pipe; ``big_r`` = 128 + r 2^-16 for the element's 16 random bits r (the float
-        with bits 0x43000000 | r, exact).  Returns the float 2^23 + code, as ``e2m1_code_f``.
+        with bits 0x43000000 | r, exact).  Returns V in [128, 136) with floor(V) - 128 the
+        code: ``e2m1_sr_code_f`` takes the floor by one addition, the quantize kernel reads it
+        from the bits (byte 2 of bits(V) = 0x43000000 + code 2^16 + fraction).
 
         u = sat(a/2), w = sat(a/2 - 1) and t = sat(a/2 - 2) are fractional one at a time (u for
         a < 2, w on [2, 4), t on [4, 6)); below its range each is 0, above it 1 (all three are 1
@@ -306,19 +308,24 @@ def build_scalar_ops(
         (0 or whole numbers) and the active one rounds once to nearest.  So floor(V) - 128 is
         floor(2a + r') on [0, 2), 4 + floor(a - 2 + r') on [2, 4), 6 + floor((a - 4)/2 + r') on
         [4, 6) and 7 from 6 up, with r' = r 2^-16 and the fraction rounded to 16 bits: the code
-        below a plus one with probability p = (a - lo) / gap, rounded to 16 bits.  The floor is
-        one addition toward -inf of 2^23 - 128 (spacing 1 at 2^23).  4u and 2w are exact
-        products, so contracting u * 4 + V into an FMA (numba-cuda does; the CPU target does
-        not) rounds the same: one rounding of the same exact sum.  The tests check it against
-        the numpy oracle for every r at edge values of a, and on random float32 patterns.
+        below a plus one with probability p = (a - lo) / gap, rounded to 16 bits.  4u and 2w
+        are exact products, so contracting u * 4 + V into an FMA (numba-cuda does; the CPU
+        target does not) rounds the same: one rounding of the same exact sum.  The tests check
+        it against the numpy oracle for every r at edge values of a, and on random float32
+        patterns.
         """
         u = sat_mul(a, F32_HALF)
         w = sat_fma(a, F32_HALF, F32_MINUS_ONE)
         t = sat_fma(a, F32_HALF, F32_MINUS_TWO)
         v = u * F32_FOUR + big_r
         v = w * F32_TWO + v
-        v = v + t
-        return add_rm(v, F32_SR_TO_CODE)
+        return v + t
+
+    @jit
+    def e2m1_sr_code_f(a, big_r):
+        """``e2m1_sr_sum`` floored: the float 2^23 + code, as ``e2m1_code_f``, by one addition
+        toward -inf of 2^23 - 128 (spacing 1 at 2^23)."""
+        return add_rm(e2m1_sr_sum(a, big_r), F32_SR_TO_CODE)
 
     @jit
     def sr_random_f32(r16):
@@ -545,6 +552,7 @@ def build_scalar_ops(
         add_rm=add_rm,
         e2m1_encode_sr=e2m1_encode_sr,
         e2m1_sr_code_f=e2m1_sr_code_f,
+        e2m1_sr_sum=e2m1_sr_sum,
         sr_random_f32=sr_random_f32,
         e2m1_decode=e2m1_decode,
         e4m3_encode_positive=e4m3_encode_positive,

@@ -4,7 +4,7 @@ the kernel and its host wrapper.
 Launch contract: one thread per scale block (16 elements NVFP4, 32 MXFP4), a 1-D grid-stride
 loop over the blocks; any CTA size.  A thread loads its block with 16-byte loads, finds the
 block amax on the raw words (no shuffles), computes the scale once, encodes its elements on the
-float pipe (``_scalar.e2m1_code_f``, or ``e2m1_sr_code_f`` with one Philox call per 8 elements
+float pipe (``_scalar.e2m1_code_f``, or ``e2m1_sr_sum`` with one Philox call per 8 elements
 for stochastic rounding) and stores 8 (NVFP4) or 16 (MXFP4) bytes of codes and one
 scale byte.  The NVFP4 tensor amax is a value given by the caller or the max over the per-CTA
 partials that ``cuda.amax`` wrote earlier on the same stream.
@@ -54,11 +54,13 @@ HORNER_FIX = U32((-E2M1_CODE_BIAS * 0x11111111) & 0xFFFFFFFF)
 SIGN_NIBBLES = U32(0x88888888)
 # stochastic rounding: PRMT of (0x43000000, Philox word) with these selectors puts the word's
 # low (even element) or high (odd element) 16 bits under the top bytes of 128.0, the float
-# 128 + r 2^-16 that ``_scalar.e2m1_sr_code_f`` takes.  The constant is the first operand so
+# 128 + r 2^-16 that ``_scalar.e2m1_sr_sum`` takes.  The constant is the first operand so
 # that it sits in a register once and the selector is the instruction's immediate.
 SR_BASE = U32(SR_BASE_BITS)
 SR_SELECT_LOW = U32(0x3254)
 SR_SELECT_STEP = U32(0x22)  # + this: 0x3276, the high half
+SR_BYTE2 = U32(0x62)  # PRMT: byte 2 of a, then byte 2 of b, in the low two bytes
+SR_LOW_HALVES = U32(0x5410)  # PRMT: the low two bytes of a, then the low two bytes of b
 # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as float32 bits are 0x??..0000: their top byte and
 # the byte below it, as 8-entry byte tables for PRMT (entry m = byte m of hi:lo)
 E2M1_TOP_BYTES = (U32(0x3F3F3F00), U32(0x40404040))
@@ -137,7 +139,7 @@ def make_block_codec(kind, part):
     n_words = words_per(kind, part)
     element = make_words_io(kind, n_words)[1]
     e2m1_code_f = OPS.e2m1_code_f
-    e2m1_sr_code_f = OPS.e2m1_sr_code_f
+    e2m1_sr_sum = OPS.e2m1_sr_sum
     philox = OPS.philox4x32_10
 
     @device_jit
@@ -167,17 +169,21 @@ def make_block_codec(kind, part):
     def encode8_sr(w, g, mult, chunk, seed_lo, seed_hi, step):
         # counter = flat element index // 8 = chunk: element 8 chunk + e takes the low (even e)
         # or high (odd e) half of word e // 2, independent of the launch configuration (as the
-        # CPU path and the oracle).  Codes and signs are packed as by encode8 (NaN never gets
-        # here: a non-finite block's codes are zeroed by the caller).
+        # CPU path and the oracle).  NaN never gets here: a non-finite block's codes are zeroed
+        # by the caller.
         r = philox(U32(chunk & 0xFFFFFFFF), U32(chunk >> 32), step, U32(0), seed_lo, seed_hi)
-        p = U32(0)
-        for e in range(8):  # Horner from the top element down: element 8g lands in nibble 0
-            k = 7 - e
-            sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(k % 2))
-            big_r = u32_as_f32(prmt(SR_BASE, r[k // 2], sel))
-            a = abs(element(w, 8 * g + k)) * mult
-            p = U32(U32(p << U32(4)) + f32_as_u32(e2m1_sr_code_f(a, big_r)))
-        return U32(U32(p + HORNER_FIX) | U32(sign_nibbles(w, g) & SIGN_NIBBLES))
+        s = cuda.local.array(8, np.uint32)  # registers: every index is constant once unrolled
+        for e in range(8):
+            sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(e % 2))
+            big_r = u32_as_f32(prmt(SR_BASE, r[e // 2], sel))
+            s[e] = f32_as_u32(e2m1_sr_sum(abs(element(w, 8 * g + e)) * mult, big_r))
+        # byte 2 of each sum's bits is its code (floor(V) - 128 for V in [128, 136), no add):
+        # gather the even elements' codes into the bytes of one word, the odd ones' into
+        # another, and interleave them as nibbles (each code < 8: no carries)
+        even = prmt(prmt(s[0], s[2], SR_BYTE2), prmt(s[4], s[6], SR_BYTE2), SR_LOW_HALVES)
+        odd = prmt(prmt(s[1], s[3], SR_BYTE2), prmt(s[5], s[7], SR_BYTE2), SR_LOW_HALVES)
+        p = U32(U32(odd << U32(4)) | even)
+        return U32(p | U32(sign_nibbles(w, g) & SIGN_NIBBLES))
 
     return sign_nibbles, encode8, encode8_sr
 
