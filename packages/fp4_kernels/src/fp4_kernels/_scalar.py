@@ -16,8 +16,9 @@ Python int literal as int64):
   int64 first.  numba does that implicitly (small ints promote to intp), but the simulator runs
   this code on numpy scalars, where ``np.uint8(0x7E) << 23`` wraps in uint8;
 * no expression has the shape ``a * b + c`` on floats where the rounding matters: numba-cuda
-  contracts that into an FMA, numpy does not.  Where a product feeds a sum the code is split or
-  the sum is exact, and a comment says which.
+  contracts that into an FMA, numpy does not.  Where a product feeds a sum the code is split,
+  or the sum or the product is exact (a product by a power of two: fused or not, the sum then
+  rounds once, the same), and a comment says which.
 
 The plain-numpy oracle in ``fp4_kernels.formats`` is written independently of this module.
 """
@@ -53,7 +54,7 @@ F32_MINUS_ONE = np.float32(-1.0)
 F32_TWO_POW_24 = np.float32(2.0**24)
 F32_MINUS_5_TWO_POW_24 = np.float32(-5.0 * 2.0**24)
 E2M1_CODE_BIAS = 0x4B000000  # the bits of 2^23: bits(e2m1_code_f(a)) - this is the code
-# the stochastic encoder's constants (see e2m1_sr_code_f)
+# the stochastic encoder's constants (see e2m1_sr_sum)
 F32_MINUS_TWO = np.float32(-2.0)
 SR_BASE_BITS = 0x43000000  # the bits of 128.0: OR-ing 16 random bits r gives 128 + r 2^-16
 F32_SR_TO_CODE = np.float32(2.0**23 - 128.0)  # floor(V) - 128 + 2^23 by one add toward -inf
@@ -299,7 +300,7 @@ def build_scalar_ops(
         float pipe; ``big_r`` = 128 + r 2^-16 for the element's 16 random bits r (the float
         with bits 0x43000000 | r, exact).  Returns V in [128, 136) with floor(V) - 128 the
         code: ``e2m1_sr_code_f`` takes the floor by one addition, the quantize kernel reads it
-        from the bits (byte 2 of bits(V) = 0x43000000 + code 2^16 + fraction).
+        from the bits (they are 0x43000000 + code 2^16 + fraction < 2^16: byte 2 is the code).
 
         u = sat(a/2), w = sat(a/2 - 1) and t = sat(a/2 - 2) are fractional one at a time (u for
         a < 2, w on [2, 4), t on [4, 6)); below its range each is 0, above it 1 (all three are 1
