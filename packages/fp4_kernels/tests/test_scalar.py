@@ -5,8 +5,9 @@ import ml_dtypes
 import numba
 import numpy as np
 import pytest
+from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 
-from fp4_kernels.cpu._primitives import OPS
+from fp4_kernels.cpu._primitives import OPS, f32_as_u32
 from fp4_kernels.formats import e2m1, e4m3, philox
 
 ALL_BF16_AS_F32 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
@@ -110,11 +111,105 @@ def test_e2m1_encode_strided_float32_patterns_match_oracle():
 
 
 def test_e2m1_encode_sr_matches_oracle(rng):
+    """Every bf16 pattern (NaN, Inf, subnormals included) and random values in (-7, 7), each
+    with random 16 random bits, and the extreme random values."""
     y = np.concatenate([ALL_BF16_AS_F32, rng.uniform(-7, 7, 1 << 16).astype(np.float32)])
-    r = rng.integers(0, 2**32, y.size, dtype=np.uint64).astype(np.uint32)
-    got = np.empty(y.size, np.uint8)
-    _map_e2m1_sr(y, r, got)
-    np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(y, r))
+    for r in (
+        rng.integers(0, 1 << 16, y.size).astype(np.uint16),
+        np.zeros(y.size, np.uint16),
+        np.full(y.size, 0xFFFF, np.uint16),
+    ):
+        got = np.empty(y.size, np.uint8)
+        _map_e2m1_sr(y, r, got)
+        np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(y, r))
+
+
+_sr_code_f = OPS.e2m1_sr_code_f
+_sr_random = OPS.sr_random_f32
+
+
+_sr_sum = OPS.e2m1_sr_sum
+
+
+@numba.njit(nogil=True)
+def _sr_codes_for_every_r16(a, out, byte2):
+    """out[i, r] = the magnitude code of a[i] with random bits r, from the float-pipe core;
+    byte2[i, r] = byte 2 of the bits of its unfloored sum (what the quantize kernel reads)."""
+    for i in range(a.size):
+        for r in range(1 << 16):
+            c = _sr_code_f(a[i], _sr_random(np.uint32(r)))
+            out[i, r] = np.uint32(f32_as_u32(c) - np.uint32(0x4B000000))
+            byte2[i, r] = (f32_as_u32(_sr_sum(a[i], _sr_random(np.uint32(r)))) >> 16) & 0xFF
+
+
+def test_e2m1_sr_core_every_random_value_at_the_edges(rng):
+    """The float-pipe core (the kernels' function) for all 2^16 random values at every edge
+    magnitude and 300 random ones: equal to the oracle, and rounding up exactly
+    floor(p 2^16 + 1/2) times (counted in rational arithmetic); byte 2 of the unfloored sum's
+    bits is the same code."""
+    a = np.concatenate(
+        [
+            edge_magnitudes(),
+            rng.uniform(0, 6.5, 150).astype(np.float32),
+            rng.integers(0, np.float32(6).view(np.uint32), 150, dtype=np.uint32).view(np.float32),
+        ]
+    )
+    got = np.empty((a.size, 1 << 16), np.uint8)
+    byte2 = np.empty((a.size, 1 << 16), np.uint8)
+    _sr_codes_for_every_r16(a, got, byte2)
+    np.testing.assert_array_equal(got, expected_codes(a, ALL_R16))
+    np.testing.assert_array_equal(byte2, got)  # the code, with nothing above it in the byte
+    for i in range(a.size):
+        oracle = e2m1.encode_e2m1_stochastic(np.full(ALL_R16.size, a[i], np.float32), ALL_R16)
+        np.testing.assert_array_equal(got[i], oracle, err_msg=f"a = {a[i]!r}")
+
+
+@numba.njit(nogil=True)
+def _map_sr_core(a, r16, out):
+    for i in range(a.size):
+        c = _sr_code_f(a[i], _sr_random(np.uint32(r16[i])))
+        out[i] = np.uint32(f32_as_u32(c) - np.uint32(0x4B000000))
+
+
+def test_e2m1_sr_core_random_float32_patterns(rng):
+    """4M random float32 bit patterns (every binade, NaN and Inf included) as a = |y|, with
+    random 16-bit values: the core's codes are the oracle's magnitude codes."""
+    y = rng.integers(0, 1 << 32, 1 << 22, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    a = np.abs(y)
+    r16 = rng.integers(0, 1 << 16, a.size).astype(np.uint16)
+    got = np.empty(a.size, np.uint8)
+    _map_sr_core(a, r16, got)
+    np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(a, r16))
+
+
+_add_rm = OPS.add_rm
+
+
+@numba.njit
+def _map_add_rm(a, b, out):
+    for i in range(a.size):
+        out[i] = _add_rm(a[i], b[i])
+
+
+def test_add_rm_rounds_toward_minus_infinity(rng):
+    """The written-out add.rm.f32 (the CPU's and the simulator's): the float32 at or below the
+    exact sum, for sums of both signs whose float64 value is exact."""
+    a = rng.uniform(-300, 300, 100_000).astype(np.float32)
+    b = rng.uniform(-300, 300, 100_000).astype(np.float32) * np.float32(2.0**-10)
+    a = np.concatenate([a, np.float32([128.5, 2.0**23 - 128, 1.0, -1.0, 0.0])])
+    b = np.concatenate([b, np.float32([2.0**23 - 128, 135.99998, -(2.0**-30), 2.0**-30, -0.0])])
+    got = np.empty(a.size, np.float32)
+    _map_add_rm(a, b, got)
+    exact = a.astype(np.float64) + b.astype(np.float64)  # exact: exponents within 29 bits
+    nearest = exact.astype(np.float32)
+    below = np.where(
+        nearest.astype(np.float64) > exact, np.nextafter(nearest, np.float32(-np.inf)), nearest
+    )
+    np.testing.assert_array_equal(got, below)
+    # the floors the stochastic encoder takes, 1 -+ 2^-30, and the sign of an exact zero sum
+    assert got[-5] == np.float32(2.0**23) and got[-4] == np.float32(2.0**23 + 7)
+    assert got[-3] == np.nextafter(np.float32(1), np.float32(0)) and got[-2] == np.float32(-1)
+    assert got[-1] == 0 and np.signbit(got[-1])  # +0 + -0 is -0 rounding toward -inf
 
 
 def test_e4m3_encode_every_nonnegative_bf16_and_f16_pattern():
@@ -213,61 +308,3 @@ def test_philox_known_answers(ctr, key, expect):
     assert tuple(int(g) for g in got) == expect
     ref = philox.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32))
     assert tuple(int(g) for g in ref) == expect
-
-
-_sr_mag = OPS.e2m1_sr_magnitude
-_sr_f = OPS.e2m1_sr_code
-
-
-@numba.njit(nogil=True)
-def _sr_float_vs_compare_mismatches(a_bits, words):
-    bad = 0
-    for i in range(a_bits.size):
-        a = np.uint32(a_bits[i]).view(np.float32)
-        for j in range(words.size):
-            if _sr_f(a, words[j]) != _sr_mag(a, words[j]):
-                bad += 1
-    return bad
-
-
-@numba.njit(nogil=True)
-def _sr_boundary_mismatches(a_bits, r24):
-    """Each a with the words whose top 24 bits are r24[i] - 1, r24[i], r24[i] + 1."""
-    bad = 0
-    for i in range(a_bits.size):
-        a = np.uint32(a_bits[i]).view(np.float32)
-        for d in (-1, 0, 1):
-            r = np.uint32(((r24[i] + d) & 0xFFFFFF) << 8 | 0x5A)
-            if _sr_f(a, r) != _sr_mag(a, r):
-                bad += 1
-    return bad
-
-
-def test_e2m1_stochastic_rounding_integer_encoder_equals_the_compare_chain(rng):
-    """Every non-negative bf16 value and a dense sample of float32 values near the grid points
-    and thresholds, each with random words and the extreme words; then every such value with
-    the three words whose u sits on either side of its rounding probability p: the branch-free
-    integer encoder is the compare chain."""
-    bf16 = np.arange(0x7F81, dtype=np.uint32) << 16
-    near = np.concatenate(
-        [
-            np.arange(-300, 301, dtype=np.int64) + np.float32(g).view(np.uint32)
-            for g in (0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
-        ]
-    ).astype(np.uint32)
-    rand = rng.integers(0, 0x7F800001, 200_000, dtype=np.uint32)
-    words = np.concatenate(
-        [
-            rng.integers(0, 2**32, 61, dtype=np.uint32),
-            np.array([0, 0xFFFFFFFF, 0x80000000, 0x40000000, 0xC0000000, 0xFF, 0x100], np.uint32),
-        ]
-    )
-    for a_bits in (bf16, near, rand):
-        assert _sr_float_vs_compare_mismatches(a_bits, words) == 0
-    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, np.inf])
-    for a_bits in (near, rand):
-        a = a_bits.view(np.float32).astype(np.float64)
-        k = np.searchsorted(grid, a, side="right") - 1  # grid point at or below a
-        p = np.where(a >= 6, 0.0, (a - grid[k]) / (grid[np.minimum(k + 1, 8)] - grid[k]))
-        r24 = np.floor(p * 2**24).astype(np.int64)  # u = r24 / 2^24 is the last u <= p
-        assert _sr_boundary_mismatches(a_bits, r24) == 0

@@ -81,10 +81,10 @@ def quantize(
             or ``FP4Quant(group_size, hadamard)`` (K a multiple of the group size; one bf16
             scale per group; ``global_amax`` and ``scale_layout`` do not apply).
         rounding: "nearest" (round to nearest even) or "stochastic": between the two
-            neighbouring e2m1 values, up with probability ceil(p * 2^24) / 2^24 for a fractional
-            distance p (unbiased up to 2^-24 of a grid step).  The random words come from
-            Philox4x32-10 with key = seed and counter = (element index // 4, step): independent
-            of the launch configuration and identical on the GPU and the CPU.
+            neighbouring e2m1 values, up with probability p rounded to 16 bits for a fractional
+            distance p (unbiased up to 2^-17 of a grid step).  16 random bits an element come
+            from Philox4x32-10 with key = seed and counter = (element index // 8, step):
+            independent of the launch configuration and identical on the GPU and the CPU.
         seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
         global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
             ranks or steps); a non-negative finite float, or a one-element float32 array on the

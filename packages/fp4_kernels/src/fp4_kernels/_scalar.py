@@ -16,8 +16,9 @@ Python int literal as int64):
   int64 first.  numba does that implicitly (small ints promote to intp), but the simulator runs
   this code on numpy scalars, where ``np.uint8(0x7E) << 23`` wraps in uint8;
 * no expression has the shape ``a * b + c`` on floats where the rounding matters: numba-cuda
-  contracts that into an FMA, numpy does not.  Where a product feeds a sum the code is split or
-  the sum is exact, and a comment says which.
+  contracts that into an FMA, numpy does not.  Where a product feeds a sum the code is split,
+  or the sum or the product is exact (a product by a power of two: fused or not, the sum then
+  rounds once, the same), and a comment says which.
 
 The plain-numpy oracle in ``fp4_kernels.formats`` is written independently of this module.
 """
@@ -44,7 +45,6 @@ E2M1_MAX = np.float32(e2m1.E2M1_MAX)  # largest e2m1 magnitude
 E4M3_MAX = np.float32(e4m3.E4M3_MAX)  # largest finite e4m3 (OCP "fn") magnitude
 NVFP4_AMAX_TO_SCALE = nvfp4.NVFP4_GLOBAL_AMAX_TARGET  # 2688: e4m3 max times e2m1 max
 INV_E2M1_MAX = e2m1.INV_E2M1_MAX  # TE writes `1.0f / 6.0f`: the float32 rounding of 1/6
-TWO_POW_M24 = np.float32(2.0**-24)  # weight of one of the 24 random bits used by SR
 TWO_POW_M9 = np.float32(2.0**-9)  # e4m3 subnormal quantum
 TWO_POW_M24_F16 = np.float32(2.0**-24)  # fp16 subnormal quantum
 # the e2m1 encoder's constants (see e2m1_code_f): 2^23 + k holds the integer k in its low bits
@@ -53,13 +53,11 @@ F32_FOUR = np.float32(4.0)
 F32_MINUS_ONE = np.float32(-1.0)
 F32_TWO_POW_24 = np.float32(2.0**24)
 F32_MINUS_5_TWO_POW_24 = np.float32(-5.0 * 2.0**24)
-F32_TWO_POW_25 = np.float32(2.0**25)
 E2M1_CODE_BIAS = 0x4B000000  # the bits of 2^23: bits(e2m1_code_f(a)) - this is the code
-
-_G1 = np.float32(1.0)
-_G15 = np.float32(1.5)
-_G3 = np.float32(3.0)
-_G4 = np.float32(4.0)
+# the stochastic encoder's constants (see e2m1_sr_sum)
+F32_MINUS_TWO = np.float32(-2.0)
+SR_BASE_BITS = 0x43000000  # the bits of 128.0: OR-ing 16 random bits r gives 128 + r 2^-16
+F32_SR_TO_CODE = np.float32(2.0**23 - 128.0)  # floor(V) - 128 + 2^23 by one add toward -inf
 
 # Philox4x32-10 (Salmon et al., SC'11; Random123's philox4x32_10).
 PHILOX_M0 = np.uint64(0xD2511F53)
@@ -93,7 +91,7 @@ def build_scalar_ops(
     e4m3_satfinite=None,
     sat_mul=None,
     sat_fma=None,
-    ceil_u32=None,
+    add_rm=None,
     mul_wide_u32=None,
 ):
     """Compile the scalar codec functions for one target.
@@ -105,9 +103,9 @@ def build_scalar_ops(
     the integer encoder for block scales; the tests check the two agree on every input.
     ``sat_mul`` / ``sat_fma``, where given, are the target's saturating float32 multiply and
     fused multiply-add (``mul.rn.sat.f32`` / ``fma.rn.sat.f32``: one instruction each, result
-    clamped to [0, 1], NaN to 0); elsewhere the same function is written out.  ``ceil_u32``
-    is the float32 -> uint32 conversion rounding up (``cvt.rpi.u32.f32``); ``mul_wide_u32(a,
-    b)`` the 64-bit product of two uint32 as (low, high) words (one ``mul.wide.u32``).
+    clamped to [0, 1], NaN to 0); elsewhere the same function is written out.  ``add_rm`` is
+    the float32 addition rounding toward -inf (``add.rm.f32``); ``mul_wide_u32(a, b)`` the
+    64-bit product of two uint32 as (low, high) words (one ``mul.wide.u32``).
     """
 
     # ---------------------------------------------------------------- saturating arithmetic
@@ -127,11 +125,26 @@ def build_scalar_ops(
         def sat_mul(a, b):
             return sat(a * b)
 
-    if ceil_u32 is None:
+    if add_rm is None:
 
         @jit
-        def ceil_u32(x):
-            return U32(np.ceil(x))  # 0 <= x < 2^25 where it is used: exact
+        def add_rm(a, b):
+            # the float64 sum is exact wherever it is used (operands within 2^29 of each other
+            # in magnitude); rounding it to float32 toward -inf is the nearest float32, moved
+            # one step down when that lies above the sum
+            s = np.float64(a) + np.float64(b)
+            r = np.float32(s)
+            if s == 0.0 and U32(f32_as_u32(a) | f32_as_u32(b)) != 0:
+                r = u32_as_f32(U32(0x80000000))  # an exact zero sum is -0 unless both are +0
+            elif np.float64(r) > s:
+                u = f32_as_u32(r)
+                if r > F32_ZERO:
+                    r = u32_as_f32(U32(u - U32(1)))
+                elif r < F32_ZERO:
+                    r = u32_as_f32(U32(u + U32(1)))
+                else:
+                    r = u32_as_f32(U32(0x80000001))  # below +-0: the negative subnormal
+            return r
 
     if mul_wide_u32 is None:
 
@@ -246,43 +259,6 @@ def build_scalar_ops(
         return big + t
 
     @jit
-    def e2m1_sr_magnitude(a, rbits):
-        """Stochastic rounding of |y| onto the e2m1 grid using the top 24 bits of ``rbits``.
-
-        Rounds up from the grid point below with probability (a - lo) / gap, exactly
-        ceil(p * 2^24) / 2^24; saturates at 6.
-        """
-        if a >= E2M1_MAX:
-            return 7
-        lo_code = 0  # index of the largest grid point <= a
-        if a >= F32_HALF:
-            lo_code += 1
-        if a >= _G1:
-            lo_code += 1
-        if a >= _G15:
-            lo_code += 1
-        if a >= F32_TWO:
-            lo_code += 1
-        if a >= _G3:
-            lo_code += 1
-        if a >= _G4:
-            lo_code += 1
-        lo = e2m1_value(lo_code)
-        # gaps are 0.5 (codes 0-3), 1 (codes 4-5), 2 (code 6): multiplying by 1/gap is exact, and
-        # so is a - lo (both lie in one binade or lo is zero).  numba-cuda contracts
-        # a - (c * 0.5) into fma(c, -0.5, a); that is harmless only because c * 0.5 is exact.
-        if lo_code < 4:
-            p = (a - lo) * F32_TWO
-        elif lo_code < 6:
-            p = a - lo
-        else:
-            p = (a - lo) * F32_HALF
-        u = np.float32(np.uint32(rbits) >> 8) * TWO_POW_M24
-        if u < p:
-            return lo_code + 1
-        return lo_code
-
-    @jit
     def e2m1_encode(y):
         """float32 -> 4-bit e2m1 code, RNE, saturating; the sign bit follows y's (so -0 -> 0x8).
 
@@ -319,31 +295,52 @@ def build_scalar_ops(
         return U32(U32(U32(u >> 28) & 8) | m)
 
     @jit
-    def e2m1_sr_code(a, rbits):
-        """``e2m1_sr_magnitude`` in integer arithmetic, branch-free: the same code for every
-        a = |y| >= 0 (NaN never reaches it) and every random word; u = (rbits >> 8) 2^-24.
+    def e2m1_sr_sum(a, big_r):
+        """Stochastic rounding of ``a`` = |y| >= 0 onto the e2m1 grid, saturating at 6, on the
+        float pipe; ``big_r`` = 128 + r 2^-16 for the element's 16 random bits r (the float
+        with bits 0x43000000 | r, exact).  Returns V in [128, 136) with floor(V) - 128 the
+        code: ``e2m1_sr_code_f`` takes the floor by one addition, the quantize kernel reads it
+        from the bits (they are 0x43000000 + code 2^16 + fraction < 2^16: byte 2 is the code).
 
-        a >= 1: e2m1 keeps one mantissa bit, so the fraction is the 22 dropped bits d of a's
-        float32 bits, p = d / 2^22, and u < p exactly when (rbits >> 10) < d: adding
-        0x3FFFFF - (rbits >> 10) carries into bit 22 exactly then; the kept bits >> 22, less
-        252, are the code (rebased exponent and mantissa bit), at most 7 (a >= 6 saturates).
-        a < 1: the grid is 0, 0.5, 1 (gap 1/2); with F = 2a 2^24 (exact), floor(2a) + (u < p)
-        is (ceil(F) + 2^24 - 1 - (rbits >> 8)) >> 24.
+        u = sat(a/2), w = sat(a/2 - 1) and t = sat(a/2 - 2) are fractional one at a time (u for
+        a < 2, w on [2, 4), t on [4, 6)); below its range each is 0, above it 1 (all three are 1
+        from 6 up and 0 for NaN, which never gets here).  V = ((R + 4u) + 2w) + t: every value
+        lies in [128, 256), where float32's spacing is 2^-16, the inactive terms add exactly
+        (0 or whole numbers) and the active one rounds once to nearest.  So floor(V) - 128 is
+        floor(2a + r') on [0, 2), 4 + floor(a - 2 + r') on [2, 4), 6 + floor((a - 4)/2 + r') on
+        [4, 6) and 7 from 6 up, with r' = r 2^-16 and the fraction rounded to 16 bits: the code
+        below a plus one with probability p = (a - lo) / gap, rounded to 16 bits.  4u and 2w
+        are exact products, so contracting u * 4 + V into an FMA (numba-cuda does; the CPU
+        target does not) rounds the same: one rounding of the same exact sum.  The tests check
+        it against the numpy oracle for every r at edge values of a, and on random float32
+        patterns.
         """
-        bits = f32_as_u32(a)
-        r24c = U32(0xFFFFFF - U32(U32(rbits) >> U32(8)))  # 2^24 - 1 - r, r the top 24 bits
-        big = U32(U32(U32(bits + U32(r24c >> U32(2))) >> U32(22)) - U32(252))
-        small = U32(U32(ceil_u32(a * F32_TWO_POW_25) + r24c) >> U32(24))
-        code = small if bits < 0x3F800000 else min(big, U32(7))
-        return code
+        u = sat_mul(a, F32_HALF)
+        w = sat_fma(a, F32_HALF, F32_MINUS_ONE)
+        t = sat_fma(a, F32_HALF, F32_MINUS_TWO)
+        v = u * F32_FOUR + big_r
+        v = w * F32_TWO + v
+        return v + t
 
     @jit
-    def e2m1_encode_sr(y, rbits):
-        """float32 -> 4-bit e2m1 code, stochastic rounding with the random word ``rbits``
+    def e2m1_sr_code_f(a, big_r):
+        """``e2m1_sr_sum`` floored: the float 2^23 + code, as ``e2m1_code_f``, by one addition
+        toward -inf of 2^23 - 128 (spacing 1 at 2^23)."""
+        return add_rm(e2m1_sr_sum(a, big_r), F32_SR_TO_CODE)
+
+    @jit
+    def sr_random_f32(r16):
+        """128 + r16 2^-16 (exact) for 16 random bits ``r16``: the float with bits
+        0x43000000 | r16 (one PRMT on the GPU, which takes r16 straight from its Philox word)."""
+        return u32_as_f32(U32(U32(U32(r16) & 0xFFFF) | SR_BASE_BITS))
+
+    @jit
+    def e2m1_encode_sr(y, r16):
+        """float32 -> 4-bit e2m1 code, stochastic rounding with the 16 random bits ``r16``
         (0 for NaN, which never reaches it: non-finite blocks are masked first)."""
         u = f32_as_u32(y)
-        m = e2m1_sr_code(u32_as_f32(U32(u & 0x7FFFFFFF)), rbits)
-        m = U32(U32(U32(u >> 28) & 8) | m)
+        c = e2m1_sr_code_f(u32_as_f32(U32(u & 0x7FFFFFFF)), sr_random_f32(r16))
+        m = U32(U32(U32(u >> 28) & 8) | U32(f32_as_u32(c) - E2M1_CODE_BIAS))
         if U32(u & 0x7FFFFFFF) > 0x7F800000:
             m = U32(0)  # a select, not a branch: lanes never diverge here
         return m
@@ -546,7 +543,6 @@ def build_scalar_ops(
         f32_to_bf16=f32_to_bf16,
         f16_to_f32=f16_to_f32,
         f32_to_f16=f32_to_f16,
-        e2m1_sr_magnitude=e2m1_sr_magnitude,
         e2m1_value=e2m1_value,
         e2m1_encode=e2m1_encode,
         e2m1_encode_int=e2m1_encode_int,
@@ -554,8 +550,11 @@ def build_scalar_ops(
         sat=sat,
         sat_mul=sat_mul,
         sat_fma=sat_fma,
+        add_rm=add_rm,
         e2m1_encode_sr=e2m1_encode_sr,
-        e2m1_sr_code=e2m1_sr_code,
+        e2m1_sr_code_f=e2m1_sr_code_f,
+        e2m1_sr_sum=e2m1_sr_sum,
+        sr_random_f32=sr_random_f32,
         e2m1_decode=e2m1_decode,
         e4m3_encode_positive=e4m3_encode_positive,
         e4m3_decode=e4m3_decode,

@@ -17,7 +17,7 @@ from fp4_kernels.cuda.amax import amax_kernel
 from fp4_kernels.cuda.dequantize import dequantize_kernel
 from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
 from fp4_kernels.cuda.hadamard import hadamard_kernel
-from fp4_kernels.cuda.quantize import FMT_MXFP4, FMT_NVFP4, quantize_kernel
+from fp4_kernels.cuda.quantize import BLOCK_SIZES, FMT_MXFP4, FMT_NVFP4, quantize_kernel
 from fp4_kernels.testing import compile_ptx
 
 pytestmark = pytest.mark.compile_check
@@ -91,10 +91,15 @@ def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
     # a block's codes in one 8-byte (NVFP4) or 16-byte (MXFP4) store
     assert ("st.global.v2.u32" if fmt == FMT_NVFP4 else "st.global.v4.u32") in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx or fmt == FMT_MXFP4  # hardware scale cast
-    if not stochastic:  # the float-pipe e2m1 encoder: saturating multiply-adds
-        assert "fma.rn.sat.f32" in ptx and "mul.rn.sat.f32" in ptx
+    # the float-pipe e2m1 encoders: saturating multiply-adds (and for stochastic rounding the
+    # random bits placed and the codes gathered by byte permute, one Philox call (10 rounds of
+    # 2 wide multiplies) per 8 elements)
+    assert "fma.rn.sat.f32" in ptx and "mul.rn.sat.f32" in ptx
+    if stochastic:
+        assert "prmt.b32" in ptx
+        assert ptx.count("mul.wide.u32") == 20 * BLOCK_SIZES[fmt] // 8  # a thread a block
     if kind != 0:
-        assert "prmt.b32" in ptx or stochastic  # sign bits by byte permute
+        assert "prmt.b32" in ptx  # sign bits by byte permute
         assert "max.u16x2" in ptx  # block amax on packed 16-bit halves
     if fused:
         assert "st.global.v4.u32" in ptx
@@ -165,6 +170,8 @@ def test_fp4quant_encode_kernel_compiles_clean(kind, g, stochastic):
     assert "ld.global.nc.v4.u32" in ptx
     # eight codes per 4-byte store (four per 2-byte store at g = 8192), a bf16 scale per group
     assert ("st.global.u32" if g < 8192 else "st.global.u16") in ptx
+    if stochastic:  # a thread's 32 elements: 4 Philox calls (10 rounds, 2 wide multiplies)
+        assert "add.rm.f32" in ptx and ptx.count("mul.wide.u32") == (80 if g < 8192 else 160)
 
 
 @pytest.mark.parametrize("g", [16, 256, 2048])

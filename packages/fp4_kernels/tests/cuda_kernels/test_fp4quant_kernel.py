@@ -49,6 +49,7 @@ SIM_CASES = [
     (512, True, "bfloat16", "nearest", 2),
     (1024, True, "float32", "stochastic", 2),
     (1024, False, "float16", "nearest", 2),
+    (8192, True, "bfloat16", "stochastic", 1),  # runs of 4 elements: half a Philox call each
 ]
 
 

@@ -1,11 +1,16 @@
 """cuda/_primitives.py: the scalar codec as compiled for the GPU (on a real GPU the block-scale
 encoder is the hardware cvt.rn.satfinite.e4m3x2.f32) against the numpy oracle: every
-non-negative bf16 and fp16 pattern on a real GPU, a sample of them in the simulator."""
+non-negative bf16 and fp16 pattern on a real GPU, a sample of them in the simulator; likewise
+the stochastic rounding core."""
 
 import numpy as np
+from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 from numba import config, cuda
 
-from fp4_kernels.cuda._primitives import OPS
+from fp4_kernels._scalar import E2M1_CODE_BIAS
+from fp4_kernels.cuda._primitives import OPS, f32_as_u32, prmt, u32_as_f32
+from fp4_kernels.cuda._words import U32
+from fp4_kernels.cuda.quantize import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
 from fp4_kernels.formats import e2m1, e4m3
 
 _e4m3 = OPS.e4m3_encode_positive
@@ -42,3 +47,45 @@ def test_device_codecs_match_oracle(kernels, rng):
     np.testing.assert_array_equal(ec.copy_to_host(), e2m1.encode_e2m1(v))
     idx = (np.arange(v.size) & 0x7F).astype(np.uint8)
     np.testing.assert_array_equal(dec.copy_to_host(), e4m3.decode_e4m3(idx))
+
+
+_sr_code_f = OPS.e2m1_sr_code_f
+
+
+@cuda.jit
+def _map_sr(a, words, codes):
+    """Element i takes the low (even i) or high half of ``words[i // 2]`` as the quantize
+    kernels do (PRMT under the top bytes of 128.0) and the float-pipe stochastic core."""
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(i & 1))
+        big_r = u32_as_f32(prmt(SR_BASE, words[i >> 1], sel))
+        codes[i] = U32(f32_as_u32(_sr_code_f(a[i], big_r)) - U32(E2M1_CODE_BIAS))
+
+
+def test_device_stochastic_core_matches_oracle(kernels, rng):
+    """The stochastic e2m1 core as the GPU runs it (fma.rn.sat, add.rm, PRMT; their twins in
+    the simulator): on a real GPU all 2^16 random values at every edge magnitude and 2^22
+    random float32 patterns, equal to the oracle and to the exact round-up counts; a sample
+    of both in the simulator."""
+    edges = edge_magnitudes()
+    patterns = np.abs(
+        rng.integers(0, 1 << 32, 1 << 22, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    )
+    r_patterns = rng.integers(0, 1 << 16, patterns.size).astype(np.uint16)
+    if config.ENABLE_CUDASIM:  # one Python thread per CUDA thread: a sample
+        pick = rng.integers(0, 1 << 16, 64).astype(np.uint16)
+        a_edge, r_edge = np.repeat(edges, pick.size), np.tile(pick, edges.size)
+        keep = rng.integers(0, patterns.size, 256)
+        patterns, r_patterns = patterns[keep], r_patterns[keep]
+        expected_edge = expected_codes(edges, pick).ravel()
+    else:
+        a_edge, r_edge = np.repeat(edges, ALL_R16.size), np.tile(ALL_R16, edges.size)
+        expected_edge = expected_codes(edges, ALL_R16).ravel()
+    a = np.concatenate([a_edge, patterns]).astype(np.float32)
+    r16 = np.concatenate([r_edge, r_patterns]).astype(np.uint16)
+    codes = cuda.device_array(a.size, np.uint32)
+    blocks = 2 if config.ENABLE_CUDASIM else 1024
+    _map_sr[blocks, 64](cuda.to_device(a), cuda.to_device(r16.view(np.uint32)), codes)
+    got = codes.copy_to_host()
+    np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(a, r16))
+    np.testing.assert_array_equal(got[: a_edge.size], expected_edge)

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 
 from fp4_kernels.formats.e2m1 import (
     E2M1_MAX,
@@ -87,7 +88,7 @@ def test_nan_encodes_to_positive_zero():
     nan = np.float32(np.nan)
     y = np.array([nan, -nan], dtype=np.float32)
     np.testing.assert_array_equal(encode_e2m1(y), [0, 0])
-    rbits = np.array([0, 0xFFFFFFFF], dtype=np.uint32)
+    rbits = np.array([0, 0xFFFF], dtype=np.uint16)
     np.testing.assert_array_equal(encode_e2m1_stochastic(y, rbits), [0, 0])
 
 
@@ -104,57 +105,76 @@ def test_encode_rejects_non_float32():
 # --- stochastic rounding -------------------------------------------------------------------
 
 
-def _rbits_for_u(u24):
-    """The word whose top 24 bits are u24 (low 8 bits set, to show they are ignored)."""
-    return (np.asarray(u24, dtype=np.uint32) << np.uint32(8)) | np.uint32(0xFF)
-
-
 def test_stochastic_hand_cases():
-    # 2.5 lies halfway between 2 (code 4) and 3 (code 5): p = 0.5, rounds up iff u < 0.5.
-    y = np.full(3, 2.5, dtype=np.float32)
-    rbits = np.array([0x7FFFFFFF, 0x80000000, 0x800000FF], dtype=np.uint32)
-    np.testing.assert_array_equal(encode_e2m1_stochastic(y, rbits), [5, 4, 4])
-    np.testing.assert_array_equal(encode_e2m1_stochastic(-y, rbits), [0xD, 0xC, 0xC])
+    # 2.5 lies halfway between 2 (code 4) and 3 (code 5): p 2^16 = 2^15, so it rounds up
+    # exactly for the upper half of the 16-bit values.
+    y = np.full(4, 2.5, dtype=np.float32)
+    rbits = np.array([0, 0x7FFF, 0x8000, 0xFFFF], dtype=np.uint16)
+    np.testing.assert_array_equal(encode_e2m1_stochastic(y, rbits), [4, 4, 5, 5])
+    np.testing.assert_array_equal(encode_e2m1_stochastic(-y, rbits), [0xC, 0xC, 0xD, 0xD])
     # -0.1 rounds to -0 (code 0x8) when it does not round up to -0.5.
     small = np.array([-0.1, -0.1], dtype=np.float32)
     np.testing.assert_array_equal(
-        encode_e2m1_stochastic(small, np.array([0xFFFFFFFF, 0], dtype=np.uint32)), [0x8, 0x9]
+        encode_e2m1_stochastic(small, np.array([0xFFFF, 0], dtype=np.uint16)), [0x9, 0x8]
+    )
+    # Ties of the 16-bit rounding: p 2^16 = 0.5 (2 + 2^-17) rounds up for r = 0xFFFF alone,
+    # p 2^16 = 1.5 (2 + 3 2^-17) for the two largest r: floor(p 2^16 + 1/2) of them.
+    r = np.array([0xFFFC, 0xFFFD, 0xFFFE, 0xFFFF], dtype=np.uint16)
+    np.testing.assert_array_equal(
+        encode_e2m1_stochastic(np.full(4, 2 + 2.0**-17, np.float32), r), [4, 4, 4, 5]
+    )
+    np.testing.assert_array_equal(
+        encode_e2m1_stochastic(np.full(4, 2 + 3 * 2.0**-17, np.float32), r), [4, 4, 5, 5]
     )
 
 
 def test_stochastic_grid_values_and_saturation_never_move():
     y = np.concatenate([E2M1_VALUES, np.array([6.5, 1e30, np.inf, -np.inf], dtype=np.float32)])
     expected = np.concatenate([np.arange(16), [7, 7, 7, 0xF]]).astype(np.uint8)
-    for word in (0, 1, 0xFF, 0x100, 0x7FFFFFFF, 0xFFFFFFFF):
-        rbits = np.full(y.shape, word, dtype=np.uint32)
+    for word in (0, 1, 0xFF, 0x100, 0x7FFF, 0x8000, 0xFFFF):
+        rbits = np.full(y.shape, word, dtype=np.uint16)
         np.testing.assert_array_equal(encode_e2m1_stochastic(y, rbits), expected)
 
 
-def test_stochastic_threshold_is_exact(rng):
-    """Rounds up exactly when u = (rbits >> 8) / 2**24 < p, with p = (a - lo) / gap in float64."""
-    y = rng.uniform(-6.0, 6.0, size=100_000).astype(np.float32)
-    # the float32 rounding can reach +-6 (the top grid point, which has no gap above it)
-    y = np.clip(y, -np.nextafter(np.float32(6), 0), np.nextafter(np.float32(6), 0))
-    magnitudes = E2M1_VALUES[:8].astype(np.float64)
-    a = np.abs(y).astype(np.float64)
-    lo_code = np.searchsorted(magnitudes, a, side="right") - 1
-    p = (a - magnitudes[lo_code]) / (magnitudes[lo_code + 1] - magnitudes[lo_code])
-    # The smallest 24-bit u that no longer rounds up is ceil(p * 2**24).
-    first_down = np.ceil(p * 2.0**24).astype(np.int64)
-    sign = np.where(np.signbit(y), 0x8, 0).astype(np.uint8)
-    up = encode_e2m1_stochastic(y, _rbits_for_u(np.maximum(first_down - 1, 0)))
-    down = encode_e2m1_stochastic(y, _rbits_for_u(np.minimum(first_down, 2**24 - 1)))
-    moves = first_down > 0  # p == 0: on the grid, never rounds up
-    can_stay = moves & (first_down < 2**24)  # p > 1 - 2**-24 rounds up for every u
-    np.testing.assert_array_equal(up[moves], (lo_code + 1)[moves] | sign[moves])
-    np.testing.assert_array_equal(down[can_stay], lo_code[can_stay] | sign[can_stay])
+def test_stochastic_every_random_value_at_the_edges(rng):
+    """Every one of the 2^16 random values for each edge magnitude and 200 random ones (both
+    signs): the code is lo + 1 exactly for the floor(p 2^16 + 1/2) largest values of r16,
+    counted in rational arithmetic."""
+    a = np.concatenate(
+        [
+            edge_magnitudes(),
+            rng.uniform(0, 6.5, 100).astype(np.float32),
+            rng.integers(0, np.float32(6).view(np.uint32), 100, dtype=np.uint32).view(np.float32),
+        ]
+    )
+    expected = expected_codes(a, ALL_R16)
+    for i, v in enumerate(a):
+        got = encode_e2m1_stochastic(np.full(ALL_R16.size, v, np.float32), ALL_R16)
+        np.testing.assert_array_equal(got, expected[i], err_msg=f"a = {v!r}")
+        neg = encode_e2m1_stochastic(np.full(ALL_R16.size, -v, np.float32), ALL_R16)
+        sign = 0 if np.isnan(v) else 0x8
+        np.testing.assert_array_equal(neg, expected[i] | sign, err_msg=f"a = -{v!r}")
+
+
+def test_stochastic_is_unbiased_to_2_pow_m17(rng):
+    """Averaged over all 2^16 random values, the rounded magnitude is a to within 2^-17 of
+    the gap, for random a of every gap (the 16-bit rounding of p is the only bias)."""
+    a = rng.uniform(0, 6, 64).astype(np.float32)
+    grid = E2M1_VALUES[:8].astype(np.float64)
+    for v in a:
+        codes = encode_e2m1_stochastic(np.full(ALL_R16.size, v, np.float32), ALL_R16)
+        mean = decode_e2m1(codes).astype(np.float64).mean()
+        lo = np.searchsorted(grid, v, side="right") - 1
+        assert abs(mean - float(v)) <= (grid[lo + 1] - grid[lo]) * 2.0**-17
 
 
 def test_stochastic_rejects_wrong_dtypes():
     with pytest.raises(TypeError, match="rbits"):
         encode_e2m1_stochastic(np.zeros(2, np.float32), np.zeros(2, np.int64))
+    with pytest.raises(TypeError, match="rbits must be uint16"):
+        encode_e2m1_stochastic(np.zeros(2, np.float32), np.zeros(2, np.uint32))
     with pytest.raises(TypeError, match="y"):
-        encode_e2m1_stochastic(np.zeros(2, np.float64), np.zeros(2, np.uint32))
+        encode_e2m1_stochastic(np.zeros(2, np.float64), np.zeros(2, np.uint16))
 
 
 # --- packing -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from fp4_kernels.formats.mxfp4 import (
     quantize_reference,
     shared_exponent,
 )
-from fp4_kernels.formats.philox import stochastic_bits
+from fp4_kernels.formats.philox import stochastic_bits16
 
 F32 = np.float32
 
@@ -186,7 +186,7 @@ def test_stochastic_mean_is_unbiased():
     assert set(np.unique(draws)) <= {2.0, 3.0}
     target = float(F32(2.3))
     p = target - 2.0
-    assert abs(draws.mean() - target) <= 5 * math.sqrt(p * (1 - p) / draws.size) + 2.0**-24
+    assert abs(draws.mean() - target) <= 5 * math.sqrt(p * (1 - p) / draws.size) + 2.0**-17
 
 
 def test_stochastic_reproducible_step_sensitive_and_flat_indexed(rng):
@@ -196,11 +196,11 @@ def test_stochastic_reproducible_step_sensitive_and_flat_indexed(rng):
         a[0], quantize_reference(x, rounding="stochastic", seed=3, step=1)[0]
     )
     assert np.any(a[0] != quantize_reference(x, rounding="stochastic", seed=3, step=2)[0])
-    # y = 2.5 (p = 1/2) rounds up exactly when the top bit of the flat element's word is 0.
+    # y = 2.5 (p = 1/2) rounds up exactly when the top bit of the flat element's 16 bits is 1.
     x = np.full((3, 64), 2.5, dtype=np.float32)
     x[:, ::32] = 4.0
     codes, _ = quantize_reference(x, rounding="stochastic", seed=11, step=5)
-    expected = np.where(stochastic_bits(11, 5, x.size).reshape(x.shape) < 0x80000000, 5, 4)
+    expected = np.where(stochastic_bits16(11, 5, x.size).reshape(x.shape) >= 0x8000, 5, 4)
     expected[:, ::32] = 6
     np.testing.assert_array_equal(codes, expected)
     assert set(np.unique(decode_e2m1(codes))) == {2.0, 3.0, 4.0}

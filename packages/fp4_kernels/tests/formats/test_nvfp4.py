@@ -17,7 +17,7 @@ from fp4_kernels.formats.nvfp4 import (
     quantize_reference,
     tensor_amax,
 )
-from fp4_kernels.formats.philox import stochastic_bits
+from fp4_kernels.formats.philox import stochastic_bits16
 
 F32 = np.float32
 UNIT_GLOBAL_AMAX = 2688.0  # = 448 * 6, gives S = 1 and global_scale = 1: block arithmetic is plain
@@ -262,8 +262,8 @@ def test_rejects_bad_arguments():
 def test_stochastic_mean_is_unbiased():
     """2.3 * scale (scale = 1 with S = 1) rounds to 2 or 3; the mean of N draws is within 5 sigma.
 
-    p = P(round up) = (fl(2.3) - 2) / 1, sigma of one draw = sqrt(p (1 - p)); the 24-bit uniform
-    shifts the mean by at most 2**-24.
+    p = P(round up) = (fl(2.3) - 2) / 1, sigma of one draw = sqrt(p (1 - p)); rounding p to 16
+    bits shifts the mean by at most 2**-17.
     """
     x = np.full((256, 16), 2.3, dtype=np.float32)
     x[:, 0] = 6.0  # block amax 6 -> scale e4m3(1.0), so y = x
@@ -279,7 +279,7 @@ def test_stochastic_mean_is_unbiased():
     target = float(F32(2.3))
     p = target - 2.0
     sigma = math.sqrt(p * (1 - p) / draws.size)
-    assert abs(draws.mean() - target) <= 5 * sigma + 2.0**-24
+    assert abs(draws.mean() - target) <= 5 * sigma + 2.0**-17
 
 
 def test_stochastic_reproducible_and_step_sensitive(rng):
@@ -298,13 +298,13 @@ def test_stochastic_reproducible_and_step_sensitive(rng):
 
 
 def test_stochastic_uses_flat_element_index():
-    """y = 2.5 (p = 1/2) rounds up exactly when the top bit of flat element i's word is 0."""
+    """y = 2.5 (p = 1/2) rounds up exactly when the top bit of flat element i's 16 bits is 1."""
     x = np.full((3, 32), 2.5, dtype=np.float32)
     x[:, ::16] = 6.0  # one 6 per block keeps scale 1 with S = 1
     codes, _, _ = quantize_reference(
         x, rounding="stochastic", seed=2**40 + 5, step=9, global_amax=UNIT_GLOBAL_AMAX
     )
-    bits = stochastic_bits(2**40 + 5, 9, x.size).reshape(x.shape)
-    expected = np.where(bits < 0x80000000, 5, 4)
+    bits = stochastic_bits16(2**40 + 5, 9, x.size).reshape(x.shape)
+    expected = np.where(bits >= 0x8000, 5, 4)
     expected[:, ::16] = 7
     np.testing.assert_array_equal(codes, expected)

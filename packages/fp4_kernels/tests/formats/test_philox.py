@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fp4_kernels.formats.philox import philox4x32_10, stochastic_bits
+from fp4_kernels.formats.philox import philox4x32_10, stochastic_bits16
 
 # Random123 kat_vectors, "philox4x32 10": counter, key, expected output.
 RANDOM123_KAT = [
@@ -60,36 +60,38 @@ def test_batched_matches_scalar(rng):
     )
 
 
-def test_stochastic_bits_counter_and_key_layout(rng):
+def test_stochastic_bits16_counter_and_key_layout(rng):
     seed = int(rng.integers(0, 2**64, dtype=np.uint64))
     step = int(rng.integers(0, 2**32, dtype=np.uint64))
-    n = 4 * 25 + 3  # a ragged tail: the last Philox call is only partly used
-    got = stochastic_bits(seed, step, n)
-    assert got.dtype == np.uint32 and got.shape == (n,)
+    n = 8 * 25 + 5  # a ragged tail: the last Philox call is only partly used
+    got = stochastic_bits16(seed, step, n)
+    assert got.dtype == np.uint16 and got.shape == (n,)
     key = (seed & 0xFFFFFFFF, seed >> 32)
     for i in range(n):
-        c = i // 4
-        assert got[i] == _philox_scalar((c & 0xFFFFFFFF, c >> 32, step, 0), key)[i % 4], i
+        c = i // 8
+        word = _philox_scalar((c & 0xFFFFFFFF, c >> 32, step, 0), key)[(i % 8) // 2]
+        half = word & 0xFFFF if i % 2 == 0 else word >> 16  # the low half first
+        assert got[i] == half, i
 
 
-def test_stochastic_bits_prefix_and_sensitivity():
-    base = stochastic_bits(5, 7, 1000)
-    np.testing.assert_array_equal(stochastic_bits(5, 7, 37), base[:37])
-    np.testing.assert_array_equal(stochastic_bits(5, 7, 1000), base)
-    assert stochastic_bits(5, 7, 0).shape == (0,)
+def test_stochastic_bits16_prefix_and_sensitivity():
+    base = stochastic_bits16(5, 7, 1000)
+    np.testing.assert_array_equal(stochastic_bits16(5, 7, 37), base[:37])
+    np.testing.assert_array_equal(stochastic_bits16(5, 7, 1000), base)
+    assert stochastic_bits16(5, 7, 0).shape == (0,)
     for other in (
-        stochastic_bits(5, 8, 1000),
-        stochastic_bits(6, 7, 1000),
-        stochastic_bits(5 + 2**32, 7, 1000),
+        stochastic_bits16(5, 8, 1000),
+        stochastic_bits16(6, 7, 1000),
+        stochastic_bits16(5 + 2**32, 7, 1000),
     ):
         assert np.mean(other == base) < 0.01
-    # Four consecutive elements come from one call but are distinct words.
-    assert len(set(base[:4].tolist())) == 4
+    # Eight consecutive elements come from one call, each from its own 16 bits.
+    assert len(set(base[:8].tolist())) == 8
 
 
-def test_stochastic_bits_extreme_arguments():
-    stochastic_bits(2**64 - 1, 2**32 - 1, 8)
-    stochastic_bits(0, 0, 8)
+def test_stochastic_bits16_extreme_arguments():
+    stochastic_bits16(2**64 - 1, 2**32 - 1, 8)
+    stochastic_bits16(0, 0, 8)
 
 
 @pytest.mark.parametrize(
@@ -102,9 +104,9 @@ def test_stochastic_bits_extreme_arguments():
         ({"seed": 0, "step": 0, "n": -1}, "n"),
     ],
 )
-def test_stochastic_bits_rejects_out_of_range(kwargs, name):
+def test_stochastic_bits16_rejects_out_of_range(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        stochastic_bits(**kwargs)
+        stochastic_bits16(**kwargs)
 
 
 def test_philox_rejects_bad_shapes():

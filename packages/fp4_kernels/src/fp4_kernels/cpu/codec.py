@@ -1,7 +1,8 @@
 """The CPU path: NVFP4 / MXFP4 quantize, dequantize and fused fake-quant with ``numba.njit``.
 
 Same scalar arithmetic as the GPU kernels (``fp4_kernels._scalar``), so codes and scales are
-bit-identical; stochastic rounding draws the same Philox words (counter = flat index // 4).
+bit-identical; stochastic rounding draws the same random bits (one Philox call per 8 elements,
+at counter = flat index // 8, 16 bits an element).
 Inputs arrive as flat arrays of raw bits: uint32 for float32, uint16 for bfloat16 / float16.
 """
 
@@ -128,8 +129,8 @@ def quantize(
         if not finite:
             codes[:] = 0
         elif stochastic:
-            for j in range(0, block, 4):
-                c = (base + j) >> 2
+            for j in range(0, block, 8):
+                c = (base + j) >> 3  # flat element index // 8: the reference's counter
                 r = _philox(
                     np.uint32(c & 0xFFFFFFFF),
                     np.uint32(c >> 32),
@@ -138,8 +139,9 @@ def quantize(
                     seed_lo,
                     seed_hi,
                 )
-                for q in range(4):
-                    codes[j + q] = _e2m1_encode_sr(vals[j + q] * mult, r[q])
+                for q in range(8):  # element q: the low (even q) or high half of word q // 2
+                    r16 = (r[q >> 1] >> np.uint32(16 * (q & 1))) & np.uint32(0xFFFF)
+                    codes[j + q] = _e2m1_encode_sr(vals[j + q] * mult, r16)
         else:
             for j in range(block):
                 codes[j] = _e2m1_encode(vals[j] * mult)

@@ -85,14 +85,15 @@ def encode(bits, kind, g, strides, hadamard, stochastic, seed_lo, seed_hi, step,
             for i in range(g):
                 nib[i] = 0
         elif stochastic:
-            for c4 in range(g // 4):
-                c = (q * g) // 4 + c4  # flat element index // 4: the reference's counter
+            for c8 in range(g // 8):
+                c = (q * g) // 8 + c8  # flat element index // 8: the reference's counter
                 r = _philox(
                     np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
                     seed_lo, seed_hi,
                 )  # fmt: skip
-                for k in range(4):
-                    nib[4 * c4 + k] = _e2m1_encode_sr(buf[4 * c4 + k] * mult, r[k])
+                for k in range(8):  # element k: the low (even k) or high half of word k // 2
+                    r16 = (r[k >> 1] >> np.uint32(16 * (k & 1))) & np.uint32(0xFFFF)
+                    nib[8 * c8 + k] = _e2m1_encode_sr(buf[8 * c8 + k] * mult, r16)
         else:
             for i in range(g):
                 nib[i] = _e2m1_encode(buf[i] * mult)

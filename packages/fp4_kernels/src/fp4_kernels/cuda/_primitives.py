@@ -25,7 +25,7 @@ if SIMULATOR:
         return a * b  # numpy float32: one rounded product, nothing fuses it with an add
 
     # the scalar ops write these out (same results: see _scalar)
-    sat_mul = sat_fma = ceil_u32 = mul_wide_u32 = None
+    sat_mul = sat_fma = add_rm = mul_wide_u32 = None
 
     def prmt(a, b, selector):
         """``prmt.b32`` (default mode): byte k of the result is byte (nibble k & 7) of the 8
@@ -191,19 +191,12 @@ if not SIMULATOR:
         return types.float32(a, b, c), _asm_codegen("fma.rn.sat.f32", *_F32_ASM, 3)
 
     @intrinsic
-    def ceil_u32(typingctx, a):
-        """float32 -> uint32 rounding up (F2I.U32.CEIL)."""
-        if a != types.float32:
+    def add_rm(typingctx, a, b):
+        """a + b rounded toward -inf (FADD.RM): with 2^23 - 128 added to a V in [128, 256) it
+        is the float 2^23 + floor(V) - 128, the integer in the low mantissa bits."""
+        if a != types.float32 or b != types.float32:
             return None
-
-        def codegen(context, builder, signature, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(
-                ir.FunctionType(i32, [ir.FloatType()]), "cvt.rpi.u32.f32 $0, $1;", "=r,f"
-            )
-            return builder.call(asm, list(args))
-
-        return types.uint32(a), codegen
+        return types.float32(a, b), _asm_codegen("add.rm.f32", *_F32_ASM, 2)
 
     @intrinsic
     def mul_wide_u32(typingctx, a, b):
@@ -362,7 +355,14 @@ def device_jit(fn=None):
 
 
 OPS = build_scalar_ops(
-    device_jit, f32_as_u32, u32_as_f32, e4m3_satfinite, sat_mul, sat_fma, ceil_u32, mul_wide_u32
+    device_jit,
+    f32_as_u32,
+    u32_as_f32,
+    e4m3_satfinite=e4m3_satfinite,
+    sat_mul=sat_mul,
+    sat_fma=sat_fma,
+    add_rm=add_rm,
+    mul_wide_u32=mul_wide_u32,
 )
 
 

@@ -22,7 +22,7 @@ from numba import cuda
 
 from .._scalar import E2M1_CODE_BIAS
 from . import launch
-from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, f32_as_u32, u32_as_f32
+from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, f32_as_u32, prmt, u32_as_f32
 from ._words import U32, U64
 from .hadamard import (
     CHUNK,
@@ -35,7 +35,7 @@ from .hadamard import (
     make_chunk_io,
     smem_words,
 )
-from .quantize import HORNER_FIX, e2m1_values4
+from .quantize import HORNER_FIX, SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP, e2m1_values4
 
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
 
@@ -86,7 +86,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True)
     warps_per_group = max(1, group_size // WARP_TILE)
     lanes_max = _make_lanes_max(group_size)
     e2m1_code_f = OPS.e2m1_code_f
-    e2m1_encode_sr = OPS.e2m1_encode_sr
+    e2m1_sr_code_f = OPS.e2m1_sr_code_f
     fp4quant_scale = OPS.fp4quant_scale
     philox = OPS.philox4x32_10
     horner_fix = U32(HORNER_FIX) if run == CHUNK else U32((-E2M1_CODE_BIAS * 0x1111) & 0xFFFF)
@@ -95,18 +95,28 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True)
     def encode_run(v, i0, mult, e, seed_lo, seed_hi, step):
         """The ``run`` codes of v[i0 ..] (elements e ..), element e in nibble 0."""
         if stochastic:
+            # one Philox call at counter = flat element index // 8 (as the reference); element
+            # e + k takes the low (even) or high (odd) half of word ((e + k) % 8) // 2.  A run
+            # of 4 (e % 4 == 0) uses half of the call's words, the second half when e % 8 == 4.
+            c = U64(e // 8)
+            r0, r1, r2, r3 = philox(
+                U32(c & 0xFFFFFFFF), U32(c >> 32), step, U32(0), seed_lo, seed_hi
+            )
+            if run == 4 and e % 8 != 0:
+                r0 = r2
+                r1 = r3
+            words = (r0, r1, r2, r3)
             p = U32(0)
-            for q in range(run // 4):
-                c = U64(e // 4 + q)  # counter = flat element index // 4 (as the reference)
-                r0, r1, r2, r3 = philox(
-                    U32(c & 0xFFFFFFFF), U32(c >> 32), step, U32(0), seed_lo, seed_hi
+            for t in range(run):  # Horner from the top element down: element e in nibble 0
+                k = run - 1 - t
+                y = v[i0 + k]
+                sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(k % 2))
+                code_f = e2m1_sr_code_f(
+                    abs(y) * mult, u32_as_f32(prmt(SR_BASE, words[k // 2], sel))
                 )
-                j = i0 + 4 * q
-                p |= U32(U32(e2m1_encode_sr(v[j] * mult, r0)) << U32(16 * q))
-                p |= U32(U32(e2m1_encode_sr(v[j + 1] * mult, r1)) << U32(16 * q + 4))
-                p |= U32(U32(e2m1_encode_sr(v[j + 2] * mult, r2)) << U32(16 * q + 8))
-                p |= U32(U32(e2m1_encode_sr(v[j + 3] * mult, r3)) << U32(16 * q + 12))
-            return p
+                bits = U32(f32_as_u32(code_f) + U32(U32(f32_as_u32(y) >> 28) & 8))
+                p = U32(U32(p << U32(4)) + bits)
+            return U32(p + horner_fix)
         p = U32(0)
         for t in range(run):  # Horner from the top element down: element e lands in nibble 0
             y = v[i0 + run - 1 - t]

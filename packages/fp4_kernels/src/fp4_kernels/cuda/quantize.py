@@ -4,7 +4,8 @@ the kernel and its host wrapper.
 Launch contract: one thread per scale block (16 elements NVFP4, 32 MXFP4), a 1-D grid-stride
 loop over the blocks; any CTA size.  A thread loads its block with 16-byte loads, finds the
 block amax on the raw words (no shuffles), computes the scale once, encodes its elements on the
-float pipe (``_scalar.e2m1_code_f``) and stores 8 (NVFP4) or 16 (MXFP4) bytes of codes and one
+float pipe (``_scalar.e2m1_code_f``, or ``e2m1_sr_sum`` with one Philox call per 8 elements
+for stochastic rounding) and stores 8 (NVFP4) or 16 (MXFP4) bytes of codes and one
 scale byte.  The NVFP4 tensor amax is a value given by the caller or the max over the per-CTA
 partials that ``cuda.amax`` wrote earlier on the same stream.
 
@@ -28,7 +29,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._scalar import E2M1_CODE_BIAS, INV_E2M1_MAX, KIND_F32
+from .._scalar import E2M1_CODE_BIAS, INV_E2M1_MAX, KIND_F32, SR_BASE_BITS
 from . import launch
 from ._primitives import (
     OPS,
@@ -51,6 +52,15 @@ THREADS = 256  # the launch table's row (cuda/launch.py)
 # the 2^23 parts add up to 0x4B000000 * 0x11111111 = 0xFB000000, which this removes.
 HORNER_FIX = U32((-E2M1_CODE_BIAS * 0x11111111) & 0xFFFFFFFF)
 SIGN_NIBBLES = U32(0x88888888)
+# stochastic rounding: PRMT of (0x43000000, Philox word) with these selectors puts the word's
+# low (even element) or high (odd element) 16 bits under the top bytes of 128.0, the float
+# 128 + r 2^-16 that ``_scalar.e2m1_sr_sum`` takes.  The constant is the first operand so
+# that it sits in a register once and the selector is the instruction's immediate.
+SR_BASE = U32(SR_BASE_BITS)
+SR_SELECT_LOW = U32(0x3254)
+SR_SELECT_STEP = U32(0x22)  # + this: 0x3276, the high half
+SR_BYTE2 = U32(0x62)  # PRMT: byte 2 of a, then byte 2 of b, in the low two bytes
+SR_LOW_HALVES = U32(0x5410)  # PRMT: the low two bytes of a, then the low two bytes of b
 # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as float32 bits are 0x??..0000: their top byte and
 # the byte below it, as 8-entry byte tables for PRMT (entry m = byte m of hi:lo)
 E2M1_TOP_BYTES = (U32(0x3F3F3F00), U32(0x40404040))
@@ -123,13 +133,13 @@ def make_block_codec(kind, part):
     ``encode8(w, g, mult)``: the 8 nearest-even codes of those elements, packed (element 8g in
     the low nibble), signs included;
     ``encode8_sr(w, g, mult, chunk, seed_lo, seed_hi, step)``: the same with stochastic
-    rounding (Philox words of chunks ``chunk`` and ``chunk + 1``, 4 elements each);
+    rounding (one Philox call, at counter ``chunk`` = the flat index of element 8g // 8);
     """
     wide = kind == KIND_F32
     n_words = words_per(kind, part)
     element = make_words_io(kind, n_words)[1]
     e2m1_code_f = OPS.e2m1_code_f
-    e2m1_encode_sr = OPS.e2m1_encode_sr
+    e2m1_sr_sum = OPS.e2m1_sr_sum
     philox = OPS.philox4x32_10
 
     @device_jit
@@ -157,24 +167,23 @@ def make_block_codec(kind, part):
 
     @device_jit
     def encode8_sr(w, g, mult, chunk, seed_lo, seed_hi, step):
-        # counter = flat element index // 4 = chunk index: word j of a call for element
-        # 4 chunk + j, independent of the launch configuration (as the CPU path and the oracle)
-        r0, r1, r2, r3 = philox(
-            U32(chunk & 0xFFFFFFFF), U32(chunk >> 32), step, U32(0), seed_lo, seed_hi
-        )
-        r4, r5, r6, r7 = philox(
-            U32((chunk + 1) & 0xFFFFFFFF), U32((chunk + 1) >> 32), step, U32(0), seed_lo, seed_hi
-        )
-        j = 8 * g
-        p = U32(e2m1_encode_sr(element(w, j) * mult, r0))
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 1) * mult, r1)) << 4)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 2) * mult, r2)) << 8)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 3) * mult, r3)) << 12)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 4) * mult, r4)) << 16)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 5) * mult, r5)) << 20)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 6) * mult, r6)) << 24)
-        p |= U32(U32(e2m1_encode_sr(element(w, j + 7) * mult, r7)) << 28)
-        return p
+        # counter = flat element index // 8 = chunk: element 8 chunk + e takes the low (even e)
+        # or high (odd e) half of word e // 2, independent of the launch configuration (as the
+        # CPU path and the oracle).  NaN never gets here: a non-finite block's codes are zeroed
+        # by the caller.
+        r = philox(U32(chunk & 0xFFFFFFFF), U32(chunk >> 32), step, U32(0), seed_lo, seed_hi)
+        s = cuda.local.array(8, np.uint32)  # registers: every index is constant once unrolled
+        for e in range(8):
+            sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(e % 2))
+            big_r = u32_as_f32(prmt(SR_BASE, r[e // 2], sel))
+            s[e] = f32_as_u32(e2m1_sr_sum(abs(element(w, 8 * g + e)) * mult, big_r))
+        # byte 2 of each sum's bits is its code (floor(V) - 128 for V in [128, 136), no add):
+        # gather the even elements' codes into the bytes of one word, the odd ones' into
+        # another, and interleave them as nibbles (each code < 8: no carries)
+        even = prmt(prmt(s[0], s[2], SR_BYTE2), prmt(s[4], s[6], SR_BYTE2), SR_LOW_HALVES)
+        odd = prmt(prmt(s[1], s[3], SR_BYTE2), prmt(s[5], s[7], SR_BYTE2), SR_LOW_HALVES)
+        p = U32(U32(odd << U32(4)) | even)
+        return U32(p | U32(sign_nibbles(w, g) & SIGN_NIBBLES))
 
     return sign_nibbles, encode8, encode8_sr
 
@@ -252,13 +261,13 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
         if stochastic:
             # written out per group: the Philox calls keep the compiler from unrolling a loop,
             # and a rolled loop would index the register arrays at run time
-            chunk = U64(item) * U64(part // 4)
+            chunk = U64(item) * U64(groups)  # one Philox call per 8 elements
             p[0] = encode8_sr(w, 0, mult, chunk, seed_lo, seed_hi, step)
             if groups >= 2:
-                p[1] = encode8_sr(w, 1, mult, chunk + U64(2), seed_lo, seed_hi, step)
+                p[1] = encode8_sr(w, 1, mult, chunk + U64(1), seed_lo, seed_hi, step)
             if groups == 4:
-                p[2] = encode8_sr(w, 2, mult, chunk + U64(4), seed_lo, seed_hi, step)
-                p[3] = encode8_sr(w, 3, mult, chunk + U64(6), seed_lo, seed_hi, step)
+                p[2] = encode8_sr(w, 2, mult, chunk + U64(2), seed_lo, seed_hi, step)
+                p[3] = encode8_sr(w, 3, mult, chunk + U64(3), seed_lo, seed_hi, step)
         else:
             for g in range(groups):
                 p[g] = encode8(w, g, mult)

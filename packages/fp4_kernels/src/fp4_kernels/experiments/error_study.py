@@ -29,7 +29,7 @@ g > 384 spans consecutive rows, as in a flattened communication buffer):
 - ``fp4quant``: ``formats.fp4quant.quantize_reference`` / ``dequantize_reference`` at group size
   g, ``hadamard=True/False``.
 
-Rounding to nearest (the headline) and stochastic (an extra column; Philox words from
+Rounding to nearest (the headline) and stochastic (an extra column; random bits from
 ``seed`` = the tensor's index + 1, ``step`` = 0).
 
 Bits per element, scales included: NVFP4 4.5 + 32 * (tensors) / (elements); MXFP4 4.25;

@@ -80,21 +80,29 @@ def encode_e2m1(y: npt.ArrayLike) -> np.ndarray:
 
 
 def encode_e2m1_stochastic(y: npt.ArrayLike, rbits: npt.ArrayLike) -> np.ndarray:
-    """Rounds float32 ``y`` to E2M1 codes stochastically, using one uint32 random word per element.
+    """Rounds float32 ``y`` to E2M1 codes stochastically, using 16 random bits per element.
 
     With a = abs(y): if a >= 6 (or Inf) the magnitude code is 7 (saturation). Otherwise lo is the
-    largest grid magnitude <= a, hi the next one, and a rounds up to hi with probability
-    p = (a - lo) / (hi - lo). Both steps are exact in float32 (a - lo by Sterbenz since
+    largest grid magnitude <= a, hi the next one, and p = (a - lo) / (hi - lo) the fraction of
+    the gap a has covered. Both steps are exact in float32 (a - lo by Sterbenz since
     lo <= a < 2*lo or lo == 0; the gap is a power of two), so p is the exact fraction.
-    The uniform u = (rbits >> 8) * 2**-24 takes the top 24 bits of the word, also exact in float32,
-    and the value rounds up when u < p. Sign as in ``encode_e2m1``; NaN gives 0x0.
+    With r = ``rbits`` (uint16), a rounds up to hi when p + r * 2**-16, rounded to nearest at 16
+    fractional bits (ties to even), reaches 1; else down to lo. That rounding is one float32
+    addition: R = 128 + r * 2**-16 is exact in float32 (its spacing on [128, 256) is 2**-16),
+    and the float32 sum R + p reaches 129 exactly then.
 
-    ``rbits`` must be uint32 and broadcastable to y's shape.
+    Over the 2**16 values of r, a rounds up floor(p * 2**16 + 1/2) times: P(up) is p rounded
+    to 16 bits (halves up), within 2**-17 of p. Sign as in ``encode_e2m1``; NaN gives 0x0.
+
+    ``rbits`` must be uint16 and broadcastable to y's shape (``philox.stochastic_bits16``).
     """
     y = _check_float32(y, "y")
     rbits = np.asarray(rbits)
-    if rbits.dtype != np.uint32:
-        raise TypeError(f"rbits must be uint32, got {rbits.dtype}")
+    if rbits.dtype != np.uint16:
+        raise TypeError(
+            f"rbits must be uint16 (16 random bits per element, see "
+            f"philox.stochastic_bits16), got {rbits.dtype}"
+        )
     a = np.abs(y)
     saturated = a >= np.float32(E2M1_MAX)
     # lo_code in 0..6 for a < 6; NaN and saturated entries are overwritten below.
@@ -103,8 +111,9 @@ def encode_e2m1_stochastic(y: npt.ArrayLike, rbits: npt.ArrayLike) -> np.ndarray
     gap = _E2M1_MAGNITUDES[lo_code + 1] - lo
     with np.errstate(invalid="ignore"):
         p = (a - lo) / gap
-    u = (rbits >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
-    magnitude_codes = np.where(saturated, E2M1_MAX_CODE, lo_code + (u < p))
+        big_r = np.float32(128.0) + rbits.astype(np.float32) * np.float32(2.0**-16)  # exact
+        up = big_r + p >= np.float32(129.0)  # the one float32 rounding, at 2^-16
+    magnitude_codes = np.where(saturated, E2M1_MAX_CODE, lo_code + up)
     return _apply_sign(y, magnitude_codes)
 
 

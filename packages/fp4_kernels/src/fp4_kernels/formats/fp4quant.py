@@ -21,8 +21,8 @@ Encode, per group of g elements (float32 throughout, in this order)::
     m   = max |t|        (NaN if any t is NaN or ±Inf)
     s   = bf16_round_up(m * float32(1/6))         # stored; NaN -> 0x7FC0
     inv = fmin(1 / s, FP32_MAX)                   # s = 0 -> FP32_MAX, so zeros stay zeros
-    code = e2m1(t * inv)                          # nearest-even, or stochastic with Philox
-                                                  # word i of stochastic_bits(seed, step, n)
+    code = e2m1(t * inv)                          # nearest-even, or stochastic with the
+                                                  # bits stochastic_bits16(seed, step, n)[i]
 
 Decode::
 
@@ -51,7 +51,7 @@ import numpy.typing as npt
 
 from .e2m1 import INV_E2M1_MAX, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .hadamard import check_group_size, check_groups, fwht
-from .philox import stochastic_bits
+from .philox import stochastic_bits16
 
 FP32_MAX = np.finfo(np.float32).max
 BF16_NAN_BITS = 0x7FC0
@@ -97,7 +97,7 @@ def quantize_reference(
     if rounding == "nearest":
         codes = encode_e2m1(y)
     elif rounding == "stochastic":
-        codes = encode_e2m1_stochastic(y, stochastic_bits(seed, step, x.size).reshape(y.shape))
+        codes = encode_e2m1_stochastic(y, stochastic_bits16(seed, step, x.size).reshape(y.shape))
     else:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     codes = np.where(finite[:, None], codes, np.uint8(0)).astype(np.uint8)

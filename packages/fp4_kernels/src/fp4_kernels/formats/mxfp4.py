@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from .e2m1 import ROUNDINGS, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .e8m0 import E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
-from .philox import stochastic_bits
+from .philox import stochastic_bits16
 
 BLOCK_SIZE = 32  # elements per E8M0 scale (MX v1.0 k = 32)
 E2M1_EMAX = 2  # exponent of the largest normal E2M1 power of two (4 = 2**2); MX v1.0 Table 2
@@ -69,8 +69,8 @@ def quantize_reference(
     scale 0xFF (E8M0 NaN) and codes 0, so it decodes to NaN. Otherwise
     e = ``shared_exponent(max abs(x) over the block)``, y = x * 2**-e (an exact float32 power of
     two), and code = e2m1(y), round-to-nearest-even and saturating (MX §6.3: elements above the E2M1
-    max after scaling clamp to ±6), or stochastic with the word
-    ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i (the words NVFP4 uses).
+    max after scaling clamp to ±6), or stochastic with the random bits
+    ``stochastic_bits16(seed, step, x.size)[i]`` for flat element index i (as NVFP4).
     """
     x = _check_x(x)
     if rounding not in ROUNDING_MODES:
@@ -86,7 +86,7 @@ def quantize_reference(
     if rounding == "nearest":
         codes = encode_e2m1(y)
     else:
-        codes = encode_e2m1_stochastic(y, stochastic_bits(seed, step, x.size).reshape(y.shape))
+        codes = encode_e2m1_stochastic(y, stochastic_bits16(seed, step, x.size).reshape(y.shape))
 
     codes = np.where(finite_block[:, None], codes, np.uint8(0)).astype(np.uint8)
     scale_codes = np.where(finite_block, encode_e8m0_exponent(e), np.uint8(E8M0_NAN)).astype(

@@ -27,7 +27,7 @@ from .e2m1 import (
     encode_e2m1_stochastic,
 )
 from .e4m3 import E4M3_MAX, E4M3_NAN, decode_e4m3, encode_e4m3
-from .philox import stochastic_bits
+from .philox import stochastic_bits16
 
 BLOCK_SIZE = 16  # elements per E4M3 scale
 FP32_MAX = np.finfo(np.float32).max  # TE's TypeExtrema<float>::max
@@ -100,8 +100,8 @@ def quantize_reference(
       s_code = e4m3(amax_b * (S * (1/6)))  (TE: block_amax * (S_enc * fp4_max_inv), saturating)
       scale_rcp = fmin(1 / (e4m3_value(s_code) * S_dec), FP32_MAX)  (when the scale is 0 this is
       FP32_MAX, so an all-zero block gives zero codes, never NaN)
-      code = e2m1(x * scale_rcp), round-to-nearest-even, or stochastic with the word
-      ``stochastic_bits(seed, step, x.size)[i]`` for flat element index i.
+      code = e2m1(x * scale_rcp), round-to-nearest-even, or stochastic with the random bits
+      ``stochastic_bits16(seed, step, x.size)[i]`` for flat element index i.
     """
     x = _check_x(x)
     if rounding not in ROUNDING_MODES:
@@ -130,7 +130,7 @@ def quantize_reference(
     if rounding == "nearest":
         codes = encode_e2m1(y)
     else:
-        codes = encode_e2m1_stochastic(y, stochastic_bits(seed, step, x.size).reshape(y.shape))
+        codes = encode_e2m1_stochastic(y, stochastic_bits16(seed, step, x.size).reshape(y.shape))
 
     codes = np.where(finite_block[:, None], codes, np.uint8(0)).astype(np.uint8)
     scale_codes = np.where(finite_block, scale_codes, np.uint8(E4M3_NAN)).astype(np.uint8)

@@ -3,8 +3,8 @@
 Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC'11, and the
 Random123 library (``philox4x32_R`` with R = 10). It is the generator cuRAND's
 ``curand_Philox4x32_10`` and Transformer Engine's stochastic NVFP4 rounding use. Being
-counter-based, the word for element i is a pure function of (seed, step, i), so any kernel
-layout can reproduce this reference exactly.
+counter-based, the random bits of element i are a pure function of (seed, step, i), so any
+kernel layout can reproduce this reference exactly.
 """
 
 from __future__ import annotations
@@ -59,14 +59,15 @@ def philox4x32_10(counter: npt.ArrayLike, key: npt.ArrayLike) -> np.ndarray:
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
 
 
-def stochastic_bits(seed: int, step: int, n: int) -> np.ndarray:
-    """The uint32 random word for each flat element index i in [0, n) of one quantization call.
+def stochastic_bits16(seed: int, step: int, n: int) -> np.ndarray:
+    """The 16 random bits of each flat element index i in [0, n) of one quantization call (uint16).
 
-    Element i uses output word i % 4 of Philox4x32-10 at
-    counter = (c mod 2**32, c >> 32, step, 0) with c = i // 4, and
-    key = (seed mod 2**32, seed >> 32). So four consecutive elements share one Philox call,
-    ``step`` (e.g. the training step) changes every word, and no two elements of one call share
-    a word. ``seed`` must be in [0, 2**64), ``step`` in [0, 2**32), ``n`` >= 0.
+    Element i uses output word (i % 8) // 2 of Philox4x32-10 at
+    counter = (c mod 2**32, c >> 32, step, 0) with c = i // 8, and
+    key = (seed mod 2**32, seed >> 32): the low 16 bits of that word for even i, the high 16 bits
+    for odd i. So eight consecutive elements share one Philox call, ``step`` (e.g. the training
+    step) changes every value, and no two elements of one call share bits. ``seed`` must be in
+    [0, 2**64), ``step`` in [0, 2**32), ``n`` >= 0.
     """
     seed, step, n = operator.index(seed), operator.index(step), operator.index(n)
     if not 0 <= seed < 2**64:
@@ -75,10 +76,12 @@ def stochastic_bits(seed: int, step: int, n: int) -> np.ndarray:
         raise ValueError(f"step must be in [0, 2**32), got {step}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    calls = np.arange(-(-n // 4), dtype=np.uint64)
+    calls = np.arange(-(-n // 8), dtype=np.uint64)
     counter = np.zeros(calls.shape + (4,), dtype=np.uint32)
     counter[:, 0] = calls & _MASK32
     counter[:, 1] = calls >> _SHIFT32
     counter[:, 2] = step
     key = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
-    return philox4x32_10(counter, key).reshape(-1)[:n]
+    words = philox4x32_10(counter, key)  # (calls, 4)
+    halves = np.stack([words & np.uint32(0xFFFF), words >> np.uint32(16)], axis=-1)  # low first
+    return halves.reshape(-1)[:n].astype(np.uint16)
