@@ -16,7 +16,7 @@ if config.ENABLE_CUDASIM:
 from fp4_kernels.cuda.amax import amax_kernel
 from fp4_kernels.cuda.dequantize import dequantize_kernel
 from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
-from fp4_kernels.cuda.hadamard import hadamard_kernel
+from fp4_kernels.cuda.hadamard import hadamard_kernel, smem_hadamard_kernel
 from fp4_kernels.cuda.quantize import FMT_MXFP4, FMT_NVFP4, quantize_kernel
 from fp4_kernels.testing import compile_ptx
 
@@ -153,6 +153,23 @@ def test_hadamard_kernel_compiles_clean(kind, g):
     _stage_instructions(ptx, g)
     assert "ld.global.nc.v4.u32" in ptx  # 16-byte loads and stores
     assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
+
+
+@pytest.mark.parametrize("kind,g", GROUP_CASES)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
+    """The shared-memory network: no shuffles, 16-byte (and 8-byte) shared accesses, CTA
+    barriers only across warps, and the global accesses of the shuffle kernel."""
+    ptx = compile_ptx(smem_hadamard_kernel(kind, g, False, True, True, prefetch), HADAMARD_SIG)
+    _check_block_kernel_body(ptx)
+    assert "shfl.sync" not in ptx
+    assert "ld.shared.v4.f32" in ptx and "st.shared.v4.f32" in ptx
+    assert ("bar.sync" in ptx) == (g > 1024)
+    assert "ld.global.nc.v4.u32" in ptx
+    assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
+    ptx = compile_ptx(smem_hadamard_kernel(kind, g, True, True, False, prefetch),
+                      (ELEMENTS[kind],) + HADAMARD_SIG[1:])  # fmt: skip
+    _check_block_kernel_body(ptx)  # unaligned input: element loads
 
 
 @pytest.mark.parametrize("kind,g", GROUP_CASES)
