@@ -24,17 +24,18 @@ def _warps(g):
     return max(1, g // H.WARP_TILE)
 
 
-def _transposes(g):
-    chain = H.layouts(g)
+def _transposes(g, wide):
+    chain = H.layouts(g, wide)
     k = H.cross_warp_bits(g)
     for src, dst in zip(chain, chain[1:], strict=False):
         yield src, dst, (k if dst is chain[-1] and k else 0)
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("g", GROUP_SIZES)
-def test_layouts_cover_the_tile_once(g):
+def test_layouts_cover_the_tile_once(g, wide):
     n_warps = max(_warps(g), 8 if g <= H.WARP_TILE else 1)
-    for layout in H.layouts(g):
+    for layout in H.layouts(g, wide):
         seen = {
             _element(layout, i, lane, warp)
             for i in range(32)
@@ -44,17 +45,18 @@ def test_layouts_cover_the_tile_once(g):
         assert seen == set(range(32 * 32 * n_warps)), layout
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("g", GROUP_SIZES)
-def test_every_stage_is_a_register_stage_in_order(g):
+def test_every_stage_is_a_register_stage_in_order(g, wide):
     """Walking the layouts as ``make_network`` does finds every stage of the reference's order
     in registers, and ends in the final layout."""
-    chain = H.layouts(g)
+    chain = H.layouts(g, wide)
     at = 0
     for b in stage_order(g):
         while b not in chain[at].regs:
             at += 1
         assert at < len(chain)
-    assert H.make_network(g)[0] == chain[-1]
+    assert H.make_network(g, wide)[0] == chain[-1]
 
 
 def _bank_groups(addr_bytes, width):
@@ -71,9 +73,10 @@ def _bank_groups(addr_bytes, width):
     return worst
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("g", GROUP_SIZES)
-def test_transposes_are_one_to_one_and_conflict_free(g):
-    for src, dst, k in _transposes(g):
+def test_transposes_are_one_to_one_and_conflict_free(g, wide):
+    for src, dst, k in _transposes(g, wide):
         vec, amap = H.address_map(src, dst, 10 + k)
         n_bits = 10 + k
         words = set()
@@ -109,13 +112,15 @@ def test_transposes_are_one_to_one_and_conflict_free(g):
 
 
 @pytest.mark.parametrize("g", GROUP_SIZES)
-@pytest.mark.parametrize("element_bytes", [2])
+@pytest.mark.parametrize("element_bytes", [2, 4])
 def test_global_accesses_cover_whole_lines(g, element_bytes):
-    """Each load (LOAD layout, 8-element chunks) and each store (final layout, runs of 8 or 4)
-    instruction of a warp touches only 128-byte lines it writes or reads entirely."""
-    final = H.make_network(g)[0]
-    for layout, run in ((H.LOAD, H.CHUNK), (final, 8 if final.regs[:3] == (0, 1, 2) else 4)):
-        per_access = min(run, 16 // element_bytes)  # elements one 16-byte access moves
+    """Each load (first layout) and each store (final layout) instruction of a warp (16 bytes
+    a lane, or a run of 4 bf16) touches only 128-byte lines it reads or writes entirely."""
+    chain = H.layouts(g, element_bytes == 4)
+    for layout in (chain[0], chain[-1]):
+        run = H.run_length(layout)
+        per_access = min(run, 16 // element_bytes)  # elements one access moves
+        assert per_access * element_bytes >= 8
         for i0 in range(0, 32, per_access):
             touched = {}
             for lane in range(32):

@@ -91,6 +91,12 @@ if SIMULATOR:
         i = addr // 4
         return sm[i], sm[i + 1]
 
+    def load_shared_at(sm, addr):
+        return sm[addr // 4]
+
+    def store_shared_at(sm, addr, a):
+        sm[addr // 4] = a
+
     def store_shared_v2_at(sm, addr, a, b):
         i = addr // 4
         sm[i], sm[i + 1] = a, b
@@ -460,22 +466,53 @@ if not SIMULATOR:
         return typer
 
     def _load_at(n):
-        if n == 4:
-
-            @intrinsic
-            def load(typingctx, sm, addr):
-                return _shared_at(4, True)(typingctx, sm, addr)
-
-        else:
-
-            @intrinsic
-            def load(typingctx, sm, addr):
-                return _shared_at(2, True)(typingctx, sm, addr)
+        @intrinsic
+        def load(typingctx, sm, addr):
+            return _shared_at(n, True)(typingctx, sm, addr)
 
         return load
 
     load_shared_v4_at = _load_at(4)
     load_shared_v2_at = _load_at(2)
+
+    @intrinsic
+    def load_shared_at(typingctx, sm, addr):
+        """One float32 at a shared-window byte address (``ld.shared.f32``)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if addr != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.FloatType(), [ir.IntType(32)]),
+                "ld.shared.f32 $0, [$1];",
+                "=f,r,~{memory}",
+                side_effect=True,
+            )
+            return builder.call(asm, [args[1]])
+
+        return types.float32(sm, addr), codegen
+
+    @intrinsic
+    def store_shared_at(typingctx, sm, addr, a):
+        """One float32 to a shared-window byte address (``st.shared.f32``)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if addr != types.uint32 or a != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.FloatType()]),
+                "st.shared.f32 [$0], $1;",
+                "r,f,~{memory}",
+                side_effect=True,
+            )
+            builder.call(asm, list(args[1:]))
+            return context.get_dummy_value()
+
+        return types.void(sm, addr, a), codegen
 
     @intrinsic
     def store_shared_v4_at(typingctx, sm, addr, a, b, c, d):

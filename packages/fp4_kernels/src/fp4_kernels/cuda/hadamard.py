@@ -43,11 +43,13 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    load_shared_at,
     load_shared_v2_at,
     load_shared_v4,
     load_shared_v4_at,
     opaque_u32,
     shared_base,
+    store_shared_at,
     store_shared_v2_at,
     store_shared_v4,
     store_shared_v4_at,
@@ -362,6 +364,14 @@ EXCHANGED = {
 }
 # g <= 1024: at most this many threads a CTA (shared memory holds 1024 words for each warp);
 # with the prefetch (16 more registers) 128 (more CTAs fit the register file)
+# float32 (4 elements a 16-byte access): bits 0-1 in registers and 2-4 across lanes 0-7
+LOAD_F32 = Layout((0, 1, 7, 8, 5), (2, 3, 4, 6, 9))  # stages 0, 1, 7, 8
+STORE_F32 = Layout((0, 1, 5, 6, 9), (2, 3, 4, 7, 8))
+EXCHANGED_F32 = {
+    1: Layout((0, 1, 5, 6, 10), (2, 3, 4, 7, 8), (9, 11, 12)),
+    2: Layout((0, 1, 5, 10, 11), (2, 3, 4, 7, 8), (6, 9, 12)),
+    3: EXCHANGED[3],
+}
 MAX_THREADS = 256
 PREFETCH_THREADS = 128
 SHARED_ALIGN_BYTES = 128  # of the network's buffers (the array's alignment on a GPU)
@@ -372,11 +382,22 @@ def bits_offset(bits, x):
     return sum(((x >> j) & 1) << b for j, b in enumerate(bits))
 
 
-def layouts(group_size):
-    """The layouts the registers pass through, load to store."""
+def layouts(group_size, wide=False):
+    """The layouts the registers pass through, load to store (``wide``: float32 data)."""
     k = cross_warp_bits(group_size)
-    chain = [LOAD, _MIDDLE.get(group_size, MIDDLE), STORE]
-    return chain + [EXCHANGED[k]] if k else chain
+    load, store, exchanged = (
+        (LOAD_F32, STORE_F32, EXCHANGED_F32) if wide else (LOAD, STORE, EXCHANGED)
+    )
+    chain = [load, _MIDDLE.get(group_size, MIDDLE), store]
+    return chain + [exchanged[k]] if k else chain
+
+
+def run_length(layout):
+    """Consecutive elements in consecutive registers from register 0: 8, 4 (or 2)."""
+    n = 0
+    while n < 5 and layout.regs[n] == n:
+        n += 1
+    return 1 << n
 
 
 def vector_bits(src, dst):
@@ -396,7 +417,7 @@ def address_map(src, dst, n_bits):
     shared-memory wavefront hit distinct banks on the write and on the read."""
     vec = vector_bits(src, dst)
     nv = len(vec)
-    nb = 3 if nv == 2 else 4
+    nb = 5 - nv  # lanes a wavefront serves: 8 (16-byte accesses), 16 (8-byte), 32
     wq, rq = src.lanes[:nb], dst.lanes[:nb]
     amap = [0] * n_bits
     for j, b in enumerate(vec):
@@ -481,7 +502,7 @@ def _transpose(src, dst, k, region, cta_barrier_first):
     assert max(w_lo + r_lo) < SHARED_ALIGN_BYTES
     w_lane = _make_lane_address(src, amap, k)
     r_lane = _make_lane_address(dst, amap, k)
-    wide = len(vec) == 2
+    width = len(vec)  # log2 of the words an access moves
     n_access = len(w_lo)
 
     @device_jit
@@ -502,24 +523,28 @@ def _transpose(src, dst, k, region, cta_barrier_first):
         barrier(k > 0 or cta_barrier_first)
         for q in range(n_access):
             a = U32(U32(wa ^ U32(w_lo[q])) + U32(w_hi[q]))
-            if wide:
+            if width == 2:
                 store_shared_v4_at(sm, a, v[w_regs[4 * q]], v[w_regs[4 * q + 1]],
                                    v[w_regs[4 * q + 2]], v[w_regs[4 * q + 3]])  # fmt: skip
-            else:
+            elif width == 1:
                 store_shared_v2_at(sm, a, v[w_regs[2 * q]], v[w_regs[2 * q + 1]])
+            else:
+                store_shared_at(sm, a, v[w_regs[q]])
         barrier(k > 0)  # every write is visible
         for q in range(n_access):
             a = U32(U32(ra ^ U32(r_lo[q])) + U32(r_hi[q]))
-            if wide:
+            if width == 2:
                 x0, x1, x2, x3 = load_shared_v4_at(sm, a)
                 v[r_regs[4 * q]] = x0
                 v[r_regs[4 * q + 1]] = x1
                 v[r_regs[4 * q + 2]] = x2
                 v[r_regs[4 * q + 3]] = x3
-            else:
+            elif width == 1:
                 x0, x1 = load_shared_v2_at(sm, a)
                 v[r_regs[2 * q]] = x0
                 v[r_regs[2 * q + 1]] = x1
+            else:
+                v[r_regs[q]] = load_shared_at(sm, a)
 
     return transpose
 
@@ -552,10 +577,10 @@ def smem_network_words(group_size, max_threads):
 
 
 @functools.cache
-def make_network(group_size):
+def make_network(group_size, wide=False):
     """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
-    of layout ``LOAD`` in ``stage_order(g)``, leaving them in the final layout."""
-    chain = layouts(group_size)
+    of the first of ``layouts(g, wide)`` in ``stage_order(g)``, leaving them in the last."""
+    chain = layouts(group_size, wide)
     k = cross_warp_bits(group_size)
     region = group_size if 0 < k < 3 else 0
     steps = []
@@ -618,21 +643,25 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     ``hadamard_kernel``, at most ``max_threads(prefetch)`` threads a CTA below g = 2048.
     ``prefetch`` (16-bit kinds): the next tile's loads are issued before this tile's
     butterflies, so they are in flight while it computes (16 more registers)."""
-    n_words = words_per(kind, CHUNK)
-    load, element, _, _, store = make_words_io(kind, n_words, aligned)
-    store4 = make_words_io(kind, words_per(kind, 4))[4]
-    shift = U64(0 if kind == KIND_F32 else 1)  # element index -> word index
+    wide = kind == KIND_F32
+    first = layouts(group_size, wide)[0]
+    final, network = make_network(group_size, wide)
+    # runs of consecutive elements in consecutive registers: a 16-byte access each
+    run_in = min(run_length(first), CHUNK)
+    run = min(run_length(final), CHUNK)
+    n_words = words_per(kind, run_in)
+    load, element, _, _, _ = make_words_io(kind, n_words, aligned)
+    store = make_words_io(kind, words_per(kind, run))[4]
+    shift = U64(0 if wide else 1)  # element index -> word index
     n_smem = smem_network_words(group_size, max_threads(prefetch))
-    prefetch = prefetch and kind != KIND_F32  # float32: 32 more registers, not worth it
-    n_chunks = REGISTERS // CHUNK
+    prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
+    n_chunks = REGISTERS // run_in
     n_raw = n_chunks * n_words
-    final, network = make_network(group_size)
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
-    run = CHUNK if final.regs[:3] == (0, 1, 2) else 4
-    in_offset = _make_offsets(LOAD)
+    in_offset = _make_offsets(first)
     out_offset = _make_offsets(final)
-    in_regs = tuple(bits_offset(LOAD.regs, i) for i in range(REGISTERS))
+    in_regs = tuple(bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
 
     def make_mask(layout):
@@ -651,14 +680,14 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
 
         return mask_of
 
-    mask_in_of = make_mask(LOAD)
+    mask_in_of = make_mask(first)
     mask_out_of = make_mask(final)
 
     @device_jit
     def load_raw(x, base, n, w, raw):
         """The thread's chunks of the tile at ``base`` as words (zeros past the end)."""
         for c in range(n_chunks):
-            e = base + in_regs[CHUNK * c]
+            e = base + in_regs[run_in * c]
             for j in range(n_words):
                 w[j] = U32(0)
             if e < n:
@@ -671,8 +700,8 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
         for c in range(n_chunks):
             for j in range(n_words):
                 w[j] = raw[n_words * c + j]
-            for r in range(CHUNK):
-                v[CHUNK * c + r] = element(w, r)
+            for r in range(run_in):
+                v[run_in * c + r] = element(w, r)
 
     @cuda.jit
     def kernel(x, out, n, sign_words):
@@ -714,10 +743,7 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
             for i0 in range(0, REGISTERS, run):
                 e = t * tile + e_out + out_regs[i0]
                 if e < n:
-                    if run == CHUNK:
-                        store(out, U64(e) >> shift, v, i0)
-                    else:
-                        store4(out, U64(e) >> shift, v, i0)
+                    store(out, U64(e) >> shift, v, i0)
 
     return kernel
 
