@@ -24,18 +24,23 @@ def _warps(g):
     return max(1, g // H.WARP_TILE)
 
 
+# (data loaded, data stored) float32: the transform (same), FP4Quant decode to float32 (codes
+# in, float32 out) and encode of float32 (float32 in, codes out in runs of 8)
+WIDTHS = [(False, False), (True, True), (False, True), (True, False)]
+
+
 def _transposes(g, wide):
-    chain = H.layouts(g, wide)
+    chain = H.layouts(g, *wide)
     k = H.cross_warp_bits(g)
     for src, dst in zip(chain, chain[1:], strict=False):
         yield src, dst, (k if dst is chain[-1] and k else 0)
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", WIDTHS)
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_layouts_cover_the_tile_once(g, wide):
     n_warps = max(_warps(g), 8 if g <= H.WARP_TILE else 1)
-    for layout in H.layouts(g, wide):
+    for layout in H.layouts(g, *wide):
         seen = {
             _element(layout, i, lane, warp)
             for i in range(32)
@@ -45,18 +50,18 @@ def test_layouts_cover_the_tile_once(g, wide):
         assert seen == set(range(32 * 32 * n_warps)), layout
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", WIDTHS)
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_every_stage_is_a_register_stage_in_order(g, wide):
     """Walking the layouts as ``make_network`` does finds every stage of the reference's order
     in registers, and ends in the final layout."""
-    chain = H.layouts(g, wide)
+    chain = H.layouts(g, *wide)
     at = 0
     for b in stage_order(g):
         while b not in chain[at].regs:
             at += 1
         assert at < len(chain)
-    assert H.make_network(g, wide)[0] == chain[-1]
+    assert H.make_network(g, *wide)[0] == chain[-1]
 
 
 def _bank_groups(addr_bytes, width):
@@ -73,7 +78,7 @@ def _bank_groups(addr_bytes, width):
     return worst
 
 
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", WIDTHS)
 @pytest.mark.parametrize("g", GROUP_SIZES)
 def test_transposes_are_one_to_one_and_conflict_free(g, wide):
     for src, dst, k in _transposes(g, wide):

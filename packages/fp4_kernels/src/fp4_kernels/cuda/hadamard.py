@@ -1,7 +1,14 @@
-"""Walsh–Hadamard transform kernel, and the butterfly network the FP4Quant codec shares.
+"""Walsh–Hadamard transform kernels, and the butterfly networks the FP4Quant codec shares.
 
-Element layout: a thread holds 32 elements in registers, 4 chunks of 8 consecutive elements (a
-16-byte load of bf16 / fp16, two of float32): register i = 8 c + r holds tile element
+Two networks give the same bits (the stages run in the reference's order either way): the
+shared-memory network (``make_network``, the "smem" variants; described where it is defined
+below), in which every stage is a register butterfly and the registers change layout through
+shared-memory transposes, and the shuffle network described next.  ``VARIANTS`` lists which
+kernel the host side launches; ``FP4_HADAMARD_VARIANT`` picks one.
+
+Shuffle network.  Element layout: a thread holds 32 elements in registers, 4 chunks of 8
+consecutive elements (a 16-byte load of bf16 / fp16, two of float32): register i = 8 c + r
+holds tile element
 ``r + 8 * lane + 256 * c + 1024 * warp``.  Index bits 0-2 and 8-9 are in a thread's registers,
 bits 3-7 across the lanes of a warp, bits 10 and up across the warps of a CTA.  Lanes own
 consecutive chunks, so each load and store of a warp is one contiguous 512-byte segment (bf16).
@@ -382,13 +389,14 @@ def bits_offset(bits, x):
     return sum(((x >> j) & 1) << b for j, b in enumerate(bits))
 
 
-def layouts(group_size, wide=False):
-    """The layouts the registers pass through, load to store (``wide``: float32 data)."""
+def layouts(group_size, wide=False, wide_out=None):
+    """The layouts the registers pass through, load to store: ``wide`` (``wide_out``) when
+    the data loaded (stored) is float32, 4 elements a 16-byte access (``wide_out`` defaults
+    to ``wide``)."""
+    wide_out = wide if wide_out is None else wide_out
     k = cross_warp_bits(group_size)
-    load, store, exchanged = (
-        (LOAD_F32, STORE_F32, EXCHANGED_F32) if wide else (LOAD, STORE, EXCHANGED)
-    )
-    chain = [load, _MIDDLE.get(group_size, MIDDLE), store]
+    store, exchanged = (STORE_F32, EXCHANGED_F32) if wide_out else (STORE, EXCHANGED)
+    chain = [LOAD_F32 if wide else LOAD, _MIDDLE.get(group_size, MIDDLE), store]
     return chain + [exchanged[k]] if k else chain
 
 
@@ -577,10 +585,11 @@ def smem_network_words(group_size, max_threads):
 
 
 @functools.cache
-def make_network(group_size, wide=False):
+def make_network(group_size, wide=False, wide_out=None):
     """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
-    of the first of ``layouts(g, wide)`` in ``stage_order(g)``, leaving them in the last."""
-    chain = layouts(group_size, wide)
+    of the first of ``layouts(g, wide, wide_out)`` in ``stage_order(g)``, leaving them in the
+    last."""
+    chain = layouts(group_size, wide, wide_out)
     k = cross_warp_bits(group_size)
     region = group_size if 0 < k < 3 else 0
     steps = []
@@ -620,7 +629,7 @@ def _bits_fn(bits):
     return offset
 
 
-def _make_offsets(layout):
+def make_offsets(layout):
     """Device function (lane, warp) -> element offset in the CTA tile of register 0."""
     lane_offset = _bits_fn(layout.lanes)
     warp_offset = _bits_fn(layout.warps)
@@ -659,8 +668,8 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     n_raw = n_chunks * n_words
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
-    in_offset = _make_offsets(first)
-    out_offset = _make_offsets(final)
+    in_offset = make_offsets(first)
+    out_offset = make_offsets(final)
     in_regs = tuple(bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
 
@@ -770,6 +779,13 @@ def variant():
             f"the default, {DEFAULT_VARIANT})"
         )
     return name
+
+
+def smem_network_chosen(group_size):
+    """Whether the current variant runs the "smem" network at ``group_size`` (FP4Quant's
+    kernels follow the transform's choice, without the prefetch)."""
+    choice = VARIANTS[variant()]
+    return choice is not None and group_size >= choice[0]
 
 
 def transform_kernel(name, kind, group_size, inverse, signed, aligned=True):
