@@ -16,9 +16,11 @@ repository).  Host time per call is measured on a 64 x 1024 tensor.  Writes
 ``hadamard_throughput.json`` / ``.md`` (device, commit, date) to ``--out``.
 
 The transform kernel has variants (``fp4_kernels.cuda.hadamard.VARIANTS``; all give the same
-bits): ``smem`` (lane stages through shared-memory transposes; the default), ``smem-pf`` (the
-same, the next tile's loads issued before this tile's butterflies), ``smem16`` (``smem`` at
-g = 16 too) and ``shfl`` (lane stages by warp shuffles).  The environment variable
+bits): ``smem-pf`` (the default: lane stages through shared-memory transposes, the next
+tile's loads issued before this tile's butterflies), ``smem`` (the same without the early
+loads), ``smem16`` (``smem`` at g = 16 too; the others keep the shuffle kernel there) and
+``shfl`` (lane stages by warp shuffles).  FP4Quant follows the variant (``shfl`` or the
+shared-memory network, without the early loads).  The environment variable
 ``FP4_HADAMARD_VARIANT`` picks the one every call uses; ``--variants`` times the transform
 rows once per listed variant in the same run (op names get ``[variant]``).
 """
