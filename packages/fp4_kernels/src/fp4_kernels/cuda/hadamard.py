@@ -338,9 +338,10 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
 # tile) each one carries.  The network walks ``stage_order(g)``: a stage whose bit is a register
 # bit of the current layout is a register butterfly (``a + b``, ``a - b``: the reference's
 # operands in the reference's order); when the next stage's bit is not, the registers go
-# through shared memory into the next layout.  Global loads and stores keep element bits 0-2
-# (one 16-byte bf16 access) in registers and bits 3-5 across lanes 0-7, so each access
-# instruction covers whole 128-byte lines.
+# through shared memory into the next layout.  Global loads and stores keep the elements of
+# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32) and the next three
+# bits across lanes 0-7, so each access instruction covers whole 128-byte lines (the layouts'
+# tests check this and that every shared-memory access is free of bank conflicts).
 
 
 class Layout(NamedTuple):
