@@ -2,6 +2,7 @@
 tensor timed in the same run, beside the peers.
 
     python benchmarks/hadamard_throughput.py [--log2n 28] [--out DIR] [--fht-loader FILE]
+        [--groups 16,32,...] [--variants smem,smem-pf,shfl] [--no-fp4quant]
 
 Every op is timed on a bf16 tensor of 2^log2n elements (rows of 8192), median of CUDA-graph
 replays between CUDA events (``_timing.graph_time_ms``), inputs rotating among buffers larger
@@ -13,6 +14,15 @@ fast-hadamard-transform when ``--fht-loader`` names a Python file whose ``load()
 ``hadamard_transform(x, scale)`` (built on the machine for sm_90; its code is not part of this
 repository).  Host time per call is measured on a 64 x 1024 tensor.  Writes
 ``hadamard_throughput.json`` / ``.md`` (device, commit, date) to ``--out``.
+
+The transform kernel has variants (``fp4_kernels.cuda.hadamard.VARIANTS``; all give the same
+bits): ``smem-pf`` (the default: lane stages through shared-memory transposes, the next
+tile's loads issued before this tile's butterflies), ``smem`` (the same without the early
+loads), ``smem16`` (``smem`` at g = 16 too; the others keep the shuffle kernel there) and
+``shfl`` (lane stages by warp shuffles).  FP4Quant follows the variant (``shfl`` or the
+shared-memory network, without the early loads).  The environment variable
+``FP4_HADAMARD_VARIANT`` picks the one every call uses; ``--variants`` times the transform
+rows once per listed variant in the same run (op names get ``[variant]``).
 """
 
 from __future__ import annotations
@@ -62,11 +72,22 @@ def _load_fht(path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__.split("\n\n")[-1],  # the kernel variants
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--log2n", type=int, default=28)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--fht-loader", default=None, help="file with load() -> hadamard_transform")
     ap.add_argument("--groups", default=",".join(map(str, GROUP_SIZES)))
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated transform kernel variants to time each (default: only the one "
+        "FP4_HADAMARD_VARIANT names, or the default; see fp4_kernels.cuda.hadamard.VARIANTS)",
+    )
+    ap.add_argument("--no-fp4quant", action="store_true", help="time the transform rows only")
     args = ap.parse_args()
     import scipy.linalg
     import torch
@@ -118,18 +139,29 @@ def main():
             flush=True,
         )
 
+    from fp4_kernels.cuda import hadamard as kernels
+
+    chosen = os.environ.get("FP4_HADAMARD_VARIANT")
+    variants = [v for v in args.variants.split(",") if v] or [kernels.variant()]
     for g in groups:
-        f = lambda x, g=g: fk.hadamard(x, group_size=g)  # noqa: E731
-        record("fp4_kernels.hadamard", g, f, small_fn=f)
-        f = lambda x, g=g: fk.hadamard(x, group_size=g, signs=1234)  # noqa: E731
-        record("fp4_kernels.hadamard signs", g, f)
+        for v in variants:
+            os.environ["FP4_HADAMARD_VARIANT"] = v  # read at every call (and graph capture)
+            tag = f" [{v}]" if args.variants else ""
+            f = lambda x, g=g: fk.hadamard(x, group_size=g)  # noqa: E731
+            record(f"fp4_kernels.hadamard{tag}", g, f, small_fn=f)
+            f = lambda x, g=g: fk.hadamard(x, group_size=g, signs=1234)  # noqa: E731
+            record(f"fp4_kernels.hadamard signs{tag}", g, f)
+        if chosen is None:
+            os.environ.pop("FP4_HADAMARD_VARIANT")
+        else:
+            os.environ["FP4_HADAMARD_VARIANT"] = chosen
         hm = torch.tensor(scipy.linalg.hadamard(g) / math.sqrt(g), dtype=torch.bfloat16, device=dev)
         f = lambda x, g=g, hm=hm: x.view(-1, g) @ hm  # noqa: E731
         record("torch bf16 matmul by H", g, f, small_fn=f)
         if fht is not None:
             f = lambda x, g=g: fht(x.view(-1, g), 1 / math.sqrt(g))  # noqa: E731
             record("fast-hadamard-transform", g, f, small_fn=f)
-    for g in groups:
+    for g in [] if args.no_fp4quant else groups:
         for had in (True, False):
             if not had and g not in (16, 64, 256, 1024):
                 continue
@@ -176,6 +208,7 @@ def main():
         "copy_gbps": 4 * n / copy_ms / 1e6,
         "torch": torch.__version__,
         "fast_hadamard_transform": fht is not None,
+        "hadamard_variants": variants,
     }
     write_json(args.out, "hadamard_throughput", {"meta": meta, "results": results})
     lines = [

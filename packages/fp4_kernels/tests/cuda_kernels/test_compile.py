@@ -16,7 +16,7 @@ if config.ENABLE_CUDASIM:
 from fp4_kernels.cuda.amax import amax_kernel
 from fp4_kernels.cuda.dequantize import dequantize_kernel
 from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
-from fp4_kernels.cuda.hadamard import hadamard_kernel
+from fp4_kernels.cuda.hadamard import hadamard_kernel, smem_hadamard_kernel
 from fp4_kernels.cuda.quantize import BLOCK_SIZES, FMT_MXFP4, FMT_NVFP4, quantize_kernel
 from fp4_kernels.testing import compile_ptx
 
@@ -161,12 +161,31 @@ def test_hadamard_kernel_compiles_clean(kind, g):
 
 
 @pytest.mark.parametrize("kind,g", GROUP_CASES)
-@pytest.mark.parametrize("stochastic", [False, True])
-def test_fp4quant_encode_kernel_compiles_clean(kind, g, stochastic):
-    sig = ENCODE_SIG if g < 8192 else (W32, U16) + ENCODE_SIG[2:]
-    ptx = compile_ptx(fp4quant_encode_kernel(kind, g, True, stochastic), sig)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
+    """The shared-memory network: no shuffles, 16-byte (and 8-byte) shared accesses, CTA
+    barriers only across warps, and the global accesses of the shuffle kernel."""
+    ptx = compile_ptx(smem_hadamard_kernel(kind, g, False, True, True, prefetch), HADAMARD_SIG)
     _check_block_kernel_body(ptx)
-    _stage_instructions(ptx, g)
+    assert "shfl.sync" not in ptx
+    assert "ld.shared.v4.f32" in ptx and "st.shared.v4.f32" in ptx
+    assert ("bar.sync" in ptx) == (g > 1024)
+    assert "ld.global.nc.v4.u32" in ptx
+    assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
+    ptx = compile_ptx(smem_hadamard_kernel(kind, g, True, True, False, prefetch),
+                      (ELEMENTS[kind],) + HADAMARD_SIG[1:])  # fmt: skip
+    _check_block_kernel_body(ptx)  # unaligned input: element loads
+
+
+@pytest.mark.parametrize("kind,g", GROUP_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("smem", [False, True])
+def test_fp4quant_encode_kernel_compiles_clean(kind, g, stochastic, smem):
+    sig = ENCODE_SIG if g < 8192 else (W32, U16) + ENCODE_SIG[2:]
+    ptx = compile_ptx(fp4quant_encode_kernel(kind, g, True, stochastic, True, smem), sig)
+    _check_block_kernel_body(ptx)
+    _stage_instructions(ptx, g)  # smem: the group amax's shuffles and CTA barriers
+    assert ("ld.shared.v4.f32" in ptx) == (smem or g > 1024)
     assert "ld.global.nc.v4.u32" in ptx
     # eight codes per 4-byte store (four per 2-byte store at g = 8192), a bf16 scale per group
     assert ("st.global.u32" if g < 8192 else "st.global.u16") in ptx
@@ -182,10 +201,15 @@ def test_fp4quant_encode_without_transform_compiles_clean(g):
 
 
 @pytest.mark.parametrize("kind,g", GROUP_CASES)
-def test_fp4quant_decode_kernel_compiles_clean(kind, g):
-    ptx = compile_ptx(fp4quant_decode_kernel(kind, g, True), DECODE_SIG)
+@pytest.mark.parametrize("smem", [False, True])
+def test_fp4quant_decode_kernel_compiles_clean(kind, g, smem):
+    ptx = compile_ptx(fp4quant_decode_kernel(kind, g, True, smem), DECODE_SIG)
     _check_block_kernel_body(ptx)
-    _stage_instructions(ptx, g)
+    if smem:
+        assert "shfl.sync" not in ptx and "ld.shared.v4.f32" in ptx
+        assert ("bar.sync" in ptx) == (g > 1024)
+    else:
+        _stage_instructions(ptx, g)
     assert "prmt.b32" in ptx  # e2m1 values by byte-permute lookups
     assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
 

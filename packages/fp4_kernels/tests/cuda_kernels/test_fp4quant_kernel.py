@@ -53,19 +53,39 @@ SIM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["smem", "shfl"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g,hadamard,dtype,rounding,rows", SIM_CASES)
-def test_kernels_match_reference(kernels, rng, kind, g, hadamard, dtype, rounding, rows):
+def test_kernels_match_reference(
+    kernels, rng, monkeypatch, variant, kind, g, hadamard, dtype, rounding, rows
+):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)  # the transform's network
     fmt = fk.FP4Quant(g, hadamard)
     x = _data(rng, rows, g, dtype, g)
     q = fk.quantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=2**33 + 5, step=3)
     _check(q, x, fmt, rounding, 2**33 + 5, 3)
 
 
+@pytest.mark.parametrize(
+    "g,dtype,rounding,rows",
+    [(2048, "float32", "nearest", 2), (4096, "bfloat16", "stochastic", 1),
+     (8192, "bfloat16", "nearest", 1)],
+)  # fmt: skip
+def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding, rows):
+    """The shared-memory network's CTA exchange (a CTA is one group) in both kernels."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem")
+    fmt = fk.FP4Quant(g)
+    x = _data(rng, rows, g, dtype, g)
+    q = fk.quantize(to_gpu(x, "numba"), fmt=fmt, rounding=rounding, seed=7, step=2)
+    _check(q, x, fmt, rounding, 7, 2)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
-def test_full_size_matches_reference(gpu, rng, kind, dtype, g):
+@pytest.mark.parametrize("variant", ["smem", "shfl"])
+def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     n = (1 << 22) + 3 * 8192
     x = _data(rng, n // g, g, dtype, g)
     for hadamard, rounding in ((True, "nearest"), (True, "stochastic"), (False, "nearest")):

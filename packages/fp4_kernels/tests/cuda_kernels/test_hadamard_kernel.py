@@ -7,6 +7,7 @@ from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
 from conftest import REAL_GPU, SIMULATOR
 
 import fp4_kernels as fk
+from fp4_kernels.cuda import hadamard as H
 from fp4_kernels.formats import hadamard as h
 from fp4_kernels.testing import same_bits
 
@@ -35,13 +36,37 @@ SIM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", list(H.VARIANTS))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g,dtype,inverse,seed,rows", SIM_CASES)
-def test_kernel_matches_reference(kernels, rng, kind, g, dtype, inverse, seed, rows):
+def test_kernel_matches_reference(
+    kernels, rng, monkeypatch, variant, kind, g, dtype, inverse, seed, rows
+):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     x = (rng.standard_normal((rows, g)) * 2).astype(NP_DTYPES[dtype])
     x.reshape(-1)[:3] = [0.0, -0.0, 1e4]  # signed zeros and a value that dominates a group
     y = fk.hadamard(to_gpu(x, kind), group_size=g, inverse=inverse, signs=seed)
     assert same_bits(to_host(y), _reference(x, g, inverse, seed))
+
+
+@pytest.mark.parametrize("variant", ["smem-pf", "smem16"])
+@pytest.mark.parametrize("g", [64, 8192])
+def test_smem_network_every_stage_and_sign(kernels, rng, monkeypatch, variant, g):
+    """bf16 (the prefetching kind) at a group size whose transposes move 8 and 16 bytes an
+    access, and at the largest (a CTA of 8 warps, three barriers a tile, 8-byte stores);
+    several tiles per CTA so that the prefetch and the buffers' reuse are exercised."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    rows = 3 if g == 8192 else 200
+    x = (rng.standard_normal((rows, g)) * 2).astype(NP_DTYPES["bfloat16"])
+    for inverse, seed in ((False, 11), (True, 12)):
+        y = fk.hadamard(to_gpu(x, "numba"), group_size=g, inverse=inverse, signs=seed)
+        assert same_bits(to_host(y), _reference(x, g, inverse, seed)), (g, inverse)
+
+
+def test_unknown_variant_is_an_error(kernels, monkeypatch):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "fast")
+    with pytest.raises(ValueError, match="FP4_HADAMARD_VARIANT: 'fast' is not one of"):
+        fk.hadamard(to_gpu(np.ones((1, 64), np.float32), "numba"), group_size=64)
 
 
 def test_kernel_nan_stays_in_its_group(kernels):
@@ -55,7 +80,9 @@ def test_kernel_nan_stays_in_its_group(kernels):
 @pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
-def test_full_size_matches_reference(gpu, rng, kind, dtype, g):
+@pytest.mark.parametrize("variant", list(H.VARIANTS))
+def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     n = (1 << 22) + 3 * 8192  # not a multiple of the CTA tile: a partial last tile
     x = (rng.standard_normal(n) * 4).astype(NP_DTYPES[dtype]).reshape(-1, g)
     for inverse, seed in ((False, 1234), (True, None)):

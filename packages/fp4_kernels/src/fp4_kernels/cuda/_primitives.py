@@ -69,6 +69,42 @@ if SIMULATOR:
     def store_v2(words, i, a, b):
         words[i] = a
         words[i + 1] = b
+
+    SHARED_ALIGNMENT = None  # the simulator takes none (its arrays are numpy's)
+
+    def shared_base(sm):
+        """Byte address of ``sm[0]`` in the shared window (the simulator: 0)."""
+        return 0
+
+    def opaque_u32(x):
+        return x
+
+    def load_shared_v4_at(sm, addr):
+        i = addr // 4
+        return sm[i], sm[i + 1], sm[i + 2], sm[i + 3]
+
+    def store_shared_v4_at(sm, addr, a, b, c, d):
+        i = addr // 4
+        sm[i], sm[i + 1], sm[i + 2], sm[i + 3] = a, b, c, d
+
+    def load_shared_v2_at(sm, addr):
+        i = addr // 4
+        return sm[i], sm[i + 1]
+
+    def load_shared_at(sm, addr):
+        return sm[addr // 4]
+
+    def store_shared_at(sm, addr, a):
+        sm[addr // 4] = a
+
+    def store_shared_v2_at(sm, addr, a, b):
+        i = addr // 4
+        sm[i], sm[i + 1] = a, b
+
+    def _warp_barrier():
+        """``__syncwarp()``; the simulator has none, and its block-wide barrier is stronger
+        (every thread of a block reaches the same barriers in these kernels)."""
+        cuda.syncthreads()
 else:
     from llvmlite import ir
     from numba.core import types
@@ -344,6 +380,145 @@ if not SIMULATOR:
         sig = types.void(sm, index, types.float32, types.float32, types.float32, types.float32)
         return sig, codegen
 
+    SHARED_ALIGNMENT = 128  # bytes: XOR swizzles of the low address bits stay inside the array
+
+    @intrinsic
+    def shared_base(typingctx, sm):
+        """Byte address of ``sm[0]`` in the shared window, as a uint32 (``cvta.to.shared``)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            addr = element_address(
+                context, builder, signature.args[0], args[0], ir.Constant(ir.IntType(64), 0)
+            )
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.IntType(32), [ir.IntType(64)]),
+                "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }",
+                "=r,l",
+            )
+            return builder.call(asm, [addr])
+
+        return types.uint32(sm), codegen
+
+    @intrinsic
+    def opaque_u32(typingctx, x):
+        """x, through a volatile ``mov``: the compiler cannot hoist what is computed from it out
+        of a loop (where keeping every such value live would cost a register each)."""
+        if x != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(i32, [i32]), "mov.b32 $0, $1;", "=r,r", side_effect=True
+            )
+            return builder.call(asm, list(args))
+
+        return types.uint32(x), codegen
+
+    def _shared_at(n, load):
+        """``ld/st.shared.v{n}.f32`` at a uint32 shared-window byte address (the array operand
+        only types the call); ordered like ``load_shared_v4`` (side effects, memory clobber)."""
+        f32 = ir.FloatType()
+        i32 = ir.IntType(32)
+        regs = ", ".join(f"${i}" for i in range(n))
+
+        def codegen(context, builder, signature, args):
+            if load:
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.LiteralStructType([f32] * n), [i32]),
+                    f"ld.shared.v{n}.f32 {{{regs}}}, [${n}];",
+                    ",".join(["=f"] * n + ["r", "~{memory}"]),
+                    side_effect=True,
+                )
+                return builder.call(asm, [args[1]])
+            vals = ", ".join(f"${i + 1}" for i in range(n))
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i32] + [f32] * n),
+                f"st.shared.v{n}.f32 [$0], {{{vals}}};",
+                ",".join(["r"] + ["f"] * n + ["~{memory}"]),
+                side_effect=True,
+            )
+            builder.call(asm, list(args[1:]))
+            return context.get_dummy_value()
+
+        def typer(typingctx, sm, addr, *values):
+            if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+                return None
+            if addr != types.uint32:
+                return None
+            if load:
+                if values:
+                    return None
+                return types.UniTuple(types.float32, n)(sm, addr), codegen
+            if len(values) != n or any(v != types.float32 for v in values):
+                return None
+            return types.void(sm, addr, *values), codegen
+
+        return typer
+
+    def _load_at(n):
+        @intrinsic
+        def load(typingctx, sm, addr):
+            return _shared_at(n, True)(typingctx, sm, addr)
+
+        return load
+
+    load_shared_v4_at = _load_at(4)
+    load_shared_v2_at = _load_at(2)
+
+    @intrinsic
+    def load_shared_at(typingctx, sm, addr):
+        """One float32 at a shared-window byte address (``ld.shared.f32``)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if addr != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.FloatType(), [ir.IntType(32)]),
+                "ld.shared.f32 $0, [$1];",
+                "=f,r,~{memory}",
+                side_effect=True,
+            )
+            return builder.call(asm, [args[1]])
+
+        return types.float32(sm, addr), codegen
+
+    @intrinsic
+    def store_shared_at(typingctx, sm, addr, a):
+        """One float32 to a shared-window byte address (``st.shared.f32``)."""
+        if not (isinstance(sm, types.Array) and sm.dtype == types.float32):
+            return None
+        if addr != types.uint32 or a != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.FloatType()]),
+                "st.shared.f32 [$0], $1;",
+                "r,f,~{memory}",
+                side_effect=True,
+            )
+            builder.call(asm, list(args[1:]))
+            return context.get_dummy_value()
+
+        return types.void(sm, addr, a), codegen
+
+    @intrinsic
+    def store_shared_v4_at(typingctx, sm, addr, a, b, c, d):
+        return _shared_at(4, False)(typingctx, sm, addr, a, b, c, d)
+
+    @intrinsic
+    def store_shared_v2_at(typingctx, sm, addr, a, b):
+        return _shared_at(2, False)(typingctx, sm, addr, a, b)
+
+    def _warp_barrier():
+        """``__syncwarp()`` (all lanes): orders a warp's shared-memory accesses."""
+        cuda.syncwarp()
+
 
 def device_jit(fn=None):
     """``cuda.jit(device=True)``; forceinline keeps the per-element helpers out of call frames."""
@@ -353,6 +528,8 @@ def device_jit(fn=None):
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
 
+
+warp_barrier = device_jit(_warp_barrier)
 
 OPS = build_scalar_ops(
     device_jit,

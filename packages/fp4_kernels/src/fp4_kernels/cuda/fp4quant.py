@@ -6,11 +6,12 @@ encode: read x once -> (optional) butterflies -> group amax -> bf16 scale -> e2m
 decode: read codes and scales once -> (optional) butterflies on the e2m1 values (exact) ->
         * (scale * 2^-log2(g)); write the tensor.
 
-Element layout, launch contract and butterfly order are those of ``cuda.hadamard``.  The group
-amax is reduced like the transform: over a chunk's 8 registers, over the thread's chunks that
-share a group (g >= 512), over the lanes of the group (butterfly shuffles; every lane ends with
-it) and, for g >= 2048, over the CTA's warps through shared memory.  The thread that holds a
-group's first element stores its scale.
+Element layout, launch contract and butterfly order are those of ``cuda.hadamard``: its
+shuffle network, or its shared-memory network where the transform's variant runs that one
+(``_smem_encode_kernel``, ``_smem_decode_kernel``).  The group amax is reduced like the
+transform: over a run's 8 registers, over the thread's runs that share a group, over the lanes
+of the group (butterfly shuffles; every lane ends with it) and, for g >= 2048, over the CTA's
+warps through shared memory.  The thread that holds a group's first element stores its scale.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._scalar import E2M1_CODE_BIAS
-from . import launch
-from ._primitives import FULL_MASK, OPS, WARP_SIZE, device_jit, f32_as_u32, prmt, u32_as_f32
-from ._words import U32, U64
+from .._scalar import E2M1_CODE_BIAS, KIND_F32
+from . import hadamard as hn, launch
+from ._primitives import (
+    FULL_MASK,
+    OPS,
+    SHARED_ALIGNMENT,
+    WARP_SIZE,
+    device_jit,
+    f32_as_u32,
+    prmt,
+    u32_as_f32,
+)
+from ._words import U32, U64, make_words_io, words_per
 from .hadamard import (
     CHUNK,
     REGISTERS,
@@ -75,10 +85,10 @@ def run_amax_bits(v, i0, length):
 
 
 @functools.cache
-def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True):
+def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False):
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
     (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
-    seed_hi, step (uint32)."""
+    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network."""
     load_chunks, _ = make_chunk_io(kind, aligned)
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
@@ -123,6 +133,9 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True)
             bits = U32(f32_as_u32(e2m1_code_f(abs(y) * mult)) + U32(U32(f32_as_u32(y) >> 28) & 8))
             p = U32(U32(p << U32(4)) + bits)
         return U32(p + horner_fix)
+
+    if hadamard and smem:
+        return _smem_encode_kernel(kind, group_size, aligned, encode_run)
 
     def run_step(i0):
         """Encode and store register run i0 (a device function per run: with Philox calls
@@ -224,8 +237,11 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True)
 
 
 @functools.cache
-def fp4quant_decode_kernel(out_kind, group_size, hadamard):
-    """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n."""
+def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False):
+    """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n.
+    ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``)."""
+    if hadamard and smem:
+        return _smem_decode_kernel(out_kind, group_size)
     _, store_run = make_chunk_io(out_kind)
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
@@ -285,6 +301,196 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard):
     return kernel
 
 
+def _smem_encode_kernel(kind, group_size, aligned, encode_run):
+    """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s arguments;
+    ``encode_run`` its run encoder): the group amax and the codes taken in the network's final
+    layout (runs of 8 consecutive elements; of 4 at g = 8192)."""
+    wide = kind == KIND_F32
+    first = hn.layouts(group_size, wide, False)[0]
+    final, network = hn.make_network(group_size, wide, False)
+    run_in = min(hn.run_length(first), CHUNK)
+    run = min(hn.run_length(final), CHUNK)
+    n_words = words_per(kind, run_in)
+    load, element = make_words_io(kind, n_words, aligned)[:2]
+    shift = U64(0 if wide else 1)
+    n_runs = REGISTERS // run
+    n_smem = hn.smem_network_words(group_size, hn.MAX_THREADS)
+    warps_per_group = max(1, group_size // WARP_TILE)
+    in_offset = hn.make_offsets(first)
+    out_offset = hn.make_offsets(final)
+    in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
+    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    log_g = group_size.bit_length() - 1
+    run_bits = run.bit_length() - 1
+    # run-index bits and lanes whose element bits lie inside a group (g <= 1024)
+    inside = sum(1 << (j - run_bits) for j in range(run_bits, 5) if final.regs[j] < log_g)
+    outside = (n_runs - 1) & ~inside
+    lane_offsets = tuple(1 << j for j in range(5) if final.lanes[j] < log_g)
+    fp4quant_scale = OPS.fp4quant_scale
+
+    @device_jit
+    def lanes_max(a):
+        for j in range(len(lane_offsets)):
+            a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, lane_offsets[j]))
+        return a
+
+    def run_step(r):
+        i0 = run * r
+        offset = out_regs[i0]
+
+        @device_jit
+        def step_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step):
+            e = e0 + offset
+            mc = m[r]
+            sb, mult = fp4quant_scale(U32(mc))
+            p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
+            if mc >= _NONFINITE:
+                p = U32(0)  # a non-finite group: zero codes under the NaN scale
+            if e < n:
+                if run == CHUNK:
+                    codes[U64(e) >> U64(3)] = p
+                else:
+                    codes[U64(e) >> U64(2)] = np.uint16(p)
+                if e % group_size == 0:  # the group's first element: its scale
+                    scales16[U64(e) // U64(group_size)] = np.uint16(sb)
+
+        return step_fn
+
+    def chain(first_fn, second_fn):
+        @device_jit
+        def both(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step):
+            first_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step)
+            second_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step)
+
+        return both
+
+    encode_runs = functools.reduce(chain, [run_step(r) for r in range(n_runs)])
+
+    @cuda.jit
+    def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        sm = cuda.shared.array(n_smem, np.float32, alignment=SHARED_ALIGNMENT)
+        warp_amax = cuda.shared.array(16, np.int32)
+        v = cuda.local.array(REGISTERS, np.float32)
+        w = cuda.local.array(8, np.uint32)
+        m = cuda.local.array(n_runs, np.int32)  # the group amax of each run
+        e_in = in_offset(lane, warp)
+        e_out = out_offset(lane, warp)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            for c in range(REGISTERS // run_in):
+                e = t * tile + e_in + in_regs[run_in * c]
+                for j in range(n_words):
+                    w[j] = U32(0)
+                if e < n:
+                    load(x, U64(e) >> shift, w)
+                for j in range(run_in):
+                    v[run_in * c + j] = element(w, j)
+            network(v, lane, warp, sm)
+            if warps_per_group > 1:
+                # a CTA is one group: max over the thread, the warp, then the warps
+                a = run_amax_bits(v, 0, REGISTERS)
+                off = 1
+                while off < WARP_SIZE:
+                    a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, off))
+                    off *= 2
+                if lane == 0:
+                    warp_amax[warp] = a
+                cuda.syncthreads()  # every warp's amax is visible
+                a = warp_amax[0]
+                for q in range(1, warps_per_group):
+                    a = max(a, warp_amax[q])
+                cuda.syncthreads()  # all read before the next tile writes
+                for r in range(n_runs):
+                    m[r] = a
+            else:
+                # the runs of one group in this thread, then the group's lanes
+                for r in range(n_runs):
+                    m[r] = run_amax_bits(v, run * r, run)
+                for r in range(n_runs):
+                    if r & inside == 0:
+                        a = m[r]
+                        for q in range(n_runs):
+                            if q & outside == r:
+                                a = max(a, m[q])
+                        a = lanes_max(a)
+                        for q in range(n_runs):
+                            if q & outside == r:
+                                m[q] = a
+            encode_runs(v, m, codes, scales16, n, t * tile + e_out, seed_lo, seed_hi, step)
+
+    return kernel
+
+
+def _smem_decode_kernel(out_kind, group_size):
+    """The decode with the transform's "smem" network: codes read in its load layout (8
+    consecutive codes a thread and chunk), the output stored from its final layout, each run
+    multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
+    of the stages does not matter here)."""
+    wide = out_kind == KIND_F32
+    first = hn.layouts(group_size, False, wide)[0]
+    final, network = hn.make_network(group_size, False, wide)
+    run = min(hn.run_length(final), CHUNK)
+    store = make_words_io(out_kind, words_per(out_kind, run))[4]
+    shift = U64(0 if wide else 1)
+    n_runs = REGISTERS // run
+    n_smem = hn.smem_network_words(group_size, hn.MAX_THREADS)
+    in_offset = hn.make_offsets(first)
+    out_offset = hn.make_offsets(final)
+    in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
+    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
+    n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
+
+    @cuda.jit
+    def kernel(codes, scales16, out, n):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        sm = cuda.shared.array(n_smem, np.float32, alignment=SHARED_ALIGNMENT)
+        v = cuda.local.array(REGISTERS, np.float32)
+        sc = cuda.local.array(n_runs, np.float32)
+        e_in = in_offset(lane, warp)
+        e_out = out_offset(lane, warp)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            for c in range(REGISTERS // CHUNK):
+                e = t * tile + e_in + in_regs[CHUNK * c]
+                p = U32(0)
+                if e < n:
+                    p = U32(codes[U64(e) >> U64(3)])
+                for h in range(2):
+                    a, b, cc, d = e2m1_values4(U32(p >> U32(16 * h)))
+                    v[8 * c + 4 * h] = a
+                    v[8 * c + 4 * h + 1] = b
+                    v[8 * c + 4 * h + 2] = cc
+                    v[8 * c + 4 * h + 3] = d
+            for r in range(n_per_tile):  # the factors of the runs the thread stores
+                e = t * tile + e_out + out_regs[run * r]
+                sbits = U32(0)
+                if e < n:
+                    sbits = U32(scales16[U64(e) // U64(group_size)])
+                # exact unless the scale is below 2^-126 * g (a float32 subnormal)
+                sc[r] = u32_as_f32(U32(sbits << 16)) * inv_g
+            for r in range(n_per_tile, n_runs):  # a CTA is one group: one factor
+                sc[r] = sc[0]
+            # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below 6
+            # are exact in float32, so the butterflies round nothing and cannot overflow
+            network(v, lane, warp, sm)
+            for i in range(REGISTERS):
+                v[i] = v[i] * sc[i // run]  # one rounding, a plain multiply
+            for r in range(n_runs):
+                e = t * tile + e_out + out_regs[run * r]
+                if e < n:
+                    store(out, U64(e) >> shift, v, run * r)
+
+    return kernel
+
+
 # ---------------------------------------------------------------------- host side
 
 
@@ -295,9 +501,10 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         return
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
-    blocks, threads = group_grid(group_size, n, ctx.device_id)
+    smem = hadamard and hn.smem_network_chosen(group_size)
+    blocks, threads = group_grid(group_size, n, ctx.device_id, hn.MAX_THREADS if smem else None)
     launch.launch(
-        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned),
+        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem),
         blocks,
         threads,
         ctx.stream,
@@ -311,12 +518,13 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
     if n == 0:
         return
-    blocks, threads = group_grid(group_size, n, ctx.device_id)
+    smem = hadamard and hn.smem_network_chosen(group_size)
+    blocks, threads = group_grid(group_size, n, ctx.device_id, hn.MAX_THREADS if smem else None)
     codes_w, aligned = ctx.codes_view(codes, 4)
     if not aligned:
         raise ValueError("q.data: FP4Quant codes must be 4-byte aligned (a view of the payload)")
     launch.launch(
-        fp4quant_decode_kernel(out_kind, group_size, hadamard),
+        fp4quant_decode_kernel(out_kind, group_size, hadamard, smem),
         blocks,
         threads,
         ctx.stream,

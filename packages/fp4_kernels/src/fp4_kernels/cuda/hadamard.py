@@ -1,7 +1,14 @@
-"""Walsh–Hadamard transform kernel, and the butterfly network the FP4Quant codec shares.
+"""Walsh–Hadamard transform kernels, and the butterfly networks the FP4Quant codec shares.
 
-Element layout: a thread holds 32 elements in registers, 4 chunks of 8 consecutive elements (a
-16-byte load of bf16 / fp16, two of float32): register i = 8 c + r holds tile element
+Two networks give the same bits (the stages run in the reference's order either way): the
+shared-memory network (``make_network``, the "smem" variants; described where it is defined
+below), in which every stage is a register butterfly and the registers change layout through
+shared-memory transposes, and the shuffle network described next.  ``VARIANTS`` lists which
+kernel the host side launches; ``FP4_HADAMARD_VARIANT`` picks one.
+
+Shuffle network.  Element layout: a thread holds 32 elements in registers, 4 chunks of 8
+consecutive elements (a 16-byte load of bf16 / fp16, two of float32): register i = 8 c + r
+holds tile element
 ``r + 8 * lane + 256 * c + 1024 * warp``.  Index bits 0-2 and 8-9 are in a thread's registers,
 bits 3-7 across the lanes of a warp, bits 10 and up across the warps of a CTA.  Lanes own
 consecutive chunks, so each load and store of a warp is one contiguous 512-byte segment (bf16).
@@ -28,6 +35,8 @@ barrier.  The tensor size is a multiple of g, so a tile never splits a group.
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -37,12 +46,22 @@ from ..formats.hadamard import inv_sqrt_group_size, stage_order
 from . import launch
 from ._primitives import (
     FULL_MASK,
+    SHARED_ALIGNMENT,
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    load_shared_at,
+    load_shared_v2_at,
     load_shared_v4,
+    load_shared_v4_at,
+    opaque_u32,
+    shared_base,
+    store_shared_at,
+    store_shared_v2_at,
     store_shared_v4,
+    store_shared_v4_at,
     u32_as_f32,
+    warp_barrier,
 )
 from ._words import U32, U64, make_words_io, words_per
 
@@ -236,6 +255,15 @@ def flip_signs(v, mask):
 
 
 @device_jit
+def flip_signs_per_tile(v, mask):
+    """``flip_signs`` with the 32 sign words derived from ``mask`` in every tile (two integer
+    instructions a register) instead of kept in 32 registers across the loop."""
+    m = opaque_u32(mask)
+    for i in range(REGISTERS):
+        v[i] = u32_as_f32(U32(f32_as_u32(v[i]) ^ U32(U32(m << U32(31 - i)) & U32(0x80000000))))
+
+
+@device_jit
 def sign_mask(sign_words, lane, warp, g_mask, k, exchanged):
     """Bit i set where register i's element (in the tile layout, or the exchanged one) has a
     negative sign in the group's ±1 vector."""
@@ -303,14 +331,483 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
     return kernel
 
 
+# ---------------------------------------------------------------------- the "smem" variant
+#
+# Shared-memory transposes instead of warp shuffles.  A layout names, for the five bits of a
+# thread's register index, the five lane bits and the warp bits, the element bit (of the CTA
+# tile) each one carries.  The network walks ``stage_order(g)``: a stage whose bit is a register
+# bit of the current layout is a register butterfly (``a + b``, ``a - b``: the reference's
+# operands in the reference's order); when the next stage's bit is not, the registers go
+# through shared memory into the next layout.  Global loads and stores keep the elements of
+# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32) and the next three
+# bits across lanes 0-7, so each access instruction covers whole 128-byte lines (the layouts'
+# tests check this and that every shared-memory access is free of bank conflicts).
+
+
+class Layout(NamedTuple):
+    """Element bit carried by each register-index bit, lane bit and warp bit."""
+
+    regs: tuple
+    lanes: tuple
+    warps: tuple = (10, 11, 12)
+
+
+LOAD = Layout((0, 1, 2, 7, 8), (3, 4, 5, 6, 9))  # stages 0, 1, 7, 8, 2 in registers
+STORE = Layout((0, 1, 2, 6, 9), (3, 4, 5, 7, 8))  # stage 9; 16-byte stores
+# between them, the lane stages 3-6 (as few of them as g has, and the most bits in common
+# with LOAD and STORE: then the transposes move 16 bytes an access)
+_MIDDLE = {
+    16: Layout((0, 1, 2, 3, 7), (4, 5, 6, 8, 9)),
+    32: Layout((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)),
+    64: Layout((1, 2, 3, 4, 5), (0, 6, 7, 8, 9)),
+}
+MIDDLE = Layout((2, 3, 4, 5, 6), (0, 1, 7, 8, 9))
+# g >= 2048 (a CTA is one group): the warp bits 10 .. 9 + k trade places with register bits
+# through the CTA's shared memory; at g = 8192 runs of 4 elements (8-byte stores, bits 2-5
+# across lanes 0-15: still whole lines)
+EXCHANGED = {
+    1: Layout((0, 1, 2, 6, 10), (3, 4, 5, 7, 8), (9, 11, 12)),
+    2: Layout((0, 1, 2, 10, 11), (3, 4, 5, 7, 8), (6, 9, 12)),
+    3: Layout((0, 1, 10, 11, 12), (2, 3, 4, 5, 7), (6, 8, 9)),
+}
+# g <= 1024: at most this many threads a CTA (shared memory holds 1024 words for each warp);
+# with the prefetch (16 more registers) 128 (more CTAs fit the register file)
+# float32 (4 elements a 16-byte access): bits 0-1 in registers and 2-4 across lanes 0-7
+LOAD_F32 = Layout((0, 1, 7, 8, 5), (2, 3, 4, 6, 9))  # stages 0, 1, 7, 8
+STORE_F32 = Layout((0, 1, 5, 6, 9), (2, 3, 4, 7, 8))
+EXCHANGED_F32 = {
+    1: Layout((0, 1, 5, 6, 10), (2, 3, 4, 7, 8), (9, 11, 12)),
+    2: Layout((0, 1, 5, 10, 11), (2, 3, 4, 7, 8), (6, 9, 12)),
+    3: EXCHANGED[3],
+}
+MAX_THREADS = 256
+PREFETCH_THREADS = 128
+SHARED_ALIGN_BYTES = 128  # of the network's buffers (the array's alignment on a GPU)
+
+
+def bits_offset(bits, x):
+    """sum over j of bit j of x moved to bit ``bits[j]`` (host side)."""
+    return sum(((x >> j) & 1) << b for j, b in enumerate(bits))
+
+
+def layouts(group_size, wide=False, wide_out=None):
+    """The layouts the registers pass through, load to store: ``wide`` (``wide_out``) when
+    the data loaded (stored) is float32, 4 elements a 16-byte access (``wide_out`` defaults
+    to ``wide``)."""
+    wide_out = wide if wide_out is None else wide_out
+    k = cross_warp_bits(group_size)
+    store, exchanged = (STORE_F32, EXCHANGED_F32) if wide_out else (STORE, EXCHANGED)
+    chain = [LOAD_F32 if wide else LOAD, _MIDDLE.get(group_size, MIDDLE), store]
+    return chain + [exchanged[k]] if k else chain
+
+
+def run_length(layout):
+    """Consecutive elements in consecutive registers from register 0: 8, 4 (or 2)."""
+    n = 0
+    while n < 5 and layout.regs[n] == n:
+        n += 1
+    return 1 << n
+
+
+def vector_bits(src, dst):
+    """Element bits that stay in one thread's registers across a transpose: the first two
+    make a 16-byte shared-memory access, a single one an 8-byte access."""
+    common = [b for b in src.regs if b in dst.regs]
+    return tuple(sorted(common)[:2])
+
+
+def address_map(src, dst, n_bits):
+    """Word address (XOR of contributions, one per element bit) of each element in the
+    shared-memory buffer of a transpose ``src`` -> ``dst``: linear over GF(2) and one to one.
+
+    The vector bits are the low address bits.  The next bits (the bank group: 8 groups of 16
+    bytes, or 16 of 8 bytes) take the element bits of the writer's first 3 (or 4) lanes, each
+    XORed with a bit of the reader's first lanes, so that both the 8 (or 16) lanes that share a
+    shared-memory wavefront hit distinct banks on the write and on the read."""
+    vec = vector_bits(src, dst)
+    nv = len(vec)
+    nb = 5 - nv  # lanes a wavefront serves: 8 (16-byte accesses), 16 (8-byte), 32
+    wq, rq = src.lanes[:nb], dst.lanes[:nb]
+    amap = [0] * n_bits
+    for j, b in enumerate(vec):
+        amap[b] = 1 << j
+    for j, b in enumerate(wq):
+        amap[b] = 1 << (nv + j)
+    rest = [b for b in range(n_bits) if b not in vec and b not in wq]
+    for j, b in enumerate(rest):
+        amap[b] = 1 << (nv + nb + j)
+    free = [j for j in range(nb) if wq[j] not in rq]
+    for b, j in zip([b for b in rq if b not in wq], free, strict=True):
+        amap[b] |= 1 << (nv + j)
+    return vec, tuple(amap)
+
+
+def xor_of(amap, bits, x):
+    """XOR of ``amap[bits[j]]`` over the set bits j of x (host side)."""
+    a = 0
+    for j, b in enumerate(bits):
+        if x >> j & 1:
+            a ^= amap[b]
+    return a
+
+
+def accesses(layout, vec, amap):
+    """(address of each access of a thread's registers relative to its lane's, registers of
+    each access in address order): one access per register group sharing the vector bits."""
+    vregs = [layout.regs.index(b) for b in vec]
+    addrs, regs = [], []
+    for i in range(REGISTERS):
+        if any(i >> j & 1 for j in vregs):
+            continue
+        addrs.append(xor_of(amap, layout.regs, i))
+        for m in range(1 << len(vec)):
+            regs.append(i | sum(1 << vregs[j] for j in range(len(vec)) if m >> j & 1))
+    return tuple(addrs), tuple(regs)
+
+
+def _make_lane_address(layout, amap, k):
+    """Device function (lane, warp) -> XOR of the address contributions of the lane bits and
+    of the first k warp bits (the CTA exchange; per-warp buffers add their base instead)."""
+    lane_terms = tuple(amap[b] for b in layout.lanes)
+    warp_terms = tuple(amap[b] for b in layout.warps[:k]) if k else (0,)
+
+    @device_jit
+    def lane_address(lane, warp):
+        a = 0
+        for j in range(5):
+            a ^= ((lane >> j) & 1) * lane_terms[j]
+        for j in range(len(warp_terms)):
+            a ^= ((warp >> j) & 1) * warp_terms[j]
+        return U32(a)
+
+    return lane_address
+
+
+def split_accesses(layout, vec, amap, k):
+    """(lo, hi, registers) of each access: its address is ``(lane address ^ lo) + hi``, lo
+    holding the bits a lane's address may have (a few low, swizzled bits: one LOP3), hi the
+    others (an immediate offset of the LDS / STS)."""
+    addrs, regs = accesses(layout, vec, amap)
+    lane_mask = 0
+    for b in layout.lanes + (layout.warps[:k] if k else ()):
+        lane_mask |= amap[b]
+    return (
+        tuple(a & lane_mask for a in addrs),
+        tuple(a & ~lane_mask for a in addrs),
+        regs,
+    )
+
+
+@functools.cache
+def _transpose(src, dst, k, region, cta_barrier_first):
+    """Device function (v, lane, warp, sm): the registers of layout ``src`` into layout
+    ``dst`` through shared memory.  k = 0: within each warp (1024 words at ``1024 * warp``);
+    k > 0: across the CTA's 2^k warps (g words at word ``region``)."""
+    vec, amap = address_map(src, dst, 10 + k)
+    amap = tuple(4 * a for a in amap)  # bytes
+    w_lo, w_hi, w_regs = split_accesses(src, vec, amap, k)
+    r_lo, r_hi, r_regs = split_accesses(dst, vec, amap, k)
+    # the swizzled bits stay below the buffers' alignment: XOR on the full address is exact
+    assert max(w_lo + r_lo) < SHARED_ALIGN_BYTES
+    w_lane = _make_lane_address(src, amap, k)
+    r_lane = _make_lane_address(dst, amap, k)
+    width = len(vec)  # log2 of the words an access moves
+    n_access = len(w_lo)
+
+    @device_jit
+    def barrier(cta):
+        if cta:
+            cuda.syncthreads()
+        else:
+            warp_barrier()
+
+    @device_jit
+    def transpose(v, lane, warp, sm):
+        base = U32(shared_base(sm) + U32(4 * region if k else 4 * WARP_TILE * warp))
+        # computed once a tile (opaque): the per-access addresses are then one LOP3 each
+        # instead of 32 loop-invariant registers
+        wa = opaque_u32(U32(base + w_lane(lane, warp)))
+        ra = opaque_u32(U32(base + r_lane(lane, warp)))
+        # the previous reads of this buffer are done (this tile's or the last tile's)
+        barrier(k > 0 or cta_barrier_first)
+        for q in range(n_access):
+            a = U32(U32(wa ^ U32(w_lo[q])) + U32(w_hi[q]))
+            if width == 2:
+                store_shared_v4_at(sm, a, v[w_regs[4 * q]], v[w_regs[4 * q + 1]],
+                                   v[w_regs[4 * q + 2]], v[w_regs[4 * q + 3]])  # fmt: skip
+            elif width == 1:
+                store_shared_v2_at(sm, a, v[w_regs[2 * q]], v[w_regs[2 * q + 1]])
+            else:
+                store_shared_at(sm, a, v[w_regs[q]])
+        barrier(k > 0)  # every write is visible
+        for q in range(n_access):
+            a = U32(U32(ra ^ U32(r_lo[q])) + U32(r_hi[q]))
+            if width == 2:
+                x0, x1, x2, x3 = load_shared_v4_at(sm, a)
+                v[r_regs[4 * q]] = x0
+                v[r_regs[4 * q + 1]] = x1
+                v[r_regs[4 * q + 2]] = x2
+                v[r_regs[4 * q + 3]] = x3
+            elif width == 1:
+                x0, x1 = load_shared_v2_at(sm, a)
+                v[r_regs[2 * q]] = x0
+                v[r_regs[2 * q + 1]] = x1
+            else:
+                v[r_regs[q]] = load_shared_at(sm, a)
+
+    return transpose
+
+
+def _in_layout(stage):
+    @device_jit
+    def step(v, lane, warp, sm):
+        stage(v, lane)
+
+    return step
+
+
+def _chain4(first, second):
+    @device_jit
+    def both(v, lane, warp, sm):
+        first(v, lane, warp, sm)
+        second(v, lane, warp, sm)
+
+    return both
+
+
+def smem_network_words(group_size, max_threads):
+    """float32 words of shared memory the "smem" network uses: 1024 a warp up to g = 1024 (CTAs
+    of at most ``max_threads``); g (per-warp buffers) + g (the CTA exchange) at 2048 and 4096;
+    at 8192 one buffer of g words serves both (48 KB is the static limit), with a CTA barrier
+    before each tile."""
+    if group_size <= WARP_TILE:
+        return WARP_TILE * (max_threads // WARP_SIZE)
+    return group_size if group_size == 8192 else 2 * group_size
+
+
+@functools.cache
+def make_network(group_size, wide=False, wide_out=None):
+    """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
+    of the first of ``layouts(g, wide, wide_out)`` in ``stage_order(g)``, leaving them in the
+    last."""
+    chain = layouts(group_size, wide, wide_out)
+    k = cross_warp_bits(group_size)
+    region = group_size if 0 < k < 3 else 0
+    steps = []
+    at = 0
+
+    def advance():
+        nonlocal at
+        cross = k if chain[at + 1] is chain[-1] and k else 0
+        steps.append(_transpose(chain[at], chain[at + 1], cross, region, k == 3 and at == 0))
+        at += 1
+
+    for b in stage_order(group_size):
+        while b not in chain[at].regs:
+            advance()
+        steps.append(_in_layout(_register_stage(1 << chain[at].regs.index(b))))
+    while at < len(chain) - 1:
+        advance()
+    return chain[-1], functools.reduce(_chain4, steps)
+
+
+def _bits_fn(bits):
+    """Device function x -> ``bits_offset(bits, x)`` for up to 5 bits, from scalar constants
+    (a tuple indexed in a loop the compiler does not unroll becomes a switch)."""
+    b = tuple(bits) + (0,) * (5 - len(bits))
+    n = len(bits)
+    b0, b1, b2, b3, b4 = b
+
+    @device_jit
+    def offset(x):
+        e = ((x & 1) << b0) + (((x >> 1) & 1) << b1) + (((x >> 2) & 1) << b2)
+        if n > 3:
+            e += ((x >> 3) & 1) << b3
+        if n > 4:
+            e += ((x >> 4) & 1) << b4
+        return e
+
+    return offset
+
+
+def make_offsets(layout):
+    """Device function (lane, warp) -> element offset in the CTA tile of register 0."""
+    lane_offset = _bits_fn(layout.lanes)
+    warp_offset = _bits_fn(layout.warps)
+
+    @device_jit
+    def offset(lane, warp):
+        return lane_offset(lane) + warp_offset(warp)
+
+    return offset
+
+
+def max_threads(prefetch):
+    """Most threads a CTA of the "smem" kernels (below g = 2048)."""
+    return PREFETCH_THREADS if prefetch else MAX_THREADS
+
+
+@functools.cache
+def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefetch=False):
+    """``hadamard_kernel`` with the "smem" network: same arguments, same bits.  Launch: as
+    ``hadamard_kernel``, at most ``max_threads(prefetch)`` threads a CTA below g = 2048.
+    ``prefetch`` (16-bit kinds): the next tile's loads are issued before this tile's
+    butterflies, so they are in flight while it computes (16 more registers)."""
+    wide = kind == KIND_F32
+    first = layouts(group_size, wide)[0]
+    final, network = make_network(group_size, wide)
+    # runs of consecutive elements in consecutive registers: a 16-byte access each
+    run_in = min(run_length(first), CHUNK)
+    run = min(run_length(final), CHUNK)
+    n_words = words_per(kind, run_in)
+    load, element, _, _, _ = make_words_io(kind, n_words, aligned)
+    store = make_words_io(kind, words_per(kind, run))[4]
+    shift = U64(0 if wide else 1)  # element index -> word index
+    n_smem = smem_network_words(group_size, max_threads(prefetch))
+    prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
+    n_chunks = REGISTERS // run_in
+    n_raw = n_chunks * n_words
+    scale = inv_sqrt_group_size(group_size)
+    g_mask = group_size - 1
+    in_offset = make_offsets(first)
+    out_offset = make_offsets(final)
+    in_regs = tuple(bits_offset(first.regs, i) for i in range(REGISTERS))
+    out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
+
+    def make_mask(layout):
+        """Device function: bit i set where register i's element (register 0 at ``e0``) has
+        a negative sign."""
+        offset = _bits_fn(layout.regs)
+
+        @device_jit
+        def mask_of(sign_words, e0):
+            mask = U32(0)
+            for i in range(REGISTERS):
+                p = (e0 + offset(i)) & g_mask
+                bit = U32(U32(sign_words[p >> 5] >> U32(p & 31)) & 1)
+                mask = U32(mask | U32(bit << U32(i)))
+            return mask
+
+        return mask_of
+
+    mask_in_of = make_mask(first)
+    mask_out_of = make_mask(final)
+
+    @device_jit
+    def load_raw(x, base, n, w, raw):
+        """The thread's chunks of the tile at ``base`` as words (zeros past the end)."""
+        for c in range(n_chunks):
+            e = base + in_regs[run_in * c]
+            for j in range(n_words):
+                w[j] = U32(0)
+            if e < n:
+                load(x, U64(e) >> shift, w)
+            for j in range(n_words):
+                raw[n_words * c + j] = w[j]
+
+    @device_jit
+    def unpack(raw, w, v):
+        for c in range(n_chunks):
+            for j in range(n_words):
+                w[j] = raw[n_words * c + j]
+            for r in range(run_in):
+                v[run_in * c + r] = element(w, r)
+
+    @cuda.jit
+    def kernel(x, out, n, sign_words):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        sm = cuda.shared.array(n_smem, np.float32, alignment=SHARED_ALIGNMENT)
+        v = cuda.local.array(REGISTERS, np.float32)
+        w = cuda.local.array(8, np.uint32)
+        raw = cuda.local.array(n_raw, np.uint32)
+        cur = cuda.local.array(n_raw, np.uint32)
+        e_in = in_offset(lane, warp)
+        e_out = out_offset(lane, warp)
+        mask_in = U32(0)
+        mask_out = U32(0)
+        if signed:  # a CTA tile is a whole number of groups: the same masks in every tile
+            mask_in = mask_in_of(sign_words, e_in)
+            mask_out = mask_out_of(sign_words, e_out)
+        tile = REGISTERS * cuda.blockDim.x
+        n_tiles = (n + tile - 1) // tile
+        stride = cuda.gridDim.x
+        if prefetch:
+            load_raw(x, cuda.blockIdx.x * tile + e_in, n, w, raw)
+        for t in range(cuda.blockIdx.x, n_tiles, stride):
+            if prefetch:
+                for j in range(n_raw):
+                    cur[j] = raw[j]
+                load_raw(x, (t + stride) * tile + e_in, n, w, raw)  # the next tile's
+            else:
+                load_raw(x, t * tile + e_in, n, w, cur)
+            unpack(cur, w, v)
+            if signed and not inverse:
+                flip_signs_per_tile(v, mask_in)
+            network(v, lane, warp, sm)
+            for i in range(REGISTERS):
+                v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
+            if signed and inverse:
+                flip_signs_per_tile(v, mask_out)
+            for i0 in range(0, REGISTERS, run):
+                e = t * tile + e_out + out_regs[i0]
+                if e < n:
+                    store(out, U64(e) >> shift, v, i0)
+
+    return kernel
+
+
+# The kernels the host side launches, by variant: name -> None (lane stages by warp shuffles,
+# ``hadamard_kernel``) or (smallest g that takes the "smem" network, prefetch).  At g = 16
+# (one lane stage) a shuffle stage costs no more than the two transposes.
+# ``FP4_HADAMARD_VARIANT`` picks one (for benchmarks); every variant gives the same bits.
+VARIANTS = {
+    "smem-pf": (32, True),
+    "smem": (32, False),
+    "smem16": (16, False),
+    "shfl": None,
+}
+DEFAULT_VARIANT = "smem-pf"
+
+
+def variant():
+    """The variant ``FP4_HADAMARD_VARIANT`` names (default ``DEFAULT_VARIANT``)."""
+    name = os.environ.get("FP4_HADAMARD_VARIANT") or DEFAULT_VARIANT
+    if name not in VARIANTS:
+        raise ValueError(
+            f"FP4_HADAMARD_VARIANT: {name!r} is not one of {', '.join(VARIANTS)} (unset it for "
+            f"the default, {DEFAULT_VARIANT})"
+        )
+    return name
+
+
+def smem_network_chosen(group_size):
+    """Whether the current variant runs the "smem" network at ``group_size`` (FP4Quant's
+    kernels follow the transform's choice, without the prefetch)."""
+    choice = VARIANTS[variant()]
+    return choice is not None and group_size >= choice[0]
+
+
+def transform_kernel(name, kind, group_size, inverse, signed, aligned=True):
+    """(kernel, most threads a CTA or None) of variant ``name``."""
+    choice = VARIANTS[name]
+    if choice is None or group_size < choice[0]:
+        return hadamard_kernel(kind, group_size, inverse, signed, aligned), None
+    kernel = smem_hadamard_kernel(kind, group_size, inverse, signed, aligned, choice[1])
+    return kernel, max_threads(choice[1])
+
+
 # ---------------------------------------------------------------------- host side
 
 
-def group_grid(group_size, n, device_id):
+def group_grid(group_size, n, device_id, max_threads=None):
     """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
-    for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise; a
-    persistent grid of up to 2048 resident threads per SM."""
+    for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise (at most
+    ``max_threads``); a persistent grid of up to 2048 resident threads per SM."""
     threads = threads_per_block(group_size, launch.threads_for(THREADS))
+    if max_threads is not None and group_size <= WARP_TILE:
+        threads = min(threads, max_threads)
     blocks = launch.grid_for(n, threads * REGISTERS)
     return min(blocks, launch.max_blocks(max(1, 2048 // threads), device_id)), threads
 
@@ -321,9 +818,10 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     if n == 0:
         return
     xw, aligned = ctx.words_view(x, kind)
-    blocks, threads = group_grid(group_size, n, ctx.device_id)
+    kernel, max_threads = transform_kernel(variant(), kind, group_size, inverse, signed, aligned)
+    blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads)
     launch.launch(
-        hadamard_kernel(kind, group_size, inverse, signed, aligned),
+        kernel,
         blocks,
         threads,
         ctx.stream,
