@@ -35,17 +35,28 @@ class FakeKernel:
         self.kernel = kernel
         self.handle = next(self._handles)
         dummies = []
+        # the parameter slots that hold an array's data pointer (numba's ABI: ARRAY_FIELDS)
+        self.pointer_slots = set()
+        slot = 0
         for t in argtypes:
             if hasattr(t, "ndim"):  # an array type: a DeviceBuffer of its dtype
                 dummies.append(abi.DeviceBuffer(0, 0, np.dtype(str(t.dtype))))
+                self.pointer_slots.add(slot + abi.ARRAY_FIELDS.index("data"))
+                slot += len(abi.ARRAY_FIELDS)
             else:
                 dummies.append(np.dtype(str(t)).type(0))
+                slot += 1
         self.layout = abi.parameter_layout(dummies)
         self.arguments_info = self.layout[1]
         self.occupancy = self
 
     def max_active_blocks_per_multiprocessor(self, threads, smem):
         return max(1, 2048 // threads)
+
+
+class Pointer(int):
+    """A launch value that is an array's data pointer (what the kernel's signature says, not
+    its magnitude: host allocations can sit below 4 GiB)."""
 
 
 class Recorder:
@@ -76,7 +87,7 @@ class Recorder:
         for i, (_, size) in enumerate(layout):
             code = {8: ctypes.c_uint64, 4: ctypes.c_uint32}[size]
             raw = code.from_address(params[i]).value
-            values.append(raw)
+            values.append(Pointer(raw) if i in k.pointer_slots else raw)
         self.launches.append((k.kernel, gx, bx, stream, tuple(values)))
         return 0
 

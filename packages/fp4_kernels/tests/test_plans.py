@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _fake_cuda import fake_cuda  # noqa: E402
+from _fake_cuda import Pointer, fake_cuda  # noqa: E402
 
 import fp4_kernels as fk  # noqa: E402
 from fp4_kernels import _plans  # noqa: E402
@@ -40,14 +40,14 @@ def _tensors(result):
 
 
 def _roles(launches, named):
-    """The launches' values with each pointer (a value >= 2^32) read as (name, byte offset)
+    """The launches' values with each pointer (an array's data field) read as (name, byte offset)
     inside a named tensor, or else as the order of its first appearance (scratch buffers that
     the call does not return)."""
     ranges = [(t.data_ptr(), t.numel() * t.element_size(), name) for name, t in named]
     anonymous = {}
 
     def role(v):
-        if v < 2**32:
+        if not isinstance(v, Pointer):
             return v
         for start, nbytes, name in ranges:
             if start <= v < start + max(nbytes, 1):
