@@ -278,15 +278,17 @@ def test_another_device_gets_its_own_plan(fake):
 
 
 def test_each_device_gets_its_own_compiled_launcher(fake):
-    """A CUfunction belongs to one context: the launcher compiled while device 0 was current
-    must not be used to launch on device 1."""
+    """A CUfunction belongs to one context: the launcher compiled for a tensor on device 0
+    must not be used to launch on device 1.  The device is the tensor's, never a driver query
+    for the current context (which the fake leaves at device 0 throughout)."""
     from fp4_kernels.cuda import launch
 
+    x1 = _x()
+    x1.fake_device = torch.device("cuda", 1)
     with _plans.disabled():
         fk.quantize(_x())
         on_device0 = dict(launch._compiled)
-        fake.device_id = 1
-        fk.quantize(_x())
+        fk.quantize(x1)
     assert on_device0 and {k[1] for k in on_device0} == {0}
     added = {k: v for k, v in launch._compiled.items() if k not in on_device0}
     assert {k[0] for k in added} == {k[0] for k in on_device0}  # the same kernels, again

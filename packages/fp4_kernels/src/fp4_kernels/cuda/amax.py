@@ -78,5 +78,5 @@ def amax_partials(ctx, xw, aligned, kind, n, parts):
     blocks = launch.grid_for(-(-n_vec // UNROLL), threads)
     blocks = min(blocks, max_partials(ctx.device_id))
     return launch.launch(
-        amax_kernel(kind, aligned), blocks, threads, ctx.stream, (xw, np.int64(n_vec), parts)
+        amax_kernel(kind, aligned), blocks, threads, ctx, (xw, np.int64(n_vec), parts)
     )

@@ -107,7 +107,7 @@ def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt_code, geo):
         dequantize_kernel(out_kind, fmt_code, geo.swizzled, aligned),
         launch.grid_for(n_items, threads * UNROLL),
         threads,
-        ctx.stream,
+        ctx,
         (
             codes,
             ctx.view(scales),

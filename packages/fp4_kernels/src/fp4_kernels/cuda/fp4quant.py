@@ -507,7 +507,7 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem),
         blocks,
         threads,
-        ctx.stream,
+        ctx,
         (xw, ctx.view(codes, np.uint32 if run == CHUNK else np.uint16),
          ctx.view(scales, np.uint16), np.int64(n), np.uint32(seed & 0xFFFFFFFF),
          np.uint32(seed >> 32), np.uint32(step)),
@@ -527,6 +527,6 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
         fp4quant_decode_kernel(out_kind, group_size, hadamard, smem),
         blocks,
         threads,
-        ctx.stream,
+        ctx,
         (codes_w, ctx.view(scales, np.uint16), ctx.view(out, np.uint32), np.int64(n)),
     )  # fmt: skip

@@ -824,6 +824,6 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         kernel,
         blocks,
         threads,
-        ctx.stream,
+        ctx,
         (xw, ctx.view(out, np.uint32), np.int64(n), sign_words),
     )

@@ -13,8 +13,11 @@ last wave).
     quantize, dequantize (quantize.py,   256                   1 scale block (16 / 32 elem.)
       dequantize.py), requantized_sum
     amax (amax.py)                       256                   4 16-byte loads
-    hadamard, fp4quant (hadamard.py,     256; 32 * g/512 for   16 elements (a CTA is one
-      fp4quant.py)                       g >= 1024             group for g >= 1024)
+    hadamard, fp4quant (hadamard.py,     256 (128 for the      32 elements (a CTA is one
+      fp4quant.py)                       prefetching kernels,  group for g >= 2048)
+                                         g 32..1024);
+                                         32 * g / 1024 for
+                                         g >= 2048
 
 ``launch_policy(threads=..., max_blocks=...)`` overrides the table for the calls inside it (the
 simulator tests use small CTAs and grids so that grid-stride loops iterate and warps cross).
@@ -104,14 +107,18 @@ def current_device_id():
     return cuda.current_context().device.id
 
 
-def launch(kernel, blocks, threads, stream, args):
-    """Queue ``kernel`` on ``stream``; ``args`` are DeviceBuffers (GPU) or numba arrays
+def launch(kernel, blocks, threads, ctx, args):
+    """Queue ``kernel`` on the caller's stream (``ctx.stream``, on ``ctx.device_id``, the
+    device the host wrapper made current); ``args`` are DeviceBuffers (GPU) or numba arrays
     (simulator) and numpy scalars.  Returns the number of CTAs launched: on a GPU the grid is
     capped at the CTAs that can be resident at once (occupancy API)."""
+    stream = ctx.stream
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
         return blocks
-    device = current_device_id()
+    device = ctx.device_id
+    if device is None:  # numba device arrays: the current context's device
+        device = current_device_id()
     key = (kernel, device, tuple(a.dtype for a in args))
     launcher = _compiled.get(key)
     if launcher is None:

@@ -356,7 +356,7 @@ def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value,
         kern,
         launch.grid_for(n_items, threads),
         threads,
-        ctx.stream,
+        ctx,
         (
             xw,
             codes,

@@ -111,7 +111,7 @@ def requantized_sum_mxfp4(ctx, data, scales, rows, codes_out, scales_out, gs, n)
         requantized_sum_mxfp4_kernel(aligned),
         launch.grid_for(n_blocks, threads),
         threads,
-        ctx.stream,
+        ctx,
         (codes_in, ctx.view(scales), np.int64(rows), ctx.view(codes_out, np.uint32),
          ctx.view(scales_out), ctx.view(gs), np.int64(n_blocks)),
     )  # fmt: skip
