@@ -53,7 +53,7 @@ SIM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["smem", "shfl"])
+@pytest.mark.parametrize("variant", ["smem-pf", "smem", "shfl"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g,hadamard,dtype,rounding,rows", SIM_CASES)
 def test_kernels_match_reference(
@@ -71,9 +71,11 @@ def test_kernels_match_reference(
     [(2048, "float32", "nearest", 2), (4096, "bfloat16", "stochastic", 1),
      (8192, "bfloat16", "nearest", 1)],
 )  # fmt: skip
-def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding, rows):
-    """The shared-memory network's CTA exchange (a CTA is one group) in both kernels."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem")
+@pytest.mark.parametrize("variant", ["smem-pf", "smem"])
+def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding, rows, variant):
+    """The shared-memory network's CTA exchange (a CTA is one group) in both kernels, with and
+    without the prefetch of the next tile."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     fmt = fk.FP4Quant(g)
     x = _data(rng, rows, g, dtype, g)
     q = fk.quantize(to_gpu(x, "numba"), fmt=fmt, rounding=rounding, seed=7, step=2)
@@ -83,7 +85,7 @@ def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding
 @pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
-@pytest.mark.parametrize("variant", ["smem", "shfl"])
+@pytest.mark.parametrize("variant", ["smem-pf", "smem", "shfl"])
 def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     n = (1 << 22) + 3 * 8192

@@ -40,6 +40,14 @@ if SIMULATOR:
             out |= byte << (8 * k)
         return np.uint32(out)
 
+    def max_abs_nan(m, x):
+        """``max.NaN.f32`` of ``m`` and ``|x|``: NaN when either is NaN (the GPU's canonical
+        NaN, 0x7FFFFFFF), else the larger."""
+        m, x = np.float32(m), np.float32(abs(np.float32(x)))
+        if np.isnan(m) or np.isnan(x):
+            return py_u32_as_f32(np.uint32(0x7FFFFFFF))
+        return m if m >= x else x
+
     def max_u16x2(a, b):
         """``max.u16x2``: the larger of each 16-bit half, unsigned."""
         a, b = int(a), int(b)
@@ -258,6 +266,24 @@ if not SIMULATOR:
         if a != types.uint32 or b != types.uint32 or selector != types.uint32:
             return None
         return types.uint32(a, b, selector), _asm_codegen("prmt.b32", *_U32_ASM, 3)
+
+    @intrinsic
+    def max_abs_nan(typingctx, m, x):
+        """``max.NaN.f32`` of ``m`` and ``|x|`` (FMNMX.NAN with the operand's absolute-value
+        modifier: one instruction): NaN (0x7FFFFFFF) when either is NaN, else the larger."""
+        if m != types.float32 or x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(
+                ir.FunctionType(f32, [f32, f32]),
+                "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }",
+                "=f,f,f",
+            )
+            return builder.call(asm, list(args))
+
+        return types.float32(m, x), codegen
 
     @intrinsic
     def max_u16x2(typingctx, a, b):

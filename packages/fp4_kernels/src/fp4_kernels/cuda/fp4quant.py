@@ -30,6 +30,7 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    max_abs_nan,
     prmt,
     u32_as_f32,
 )
@@ -45,7 +46,15 @@ from .hadamard import (
     make_chunk_io,
     smem_words,
 )
-from .quantize import HORNER_FIX, SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP, e2m1_values4
+from .quantize import (
+    HORNER_FIX,
+    SR_BASE,
+    SR_BYTE2,
+    SR_LOW_HALVES,
+    SR_SELECT_LOW,
+    SR_SELECT_STEP,
+    e2m1_values4,
+)
 
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
 
@@ -77,33 +86,79 @@ def _make_lanes_max(group_size):
 
 @device_jit
 def run_amax_bits(v, i0, length):
-    """max |v[i0 .. i0 + length - 1]| as int32 bits (NaN above Inf)."""
-    m = np.int32(0)
-    for j in range(length):
-        m = max(m, np.int32(f32_as_u32(v[i0 + j]) & 0x7FFFFFFF))
-    return m
+    """max |v[i0 .. i0 + length - 1]| (``length`` even) as int32 bits: one FMNMX.NAN an element
+    in two independent chains; any NaN gives 0x7FFFFFFF, above Inf (0x7F800000), so the bits
+    order every non-finite group above the finite ones."""
+    a = abs(v[i0])
+    b = abs(v[i0 + 1])
+    for j in range(2, length, 2):
+        a = max_abs_nan(a, v[i0 + j])
+        b = max_abs_nan(b, v[i0 + j + 1])
+    return np.int32(f32_as_u32(max_abs_nan(a, b)))
 
 
 @functools.cache
-def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False):
-    """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
-    (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
-    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network."""
-    load_chunks, _ = make_chunk_io(kind, aligned)
-    before, cross_warp = make_butterflies(group_size)
-    n_smem = smem_words(group_size)
-    k, run = _group_layout(group_size, hadamard)
-    warps_per_group = max(1, group_size // WARP_TILE)
-    lanes_max = _make_lanes_max(group_size)
-    e2m1_code_f = OPS.e2m1_code_f
-    e2m1_sr_code_f = OPS.e2m1_sr_code_f
-    fp4quant_scale = OPS.fp4quant_scale
+def make_cta_amax(warps_per_group):
+    """Device function ``cta_amax(v, lane, warp, warp_amax)``: the amax bits of the thread's
+    32 registers over the whole CTA (a CTA is one group), in every thread: the thread, the
+    warp (butterfly shuffles), then the warps through ``warp_amax`` (16 int32 of shared
+    memory), between two CTA barriers."""
+
+    @device_jit
+    def cta_amax(v, lane, warp, warp_amax):
+        a = run_amax_bits(v, 0, REGISTERS)
+        off = 1
+        while off < WARP_SIZE:
+            a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, off))
+            off *= 2
+        if lane == 0:
+            warp_amax[warp] = a
+        cuda.syncthreads()  # every warp's amax is visible
+        a = warp_amax[0]
+        for q in range(1, warps_per_group):
+            a = max(a, warp_amax[q])
+        cuda.syncthreads()  # all read before the next tile writes
+        return a
+
+    return cta_amax
+
+
+# PRMT selectors: bytes 0 and 1 (and again 2 and 3) the sign byte of float a, of float b,
+# replicated (PRMT's sign mode: 0xFF or 0x00)
+SIGN_PAIR = U32(0xFBFB)
+
+
+@functools.cache
+def make_run_encoder(run, stochastic):
+    """Device function ``encode_run(v, i0, mult, e, seed_lo, seed_hi, step)``: the ``run``
+    (8 or 4) e2m1 codes of the float32 registers v[i0 ..] (flat elements e ..), element e in
+    nibble 0, scaled by ``mult``; nearest-even or stochastic rounding.
+
+    Codes: nearest by Horner on the code floats' bits (2^23 + code, the bias removed once at
+    the end), stochastic from byte 2 of ``e2m1_sr_sum`` gathered by PRMT (as the NVFP4 / MXFP4
+    encoder).  Signs: the sign bytes of the floats, replicated by PRMT, even elements to bit 3
+    and odd ones to bit 7 of each byte (-0 included: the sign bit, as the reference).
+    """
     philox = OPS.philox4x32_10
+    e2m1_code_f = OPS.e2m1_code_f
+    e2m1_sr_sum = OPS.e2m1_sr_sum
     horner_fix = U32(HORNER_FIX) if run == CHUNK else U32((-E2M1_CODE_BIAS * 0x1111) & 0xFFFF)
 
     @device_jit
+    def sign_nibbles(v, i0):
+        b = cuda.local.array(CHUNK, np.uint32)  # registers: constant indices once unrolled
+        for k in range(run):
+            b[k] = f32_as_u32(v[i0 + k])
+        if run == CHUNK:
+            even = prmt(prmt(b[0], b[2], SIGN_PAIR), prmt(b[4], b[6], SIGN_PAIR), SR_LOW_HALVES)
+            odd = prmt(prmt(b[1], b[3], SIGN_PAIR), prmt(b[5], b[7], SIGN_PAIR), SR_LOW_HALVES)
+        else:
+            even = prmt(b[0], b[2], SIGN_PAIR)
+            odd = prmt(b[1], b[3], SIGN_PAIR)
+        return U32(U32(even & 0x08080808) | U32(odd & 0x80808080))
+
+    @device_jit
     def encode_run(v, i0, mult, e, seed_lo, seed_hi, step):
-        """The ``run`` codes of v[i0 ..] (elements e ..), element e in nibble 0."""
         if stochastic:
             # one Philox call at counter = flat element index // 8 (as the reference); element
             # e + k takes the low (even) or high (odd) half of word ((e + k) % 8) // 2.  A run
@@ -116,26 +171,50 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
                 r0 = r2
                 r1 = r3
             words = (r0, r1, r2, r3)
-            p = U32(0)
-            for t in range(run):  # Horner from the top element down: element e in nibble 0
-                k = run - 1 - t
-                y = v[i0 + k]
+            s = cuda.local.array(CHUNK, np.uint32)
+            for k in range(run):
                 sel = U32(SR_SELECT_LOW + SR_SELECT_STEP * U32(k % 2))
-                code_f = e2m1_sr_code_f(
-                    abs(y) * mult, u32_as_f32(prmt(SR_BASE, words[k // 2], sel))
-                )
-                bits = U32(f32_as_u32(code_f) + U32(U32(f32_as_u32(y) >> 28) & 8))
-                p = U32(U32(p << U32(4)) + bits)
-            return U32(p + horner_fix)
+                big_r = u32_as_f32(prmt(SR_BASE, words[k // 2], sel))
+                s[k] = f32_as_u32(e2m1_sr_sum(abs(v[i0 + k]) * mult, big_r))
+            # byte 2 of each sum's bits is its code (< 8): even elements' codes into the bytes
+            # of one word, odd ones' into another, interleaved as nibbles (no carries)
+            if run == CHUNK:
+                even = prmt(prmt(s[0], s[2], SR_BYTE2), prmt(s[4], s[6], SR_BYTE2), SR_LOW_HALVES)
+                odd = prmt(prmt(s[1], s[3], SR_BYTE2), prmt(s[5], s[7], SR_BYTE2), SR_LOW_HALVES)
+            else:
+                even = prmt(s[0], s[2], SR_BYTE2)
+                odd = prmt(s[1], s[3], SR_BYTE2)
+            p = U32(U32(odd << U32(4)) | even)
+            return U32(p | sign_nibbles(v, i0))
         p = U32(0)
         for t in range(run):  # Horner from the top element down: element e lands in nibble 0
             y = v[i0 + run - 1 - t]
-            bits = U32(f32_as_u32(e2m1_code_f(abs(y) * mult)) + U32(U32(f32_as_u32(y) >> 28) & 8))
-            p = U32(U32(p << U32(4)) + bits)
-        return U32(p + horner_fix)
+            p = U32(U32(p << U32(4)) + f32_as_u32(e2m1_code_f(abs(y) * mult)))
+        return U32(U32(p + horner_fix) | sign_nibbles(v, i0))
 
+    return encode_run
+
+
+@functools.cache
+def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
+                           prefetch=False):  # fmt: skip
+    """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
+    (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
+    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
+    (with it, 16-bit kinds): the next tile's loads issued before this tile's work."""
     if hadamard and smem:
-        return _smem_encode_kernel(kind, group_size, aligned, encode_run)
+        return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
+    load_chunks, _ = make_chunk_io(kind, aligned)
+    before, cross_warp = make_butterflies(group_size)
+    n_smem = smem_words(group_size)
+    k, run = _group_layout(group_size, hadamard)
+    warps_per_group = max(1, group_size // WARP_TILE)
+    lanes_max = _make_lanes_max(group_size)
+    cta_amax = make_cta_amax(warps_per_group)
+    fp4quant_scale = OPS.fp4quant_scale
+    encode_run = make_run_encoder(run, stochastic)
+    g_mask = group_size - 1
+    log_g = group_size.bit_length() - 1
 
     def run_step(i0):
         """Encode and store register run i0 (a device function per run: with Philox calls
@@ -145,9 +224,10 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
         @device_jit
         def step_fn(v, m, codes, scales16, n, tile0, base, lane, warp, seed_lo, seed_hi, step):
             if k > 0:
-                e = tile0 + exchanged_element(i0, lane, warp, k)
+                e_rel = exchanged_element(i0, lane, warp, k)
             else:
-                e = base + 256 * (i0 // CHUNK)
+                e_rel = base + 256 * (i0 // CHUNK)
+            e = tile0 + e_rel
             mc = m[i0 // CHUNK]
             sb, mult = fp4quant_scale(U32(mc))
             p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
@@ -155,11 +235,13 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
                 p = U32(0)  # a non-finite group: zero codes under the NaN scale
             if e < n:
                 if run == CHUNK:
-                    codes[U64(e // CHUNK)] = p
+                    codes[U64(e) >> U64(3)] = p
                 else:
-                    codes[U64(e // 4)] = np.uint16(p)
-                if e % group_size == 0:  # the group's first element: its scale
-                    scales16[U64(e // group_size)] = np.uint16(sb)
+                    codes[U64(e) >> U64(2)] = np.uint16(p)
+                # the group's first element stores its scale; a tile is a whole number of
+                # groups, so that is a property of the position in the tile (no 64-bit modulo)
+                if e_rel & g_mask == 0:
+                    scales16[U64(e) >> U64(log_g)] = np.uint16(sb)
 
         return step_fn
 
@@ -186,26 +268,13 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            base = t * tile + 8 * lane + WARP_TILE * warp
-            load_chunks(x, base, n, w, v)
+            base = 8 * lane + WARP_TILE * warp  # in the tile
+            load_chunks(x, t * tile + base, n, w, v)
             if hadamard:
                 before(v, lane)
                 cross_warp(v, lane, warp, sm)
             if warps_per_group > 1:
-                # a CTA is one group: max over the thread, the warp, then the warps
-                a = run_amax_bits(v, 0, REGISTERS)
-                off = 1
-                while off < WARP_SIZE:
-                    o = cuda.shfl_xor_sync(FULL_MASK, a, off)
-                    a = max(a, o)
-                    off *= 2
-                if lane == 0:
-                    warp_amax[warp] = a
-                cuda.syncthreads()  # every warp's amax is visible
-                a = warp_amax[0]
-                for q in range(1, warps_per_group):
-                    a = max(a, warp_amax[q])
-                cuda.syncthreads()  # all read before the next tile writes
+                a = cta_amax(v, lane, warp, warp_amax)
                 for c in range(4):
                     m[c] = a
             else:
@@ -237,11 +306,12 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
 
 
 @functools.cache
-def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False):
+def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=False):
     """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n.
-    ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``)."""
+    ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``);
+    ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's work."""
     if hadamard and smem:
-        return _smem_decode_kernel(out_kind, group_size)
+        return _smem_decode_kernel(out_kind, group_size, prefetch)
     _, store_run = make_chunk_io(out_kind)
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
@@ -301,32 +371,34 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False):
     return kernel
 
 
-def _smem_encode_kernel(kind, group_size, aligned, encode_run):
-    """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s arguments;
-    ``encode_run`` its run encoder): the group amax and the codes taken in the network's final
-    layout (runs of 8 consecutive elements; of 4 at g = 8192)."""
+def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
+    """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s
+    arguments): the group amax and the codes taken in the network's final layout (runs of 8
+    consecutive elements; of 4 at g = 8192).  Each group's scale is computed once per thread,
+    however many of its runs the thread holds."""
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
     final, network = hn.make_network(group_size, wide, False)
-    run_in = min(hn.run_length(first), CHUNK)
+    load_raw, unpack, n_raw = hn.make_tile_loader(kind, first, aligned)
+    prefetch = prefetch and not wide  # float32: 32 more registers, as the transform
     run = min(hn.run_length(final), CHUNK)
-    n_words = words_per(kind, run_in)
-    load, element = make_words_io(kind, n_words, aligned)[:2]
-    shift = U64(0 if wide else 1)
     n_runs = REGISTERS // run
-    n_smem = hn.smem_network_words(group_size, hn.MAX_THREADS)
+    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
     warps_per_group = max(1, group_size // WARP_TILE)
     in_offset = hn.make_offsets(first)
     out_offset = hn.make_offsets(final)
-    in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     log_g = group_size.bit_length() - 1
+    g_mask = group_size - 1
     run_bits = run.bit_length() - 1
-    # run-index bits and lanes whose element bits lie inside a group (g <= 1024)
+    # run-index bits and lanes whose element bits lie inside a group (g <= 1024): the runs
+    # q with q & outside == r (r & inside == 0) hold one group
     inside = sum(1 << (j - run_bits) for j in range(run_bits, 5) if final.regs[j] < log_g)
     outside = (n_runs - 1) & ~inside
     lane_offsets = tuple(1 << j for j in range(5) if final.lanes[j] < log_g)
     fp4quant_scale = OPS.fp4quant_scale
+    encode_run = make_run_encoder(run, stochastic)
+    cta_amax = make_cta_amax(warps_per_group)
 
     @device_jit
     def lanes_max(a):
@@ -334,33 +406,62 @@ def _smem_encode_kernel(kind, group_size, aligned, encode_run):
             a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, lane_offsets[j]))
         return a
 
+    @device_jit
+    def group_scales(v, lane, warp, warp_amax, m, sbs, mults):
+        """Each run's group: amax bits ``m``, bf16 scale bits ``sbs`` and multiplier
+        ``mults`` (one ``fp4quant_scale`` per group the thread holds)."""
+        if warps_per_group > 1:
+            a = cta_amax(v, lane, warp, warp_amax)
+            sb, mult = fp4quant_scale(U32(a))
+            for r in range(n_runs):
+                m[r] = a
+                sbs[r] = sb
+                mults[r] = mult
+        else:
+            for r in range(n_runs):
+                m[r] = run_amax_bits(v, run * r, run)
+            for r in range(n_runs):
+                if r & inside == 0:
+                    a = m[r]
+                    for q in range(n_runs):
+                        if q & outside == r:
+                            a = max(a, m[q])
+                    a = lanes_max(a)
+                    sb, mult = fp4quant_scale(U32(a))
+                    for q in range(n_runs):
+                        if q & outside == r:
+                            m[q] = a
+                            sbs[q] = sb
+                            mults[q] = mult
+
     def run_step(r):
         i0 = run * r
         offset = out_regs[i0]
 
         @device_jit
-        def step_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step):
-            e = e0 + offset
-            mc = m[r]
-            sb, mult = fp4quant_scale(U32(mc))
-            p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
-            if mc >= _NONFINITE:
+        def step_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step):
+            e_rel = e_out + offset
+            e = tile0 + e_rel
+            p = encode_run(v, i0, mults[r], e, seed_lo, seed_hi, step)
+            if m[r] >= _NONFINITE:
                 p = U32(0)  # a non-finite group: zero codes under the NaN scale
             if e < n:
                 if run == CHUNK:
                     codes[U64(e) >> U64(3)] = p
                 else:
                     codes[U64(e) >> U64(2)] = np.uint16(p)
-                if e % group_size == 0:  # the group's first element: its scale
-                    scales16[U64(e) // U64(group_size)] = np.uint16(sb)
+                # the group's first element stores its scale; a tile is a whole number of
+                # groups, so that is a property of the position in the tile (no 64-bit modulo)
+                if e_rel & g_mask == 0:
+                    scales16[U64(e) >> U64(log_g)] = np.uint16(sbs[r])
 
         return step_fn
 
     def chain(first_fn, second_fn):
         @device_jit
-        def both(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step):
-            first_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step)
-            second_fn(v, m, codes, scales16, n, e0, seed_lo, seed_hi, step)
+        def both(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step):
+            first_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step)
+            second_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step)
 
         return both
 
@@ -375,61 +476,38 @@ def _smem_encode_kernel(kind, group_size, aligned, encode_run):
         warp_amax = cuda.shared.array(16, np.int32)
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
-        m = cuda.local.array(n_runs, np.int32)  # the group amax of each run
+        raw = cuda.local.array(n_raw, np.uint32)
+        m = cuda.local.array(n_runs, np.int32)  # each run's group: amax bits,
+        sbs = cuda.local.array(n_runs, np.uint32)  # scale bits
+        mults = cuda.local.array(n_runs, np.float32)  # and encode multiplier
         e_in = in_offset(lane, warp)
         e_out = out_offset(lane, warp)
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            for c in range(REGISTERS // run_in):
-                e = t * tile + e_in + in_regs[run_in * c]
-                for j in range(n_words):
-                    w[j] = U32(0)
-                if e < n:
-                    load(x, U64(e) >> shift, w)
-                for j in range(run_in):
-                    v[run_in * c + j] = element(w, j)
-            network(v, lane, warp, sm)
-            if warps_per_group > 1:
-                # a CTA is one group: max over the thread, the warp, then the warps
-                a = run_amax_bits(v, 0, REGISTERS)
-                off = 1
-                while off < WARP_SIZE:
-                    a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, off))
-                    off *= 2
-                if lane == 0:
-                    warp_amax[warp] = a
-                cuda.syncthreads()  # every warp's amax is visible
-                a = warp_amax[0]
-                for q in range(1, warps_per_group):
-                    a = max(a, warp_amax[q])
-                cuda.syncthreads()  # all read before the next tile writes
-                for r in range(n_runs):
-                    m[r] = a
+        stride = cuda.gridDim.x
+        if prefetch:
+            load_raw(x, cuda.blockIdx.x * tile + e_in, n, w, raw)
+        for t in range(cuda.blockIdx.x, n_tiles, stride):
+            if prefetch:  # widen this tile's words, then reuse them for the next tile's
+                unpack(raw, w, v)
+                load_raw(x, (t + stride) * tile + e_in, n, w, raw)
             else:
-                # the runs of one group in this thread, then the group's lanes
-                for r in range(n_runs):
-                    m[r] = run_amax_bits(v, run * r, run)
-                for r in range(n_runs):
-                    if r & inside == 0:
-                        a = m[r]
-                        for q in range(n_runs):
-                            if q & outside == r:
-                                a = max(a, m[q])
-                        a = lanes_max(a)
-                        for q in range(n_runs):
-                            if q & outside == r:
-                                m[q] = a
-            encode_runs(v, m, codes, scales16, n, t * tile + e_out, seed_lo, seed_hi, step)
+                load_raw(x, t * tile + e_in, n, w, raw)
+                unpack(raw, w, v)
+            network(v, lane, warp, sm)
+            group_scales(v, lane, warp, warp_amax, m, sbs, mults)
+            encode_runs(v, m, sbs, mults, codes, scales16, n, t * tile, e_out, seed_lo,
+                        seed_hi, step)  # fmt: skip
 
     return kernel
 
 
-def _smem_decode_kernel(out_kind, group_size):
+def _smem_decode_kernel(out_kind, group_size, prefetch):
     """The decode with the transform's "smem" network: codes read in its load layout (8
     consecutive codes a thread and chunk), the output stored from its final layout, each run
     multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
-    of the stages does not matter here)."""
+    of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
+    are loaded before this tile's work."""
     wide = out_kind == KIND_F32
     first = hn.layouts(group_size, False, wide)[0]
     final, network = hn.make_network(group_size, False, wide)
@@ -437,13 +515,29 @@ def _smem_decode_kernel(out_kind, group_size):
     store = make_words_io(out_kind, words_per(out_kind, run))[4]
     shift = U64(0 if wide else 1)
     n_runs = REGISTERS // run
-    n_smem = hn.smem_network_words(group_size, hn.MAX_THREADS)
+    n_chunks = REGISTERS // CHUNK
+    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
     in_offset = hn.make_offsets(first)
     out_offset = hn.make_offsets(final)
     in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
+
+    @device_jit
+    def load_tile(codes, scales16, n, e_in0, e_out0, words, sbits):
+        """The code words of the thread's chunks (register 0 at element ``e_in0``) and the
+        scale bits of the runs it stores (register 0 at ``e_out0``); zeros past ``n``."""
+        for c in range(n_chunks):
+            e = e_in0 + in_regs[CHUNK * c]
+            words[c] = U32(0)
+            if e < n:
+                words[c] = U32(codes[U64(e) >> U64(3)])
+        for r in range(n_per_tile):
+            e = e_out0 + out_regs[run * r]
+            sbits[r] = U32(0)
+            if e < n:
+                sbits[r] = U32(scales16[U64(e) // U64(group_size)])
 
     @cuda.jit
     def kernel(codes, scales16, out, n):
@@ -453,29 +547,40 @@ def _smem_decode_kernel(out_kind, group_size):
         sm = cuda.shared.array(n_smem, np.float32, alignment=SHARED_ALIGNMENT)
         v = cuda.local.array(REGISTERS, np.float32)
         sc = cuda.local.array(n_runs, np.float32)
+        words = cuda.local.array(n_chunks, np.uint32)
+        sbits = cuda.local.array(n_runs, np.uint32)
+        next_words = cuda.local.array(n_chunks, np.uint32)
+        next_sbits = cuda.local.array(n_runs, np.uint32)
         e_in = in_offset(lane, warp)
         e_out = out_offset(lane, warp)
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
-        for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-            for c in range(REGISTERS // CHUNK):
-                e = t * tile + e_in + in_regs[CHUNK * c]
-                p = U32(0)
-                if e < n:
-                    p = U32(codes[U64(e) >> U64(3)])
+        stride = cuda.gridDim.x
+        t0 = cuda.blockIdx.x
+        if prefetch:
+            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, next_words,
+                      next_sbits)  # fmt: skip
+        for t in range(t0, n_tiles, stride):
+            if prefetch:
+                for c in range(n_chunks):
+                    words[c] = next_words[c]
+                for r in range(n_per_tile):
+                    sbits[r] = next_sbits[r]
+                t1 = t + stride  # the next tile's
+                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, next_words,
+                          next_sbits)  # fmt: skip
+            else:
+                load_tile(codes, scales16, n, t * tile + e_in, t * tile + e_out, words, sbits)
+            for c in range(n_chunks):
                 for h in range(2):
-                    a, b, cc, d = e2m1_values4(U32(p >> U32(16 * h)))
+                    a, b, cc, d = e2m1_values4(U32(words[c] >> U32(16 * h)))
                     v[8 * c + 4 * h] = a
                     v[8 * c + 4 * h + 1] = b
                     v[8 * c + 4 * h + 2] = cc
                     v[8 * c + 4 * h + 3] = d
             for r in range(n_per_tile):  # the factors of the runs the thread stores
-                e = t * tile + e_out + out_regs[run * r]
-                sbits = U32(0)
-                if e < n:
-                    sbits = U32(scales16[U64(e) // U64(group_size)])
                 # exact unless the scale is below 2^-126 * g (a float32 subnormal)
-                sc[r] = u32_as_f32(U32(sbits << 16)) * inv_g
+                sc[r] = u32_as_f32(U32(sbits[r] << 16)) * inv_g
             for r in range(n_per_tile, n_runs):  # a CTA is one group: one factor
                 sc[r] = sc[0]
             # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below 6
@@ -501,10 +606,12 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         return
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
-    smem = hadamard and hn.smem_network_chosen(group_size)
-    blocks, threads = group_grid(group_size, n, ctx.device_id, hn.MAX_THREADS if smem else None)
+    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
+    prefetch = prefetch and kind != KIND_F32
+    most = hn.max_threads(prefetch) if smem else None
+    blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     launch.launch(
-        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem),
+        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem, prefetch),
         blocks,
         threads,
         ctx,
@@ -518,13 +625,14 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
     if n == 0:
         return
-    smem = hadamard and hn.smem_network_chosen(group_size)
-    blocks, threads = group_grid(group_size, n, ctx.device_id, hn.MAX_THREADS if smem else None)
+    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
+    most = hn.max_threads(prefetch) if smem else None
+    blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     codes_w, aligned = ctx.codes_view(codes, 4)
     if not aligned:
         raise ValueError("q.data: FP4Quant codes must be 4-byte aligned (a view of the payload)")
     launch.launch(
-        fp4quant_decode_kernel(out_kind, group_size, hadamard, smem),
+        fp4quant_decode_kernel(out_kind, group_size, hadamard, smem, prefetch),
         blocks,
         threads,
         ctx,

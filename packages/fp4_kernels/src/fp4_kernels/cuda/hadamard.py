@@ -648,6 +648,44 @@ def max_threads(prefetch):
 
 
 @functools.cache
+def make_tile_loader(kind, layout, aligned=True):
+    """(load_raw, unpack, n_raw) for a thread's 32 elements of a tile in ``layout`` (the
+    network's first): ``load_raw(x, e0, n, w, raw)`` issues its 16-byte loads (register 0 at
+    element ``e0``; zeros past ``n``) into ``n_raw`` words ``raw``, ``unpack(raw, w, v)``
+    widens them to float32 in register order.  Separate, so that a kernel can issue the next
+    tile's loads before it computes on this one (``w``: a scratch array of 8 words)."""
+    wide = kind == KIND_F32
+    run_in = min(run_length(layout), CHUNK)
+    n_words = words_per(kind, run_in)
+    load, element = make_words_io(kind, n_words, aligned)[:2]
+    shift = U64(0 if wide else 1)  # element index -> word index
+    n_chunks = REGISTERS // run_in
+    n_raw = n_chunks * n_words
+    in_regs = tuple(bits_offset(layout.regs, i) for i in range(REGISTERS))
+
+    @device_jit
+    def load_raw(x, e0, n, w, raw):
+        for c in range(n_chunks):
+            e = e0 + in_regs[run_in * c]
+            for j in range(n_words):
+                w[j] = U32(0)
+            if e < n:
+                load(x, U64(e) >> shift, w)
+            for j in range(n_words):
+                raw[n_words * c + j] = w[j]
+
+    @device_jit
+    def unpack(raw, w, v):
+        for c in range(n_chunks):
+            for j in range(n_words):
+                w[j] = raw[n_words * c + j]
+            for r in range(run_in):
+                v[run_in * c + r] = element(w, r)
+
+    return load_raw, unpack, n_raw
+
+
+@functools.cache
 def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefetch=False):
     """``hadamard_kernel`` with the "smem" network: same arguments, same bits.  Launch: as
     ``hadamard_kernel``, at most ``max_threads(prefetch)`` threads a CTA below g = 2048.
@@ -657,21 +695,16 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     first = layouts(group_size, wide)[0]
     final, network = make_network(group_size, wide)
     # runs of consecutive elements in consecutive registers: a 16-byte access each
-    run_in = min(run_length(first), CHUNK)
+    load_raw, unpack, n_raw = make_tile_loader(kind, first, aligned)
     run = min(run_length(final), CHUNK)
-    n_words = words_per(kind, run_in)
-    load, element, _, _, _ = make_words_io(kind, n_words, aligned)
     store = make_words_io(kind, words_per(kind, run))[4]
     shift = U64(0 if wide else 1)  # element index -> word index
     n_smem = smem_network_words(group_size, max_threads(prefetch))
     prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
-    n_chunks = REGISTERS // run_in
-    n_raw = n_chunks * n_words
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
     in_offset = make_offsets(first)
     out_offset = make_offsets(final)
-    in_regs = tuple(bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
 
     def make_mask(layout):
@@ -693,26 +726,6 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     mask_in_of = make_mask(first)
     mask_out_of = make_mask(final)
 
-    @device_jit
-    def load_raw(x, base, n, w, raw):
-        """The thread's chunks of the tile at ``base`` as words (zeros past the end)."""
-        for c in range(n_chunks):
-            e = base + in_regs[run_in * c]
-            for j in range(n_words):
-                w[j] = U32(0)
-            if e < n:
-                load(x, U64(e) >> shift, w)
-            for j in range(n_words):
-                raw[n_words * c + j] = w[j]
-
-    @device_jit
-    def unpack(raw, w, v):
-        for c in range(n_chunks):
-            for j in range(n_words):
-                w[j] = raw[n_words * c + j]
-            for r in range(run_in):
-                v[run_in * c + r] = element(w, r)
-
     @cuda.jit
     def kernel(x, out, n, sign_words):
         tid = cuda.threadIdx.x
@@ -722,7 +735,6 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
         raw = cuda.local.array(n_raw, np.uint32)
-        cur = cuda.local.array(n_raw, np.uint32)
         e_in = in_offset(lane, warp)
         e_out = out_offset(lane, warp)
         mask_in = U32(0)
@@ -736,13 +748,12 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
         if prefetch:
             load_raw(x, cuda.blockIdx.x * tile + e_in, n, w, raw)
         for t in range(cuda.blockIdx.x, n_tiles, stride):
-            if prefetch:
-                for j in range(n_raw):
-                    cur[j] = raw[j]
-                load_raw(x, (t + stride) * tile + e_in, n, w, raw)  # the next tile's
+            if prefetch:  # widen this tile's words, then reuse them for the next tile's
+                unpack(raw, w, v)
+                load_raw(x, (t + stride) * tile + e_in, n, w, raw)
             else:
-                load_raw(x, t * tile + e_in, n, w, cur)
-            unpack(cur, w, v)
+                load_raw(x, t * tile + e_in, n, w, raw)
+                unpack(raw, w, v)
             if signed and not inverse:
                 flip_signs_per_tile(v, mask_in)
             network(v, lane, warp, sm)
@@ -782,11 +793,13 @@ def variant():
     return name
 
 
-def smem_network_chosen(group_size):
-    """Whether the current variant runs the "smem" network at ``group_size`` (FP4Quant's
-    kernels follow the transform's choice, without the prefetch)."""
+def network_choice(group_size):
+    """(smem, prefetch): whether the current variant runs the "smem" network at
+    ``group_size``, and with the prefetch (FP4Quant's kernels follow the transform's choice)."""
     choice = VARIANTS[variant()]
-    return choice is not None and group_size >= choice[0]
+    if choice is None or group_size < choice[0]:
+        return False, False
+    return True, choice[1]
 
 
 def transform_kernel(name, kind, group_size, inverse, signed, aligned=True):
