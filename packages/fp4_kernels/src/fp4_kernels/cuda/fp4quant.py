@@ -99,25 +99,27 @@ def run_amax_bits(v, i0, length):
 
 @functools.cache
 def make_cta_amax(warps_per_group):
-    """Device function ``cta_amax(v, lane, warp, warp_amax)``: the amax bits of the thread's
-    32 registers over the whole CTA (a CTA is one group), in every thread: the thread, the
-    warp (butterfly shuffles), then the warps through ``warp_amax`` (16 int32 of shared
-    memory), between two CTA barriers."""
+    """Device function ``cta_amax(v, lane, warp, warp_amax, half)``: the amax bits of the
+    thread's 32 registers over the whole CTA (a CTA is one group), in every thread: the
+    thread, the warp (butterfly shuffles), then the warps through ``warp_amax`` (32 int32 of
+    shared memory; the tile uses 16 of them from ``half``, 0 or 16, alternating by tile).
+
+    One CTA barrier a tile: a warp writes its half again two tiles later, after the barrier
+    of the tile in between, which every warp reaches only once it has read this tile's."""
 
     @device_jit
-    def cta_amax(v, lane, warp, warp_amax):
+    def cta_amax(v, lane, warp, warp_amax, half):
         a = run_amax_bits(v, 0, REGISTERS)
         off = 1
         while off < WARP_SIZE:
             a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, off))
             off *= 2
         if lane == 0:
-            warp_amax[warp] = a
+            warp_amax[half + warp] = a
         cuda.syncthreads()  # every warp's amax is visible
-        a = warp_amax[0]
+        a = warp_amax[half]
         for q in range(1, warps_per_group):
-            a = max(a, warp_amax[q])
-        cuda.syncthreads()  # all read before the next tile writes
+            a = max(a, warp_amax[half + q])
         return a
 
     return cta_amax
@@ -261,7 +263,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
         sm = cuda.shared.array(n_smem, np.float32)
-        warp_amax = cuda.shared.array(16, np.int32)
+        warp_amax = cuda.shared.array(32, np.int32)
+        half = 0  # the half of warp_amax this tile uses
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
         m = cuda.local.array(4, np.int32)  # the group amax of each run set (see below)
@@ -274,7 +277,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
                 before(v, lane)
                 cross_warp(v, lane, warp, sm)
             if warps_per_group > 1:
-                a = cta_amax(v, lane, warp, warp_amax)
+                a = cta_amax(v, lane, warp, warp_amax, half)
+                half ^= 16
                 for c in range(4):
                     m[c] = a
             else:
@@ -407,11 +411,11 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
         return a
 
     @device_jit
-    def group_scales(v, lane, warp, warp_amax, m, sbs, mults):
+    def group_scales(v, lane, warp, warp_amax, half, m, sbs, mults):
         """Each run's group: amax bits ``m``, bf16 scale bits ``sbs`` and multiplier
         ``mults`` (one ``fp4quant_scale`` per group the thread holds)."""
         if warps_per_group > 1:
-            a = cta_amax(v, lane, warp, warp_amax)
+            a = cta_amax(v, lane, warp, warp_amax, half)
             sb, mult = fp4quant_scale(U32(a))
             for r in range(n_runs):
                 m[r] = a
@@ -473,7 +477,8 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
         lane = tid % WARP_SIZE
         warp = tid // WARP_SIZE
         sm = cuda.shared.array(n_smem, np.float32, alignment=SHARED_ALIGNMENT)
-        warp_amax = cuda.shared.array(16, np.int32)
+        warp_amax = cuda.shared.array(32, np.int32)
+        half = 0  # the half of warp_amax this tile uses
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
         raw = cuda.local.array(n_raw, np.uint32)
@@ -495,7 +500,8 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
                 load_raw(x, t * tile + e_in, n, w, raw)
                 unpack(raw, w, v)
             network(v, lane, warp, sm)
-            group_scales(v, lane, warp, warp_amax, m, sbs, mults)
+            group_scales(v, lane, warp, warp_amax, half, m, sbs, mults)
+            half ^= 16
             encode_runs(v, m, sbs, mults, codes, scales16, n, t * tile, e_out, seed_lo,
                         seed_hi, step)  # fmt: skip
 
