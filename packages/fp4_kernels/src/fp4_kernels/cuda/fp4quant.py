@@ -50,10 +50,10 @@ from .quantize import (
     HORNER_FIX,
     SR_BASE,
     SR_BYTE2,
-    SR_LOW_HALVES,
     SR_SELECT_LOW,
     SR_SELECT_STEP,
     e2m1_values4,
+    make_pair_gather,
 )
 
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
@@ -145,18 +145,14 @@ def make_run_encoder(run, stochastic):
     e2m1_code_f = OPS.e2m1_code_f
     e2m1_sr_sum = OPS.e2m1_sr_sum
     horner_fix = U32(HORNER_FIX) if run == CHUNK else U32((-E2M1_CODE_BIAS * 0x1111) & 0xFFFF)
+    gather = make_pair_gather(run)
 
     @device_jit
     def sign_nibbles(v, i0):
         b = cuda.local.array(CHUNK, np.uint32)  # registers: constant indices once unrolled
         for k in range(run):
             b[k] = f32_as_u32(v[i0 + k])
-        if run == CHUNK:
-            even = prmt(prmt(b[0], b[2], SIGN_PAIR), prmt(b[4], b[6], SIGN_PAIR), SR_LOW_HALVES)
-            odd = prmt(prmt(b[1], b[3], SIGN_PAIR), prmt(b[5], b[7], SIGN_PAIR), SR_LOW_HALVES)
-        else:
-            even = prmt(b[0], b[2], SIGN_PAIR)
-            odd = prmt(b[1], b[3], SIGN_PAIR)
+        even, odd = gather(b, SIGN_PAIR)
         return U32(U32(even & 0x08080808) | U32(odd & 0x80808080))
 
     @device_jit
@@ -180,12 +176,7 @@ def make_run_encoder(run, stochastic):
                 s[k] = f32_as_u32(e2m1_sr_sum(abs(v[i0 + k]) * mult, big_r))
             # byte 2 of each sum's bits is its code (< 8): even elements' codes into the bytes
             # of one word, odd ones' into another, interleaved as nibbles (no carries)
-            if run == CHUNK:
-                even = prmt(prmt(s[0], s[2], SR_BYTE2), prmt(s[4], s[6], SR_BYTE2), SR_LOW_HALVES)
-                odd = prmt(prmt(s[1], s[3], SR_BYTE2), prmt(s[5], s[7], SR_BYTE2), SR_LOW_HALVES)
-            else:
-                even = prmt(s[0], s[2], SR_BYTE2)
-                odd = prmt(s[1], s[3], SR_BYTE2)
+            even, odd = gather(s, SR_BYTE2)
             p = U32(U32(odd << U32(4)) | even)
             return U32(p | sign_nibbles(v, i0))
         p = U32(0)
@@ -383,8 +374,8 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
     final, network = hn.make_network(group_size, wide, False)
-    load_raw, unpack, n_raw = hn.make_tile_loader(kind, first, aligned)
     prefetch = prefetch and not wide  # float32: 32 more registers, as the transform
+    start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
     run = min(hn.run_length(final), CHUNK)
     n_runs = REGISTERS // run
     n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
@@ -490,15 +481,9 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         stride = cuda.gridDim.x
-        if prefetch:
-            load_raw(x, cuda.blockIdx.x * tile + e_in, n, w, raw)
+        start(x, cuda.blockIdx.x, tile, e_in, n, w, raw)
         for t in range(cuda.blockIdx.x, n_tiles, stride):
-            if prefetch:  # widen this tile's words, then reuse them for the next tile's
-                unpack(raw, w, v)
-                load_raw(x, (t + stride) * tile + e_in, n, w, raw)
-            else:
-                load_raw(x, t * tile + e_in, n, w, raw)
-                unpack(raw, w, v)
+            tile_values(x, t, stride, tile, e_in, n, w, raw, v)
             network(v, lane, warp, sm)
             group_scales(v, lane, warp, warp_amax, half, m, sbs, mults)
             half ^= 16

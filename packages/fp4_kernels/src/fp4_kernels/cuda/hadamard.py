@@ -648,12 +648,16 @@ def max_threads(prefetch):
 
 
 @functools.cache
-def make_tile_loader(kind, layout, aligned=True):
-    """(load_raw, unpack, n_raw) for a thread's 32 elements of a tile in ``layout`` (the
-    network's first): ``load_raw(x, e0, n, w, raw)`` issues its 16-byte loads (register 0 at
-    element ``e0``; zeros past ``n``) into ``n_raw`` words ``raw``, ``unpack(raw, w, v)``
-    widens them to float32 in register order.  Separate, so that a kernel can issue the next
-    tile's loads before it computes on this one (``w``: a scratch array of 8 words)."""
+def make_tile_loader(kind, layout, aligned=True, prefetch=False):
+    """(start, tile_values, n_raw): device functions that fill a thread's 32 registers ``v``
+    with its elements of tile ``t`` in ``layout`` (the network's first; register 0 at element
+    ``t * tile + e_in``, zeros past ``n``), by 16-byte loads into ``n_raw`` words ``raw``
+    widened to float32 (``w``: a scratch array of 8 words).
+
+    ``start(x, t0, tile, e_in, n, w, raw)`` before the grid-stride loop and
+    ``tile_values(x, t, stride, tile, e_in, n, w, raw, v)`` in it; with ``prefetch`` the
+    loads of tile t + stride are issued as soon as tile t's words are widened, so they are in
+    flight while the kernel computes on tile t (``raw`` stays live across the iteration)."""
     wide = kind == KIND_F32
     run_in = min(run_length(layout), CHUNK)
     n_words = words_per(kind, run_in)
@@ -682,7 +686,21 @@ def make_tile_loader(kind, layout, aligned=True):
             for r in range(run_in):
                 v[run_in * c + r] = element(w, r)
 
-    return load_raw, unpack, n_raw
+    @device_jit
+    def start(x, t0, tile, e_in, n, w, raw):
+        if prefetch:
+            load_raw(x, t0 * tile + e_in, n, w, raw)
+
+    @device_jit
+    def tile_values(x, t, stride, tile, e_in, n, w, raw, v):
+        if prefetch:  # widen this tile's words, then reuse them for the next tile's
+            unpack(raw, w, v)
+            load_raw(x, (t + stride) * tile + e_in, n, w, raw)
+        else:
+            load_raw(x, t * tile + e_in, n, w, raw)
+            unpack(raw, w, v)
+
+    return start, tile_values, n_raw
 
 
 @functools.cache
@@ -695,12 +713,12 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     first = layouts(group_size, wide)[0]
     final, network = make_network(group_size, wide)
     # runs of consecutive elements in consecutive registers: a 16-byte access each
-    load_raw, unpack, n_raw = make_tile_loader(kind, first, aligned)
+    n_smem = smem_network_words(group_size, max_threads(prefetch))
+    prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
+    start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch)
     run = min(run_length(final), CHUNK)
     store = make_words_io(kind, words_per(kind, run))[4]
     shift = U64(0 if wide else 1)  # element index -> word index
-    n_smem = smem_network_words(group_size, max_threads(prefetch))
-    prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
     in_offset = make_offsets(first)
@@ -745,15 +763,9 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         stride = cuda.gridDim.x
-        if prefetch:
-            load_raw(x, cuda.blockIdx.x * tile + e_in, n, w, raw)
+        start(x, cuda.blockIdx.x, tile, e_in, n, w, raw)
         for t in range(cuda.blockIdx.x, n_tiles, stride):
-            if prefetch:  # widen this tile's words, then reuse them for the next tile's
-                unpack(raw, w, v)
-                load_raw(x, (t + stride) * tile + e_in, n, w, raw)
-            else:
-                load_raw(x, t * tile + e_in, n, w, raw)
-                unpack(raw, w, v)
+            tile_values(x, t, stride, tile, e_in, n, w, raw, v)
             if signed and not inverse:
                 flip_signs_per_tile(v, mask_in)
             network(v, lane, warp, sm)

@@ -60,7 +60,7 @@ SR_BASE = U32(SR_BASE_BITS)
 SR_SELECT_LOW = U32(0x3254)
 SR_SELECT_STEP = U32(0x22)  # + this: 0x3276, the high half
 SR_BYTE2 = U32(0x62)  # PRMT: byte 2 of a, then byte 2 of b, in the low two bytes
-SR_LOW_HALVES = U32(0x5410)  # PRMT: the low two bytes of a, then the low two bytes of b
+LOW_HALVES = U32(0x5410)  # PRMT: the low two bytes of a, then the low two bytes of b
 # e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as float32 bits are 0x??..0000: their top byte and
 # the byte below it, as 8-entry byte tables for PRMT (entry m = byte m of hi:lo)
 E2M1_TOP_BYTES = (U32(0x3F3F3F00), U32(0x40404040))
@@ -68,6 +68,26 @@ E2M1_NEXT_BYTES = (U32(0xC0800000), U32(0xC0804000))
 # PRMT selectors that assemble element e's float32 from those lookups: bytes 0 and 1 are the
 # sign-replicated top byte (0x00, 0x3F or 0x40: always 0), byte 2 the next byte, byte 3 the top
 E2M1_ASSEMBLE = (U32(0x40CC), U32(0x51DD), U32(0x62EE), U32(0x73FF))
+
+
+@functools.cache
+def make_pair_gather(length):
+    """Device function ``gather(b, sel) -> (even, odd)`` over the words b[0 .. length - 1]
+    (8 or 4): PRMT with selector ``sel`` picks one byte from each pair (b[k], b[k + 2]); the
+    bytes of the even k land in order in ``even``, those of the odd k in ``odd`` (length 4:
+    in their low two bytes).  E.g. codes from byte 2 of stochastic sums, or sign bytes."""
+
+    @device_jit
+    def gather(b, sel):
+        if length == 8:
+            even = prmt(prmt(b[0], b[2], sel), prmt(b[4], b[6], sel), LOW_HALVES)
+            odd = prmt(prmt(b[1], b[3], sel), prmt(b[5], b[7], sel), LOW_HALVES)
+        else:
+            even = prmt(b[0], b[2], sel)
+            odd = prmt(b[1], b[3], sel)
+        return even, odd
+
+    return gather
 
 
 @device_jit
@@ -141,6 +161,7 @@ def make_block_codec(kind, part):
     e2m1_code_f = OPS.e2m1_code_f
     e2m1_sr_sum = OPS.e2m1_sr_sum
     philox = OPS.philox4x32_10
+    gather8 = make_pair_gather(8)
 
     @device_jit
     def sign_nibbles(w, g):
@@ -180,8 +201,7 @@ def make_block_codec(kind, part):
         # byte 2 of each sum's bits is its code (floor(V) - 128 for V in [128, 136), no add):
         # gather the even elements' codes into the bytes of one word, the odd ones' into
         # another, and interleave them as nibbles (each code < 8: no carries)
-        even = prmt(prmt(s[0], s[2], SR_BYTE2), prmt(s[4], s[6], SR_BYTE2), SR_LOW_HALVES)
-        odd = prmt(prmt(s[1], s[3], SR_BYTE2), prmt(s[5], s[7], SR_BYTE2), SR_LOW_HALVES)
+        even, odd = gather8(s, SR_BYTE2)
         p = U32(U32(odd << U32(4)) | even)
         return U32(p | U32(sign_nibbles(w, g) & SIGN_NIBBLES))
 
