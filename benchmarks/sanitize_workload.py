@@ -1,0 +1,86 @@
+"""Every fp4_kernels GPU kernel once, on small inputs, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \\
+        python benchmarks/sanitize_workload.py [codec|transform|all]
+    compute-sanitizer --tool racecheck --error-exitcode 9 python benchmarks/sanitize_workload.py
+
+``codec``: NVFP4 and MXFP4 quantize (nearest and stochastic, with and without ``global_amax``,
+linear and swizzled scales), dequantize to bf16 and float32, fake quantization and the MXFP4
+requantized sum, for bf16, float32 and float16 inputs, 16-byte aligned and not (a view one
+element in).  ``transform``: the Walsh–Hadamard transform (with signs, and inverse) and the
+FP4Quant encode / decode (with and without the transform, nearest and stochastic) at g = 16 …
+8192 in bf16 and float32, for each kernel variant (``FP4_HADAMARD_VARIANT``).  Inputs hold a
+NaN, an Inf and a -0, and end in a partial tile; grids are capped at 3 CTAs so that every
+grid-stride loop (and every prefetch past the end) runs several times.  ``--report-api-errors
+no``: the launcher's one parameter-table query per kernel ends on the driver's end-of-list
+answer, which memcheck would report as an API error.  Needs a CUDA build of torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _tensor(torch, rows, k, dtype, offset=0):
+    x = torch.randn(rows * k + offset, device="cuda", dtype=dtype) * 3
+    x[5], x[40], x[77] = float("nan"), float("inf"), -0.0
+    return x[offset:].view(rows, k)
+
+
+def codec(torch, fk):
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for offset in (0, 1):
+            x = _tensor(torch, 7, 1024 + 32, dtype, offset)
+            for fmt in ("nvfp4", "mxfp4"):
+                for rounding in ("nearest", "stochastic"):
+                    q = fk.quantize(x, fmt=fmt, rounding=rounding, seed=5)
+                    fk.dequantize(q)
+                    fk.dequantize(q, "float32")
+                    fk.quantize_dequantize(x, fmt=fmt, rounding=rounding)
+                fk.quantize(x, fmt=fmt, scale_layout="swizzled")
+            fk.quantize(x, fmt="nvfp4", global_amax=3.0)
+            fk.quantize(x, fmt="nvfp4", global_amax=torch.tensor([3.0], device="cuda"))
+    fk.requantized_sum(fk.quantize(_tensor(torch, 5, 4096, torch.float32), fmt="mxfp4"))
+
+
+def transform(torch, fk):
+    from fp4_kernels.cuda.hadamard import VARIANTS
+
+    for variant in VARIANTS:
+        os.environ["FP4_HADAMARD_VARIANT"] = variant  # read at every call
+        for g in (16, 32, 256, 1024, 2048, 4096, 8192):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = _tensor(torch, max(3, 3 * 8192 // g), g, dtype)  # a partial last tile
+                fk.hadamard(x, group_size=g, signs=7)
+                fk.hadamard(x, group_size=g, inverse=True)
+                for had in (True, False):
+                    for rounding in ("nearest", "stochastic"):
+                        q = fk.quantize(x, fmt=fk.FP4Quant(g, had), rounding=rounding, seed=3)
+                        fk.dequantize(q)
+                        fk.dequantize(q, "float32")
+        print(variant, "done", flush=True)
+    os.environ.pop("FP4_HADAMARD_VARIANT")
+
+
+def main():
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which not in ("codec", "transform", "all"):
+        sys.exit(f"usage: {sys.argv[0]} [codec|transform|all]")
+    import torch
+
+    import fp4_kernels as fk
+    from fp4_kernels.cuda.launch import launch_policy
+
+    torch.manual_seed(0)
+    with launch_policy(max_blocks=3):
+        if which in ("codec", "all"):
+            codec(torch, fk)
+        if which in ("transform", "all"):
+            transform(torch, fk)
+    torch.cuda.synchronize()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
