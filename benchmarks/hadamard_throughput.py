@@ -20,7 +20,7 @@ bits): ``smem-pf`` (the default: lane stages through shared-memory transposes, t
 tile's loads issued before this tile's butterflies), ``smem`` (the same without the early
 loads), ``smem16`` (``smem`` at g = 16 too; the others keep the shuffle kernel there) and
 ``shfl`` (lane stages by warp shuffles).  FP4Quant follows the variant (``shfl`` or the
-shared-memory network, without the early loads).  The environment variable
+shared-memory network, with the early loads under ``smem-pf``).  The environment variable
 ``FP4_HADAMARD_VARIANT`` picks the one every call uses; ``--variants`` times the transform
 rows once per listed variant in the same run (op names get ``[variant]``).
 """
