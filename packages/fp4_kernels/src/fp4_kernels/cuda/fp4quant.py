@@ -189,6 +189,32 @@ def make_run_encoder(run, stochastic):
 
 
 @functools.cache
+def make_code_store(run, group_size):
+    """Device function ``store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb)``: a
+    run's packed codes ``p`` (zeros for a non-finite group, whose scale is NaN) at flat element
+    ``e`` (one uint32 for 8 codes, one uint16 for 4), and the group's scale bits ``sb`` from the
+    thread whose run starts the group; nothing past ``n``.  ``e_rel``: e's offset in its tile
+    (a tile is a whole number of groups, so the group's start is a property of the position in
+    the tile: no 64-bit modulo)."""
+    g_mask = group_size - 1
+    log_g = group_size.bit_length() - 1
+
+    @device_jit
+    def store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb):
+        if amax_bits >= _NONFINITE:
+            p = U32(0)  # a non-finite group: zero codes under the NaN scale
+        if e < n:
+            if run == CHUNK:
+                codes[U64(e) >> U64(3)] = p
+            else:
+                codes[U64(e) >> U64(2)] = np.uint16(p)
+            if e_rel & g_mask == 0:
+                scales16[U64(e) >> U64(log_g)] = np.uint16(sb)
+
+    return store_codes
+
+
+@functools.cache
 def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
                            prefetch=False):  # fmt: skip
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
@@ -206,8 +232,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     cta_amax = make_cta_amax(warps_per_group)
     fp4quant_scale = OPS.fp4quant_scale
     encode_run = make_run_encoder(run, stochastic)
-    g_mask = group_size - 1
-    log_g = group_size.bit_length() - 1
+    store_codes = make_code_store(run, group_size)
 
     def run_step(i0):
         """Encode and store register run i0 (a device function per run: with Philox calls
@@ -224,17 +249,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
             mc = m[i0 // CHUNK]
             sb, mult = fp4quant_scale(U32(mc))
             p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
-            if mc >= _NONFINITE:
-                p = U32(0)  # a non-finite group: zero codes under the NaN scale
-            if e < n:
-                if run == CHUNK:
-                    codes[U64(e) >> U64(3)] = p
-                else:
-                    codes[U64(e) >> U64(2)] = np.uint16(p)
-                # the group's first element stores its scale; a tile is a whole number of
-                # groups, so that is a property of the position in the tile (no 64-bit modulo)
-                if e_rel & g_mask == 0:
-                    scales16[U64(e) >> U64(log_g)] = np.uint16(sb)
+            store_codes(codes, scales16, n, e, e_rel, p, mc, sb)
 
         return step_fn
 
@@ -384,7 +399,6 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     out_offset = hn.make_offsets(final)
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     log_g = group_size.bit_length() - 1
-    g_mask = group_size - 1
     run_bits = run.bit_length() - 1
     # run-index bits and lanes whose element bits lie inside a group (g <= 1024): the runs
     # q with q & outside == r (r & inside == 0) hold one group
@@ -393,6 +407,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     lane_offsets = tuple(1 << j for j in range(5) if final.lanes[j] < log_g)
     fp4quant_scale = OPS.fp4quant_scale
     encode_run = make_run_encoder(run, stochastic)
+    store_codes = make_code_store(run, group_size)
     cta_amax = make_cta_amax(warps_per_group)
 
     @device_jit
@@ -438,17 +453,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
             e_rel = e_out + offset
             e = tile0 + e_rel
             p = encode_run(v, i0, mults[r], e, seed_lo, seed_hi, step)
-            if m[r] >= _NONFINITE:
-                p = U32(0)  # a non-finite group: zero codes under the NaN scale
-            if e < n:
-                if run == CHUNK:
-                    codes[U64(e) >> U64(3)] = p
-                else:
-                    codes[U64(e) >> U64(2)] = np.uint16(p)
-                # the group's first element stores its scale; a tile is a whole number of
-                # groups, so that is a property of the position in the tile (no 64-bit modulo)
-                if e_rel & g_mask == 0:
-                    scales16[U64(e) >> U64(log_g)] = np.uint16(sbs[r])
+            store_codes(codes, scales16, n, e, e_rel, p, m[r], sbs[r])
 
         return step_fn
 
