@@ -1,9 +1,9 @@
 """GPU timing shared by the asv suite and ``gpu_throughput.py`` (torch imported lazily, so
 that asv can import the suite on a machine without torch or a GPU).
 
-Method (the device README's METHOD.md): warm up, time with CUDA events, medians of repeats,
-inputs rotated among buffers larger than the L2, a device-to-device copy as the same-run
-baseline.
+Method: warm up, time with CUDA events around ``CHAIN`` calls back to back (so the GPU never
+waits for the host inside a timed interval), medians of repeats, inputs rotated among buffers
+larger than the L2, a device-to-device copy as the same-run baseline.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
 GPU_ELEMENTS = 1 << 26  # asv's GPU inputs: 128 MiB of bf16, twice the L2 at least
 CPU_ELEMENTS = 1 << 18  # asv's CPU-path inputs
 K = 4096  # row length of the benchmark tensors
+CHAIN = 10  # calls between two events in one timing sample (``graph_time_ms``)
 
 
 def require_gpu():
@@ -38,33 +39,42 @@ def copy_gbps(nbytes=1 << 30):
 
     srcs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    ms, _, _ = cuda_time_ms(lambda s: dst.copy_(s), [(s,) for s in srcs])
+    ms, _, _ = cuda_time_ms(lambda s: dst.copy_(s), [(s,) for s in srcs], chain=CHAIN)
     return 2 * nbytes / ms / 1e6
 
 
-def cuda_time_ms(fn, args_list, warmup=3, reps=15):
-    """Median device time of ``fn(args)`` in ms, cycling through ``args_list``."""
+def cuda_time_ms(fn, args_list, warmup=3, reps=15, chain=1):
+    """Median device time of ``fn(args)`` in ms, cycling through ``args_list``: ``reps``
+    samples, each the time between two events around ``chain`` calls divided by ``chain``.
+    With ``chain`` > 1 the host queues the calls faster than the GPU runs them (for kernels of
+    ~0.1 ms and up), so the launch latency that a single call's interval holds is spread over
+    ``chain`` calls."""
     import torch
 
     for i in range(warmup):
         fn(*args_list[i % len(args_list)])
     torch.cuda.synchronize()
     times = []
-    for i in range(reps):
-        a = args_list[i % len(args_list)]
+    k = 0
+    for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(*a)
+        for _ in range(chain):
+            fn(*args_list[k % len(args_list)])
+            k += 1
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / chain)
     return statistics.median(times), min(times), max(times)
 
 
-def graph_time_ms(fn, args_list, reps=15):
-    """Median *device* time of ``fn(args)`` in ms: each call captured once in a CUDA graph and
-    replayed between events, so host overhead cannot leave the GPU idle inside the interval."""
+def graph_time_ms(fn, args_list, reps=15, chain=CHAIN):
+    """Median *device* time of ``fn(args)`` in ms: each call captured once in a CUDA graph;
+    ``reps`` samples, each ``chain`` replays back to back between two events, divided by
+    ``chain``, so neither host overhead nor the graph launch's latency leaves the GPU idle
+    inside the interval (``chain=1``: one replay a sample, which counts that latency once
+    per call)."""
     import torch
 
     graphs = []
@@ -83,14 +93,17 @@ def graph_time_ms(fn, args_list, reps=15):
         g.replay()
     torch.cuda.synchronize()
     times = []
-    for i in range(reps):
+    k = 0
+    for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        graphs[i % len(graphs)].replay()
+        for _ in range(chain):
+            graphs[k % len(graphs)].replay()
+            k += 1
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / chain)
     return statistics.median(times), min(times), max(times)
 
 

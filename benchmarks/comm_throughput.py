@@ -187,7 +187,7 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
         arg_list = [(x,) for x in xs]
         eager_ms = cuda_time_ms(fn, arg_list, reps=reps)[0]
         try:
-            graph_ms = graph_time_ms(fn, arg_list, reps=reps)[0]
+            graph_ms = graph_time_ms(fn, arg_list, reps=reps, chain=1)[0]
         except RuntimeError as capture_err:  # a transport that cannot be captured: say so
             print(f"rank {rank}: {op} {codec}: graph capture failed: {capture_err}", flush=True)
             graph_ms = math.nan

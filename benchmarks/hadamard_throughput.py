@@ -4,10 +4,12 @@ tensor timed in the same run, beside the peers.
     python benchmarks/hadamard_throughput.py [--log2n 28] [--out DIR] [--fht-loader FILE]
         [--groups 16,32,...] [--variants smem,smem-pf,shfl] [--no-fp4quant]
 
-Every op is timed on a bf16 tensor of 2^log2n elements (rows of 8192), median of CUDA-graph
-replays between CUDA events (``_timing.graph_time_ms``), inputs rotating among buffers larger
-than the L2.  ``ratio_to_copy`` = op time / time of ``dst.copy_(x)`` for the same tensor (the
-faster of eager and graph-replayed: a graph may run the memcpy on a copy engine, slower).
+Every op is timed on a bf16 tensor of 2^log2n elements (rows of 8192): CUDA-graph replays,
+``CHAIN`` of them back to back between two CUDA events, median of 15 such samples
+(``_timing.graph_time_ms``), inputs rotating among buffers larger than the L2.
+``ratio_to_copy`` = op time / time of ``dst.copy_(x)`` for the same tensor, timed the same way
+(the faster of eager and graph-replayed calls: a graph may run the memcpy on a copy engine,
+slower).
 
 Peers: a torch bf16 matmul by the (normalized) Hadamard matrix (tensor cores), and Dao-AILab's
 fast-hadamard-transform when ``--fht-loader`` names a Python file whose ``load()`` returns its
@@ -38,6 +40,7 @@ import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
     from ._timing import (
+        CHAIN,
         ROTATE,
         commit_id,
         cuda_time_ms,
@@ -49,6 +52,7 @@ try:  # imported by asv as part of the benchmarks package
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _timing import (
+        CHAIN,
         ROTATE,
         commit_id,
         cuda_time_ms,
@@ -102,7 +106,7 @@ def main():
     # in a graph a D2D memcpy may run on a copy engine at ~2.7 TB/s instead of ~4.2 with SMs.
     copy_args = [(x,) for x in xs]
     copy_graph_ms, _, _ = graph_time_ms(lambda x: dst.copy_(x), copy_args)
-    copy_eager_ms, _, _ = cuda_time_ms(lambda x: dst.copy_(x), copy_args)
+    copy_eager_ms, _, _ = cuda_time_ms(lambda x: dst.copy_(x), copy_args, chain=CHAIN)
     copy_ms = min(copy_graph_ms, copy_eager_ms)
     print(
         f"copy bf16 {n} elements: {copy_ms:.3f} ms ({4 * n / copy_ms / 1e6:.0f} GB/s; "
@@ -112,10 +116,15 @@ def main():
     fht = _load_fht(args.fht_loader)
     results = []
 
-    def record(op, g, fn, host=True, small_fn=None):
+    def record(op, g, fn, small_fn=None, inputs=None, small_input=None):
+        """Time ``fn`` on each of ``inputs`` (default: the bf16 tensors) in rotation; host time
+        of ``small_fn`` on ``small_input`` (default: the 64 x 1024 tensor) where g divides it."""
+        inputs = xs if inputs is None else inputs
+        small_input = small if small_input is None else small_input
         try:
-            med, lo, hi = graph_time_ms(fn, [(x,) for x in xs])
-            eager, _, _ = cuda_time_ms(fn, [(x,) for x in xs])
+            med, lo, hi = graph_time_ms(fn, [(x,) for x in inputs])
+            one, _, _ = graph_time_ms(fn, [(x,) for x in inputs], chain=1)
+            eager, _, _ = cuda_time_ms(fn, [(x,) for x in inputs])
         except Exception as e:  # a peer that cannot run this size: say so, keep going
             print(f"{op:40s} g={g:5d}  failed: {type(e).__name__}: {e}", flush=True)
             results.append({"op": op, "group_size": g, "error": f"{type(e).__name__}: {e}"})
@@ -128,13 +137,15 @@ def main():
             "min_ms": lo,
             "max_ms": hi,
             "eager_ms": eager,
+            "one_replay_ms": one,
             "ratio_to_copy": med / copy_ms,
         }
-        if host and small_fn is not None and small.shape[-1] % g == 0:
-            row["host_us_per_call"] = host_time_us(small_fn, (small,))
+        if small_fn is not None and small.shape[-1] % g == 0:
+            row["host_us_per_call"] = host_time_us(small_fn, (small_input,))
         results.append(row)
         print(
-            f"{op:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy"
+            f"{op:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy  (one replay a "
+            f"sample: {one / copy_ms:.2f})"
             + (f"  host {row['host_us_per_call']:.0f} us" if "host_us_per_call" in row else ""),
             flush=True,
         )
@@ -169,23 +180,10 @@ def main():
             enc = lambda x, fmt=fmt: fk.quantize(x, fmt=fmt)  # noqa: E731
             record(f"FP4Quant encode{'' if had else ' no-hadamard'}", g, enc, small_fn=enc)
             qs = [fk.quantize(x, fmt=fmt) for x in xs]
-            med, lo, hi = graph_time_ms(lambda q: fk.dequantize(q), [(q,) for q in qs])
-            row = {
-                "op": f"FP4Quant decode{'' if had else ' no-hadamard'}",
-                "group_size": g,
-                "elements": n,
-                "median_ms": med,
-                "min_ms": lo,
-                "max_ms": hi,
-                "ratio_to_copy": med / copy_ms,
-            }
             qsmall = fk.quantize(small, fmt=fmt) if small.shape[-1] % g == 0 else None
-            if qsmall is not None:
-                row["host_us_per_call"] = host_time_us(lambda q: fk.dequantize(q), (qsmall,))
-            results.append(row)
-            print(
-                f"{row['op']:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy", flush=True
-            )
+            dec = lambda q: fk.dequantize(q)  # noqa: E731
+            op = f"FP4Quant decode{'' if had else ' no-hadamard'}"
+            record(op, g, dec, small_fn=dec, inputs=qs, small_input=qsmall)
             del qs
         if g == 64:
             fmt = fk.FP4Quant(64)
@@ -218,17 +216,17 @@ def main():
         f"2^{args.log2n} bf16 elements; copy of the same tensor {copy_ms:.3f} ms "
         f"({meta['copy_gbps']:.0f} GB/s).",
         "",
-        "| op | g | ms | x copy | host us/call |",
-        "|---|---:|---:|---:|---:|",
+        "| op | g | ms | x copy | x copy, one replay a sample | host us/call |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['group_size']} | failed | | |")
+            lines.append(f"| {r['op']} | {r['group_size']} | failed | | | |")
             continue
         host = f"{r['host_us_per_call']:.0f}" if "host_us_per_call" in r else ""
         lines.append(
             f"| {r['op']} | {r['group_size']} | {r['median_ms']:.3f} | "
-            f"{r['ratio_to_copy']:.2f} | {host} |"
+            f"{r['ratio_to_copy']:.2f} | {r['one_replay_ms'] / copy_ms:.2f} | {host} |"
         )
     write_markdown(args.out, "hadamard_throughput", lines)
 

@@ -826,15 +826,24 @@ def transform_kernel(name, kind, group_size, inverse, signed, aligned=True):
 # ---------------------------------------------------------------------- host side
 
 
-def group_grid(group_size, n, device_id, max_threads=None):
+# Resident threads an SM for the transform's prefetching kernels below g = 2048: 4 CTAs of 128
+# instead of the 7 that fit.  On the H200 (2^28 bf16, ``benchmarks/launch_sweep.py``) 4 ran at
+# 1.04x the copy's time at g = 64 and 1024, 3 at 1.07-1.09x, 5-7 at 1.13-1.14x: each warp keeps
+# a tile's loads in flight, and past 16 warps an SM the extra requests slow DRAM down more than
+# they hide.  The FP4Quant kernels, with more work a tile, run fastest with all that fit.
+PREFETCH_THREADS_PER_SM = 512
+
+
+def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=2048):
     """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
     for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise (at most
-    ``max_threads``); a persistent grid of up to 2048 resident threads per SM."""
+    ``max_threads``); a persistent grid of up to ``threads_per_sm`` resident threads per SM
+    (the launcher caps it again at what fits)."""
     threads = threads_per_block(group_size, launch.threads_for(THREADS))
     if max_threads is not None and group_size <= WARP_TILE:
         threads = min(threads, max_threads)
     blocks = launch.grid_for(n, threads * REGISTERS)
-    return min(blocks, launch.max_blocks(max(1, 2048 // threads), device_id)), threads
+    return min(blocks, launch.max_blocks(max(1, threads_per_sm // threads), device_id)), threads
 
 
 def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
@@ -844,7 +853,10 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         return
     xw, aligned = ctx.words_view(x, kind)
     kernel, max_threads = transform_kernel(variant(), kind, group_size, inverse, signed, aligned)
-    blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads)
+    per_sm = 2048
+    if max_threads == PREFETCH_THREADS and kind != KIND_F32 and group_size <= WARP_TILE:
+        per_sm = PREFETCH_THREADS_PER_SM
+    blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
     launch.launch(
         kernel,
         blocks,

@@ -7,7 +7,8 @@ signature and launched straight through ``cuda.core.launch`` with numba's argume
 Every op module states its launch in one line of the table below; the grid is
 ``ceil(work items / (threads * items per thread))`` CTAs, capped at one resident wave (the
 kernels are grid-stride loops, so a persistent grid does the same work without a partly filled
-last wave).
+last wave), and for the transform's prefetching kernels at 4 CTAs an SM (fewer warps with
+loads in flight run faster there: ``hadamard.PREFETCH_THREADS_PER_SM``).
 
     op (module)                          threads / CTA         work item, per thread
     quantize, dequantize (quantize.py,   256                   1 scale block (16 / 32 elem.)
