@@ -190,24 +190,25 @@ def make_run_encoder(run, stochastic):
 
 @functools.cache
 def make_code_store(run, group_size):
-    """Device function ``store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb)``: a
-    run's packed codes ``p`` (zeros for a non-finite group, whose scale is NaN) at flat element
-    ``e`` (one uint32 for 8 codes, one uint16 for 4), and the group's scale bits ``sb`` from the
-    thread whose run starts the group; nothing past ``n``.  ``e_rel``: e's offset in its tile
-    (a tile is a whole number of groups, so the group's start is a property of the position in
-    the tile: no 64-bit modulo)."""
+    """Device function ``store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb, word,
+    full)``: a run's packed codes ``p`` (zeros for a non-finite group, whose scale is NaN) at
+    flat element ``e``, which is code word ``word`` (one uint32 for 8 codes, one uint16 for 4),
+    and the group's scale bits ``sb`` from the thread whose run starts the group; nothing past
+    ``n``, which ``full`` (the tile ends before n) says without a comparison.  ``e_rel``: e's
+    offset in its tile (a tile is a whole number of groups, so the group's start is a property
+    of the position in the tile: no 64-bit modulo)."""
     g_mask = group_size - 1
     log_g = group_size.bit_length() - 1
 
     @device_jit
-    def store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb):
+    def store_codes(codes, scales16, n, e, e_rel, p, amax_bits, sb, word, full):
         if amax_bits >= _NONFINITE:
             p = U32(0)  # a non-finite group: zero codes under the NaN scale
-        if e < n:
+        if full or e < n:
             if run == CHUNK:
-                codes[U64(e) >> U64(3)] = p
+                codes[word] = p
             else:
-                codes[U64(e) >> U64(2)] = np.uint16(p)
+                codes[word] = np.uint16(p)
             if e_rel & g_mask == 0:
                 scales16[U64(e) >> U64(log_g)] = np.uint16(sb)
 
@@ -233,6 +234,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     fp4quant_scale = OPS.fp4quant_scale
     encode_run = make_run_encoder(run, stochastic)
     store_codes = make_code_store(run, group_size)
+    run_bits = run.bit_length() - 1
 
     def run_step(i0):
         """Encode and store register run i0 (a device function per run: with Philox calls
@@ -249,7 +251,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
             mc = m[i0 // CHUNK]
             sb, mult = fp4quant_scale(U32(mc))
             p = encode_run(v, i0, mult, e, seed_lo, seed_hi, step)
-            store_codes(codes, scales16, n, e, e_rel, p, mc, sb)
+            store_codes(codes, scales16, n, e, e_rel, p, mc, sb, U64(e) >> U64(run_bits), False)
 
         return step_fn
 
@@ -400,6 +402,10 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     log_g = group_size.bit_length() - 1
     run_bits = run.bit_length() - 1
+    # a run starts at a multiple of its length: e_out >> run_bits loses nothing
+    assert min(final.lanes + final.warps) >= run_bits and final.regs[:run_bits] == tuple(
+        range(run_bits)
+    )
     # run-index bits and lanes whose element bits lie inside a group (g <= 1024): the runs
     # q with q & outside == r (r & inside == 0) hold one group
     inside = sum(1 << (j - run_bits) for j in range(run_bits, 5) if final.regs[j] < log_g)
@@ -449,19 +455,25 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
         offset = out_regs[i0]
 
         @device_jit
-        def step_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step):
+        def step_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, word0, full, seed_lo,
+                    seed_hi, step):  # fmt: skip
             e_rel = e_out + offset
             e = tile0 + e_rel
             p = encode_run(v, i0, mults[r], e, seed_lo, seed_hi, step)
-            store_codes(codes, scales16, n, e, e_rel, p, m[r], sbs[r])
+            # word0 + a constant: one address a tile, an immediate offset a run
+            word = word0 + U64(offset >> run_bits)
+            store_codes(codes, scales16, n, e, e_rel, p, m[r], sbs[r], word, full)
 
         return step_fn
 
     def chain(first_fn, second_fn):
         @device_jit
-        def both(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step):
-            first_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step)
-            second_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, seed_lo, seed_hi, step)
+        def both(v, m, sbs, mults, codes, scales16, n, tile0, e_out, word0, full, seed_lo,
+                 seed_hi, step):  # fmt: skip
+            first_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, word0, full, seed_lo,
+                     seed_hi, step)  # fmt: skip
+            second_fn(v, m, sbs, mults, codes, scales16, n, tile0, e_out, word0, full, seed_lo,
+                      seed_hi, step)  # fmt: skip
 
         return both
 
@@ -492,7 +504,9 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
             network(v, lane, warp, sm)
             group_scales(v, lane, warp, warp_amax, half, m, sbs, mults)
             half ^= 16
-            encode_runs(v, m, sbs, mults, codes, scales16, n, t * tile, e_out, seed_lo,
+            tile0 = t * tile
+            encode_runs(v, m, sbs, mults, codes, scales16, n, tile0, e_out,
+                        U64(tile0 + e_out) >> U64(run_bits), tile0 + tile <= n, seed_lo,
                         seed_hi, step)  # fmt: skip
 
     return kernel

@@ -668,15 +668,22 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False):
     in_regs = tuple(bits_offset(layout.regs, i) for i in range(REGISTERS))
 
     @device_jit
-    def load_raw(x, e0, n, w, raw):
-        for c in range(n_chunks):
-            e = e0 + in_regs[run_in * c]
-            for j in range(n_words):
-                w[j] = U32(0)
-            if e < n:
-                load(x, U64(e) >> shift, w)
-            for j in range(n_words):
-                raw[n_words * c + j] = w[j]
+    def load_raw(x, e0, n, w, raw, full):
+        if full:  # the whole tile lies before n: no checks, one address, constant offsets
+            first = U64(e0) >> shift
+            for c in range(n_chunks):
+                load(x, first + U64(in_regs[run_in * c] >> shift), w)
+                for j in range(n_words):
+                    raw[n_words * c + j] = w[j]
+        else:
+            for c in range(n_chunks):
+                e = e0 + in_regs[run_in * c]
+                for j in range(n_words):
+                    w[j] = U32(0)
+                if e < n:
+                    load(x, U64(e) >> shift, w)
+                for j in range(n_words):
+                    raw[n_words * c + j] = w[j]
 
     @device_jit
     def unpack(raw, w, v):
@@ -689,15 +696,16 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False):
     @device_jit
     def start(x, t0, tile, e_in, n, w, raw):
         if prefetch:
-            load_raw(x, t0 * tile + e_in, n, w, raw)
+            load_raw(x, t0 * tile + e_in, n, w, raw, (t0 + 1) * tile <= n)
 
     @device_jit
     def tile_values(x, t, stride, tile, e_in, n, w, raw, v):
         if prefetch:  # widen this tile's words, then reuse them for the next tile's
             unpack(raw, w, v)
-            load_raw(x, (t + stride) * tile + e_in, n, w, raw)
+            t1 = t + stride
+            load_raw(x, t1 * tile + e_in, n, w, raw, (t1 + 1) * tile <= n)
         else:
-            load_raw(x, t * tile + e_in, n, w, raw)
+            load_raw(x, t * tile + e_in, n, w, raw, (t + 1) * tile <= n)
             unpack(raw, w, v)
 
     return start, tile_values, n_raw
