@@ -319,7 +319,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
 def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=False):
     """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n.
     ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``);
-    ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's work."""
+    ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's
+    butterflies."""
     if hadamard and smem:
         return _smem_decode_kernel(out_kind, group_size, prefetch)
     _, store_run = make_chunk_io(out_kind)
@@ -503,7 +504,8 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
     consecutive codes a thread and chunk), the output stored from its final layout, each run
     multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
     of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
-    are loaded before this tile's work."""
+    are loaded into the same registers as soon as this tile's are unpacked, so they are in
+    flight while the kernel computes on this tile."""
     wide = out_kind == KIND_F32
     first = hn.layouts(group_size, False, wide)[0]
     final, network = hn.make_network(group_size, False, wide)
@@ -545,8 +547,6 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
         sc = cuda.local.array(n_runs, np.float32)
         words = cuda.local.array(n_chunks, np.uint32)
         sbits = cuda.local.array(n_runs, np.uint32)
-        next_words = cuda.local.array(n_chunks, np.uint32)
-        next_sbits = cuda.local.array(n_runs, np.uint32)
         e_in = in_offset(lane, warp)
         e_out = out_offset(lane, warp)
         tile = REGISTERS * cuda.blockDim.x
@@ -554,18 +554,9 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
         stride = cuda.gridDim.x
         t0 = cuda.blockIdx.x
         if prefetch:
-            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, next_words,
-                      next_sbits)  # fmt: skip
+            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, words, sbits)
         for t in range(t0, n_tiles, stride):
-            if prefetch:
-                for c in range(n_chunks):
-                    words[c] = next_words[c]
-                for r in range(n_per_tile):
-                    sbits[r] = next_sbits[r]
-                t1 = t + stride  # the next tile's
-                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, next_words,
-                          next_sbits)  # fmt: skip
-            else:
+            if not prefetch:
                 load_tile(codes, scales16, n, t * tile + e_in, t * tile + e_out, words, sbits)
             for c in range(n_chunks):
                 for h in range(2):
@@ -579,6 +570,9 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
                 sc[r] = u32_as_f32(U32(sbits[r] << 16)) * inv_g
             for r in range(n_per_tile, n_runs):  # a CTA is one group: one factor
                 sc[r] = sc[0]
+            if prefetch:  # this tile's words and scale bits are consumed: reuse them
+                t1 = t + stride  # the next tile's
+                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, words, sbits)
             # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below 6
             # are exact in float32, so the butterflies round nothing and cannot overflow
             network(v, lane, warp, sm)
