@@ -220,7 +220,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
     (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
     seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
-    (with it, 16-bit kinds): the next tile's loads issued before this tile's work."""
+    (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
+    issued before this tile's work."""
     if hadamard and smem:
         return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
     load_chunks, _ = make_chunk_io(kind, aligned)
@@ -390,7 +391,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
     final, network = hn.make_network(group_size, wide, False)
-    prefetch = prefetch and not wide  # float32: 32 more registers, as the transform
+    assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
     run = min(hn.run_length(final), CHUNK)
     n_runs = REGISTERS // run
@@ -596,8 +597,7 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         return
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
-    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
-    prefetch = prefetch and kind != KIND_F32
+    smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
     blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     launch.launch(
@@ -615,7 +615,8 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
     if n == 0:
         return
-    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
+    # the input is codes: prefetched whatever the output kind
+    smem, prefetch = hn.network_choice(group_size, None) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
     blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     codes_w, aligned = ctx.codes_view(codes, 4)
