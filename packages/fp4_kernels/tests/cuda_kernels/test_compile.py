@@ -41,6 +41,11 @@ GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 # every group size in bfloat16, and the other element kinds at a shuffle-only and a
 # shared-memory group size
 GROUP_CASES = [(1, g) for g in GROUP_SIZES] + [(k, g) for k in (0, 2) for g in (64, 2048)]
+# the "smem" kernels that load elements prefetch only 16-bit kinds (network_choice)
+SMEM_CASES = [(k, g, pf) for k, g in GROUP_CASES for pf in (False, True) if k or not pf]
+ENCODE_CASES = [(k, g, False, False) for k, g in GROUP_CASES] + [
+    (k, g, True, pf) for k, g, pf in SMEM_CASES
+]
 
 
 def _stage_instructions(ptx, g):
@@ -160,8 +165,7 @@ def test_hadamard_kernel_compiles_clean(kind, g):
     assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
 
 
-@pytest.mark.parametrize("kind,g", GROUP_CASES)
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("kind,g,prefetch", SMEM_CASES)
 def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
     """The shared-memory network: no shuffles, 16-byte (and 8-byte) shared accesses, CTA
     barriers only across warps, and the global accesses of the shuffle kernel."""
@@ -177,9 +181,8 @@ def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
     _check_block_kernel_body(ptx)  # unaligned input: element loads
 
 
-@pytest.mark.parametrize("kind,g", GROUP_CASES)
+@pytest.mark.parametrize("kind,g,smem,prefetch", ENCODE_CASES)
 @pytest.mark.parametrize("stochastic", [False, True])
-@pytest.mark.parametrize("smem,prefetch", [(False, False), (True, False), (True, True)])
 def test_fp4quant_encode_kernel_compiles_clean(kind, g, stochastic, smem, prefetch):
     sig = ENCODE_SIG if g < 8192 else (W32, U16) + ENCODE_SIG[2:]
     kernel = fp4quant_encode_kernel(kind, g, True, stochastic, True, smem, prefetch)

@@ -82,6 +82,21 @@ def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding
     _check(q, x, fmt, rounding, 7, 2)
 
 
+@pytest.mark.parametrize("variant", ["smem-pf", "smem"])
+def test_smem_decode_several_tiles_a_cta(kernels, rng, monkeypatch, variant):
+    """Several tiles per CTA (the grid-stride loop iterates): with the prefetch, each tile's
+    codes and scales were loaded during the previous tile; to bf16 and to float32 (which
+    prefetches the codes too)."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    fmt = fk.FP4Quant(64)
+    x = _data(rng, 200, 64, "bfloat16", 64)
+    q = fk.quantize(to_gpu(x, "numba"), fmt=fmt, seed=5)
+    _check(q, x, fmt, "nearest", 5, 0)
+    codes, scales = fq.quantize_reference(np.asarray(x, np.float32), 64, hadamard=True)
+    ref = fq.dequantize_reference(codes, scales, 64, hadamard=True)
+    assert same_bits(to_host(fk.dequantize(q, "float32")), ref.astype(np.float32))
+
+
 @pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,g", FULL_CASES)

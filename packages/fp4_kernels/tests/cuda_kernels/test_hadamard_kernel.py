@@ -7,6 +7,7 @@ from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
 from conftest import REAL_GPU, SIMULATOR
 
 import fp4_kernels as fk
+from fp4_kernels._scalar import KIND_BF16, KIND_F16, KIND_F32
 from fp4_kernels.cuda import hadamard as H
 from fp4_kernels.formats import hadamard as h
 from fp4_kernels.testing import same_bits
@@ -61,6 +62,26 @@ def test_smem_network_every_stage_and_sign(kernels, rng, monkeypatch, variant, g
     for inverse, seed in ((False, 11), (True, 12)):
         y = fk.hadamard(to_gpu(x, "numba"), group_size=g, inverse=inverse, signs=seed)
         assert same_bits(to_host(y), _reference(x, g, inverse, seed)), (g, inverse)
+
+
+@pytest.mark.parametrize(
+    "variant,kind,choice",
+    [("smem-pf", KIND_BF16, (True, True)), ("smem-pf", KIND_F16, (True, True)),
+     ("smem-pf", None, (True, True)), ("smem-pf", KIND_F32, (True, False)),
+     ("smem", KIND_BF16, (True, False)), ("shfl", KIND_BF16, (False, False))],
+)  # fmt: skip
+def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, variant, kind, choice):
+    """One rule for the transform and FP4Quant's kernels: float32 input (32 more registers)
+    does not prefetch; 16-bit elements and packed codes (None) do under ``smem-pf``.  The
+    host sizes the CTA by the resolved choice: 128 threads with the prefetch, 256 without."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    assert H.network_choice(64, kind) == choice
+    assert H.network_choice(16, kind) == (False, False)  # below "smem"'s smallest g
+    if kind is not None:
+        most = H.transform_kernel(kind, 64, False, True)[1]
+        assert most == (H.max_threads(choice[1]) if choice[0] else None)
+    if kind == KIND_F32:
+        assert H.transform_kernel(kind, 64, False, True)[1] == H.MAX_THREADS
 
 
 def test_unknown_variant_is_an_error(kernels, monkeypatch):

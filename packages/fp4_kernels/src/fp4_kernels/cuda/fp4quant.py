@@ -221,7 +221,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
     (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
     seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
-    (with it, 16-bit kinds): the next tile's loads issued before this tile's work."""
+    (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
+    issued before this tile's work."""
     if hadamard and smem:
         return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
     load_chunks, _ = make_chunk_io(kind, aligned)
@@ -321,7 +322,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
 def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=False):
     """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n.
     ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``);
-    ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's work."""
+    ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's
+    butterflies."""
     if hadamard and smem:
         return _smem_decode_kernel(out_kind, group_size, prefetch)
     _, store_run = make_chunk_io(out_kind)
@@ -391,7 +393,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
     final, network = hn.make_network(group_size, wide, False)
-    prefetch = prefetch and not wide  # float32: 32 more registers, as the transform
+    assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
     run = min(hn.run_length(final), CHUNK)
     n_runs = REGISTERS // run
@@ -517,7 +519,8 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
     consecutive codes a thread and chunk), the output stored from its final layout, each run
     multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
     of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
-    are loaded before this tile's work."""
+    are loaded into the same registers as soon as this tile's are unpacked, so they are in
+    flight while the kernel computes on this tile."""
     wide = out_kind == KIND_F32
     first = hn.layouts(group_size, False, wide)[0]
     final, network = hn.make_network(group_size, False, wide)
@@ -559,8 +562,6 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
         sc = cuda.local.array(n_runs, np.float32)
         words = cuda.local.array(n_chunks, np.uint32)
         sbits = cuda.local.array(n_runs, np.uint32)
-        next_words = cuda.local.array(n_chunks, np.uint32)
-        next_sbits = cuda.local.array(n_runs, np.uint32)
         e_in = in_offset(lane, warp)
         e_out = out_offset(lane, warp)
         tile = REGISTERS * cuda.blockDim.x
@@ -568,18 +569,9 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
         stride = cuda.gridDim.x
         t0 = cuda.blockIdx.x
         if prefetch:
-            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, next_words,
-                      next_sbits)  # fmt: skip
+            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, words, sbits)
         for t in range(t0, n_tiles, stride):
-            if prefetch:
-                for c in range(n_chunks):
-                    words[c] = next_words[c]
-                for r in range(n_per_tile):
-                    sbits[r] = next_sbits[r]
-                t1 = t + stride  # the next tile's
-                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, next_words,
-                          next_sbits)  # fmt: skip
-            else:
+            if not prefetch:
                 load_tile(codes, scales16, n, t * tile + e_in, t * tile + e_out, words, sbits)
             for c in range(n_chunks):
                 for h in range(2):
@@ -593,6 +585,9 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
                 sc[r] = u32_as_f32(U32(sbits[r] << 16)) * inv_g
             for r in range(n_per_tile, n_runs):  # a CTA is one group: one factor
                 sc[r] = sc[0]
+            if prefetch:  # this tile's words and scale bits are consumed: reuse them
+                t1 = t + stride  # the next tile's
+                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, words, sbits)
             # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below 6
             # are exact in float32, so the butterflies round nothing and cannot overflow
             network(v, lane, warp, sm)
@@ -616,8 +611,7 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         return
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
-    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
-    prefetch = prefetch and kind != KIND_F32
+    smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
     blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     launch.launch(
@@ -635,7 +629,8 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     """Queue the decoding of the ``n`` elements of ``codes`` / ``scales`` into ``out``."""
     if n == 0:
         return
-    smem, prefetch = hn.network_choice(group_size) if hadamard else (False, False)
+    # the input is codes: prefetched whatever the output kind
+    smem, prefetch = hn.network_choice(group_size, None) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
     blocks, threads = group_grid(group_size, n, ctx.device_id, most)
     codes_w, aligned = ctx.codes_view(codes, 4)

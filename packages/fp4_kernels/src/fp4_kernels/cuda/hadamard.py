@@ -715,14 +715,15 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False):
 def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefetch=False):
     """``hadamard_kernel`` with the "smem" network: same arguments, same bits.  Launch: as
     ``hadamard_kernel``, at most ``max_threads(prefetch)`` threads a CTA below g = 2048.
-    ``prefetch`` (16-bit kinds): the next tile's loads are issued before this tile's
-    butterflies, so they are in flight while it computes (16 more registers)."""
+    ``prefetch`` (16-bit kinds only: ``network_choice``): the next tile's loads are issued
+    before this tile's butterflies, so they are in flight while it computes (16 more
+    registers)."""
     wide = kind == KIND_F32
+    assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     first = layouts(group_size, wide)[0]
     final, network = make_network(group_size, wide)
     # runs of consecutive elements in consecutive registers: a 16-byte access each
     n_smem = smem_network_words(group_size, max_threads(prefetch))
-    prefetch = prefetch and not wide  # float32: 32 more registers, not worth it
     start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch)
     run = min(run_length(final), CHUNK)
     store = make_words_io(kind, words_per(kind, run))[4]
@@ -813,22 +814,24 @@ def variant():
     return name
 
 
-def network_choice(group_size):
+def network_choice(group_size, kind):
     """(smem, prefetch): whether the current variant runs the "smem" network at
-    ``group_size``, and with the prefetch (FP4Quant's kernels follow the transform's choice)."""
+    ``group_size``, and with the prefetch, for a kernel that loads elements of ``kind`` (None:
+    packed FP4 codes).  The one rule for the transform and FP4Quant's kernels: float32 input
+    does not prefetch (32 more registers, not worth it)."""
     choice = VARIANTS[variant()]
     if choice is None or group_size < choice[0]:
         return False, False
-    return True, choice[1]
+    return True, choice[1] and kind != KIND_F32
 
 
-def transform_kernel(name, kind, group_size, inverse, signed, aligned=True):
-    """(kernel, most threads a CTA or None) of variant ``name``."""
-    choice = VARIANTS[name]
-    if choice is None or group_size < choice[0]:
+def transform_kernel(kind, group_size, inverse, signed, aligned=True):
+    """(kernel, most threads a CTA or None) of the current variant."""
+    smem, prefetch = network_choice(group_size, kind)
+    if not smem:
         return hadamard_kernel(kind, group_size, inverse, signed, aligned), None
-    kernel = smem_hadamard_kernel(kind, group_size, inverse, signed, aligned, choice[1])
-    return kernel, max_threads(choice[1])
+    kernel = smem_hadamard_kernel(kind, group_size, inverse, signed, aligned, prefetch)
+    return kernel, max_threads(prefetch)
 
 
 # ---------------------------------------------------------------------- host side
@@ -860,10 +863,9 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     if n == 0:
         return
     xw, aligned = ctx.words_view(x, kind)
-    kernel, max_threads = transform_kernel(variant(), kind, group_size, inverse, signed, aligned)
-    per_sm = 2048
-    if max_threads == PREFETCH_THREADS and kind != KIND_F32 and group_size <= WARP_TILE:
-        per_sm = PREFETCH_THREADS_PER_SM
+    kernel, max_threads = transform_kernel(kind, group_size, inverse, signed, aligned)
+    prefetching = max_threads == PREFETCH_THREADS and group_size <= WARP_TILE
+    per_sm = PREFETCH_THREADS_PER_SM if prefetching else 2048
     blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
     launch.launch(
         kernel,
