@@ -4,7 +4,8 @@
         [--ctas-per-sm 0,1,2,4,8] [--threads 0,64,128] [--repeat 2] [--out DIR]
     python benchmarks/launch_sweep.py --profile [--ops ...]    # each op once, for ncu
 
-Ops: ``hadamard:G``, ``hadamard-signs:G``, ``encode:G`` (FP4Quant with the transform),
+Ops: ``hadamard:G``, ``hadamard-signs:G``, ``hadamard-f32:G`` (float32 input, the copy still
+bf16: compare it with ``hadamard:G`` of the same run), ``encode:G`` (FP4Quant with the transform),
 ``decode:G``, ``nvfp4`` (quantize with ``global_amax`` given), ``dequantize-nvfp4``.  A point is
 ``launch_policy(max_blocks=ctas_per_sm * SMs, threads=threads)`` (0: the launch table's
 choice; the launcher still caps the grid at the CTAs that can be resident at once).
@@ -52,6 +53,9 @@ def make_op(spec, xs):
     g = int(g) if g else 0
     if name == "hadamard":
         return spec, lambda i: fk.hadamard(xs[i], group_size=g)
+    if name == "hadamard-f32":
+        xs32 = [x.float() for x in xs]
+        return spec, lambda i: fk.hadamard(xs32[i], group_size=g)
     if name == "hadamard-signs":
         return spec, lambda i: fk.hadamard(xs[i], group_size=g, signs=1234)
     if name == "encode":

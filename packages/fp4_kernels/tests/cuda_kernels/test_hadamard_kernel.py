@@ -84,6 +84,29 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
         assert H.transform_kernel(kind, 64, False, True)[1] == H.MAX_THREADS
 
 
+@pytest.mark.parametrize(
+    "variant,dtype,g,grid",
+    [("smem-pf", "bfloat16", 64, (4, 128)), ("smem-pf", "bfloat16", 1024, (4, 128)),
+     ("smem-pf", "float32", 64, (8, 256)), ("smem", "bfloat16", 64, (8, 256)),
+     ("smem-pf", "bfloat16", 4096, (16, 128)), ("shfl", "bfloat16", 64, (8, 256))],
+)  # fmt: skip
+def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
+    """(CTAs, threads) the transform asks for under the launch table's policy on one SM (the
+    simulator's count), for 20 tiles of work: the prefetching kernels below g = 2048
+    ``PREFETCH_THREADS_PER_SM`` threads an SM (4 CTAs of 128), the others up to 2048 (8 CTAs
+    of 256; at g = 4096 a CTA of 128 threads is one group: 16)."""
+    from fp4_kernels.cuda import launch
+
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    asked = []
+    monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a: asked.append(
+        (blocks, threads)))  # fmt: skip
+    x = np.zeros((20, 4096), NP_DTYPES[dtype])  # 81920 elements
+    with launch.launch_policy():  # the table's choice, not the simulator tests' small grids
+        fk.hadamard(to_gpu(x, "numba"), group_size=g)
+    assert asked == [grid]
+
+
 def test_unknown_variant_is_an_error(kernels, monkeypatch):
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", "fast")
     with pytest.raises(ValueError, match="FP4_HADAMARD_VARIANT: 'fast' is not one of"):

@@ -536,20 +536,29 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
+    # chunks of 8 consecutive codes, a thread's first at a multiple of 8: one code word each
+    assert first.regs[:3] == (0, 1, 2) and min(first.lanes + first.warps) >= 3
 
     @device_jit
-    def load_tile(codes, scales16, n, e_in0, e_out0, words, sbits):
+    def load_tile(codes, scales16, n, e_in0, e_out0, words, sbits, full):
         """The code words of the thread's chunks (register 0 at element ``e_in0``) and the
-        scale bits of the runs it stores (register 0 at ``e_out0``); zeros past ``n``."""
-        for c in range(n_chunks):
-            e = e_in0 + in_regs[CHUNK * c]
-            words[c] = U32(0)
-            if e < n:
-                words[c] = U32(codes[U64(e) >> U64(3)])
+        scale bits of the runs it stores (register 0 at ``e_out0``); zeros past ``n``.
+        ``full``: the tile ends before n (no checks; the code words from one index plus
+        constants)."""
+        if full:
+            first = U64(e_in0) >> U64(3)
+            for c in range(n_chunks):
+                words[c] = U32(codes[first + U64(in_regs[CHUNK * c] >> 3)])
+        else:
+            for c in range(n_chunks):
+                e = e_in0 + in_regs[CHUNK * c]
+                words[c] = U32(0)
+                if e < n:
+                    words[c] = U32(codes[U64(e) >> U64(3)])
         for r in range(n_per_tile):
             e = e_out0 + out_regs[run * r]
             sbits[r] = U32(0)
-            if e < n:
+            if full or e < n:
                 sbits[r] = U32(scales16[U64(e) // U64(group_size)])
 
     @cuda.jit
@@ -569,10 +578,13 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
         stride = cuda.gridDim.x
         t0 = cuda.blockIdx.x
         if prefetch:
-            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, words, sbits)
+            load_tile(codes, scales16, n, t0 * tile + e_in, t0 * tile + e_out, words, sbits,
+                      (t0 + 1) * tile <= n)  # fmt: skip
         for t in range(t0, n_tiles, stride):
+            full = (t + 1) * tile <= n
             if not prefetch:
-                load_tile(codes, scales16, n, t * tile + e_in, t * tile + e_out, words, sbits)
+                load_tile(codes, scales16, n, t * tile + e_in, t * tile + e_out, words, sbits,
+                          full)  # fmt: skip
             for c in range(n_chunks):
                 for h in range(2):
                     a, b, cc, d = e2m1_values4(U32(words[c] >> U32(16 * h)))
@@ -587,16 +599,22 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
                 sc[r] = sc[0]
             if prefetch:  # this tile's words and scale bits are consumed: reuse them
                 t1 = t + stride  # the next tile's
-                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, words, sbits)
+                load_tile(codes, scales16, n, t1 * tile + e_in, t1 * tile + e_out, words, sbits,
+                          (t1 + 1) * tile <= n)  # fmt: skip
             # on the e2m1 values themselves: sums of at most 8192 multiples of 0.5 below 6
             # are exact in float32, so the butterflies round nothing and cannot overflow
             network(v, lane, warp, sm)
             for i in range(REGISTERS):
                 v[i] = v[i] * sc[i // run]  # one rounding, a plain multiply
-            for r in range(n_runs):
-                e = t * tile + e_out + out_regs[run * r]
-                if e < n:
-                    store(out, U64(e) >> shift, v, run * r)
+            if full:  # one address, constant offsets
+                first = U64(t * tile + e_out) >> shift
+                for r in range(n_runs):
+                    store(out, first + U64(out_regs[run * r] >> shift), v, run * r)
+            else:
+                for r in range(n_runs):
+                    e = t * tile + e_out + out_regs[run * r]
+                    if e < n:
+                        store(out, U64(e) >> shift, v, run * r)
 
     return kernel
 

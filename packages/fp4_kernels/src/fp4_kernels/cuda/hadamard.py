@@ -782,10 +782,15 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
                 v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
             if signed and inverse:
                 flip_signs_per_tile(v, mask_out)
-            for i0 in range(0, REGISTERS, run):
-                e = t * tile + e_out + out_regs[i0]
-                if e < n:
-                    store(out, U64(e) >> shift, v, i0)
+            if (t + 1) * tile <= n:  # the whole tile: one address, constant offsets
+                first = U64(t * tile + e_out) >> shift
+                for i0 in range(0, REGISTERS, run):
+                    store(out, first + U64(out_regs[i0] >> shift), v, i0)
+            else:
+                for i0 in range(0, REGISTERS, run):
+                    e = t * tile + e_out + out_regs[i0]
+                    if e < n:
+                        store(out, U64(e) >> shift, v, i0)
 
     return kernel
 
