@@ -22,6 +22,7 @@ import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
     from ._timing import (
+        CHAIN,
         ROTATE,
         commit_id,
         copy_gbps as measure_copy_gbps,
@@ -34,6 +35,7 @@ try:  # imported by asv as part of the benchmarks package
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _timing import (
+        CHAIN,
         ROTATE,
         commit_id,
         copy_gbps as measure_copy_gbps,
@@ -199,9 +201,9 @@ def main():
         f"D2D copy {copy_gbps:.0f} GB/s (read + write); {n} elements (2^{args.log2n}), "
         f"rows of {k}.",
         "",
-        "Device time: median of CUDA-graph replays (one call per graph); eager: the same call "
-        "timed with events around the Python call (includes any idle GPU time while the host "
-        "launches).",
+        f"Device time: median of 15 samples, each {CHAIN} CUDA-graph replays (one call per "
+        "graph) back to back between two events; eager: one call timed with events around the "
+        "Python call (includes any idle GPU time while the host launches).",
         "",
         "| op | device ms | eager ms | GB/s (min bytes) | x copy | host us/call (64K elems) |",
         "|---|---:|---:|---:|---:|---:|",

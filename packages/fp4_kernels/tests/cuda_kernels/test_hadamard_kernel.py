@@ -91,13 +91,14 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
      ("smem-pf", "bfloat16", 4096, (16, 128)), ("shfl", "bfloat16", 64, (8, 256))],
 )  # fmt: skip
 def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
-    """(CTAs, threads) the transform asks for under the launch table's policy on one SM (the
-    simulator's count), for 20 tiles of work: the prefetching kernels below g = 2048
+    """(CTAs, threads) the transform asks for under the launch table's policy on a GPU of one
+    SM, for 20 tiles of work: the prefetching kernels below g = 2048
     ``PREFETCH_THREADS_PER_SM`` threads an SM (4 CTAs of 128), the others up to 2048 (8 CTAs
     of 256; at g = 4096 a CTA of 128 threads is one group: 16)."""
     from fp4_kernels.cuda import launch
 
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    monkeypatch.setattr(launch, "sm_count", lambda device_id: 1)
     asked = []
     monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a: asked.append(
         (blocks, threads)))  # fmt: skip
