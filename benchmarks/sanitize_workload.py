@@ -1,7 +1,7 @@
 """Every fp4_kernels GPU kernel once, on small inputs, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \\
-        python benchmarks/sanitize_workload.py [codec|transform|all] [VARIANT ...]
+        python benchmarks/sanitize_workload.py [codec|transform|all] [VARIANT ...] [--groups G,G]
     compute-sanitizer --tool racecheck --error-exitcode 9 python benchmarks/sanitize_workload.py
 
 ``codec``: NVFP4 and MXFP4 quantize (nearest and stochastic, with and without ``global_amax``,
@@ -9,11 +9,12 @@ linear and swizzled scales), dequantize to bf16 and float32, fake quantization a
 requantized sum, for bf16, float32 and float16 inputs, 16-byte aligned and not (a view one
 element in).  ``transform``: the Walsh–Hadamard transform (with signs, and inverse) and the
 FP4Quant encode / decode (with and without the transform, nearest and stochastic) at g = 16 …
-8192 in bf16 and float32, for each kernel variant (``FP4_HADAMARD_VARIANT``), or the ones
-named after it.  Under the sanitizer numba's compilations and the instrumented launches take
-minutes: on an H200 the codec part finishes in under 4, one variant of the transform part in
-more (run the variants as separate processes, side by side).  Inputs hold a
-NaN, an Inf and a -0, and end in a partial tile; grids are capped at 3 CTAs so that every
+8192 in bf16 and float32 (or the group sizes ``--groups`` lists), for each kernel variant
+(``FP4_HADAMARD_VARIANT``), or the ones named after it.  Under the sanitizer numba's
+compilations and the instrumented launches take minutes: on an H200 the codec part finishes in
+under 4, one variant of the transform part in more (run variants and group sizes as separate
+processes, side by side).  Inputs hold a NaN, an Inf and a -0, and (below g = 2048) end in a
+partial tile; grids are capped at 3 CTAs so that every
 grid-stride loop (and every prefetch past the end) runs several times.  ``--report-api-errors
 no``: the launcher's one parameter-table query per kernel ends on the driver's end-of-list
 answer, which memcheck would report as an API error.  Needs a CUDA build of torch.
@@ -47,12 +48,18 @@ def codec(torch, fk):
     fk.requantized_sum(fk.quantize(_tensor(torch, 5, 4096, torch.float32), fmt="mxfp4"))
 
 
-def transform(torch, fk, variants):
+GROUPS = (16, 32, 256, 1024, 2048, 4096, 8192)
+
+
+def transform(torch, fk, variants, groups=GROUPS):
     for variant in variants:
         os.environ["FP4_HADAMARD_VARIANT"] = variant  # read at every call
-        for g in (16, 32, 256, 1024, 2048, 4096, 8192):
+        for g in groups:
             for dtype in (torch.bfloat16, torch.float32):
-                x = _tensor(torch, max(3, 3 * 8192 // g), g, dtype)  # a partial last tile
+                # 3 * 8192 elements and one group more: below g = 2048 (where a tile is one
+                # group) the last tile is partial, so both the checked and the unchecked
+                # (whole-tile) loads and stores run
+                x = _tensor(torch, max(3, 3 * 8192 // g) + 1, g, dtype)
                 fk.hadamard(x, group_size=g, signs=7)
                 fk.hadamard(x, group_size=g, inverse=True)
                 for had in (True, False):
@@ -65,16 +72,22 @@ def transform(torch, fk, variants):
 
 
 def main():
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    args = sys.argv[1:]
+    groups = GROUPS
+    if "--groups" in args:
+        at = args.index("--groups")
+        groups = tuple(int(g) for g in args[at + 1].split(","))
+        del args[at : at + 2]
+    which = args[0] if args else "all"
     if which not in ("codec", "transform", "all"):
-        sys.exit(f"usage: {sys.argv[0]} [codec|transform|all] [VARIANT ...]")
+        sys.exit(f"usage: {sys.argv[0]} [codec|transform|all] [VARIANT ...] [--groups G,G]")
     import torch
 
     import fp4_kernels as fk
     from fp4_kernels.cuda.hadamard import VARIANTS
     from fp4_kernels.cuda.launch import launch_policy
 
-    variants = sys.argv[2:] or list(VARIANTS)
+    variants = args[1:] or list(VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         sys.exit(f"VARIANT: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
@@ -84,7 +97,7 @@ def main():
         if which in ("codec", "all"):
             codec(torch, fk)
         if which in ("transform", "all"):
-            transform(torch, fk, variants)
+            transform(torch, fk, variants, groups)
     torch.cuda.synchronize()
     print("done", flush=True)
 
