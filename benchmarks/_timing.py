@@ -138,6 +138,22 @@ def commit_id():
         return "unknown"
 
 
+def run_meta(**fields):
+    """The header every result file starts with: GPU name, commit, UTC date and torch version,
+    then ``fields``."""
+    import datetime
+
+    import torch
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "commit": commit_id(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        **fields,
+    }
+
+
 def write_json(out_dir, stem, record, indent=1):
     """``<out_dir>/<stem>.json``, the folder made if missing.  Scripts write it before their
     Markdown table, so the raw figures survive a failure in formatting them."""

@@ -4,7 +4,7 @@ reduce_scatter, send/recv) against NCCL bf16 on the same communicator, in the sa
 A collective needs one process per GPU, so ``setup_cache`` runs ``comm_throughput.py`` once
 under torchrun on every visible GPU (at least two; otherwise NotImplementedError in setup:
 asv reports the benchmarks skipped, as on a machine without a GPU) at one size, 64 MB of bf16
-(where the issue's aims start), and the ``track_*`` functions read its rows: device time of the
+(where the project's aims start), and the ``track_*`` functions read its rows: device time of the
 graph-replayed call (ms), its speedup over NCCL's bf16 collective, and the SQNR of the result.
 The NCCL environment of the asv process (NCCL_P2P_DISABLE, NCCL_SHM_DISABLE) passes on, so the
 same suite records the slow-link variants when run with them set.

@@ -1,7 +1,7 @@
 """asv: fp4_train.fp4_gemm, the exact path (mirrors the public API).
 
 GPU: device time of ``fp4_gemm(a, b)`` on NVFP4 operands and its ratio to a torch bf16 GEMM of
-the same shape in the same process (the issue-5 aim: at most 1.15x at 8192^3), as ``track_*``
+the same shape in the same process (the project's aim: at most 1.15x at 8192^3), as ``track_*``
 values, measured once in ``setup_cache``; skipped (NotImplementedError in setup) without a GPU
 or without fp4_train.  CPU: the exact path on small operands.
 """

@@ -9,8 +9,9 @@ their tensor scales, the bf16 GEMM with float32 output, alpha applied once) with
 a bf16 result, plus the two decodes alone; with ``--device-alpha`` also the exact path with
 alpha applied inside one cuBLASLt bf16 GEMM (``bf16_gemm_device_alpha``, no separate pass over
 the result; experimental, so best run as a process of its own).  Device time: each call
-captured in a CUDA graph and replayed between CUDA events (``_timing.graph_time_ms``), median
-of 15 replays after warm-up, inputs rotated among 3 buffer sets; eager CUDA-event medians
+captured in a CUDA graph, 10 replays back to back between two CUDA events a sample
+(``_timing.graph_time_ms``), median of 15 samples after warm-up, inputs rotated among 3 buffer
+sets; eager CUDA-event medians
 beside them.  The native cuBLASLt FP4 path runs where the device has FP4 tensor cores (compute
 capability >= 10.0) and is recorded as unavailable elsewhere.  Writes ``gemm_throughput.json``
 and ``gemm_throughput.md`` (device, commit, date) to ``--out`` (default $OUT or .).  The commit
@@ -20,17 +21,32 @@ is ``git rev-parse`` or, where there is no .git, the ``FP4_COMMIT`` environment 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 try:  # imported as part of the benchmarks package
-    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
+    from ._timing import (
+        CHAIN,
+        ROTATE,
+        cuda_time_ms,
+        graph_time_ms,
+        run_meta,
+        write_json,
+        write_markdown,
+    )
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
+    from _timing import (
+        CHAIN,
+        ROTATE,
+        cuda_time_ms,
+        graph_time_ms,
+        run_meta,
+        write_json,
+        write_markdown,
+    )
 
-TARGET_RATIO = 1.15  # issue 5: the exact path within 1.15x the bf16 GEMM at 8192^3
+TARGET_RATIO = 1.15  # the aim: the exact path within 1.15x the bf16 GEMM at 8192^3
 
 
 def main():
@@ -136,15 +152,12 @@ def main():
         del a, b, qa, qb, pairs, qpairs
         torch.cuda.empty_cache()
 
-    meta = {
-        "device": torch.cuda.get_device_name(dev),
-        "compute_capability": f"{cc[0]}.{cc[1]}",
-        "torch": torch.__version__,
-        "commit": commit_id(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": "CUDA-graph replay between CUDA events, median of 15, 3 rotating input sets",
-        "target": f"fp4_exact <= {TARGET_RATIO}x bf16_gemm at 8192^3",
-    }
+    meta = run_meta(
+        compute_capability=f"{cc[0]}.{cc[1]}",
+        method=f"CUDA-graph replays, {CHAIN} back to back between CUDA events a sample, median "
+        "of 15, 3 rotating input sets",
+        target=f"fp4_exact <= {TARGET_RATIO}x bf16_gemm at 8192^3",
+    )
     write_json(args.out, "gemm_throughput", {"meta": meta, "results": rows}, indent=2)
     lines = [
         f"# fp4_gemm vs bf16 GEMM: {meta['device']} (cc {meta['compute_capability']}), "

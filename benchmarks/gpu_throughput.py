@@ -14,7 +14,6 @@ Writes ``gpu_throughput.json`` and ``gpu_throughput.md`` (device, commit, date) 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -24,11 +23,11 @@ try:  # imported by asv as part of the benchmarks package
     from ._timing import (
         CHAIN,
         ROTATE,
-        commit_id,
         copy_gbps as measure_copy_gbps,
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        run_meta,
         write_json,
         write_markdown,
     )
@@ -37,11 +36,11 @@ except ImportError:  # run as a script
     from _timing import (
         CHAIN,
         ROTATE,
-        commit_id,
         copy_gbps as measure_copy_gbps,
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        run_meta,
         write_json,
         write_markdown,
     )
@@ -187,14 +186,7 @@ def main():
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
 
-    meta = {
-        "device": torch.cuda.get_device_name(),
-        "commit": commit_id(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": copy_gbps,
-        "torch": torch.__version__,
-        "fp4_kernels": fk.__version__,
-    }
+    meta = run_meta(copy_gbps=copy_gbps, fp4_kernels=fk.__version__)
     write_json(args.out, "gpu_throughput", {"meta": meta, "results": results})
     lines = [
         f"Device {meta['device']}, commit {meta['commit']}, {meta['date']}; "

@@ -30,7 +30,6 @@ rows once per listed variant in the same run (op names get ``[variant]``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import math
 import os
@@ -42,10 +41,10 @@ try:  # imported by asv as part of the benchmarks package
     from ._timing import (
         CHAIN,
         ROTATE,
-        commit_id,
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        run_meta,
         write_json,
         write_markdown,
     )
@@ -54,10 +53,10 @@ except ImportError:  # run as a script
     from _timing import (
         CHAIN,
         ROTATE,
-        commit_id,
         cuda_time_ms,
         graph_time_ms,
         host_time_us,
+        run_meta,
         write_json,
         write_markdown,
     )
@@ -192,22 +191,17 @@ def main():
     f = lambda x: fk.quantize(x, fmt="nvfp4", global_amax=4.5)  # noqa: E731
     record("NVFP4 quantize (context)", 16, f)
 
-    props = torch.cuda.get_device_properties(0)
-    meta = {
-        "device": props.name,
-        "commit": commit_id(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "elements": n,
-        "dtype": "bfloat16",
-        "row_length": K,
-        "copy_ms": copy_ms,
-        "copy_graph_ms": copy_graph_ms,
-        "copy_eager_ms": copy_eager_ms,
-        "copy_gbps": 4 * n / copy_ms / 1e6,
-        "torch": torch.__version__,
-        "fast_hadamard_transform": fht is not None,
-        "hadamard_variants": variants,
-    }
+    meta = run_meta(
+        elements=n,
+        dtype="bfloat16",
+        row_length=K,
+        copy_ms=copy_ms,
+        copy_graph_ms=copy_graph_ms,
+        copy_eager_ms=copy_eager_ms,
+        copy_gbps=4 * n / copy_ms / 1e6,
+        fast_hadamard_transform=fht is not None,
+        hadamard_variants=variants,
+    )
     write_json(args.out, "hadamard_throughput", {"meta": meta, "results": results})
     lines = [
         f"# Hadamard / FP4Quant throughput: {meta['device']}, commit {meta['commit']}, "

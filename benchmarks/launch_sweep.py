@@ -26,7 +26,6 @@ launch of each kernel.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import subprocess
 import sys
@@ -35,10 +34,10 @@ import fp4_kernels as fk
 from fp4_kernels.cuda import launch
 
 try:
-    from ._timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
+    from ._timing import ROTATE, cuda_time_ms, graph_time_ms, run_meta, write_json, write_markdown
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown
+    from _timing import ROTATE, cuda_time_ms, graph_time_ms, run_meta, write_json, write_markdown
 
 K = 8192
 DEFAULT_OPS = (
@@ -165,20 +164,20 @@ def main():
                         f"(copy {copy_smi[0]}) {op_smi[2]} W {op_smi[3]}",
                         flush=True,
                     )
-    props = torch.cuda.get_device_properties(0)
-    meta = {
-        "device": props.name,
-        "commit": commit_id(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "elements": n,
-        "chain": args.chain,
-        "sms": sms,
-        "resident_ctas": {
-            f"{getattr(getattr(k[0][0], 'py_func', None), '__qualname__', '?')} "
-            f"{[str(t) for t in k[0][2]]} threads={k[1]}": v
-            for k, v in launch._resident.items()
-        },
-    }
+    meta = run_meta(
+        elements=n,
+        chain=args.chain,
+        sms=sms,
+        resident_ctas=[  # the launcher's occupancy answers, one per kernel and CTA size
+            {
+                "kernel": getattr(getattr(key[0], "py_func", None), "__qualname__", "?"),
+                "arg_types": [str(t) for t in key[2]],
+                "threads": threads,
+                "ctas": ctas,
+            }
+            for (key, threads), ctas in launch._resident.items()
+        ],
+    )
     write_json(args.out, "launch_sweep", {"meta": meta, "results": rows})
     lines = [
         f"# launch sweep: {meta['device']}, commit {meta['commit']}, {meta['date']}",

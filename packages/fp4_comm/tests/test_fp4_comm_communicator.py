@@ -148,7 +148,7 @@ def _run_diverging(comms, validate, case):
         except ValueError as err:
             out.append(("ValueError", str(err)))
 
-    if case == "shape":  # the issue's case: rank 1's second all_gather is new to it
+    if case == "shape":  # the case at stake: rank 1's second all_gather is new to it
         call(lambda: comm.all_gather(rows, codec="none-float32"))
         call(lambda: comm.all_gather(rows if r == 0 else rows[:1], codec="none-float32"))
     elif case == "both_seen":  # each rank's second call was checked before, but they differ
