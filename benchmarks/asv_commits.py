@@ -51,10 +51,12 @@ def _git(*args, cwd=ROOT):
 
 
 def _config():
-    """asv.conf.json (JSON5) as asv reads it, with repo and results redirected into .asvrun."""
-    from asv.util import load_json
+    """asv.conf.json (JSON5) as asv reads it, with repo and results redirected into .asvrun.
+    Read with json5 (an asv dependency): importing ``asv.util`` registers asv's commands,
+    which fails where asv and asv_runner disagree on their names."""
+    import json5
 
-    conf = load_json(str(ROOT / "asv.conf.json"), js_comments=True)
+    conf = json5.loads((ROOT / "asv.conf.json").read_text())
     conf.update(repo=".asvrun/git", results_dir=".asvrun/results", html_dir=".asvrun/html")
     return conf
 
