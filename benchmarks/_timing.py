@@ -89,22 +89,10 @@ def graph_time_ms(fn, args_list, reps=15, chain=CHAIN):
         with torch.cuda.graph(g):
             fn(*a)
         graphs.append(g)
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    k = 0
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(chain):
-            graphs[k % len(graphs)].replay()
-            k += 1
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / chain)
-    return statistics.median(times), min(times), max(times)
+    # each graph replayed once to warm up, then the same samples as an eager call's
+    return cuda_time_ms(
+        lambda g: g.replay(), [(g,) for g in graphs], len(graphs), reps=reps, chain=chain
+    )
 
 
 def host_time_us(fn, args, reps=200):
