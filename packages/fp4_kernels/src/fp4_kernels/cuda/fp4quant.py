@@ -622,6 +622,14 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
 # ---------------------------------------------------------------------- host side
 
 
+def _network_grid(group_size, kind, hadamard, n, device_id):
+    """(smem, prefetch, CTAs, threads) of an FP4Quant kernel that loads elements of ``kind``
+    (None: packed codes): the transform's network choice where there is a transform."""
+    smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
+    most = hn.max_threads(prefetch) if smem else None
+    return (smem, prefetch, *group_grid(group_size, n, device_id, most))
+
+
 def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, stochastic):
     """Queue the encoding of the ``n`` elements of ``x`` into the wire buffer's ``codes`` and
     ``scales`` views (validated and allocated by the caller) on the caller's stream."""
@@ -629,9 +637,7 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         return
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
-    smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
-    most = hn.max_threads(prefetch) if smem else None
-    blocks, threads = group_grid(group_size, n, ctx.device_id, most)
+    smem, prefetch, blocks, threads = _network_grid(group_size, kind, hadamard, n, ctx.device_id)
     launch.launch(
         fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem, prefetch),
         blocks,
@@ -648,9 +654,7 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
     if n == 0:
         return
     # the input is codes: prefetched whatever the output kind
-    smem, prefetch = hn.network_choice(group_size, None) if hadamard else (False, False)
-    most = hn.max_threads(prefetch) if smem else None
-    blocks, threads = group_grid(group_size, n, ctx.device_id, most)
+    smem, prefetch, blocks, threads = _network_grid(group_size, None, hadamard, n, ctx.device_id)
     codes_w, aligned = ctx.codes_view(codes, 4)
     if not aligned:
         raise ValueError("q.data: FP4Quant codes must be 4-byte aligned (a view of the payload)")

@@ -831,12 +831,12 @@ def network_choice(group_size, kind):
 
 
 def transform_kernel(kind, group_size, inverse, signed, aligned=True):
-    """(kernel, most threads a CTA or None) of the current variant."""
+    """(kernel, most threads a CTA or None, prefetch) of the current variant."""
     smem, prefetch = network_choice(group_size, kind)
     if not smem:
-        return hadamard_kernel(kind, group_size, inverse, signed, aligned), None
+        return hadamard_kernel(kind, group_size, inverse, signed, aligned), None, False
     kernel = smem_hadamard_kernel(kind, group_size, inverse, signed, aligned, prefetch)
-    return kernel, max_threads(prefetch)
+    return kernel, max_threads(prefetch), prefetch
 
 
 # ---------------------------------------------------------------------- host side
@@ -848,9 +848,10 @@ def transform_kernel(kind, group_size, inverse, signed, aligned=True):
 # a tile's loads in flight, and past 16 warps an SM the extra requests slow DRAM down more than
 # they hide.  The FP4Quant kernels, with more work a tile, run fastest with all that fit.
 PREFETCH_THREADS_PER_SM = 512
+THREADS_PER_SM = 2048  # every other kernel of this module and cuda.fp4quant: all that fit
 
 
-def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=2048):
+def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=THREADS_PER_SM):
     """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
     for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise (at most
     ``max_threads``); a persistent grid of up to ``threads_per_sm`` resident threads per SM
@@ -868,9 +869,10 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     if n == 0:
         return
     xw, aligned = ctx.words_view(x, kind)
-    kernel, max_threads = transform_kernel(kind, group_size, inverse, signed, aligned)
-    prefetching = max_threads == PREFETCH_THREADS and group_size <= WARP_TILE
-    per_sm = PREFETCH_THREADS_PER_SM if prefetching else 2048
+    kernel, max_threads, prefetch = transform_kernel(kind, group_size, inverse, signed, aligned)
+    per_sm = THREADS_PER_SM
+    if prefetch and group_size <= WARP_TILE:  # g >= 2048: a CTA is one group, all that fit
+        per_sm = PREFETCH_THREADS_PER_SM
     blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
     launch.launch(
         kernel,
