@@ -354,14 +354,16 @@ class Layout(NamedTuple):
 
 LOAD = Layout((0, 1, 2, 7, 8), (3, 4, 5, 6, 9))  # stages 0, 1, 7, 8, 2 in registers
 STORE = Layout((0, 1, 2, 6, 9), (3, 4, 5, 7, 8))  # stage 9; 16-byte stores
-# between them, the lane stages 3-6 (as few of them as g has, and the most bits in common
-# with LOAD and STORE: then the transposes move 16 bytes an access)
+# between them, the lane stages 3-5 (as few of them as g has; stage 6 runs in STORE), with two
+# bits in common with LOAD and with STORE (float32 included): both transposes move 16 bytes an
+# access (8 + 8 accesses each way, where a middle of bits 2-6 shares one bit with LOAD: 16 + 16
+# 8-byte ones)
 _MIDDLE = {
     16: Layout((0, 1, 2, 3, 7), (4, 5, 6, 8, 9)),
     32: Layout((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)),
     64: Layout((1, 2, 3, 4, 5), (0, 6, 7, 8, 9)),
 }
-MIDDLE = Layout((2, 3, 4, 5, 6), (0, 1, 7, 8, 9))
+MIDDLE = Layout((0, 2, 3, 4, 5), (1, 6, 7, 8, 9))
 # g >= 2048 (a CTA is one group): the warp bits 10 .. 9 + k trade places with register bits
 # through the CTA's shared memory; at g = 8192 runs of 4 elements (8-byte stores, bits 2-5
 # across lanes 0-15: still whole lines)
