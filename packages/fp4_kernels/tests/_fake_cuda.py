@@ -67,6 +67,7 @@ class Recorder:
         self.keep = keep
         self.launches = []
         self.kernels = {}
+        self.carveouts = {}  # kernel -> CTAs an SM its carveout is sized for (None: driver)
         self.device_id = 0  # the device of "numba's current context" (launch.current_device_id)
 
     def stream(self, device):
@@ -77,6 +78,11 @@ class Recorder:
         k = FakeKernel(kernel, list(argtypes))
         self.kernels[k.handle] = k
         return k
+
+    def set_carveout(self, cu_kernel, device_id, ctas_per_sm):
+        """The shared-memory carveout a kernel asks for: recorded as the CTAs it is sized for."""
+        self.carveouts[cu_kernel.kernel] = ctas_per_sm
+        return ctas_per_sm
 
     def cu_launch(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         if not self.keep:
@@ -122,6 +128,7 @@ def fake_cuda(recorder=None):
     patch(torch, "zeros", zeros)
     patch(torch._C, "_cuda_getCurrentRawStream", recorder.stream)
     patch(abi, "compile_kernel", recorder.compile)
+    patch(abi, "set_carveout", recorder.set_carveout)
     patch(launch, "current_device_id", lambda: recorder.device_id)
     # the simulator tier too: the launcher, not numba's simulated dispatcher, takes the launches
     patch(launch, "SIMULATOR", False)
@@ -130,7 +137,7 @@ def fake_cuda(recorder=None):
     # the caches of device state and device arrays: the fake's own while it runs (on a GPU
     # machine the real ones hold real launchers and device pointers, restored afterwards)
     caches = [
-        (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"),
+        (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"), (launch, "_carveout"),
         (_api, "_ONES"), (_hadamard, "_SIGN_CACHE"), (_plans, "_PLANS"),
     ]  # fmt: skip
     saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]

@@ -134,6 +134,57 @@ def compile_kernel(kernel, argtypes):
     return compiled._codelibrary.get_cufunc().kernel
 
 
+def _driver_value(result, what):
+    """The value of a ``cuda.bindings`` driver call's ``(CUresult, value...)`` result."""
+    from cuda.bindings import driver
+
+    err, *value = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed with {err!r}")
+    return value[0] if value else None
+
+
+def set_carveout(cu_kernel, device_id, ctas_per_sm):
+    """Size ``cu_kernel``'s preferred shared-memory carveout (the part of an SM's unified L1 /
+    shared memory kept as shared memory) for ``ctas_per_sm`` resident CTAs: their static shared
+    memory and the driver's reservation a CTA, as a percentage of the SM's most, rounded up
+    (the driver rounds up again, to a size the SM supports); the rest stays L1.  None restores
+    the driver's choice (-1).  The occupancy API counts the preference.  Returns the
+    percentage set."""
+    from cuda.bindings import driver
+
+    func = driver.CUfunction_attribute
+    percent = -1
+    if ctas_per_sm is not None:
+        dev = driver.CUdevice_attribute
+        static = _driver_value(
+            driver.cuKernelGetAttribute(
+                func.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, cu_kernel.handle, device_id
+            ),
+            "cuKernelGetAttribute(SHARED_SIZE_BYTES)",
+        )
+        most, reserved = (
+            _driver_value(
+                driver.cuDeviceGetAttribute(attr, device_id), f"cuDeviceGetAttribute({attr.name})"
+            )
+            for attr in (
+                dev.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                dev.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+            )
+        )
+        percent = min(100, -(-100 * ctas_per_sm * (static + reserved) // most))
+    _driver_value(
+        driver.cuKernelSetAttribute(
+            func.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            percent,
+            cu_kernel.handle,
+            device_id,
+        ),
+        "cuKernelSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)",
+    )
+    return percent
+
+
 def parameter_layout(args):
     """(struct format, [(offset, size)] of each kernel parameter) for ``args`` in numba's ABI:
     a DeviceBuffer is its ARRAY_FIELDS, seven 8-byte words; a scalar its own size; each
@@ -263,18 +314,12 @@ def install_cache_locator():
     makes numba fall back to its other locators, or compile without a cache."""
     if _LOCATOR:
         return
-    import hashlib
     from pathlib import Path
 
-    import numba
     from numba.core import caching
 
     package = Path(__file__).resolve().parent
-    digest = hashlib.sha256(numba.__version__.encode())
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    stamp = digest.hexdigest()
+    stamp = package_source_stamp(package)
     root = _user_cache_dir() / stamp[:16]
 
     class PackageCacheLocator(caching._CacheLocator):

@@ -86,26 +86,65 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
 
 @pytest.mark.parametrize(
     "variant,dtype,g,grid",
-    [("smem-pf", "bfloat16", 64, (4, 128)), ("smem-pf", "bfloat16", 1024, (4, 128)),
-     ("smem-pf", "float32", 64, (8, 256)), ("smem", "bfloat16", 64, (8, 256)),
-     ("smem-pf", "bfloat16", 4096, (16, 128)), ("shfl", "bfloat16", 64, (8, 256))],
+    [("smem-pf", "bfloat16", 64, (4, 128, None)), ("smem-pf", "bfloat16", 1024, (4, 128, None)),
+     ("smem-pf", "float32", 64, (8, 256, None)), ("smem", "bfloat16", 64, (8, 256, None)),
+     ("smem-pf", "bfloat16", 4096, (16, 128, 512)), ("smem", "bfloat16", 4096, (16, 128, None)),
+     ("shfl", "bfloat16", 64, (8, 256, None))],
 )  # fmt: skip
 def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
-    """(CTAs, threads) the transform asks for under the launch table's policy on a GPU of one
-    SM, for 20 tiles of work: the prefetching kernels below g = 2048
-    ``PREFETCH_THREADS_PER_SM`` threads an SM (4 CTAs of 128), the others up to 2048 (8 CTAs
-    of 256; at g = 4096 a CTA of 128 threads is one group: 16)."""
+    """(CTAs, threads, resident threads an SM for the carveout) the transform asks for under
+    the launch table's policy on a GPU of one SM, for 20 tiles of work: the prefetching kernels
+    ``PREFETCH_THREADS_PER_SM`` threads an SM, below g = 2048 by the grid (4 CTAs of 128), from
+    g = 2048 by the shared-memory carveout (the grid: all 16 CTAs of 128, one group each, the
+    launcher's occupancy cap then follows the carveout); the others up to 2048 (8 CTAs of
+    256)."""
     from fp4_kernels.cuda import launch
 
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     monkeypatch.setattr(launch, "sm_count", lambda device_id: 1)
     asked = []
-    monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a: asked.append(
-        (blocks, threads)))  # fmt: skip
+    monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a, threads_per_sm=None:
+                        asked.append((blocks, threads, threads_per_sm)))  # fmt: skip
     x = np.zeros((20, 4096), NP_DTYPES[dtype])  # 81920 elements
     with launch.launch_policy():  # the table's choice, not the simulator tests' small grids
         fk.hadamard(to_gpu(x, "numba"), group_size=g)
     assert asked == [grid]
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the carveout is a driver attribute of a real kernel")
+@pytest.mark.parametrize("g", [2048, 4096])
+def test_prefetching_transform_carveout(gpu, monkeypatch, g):
+    """From g = 2048 the prefetching transform's shared-memory carveout is sized for
+    ``PREFETCH_THREADS_PER_SM`` threads' CTAs: the kernel's attribute holds that percentage,
+    the occupancy (the launcher's grid cap) has at least that many CTAs and fewer than the
+    driver's own choice, which fills the SM with CTAs."""
+    from cuda.bindings import driver
+
+    from fp4_kernels import _numba_abi as abi
+    from fp4_kernels.cuda import launch
+
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
+    x = np.ones((64, g), NP_DTYPES["bfloat16"])
+    kernel = H.transform_kernel(KIND_BF16, g, False, False)[0]
+    fk.hadamard(to_gpu(x, "numba"), group_size=g)
+    (key,) = [k for k in launch._compiled if k[0] is kernel]
+    threads = 32 * g // H.WARP_TILE
+    ctas = H.PREFETCH_THREADS_PER_SM // threads
+    assert launch._carveout[key] == ctas
+    cu_kernel = launch._compiled[key].cu_kernel
+    err, percent = driver.cuKernelGetAttribute(
+        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        cu_kernel.handle,
+        key[1],
+    )
+    assert err == driver.CUresult.CUDA_SUCCESS and 0 < percent < 100
+    sized = cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+    try:
+        abi.set_carveout(cu_kernel, key[1], None)
+        full = cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+    finally:
+        assert abi.set_carveout(cu_kernel, key[1], ctas) == percent
+    assert ctas <= sized <= full, (ctas, sized, full)
 
 
 def test_unknown_variant_is_an_error(kernels, monkeypatch):

@@ -392,13 +392,14 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     however many of its runs the thread holds."""
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
-    final, network = hn.make_network(group_size, wide, False)
+    warps_per_group = max(1, group_size // WARP_TILE)
+    # g >= 2048: the CTA amax's barrier follows every tile's network
+    final, network = hn.make_network(group_size, wide, False, fenced=warps_per_group > 1)
     assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
     run = min(hn.run_length(final), CHUNK)
     n_runs = REGISTERS // run
     n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
-    warps_per_group = max(1, group_size // WARP_TILE)
     in_offset = hn.make_offsets(first)
     out_offset = hn.make_offsets(final)
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))

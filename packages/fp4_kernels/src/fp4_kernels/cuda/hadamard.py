@@ -501,10 +501,12 @@ def split_accesses(layout, vec, amap, k):
 
 
 @functools.cache
-def _transpose(src, dst, k, region, cta_barrier_first):
+def _transpose(src, dst, k, region, cta_before):
     """Device function (v, lane, warp, sm): the registers of layout ``src`` into layout
     ``dst`` through shared memory.  k = 0: within each warp (1024 words at ``1024 * warp``);
-    k > 0: across the CTA's 2^k warps (g words at word ``region``)."""
+    k > 0: across the CTA's 2^k warps (g words at word ``region``).  ``cta_before``: a CTA
+    barrier (else a warp barrier) before the writes, where other warps may still read the
+    buffer."""
     vec, amap = address_map(src, dst, 10 + k)
     amap = tuple(4 * a for a in amap)  # bytes
     w_lo, w_hi, w_regs = split_accesses(src, vec, amap, k)
@@ -531,7 +533,7 @@ def _transpose(src, dst, k, region, cta_barrier_first):
         wa = opaque_u32(U32(base + w_lane(lane, warp)))
         ra = opaque_u32(U32(base + r_lane(lane, warp)))
         # the previous reads of this buffer are done (this tile's or the last tile's)
-        barrier(k > 0 or cta_barrier_first)
+        barrier(cta_before)
         for q in range(n_access):
             a = U32(U32(wa ^ U32(w_lo[q])) + U32(w_hi[q]))
             if width == 2:
@@ -588,10 +590,17 @@ def smem_network_words(group_size, max_threads):
 
 
 @functools.cache
-def make_network(group_size, wide=False, wide_out=None):
+def make_network(group_size, wide=False, wide_out=None, fenced=False):
     """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
     of the first of ``layouts(g, wide, wide_out)`` in ``stage_order(g)``, leaving them in the
-    last."""
+    last.
+
+    A CTA barrier comes before each write to a buffer that other warps may still be reading:
+    the CTA exchange's (g >= 2048) after the last tile's reads, and at g = 8192, where the
+    exchange and the per-warp buffers share one array, before the first transpose and before
+    the exchange.  ``fenced``: the caller has a CTA barrier after every tile's network (the
+    FP4Quant encoder's group amax), so the barriers that only keep the last tile's reads apart
+    become warp barriers: one CTA barrier a tile fewer."""
     chain = layouts(group_size, wide, wide_out)
     k = cross_warp_bits(group_size)
     region = group_size if 0 < k < 3 else 0
@@ -601,7 +610,11 @@ def make_network(group_size, wide=False, wide_out=None):
     def advance():
         nonlocal at
         cross = k if chain[at + 1] is chain[-1] and k else 0
-        steps.append(_transpose(chain[at], chain[at + 1], cross, region, k == 3 and at == 0))
+        if cross:  # at g = 8192 this tile's per-warp reads of the same array come first
+            cta_before = k == 3 or not fenced
+        else:  # at g = 8192 the last tile's exchange read the first transpose's buffers
+            cta_before = k == 3 and at == 0 and not fenced
+        steps.append(_transpose(chain[at], chain[at + 1], cross, region, cta_before))
         at += 1
 
     for b in stage_order(group_size):
@@ -844,11 +857,18 @@ def transform_kernel(kind, group_size, inverse, signed, aligned=True):
 # ---------------------------------------------------------------------- host side
 
 
-# Resident threads an SM for the transform's prefetching kernels below g = 2048: 4 CTAs of 128
-# instead of the 7 that fit.  On the H200 (2^28 bf16, ``benchmarks/launch_sweep.py``) 4 ran at
-# 1.04x the copy's time at g = 64 and 1024, 3 at 1.07-1.09x, 5-7 at 1.13-1.14x: each warp keeps
-# a tile's loads in flight, and past 16 warps an SM the extra requests slow DRAM down more than
-# they hide.  The FP4Quant kernels, with more work a tile, run fastest with all that fit.
+# Resident threads an SM for the transform's prefetching kernels: 512.  Below g = 2048 the grid
+# is capped there (4 CTAs of 128 instead of the 7 that fit).  On the H200 (2^28 bf16,
+# ``benchmarks/launch_sweep.py``) 4 ran at 1.04x the copy's time at g = 64 and 1024, 3 at
+# 1.07-1.09x, 5-7 at 1.13-1.14x: each warp keeps a tile's loads in flight, and past 16 warps an
+# SM the extra requests slow DRAM down more than they hide.  From g = 2048 a CTA is one group
+# and holds 2g words of shared memory (g at 8192): there the kernel's shared-memory carveout is
+# sized for 512 threads' CTAs (``launch.launch``'s ``threads_per_sm``; the driver rounds it up
+# to a size the SM supports: 9 CTAs of 64 threads at g = 2048, 4 of 128 at 4096, 3 of 256 at
+# 8192 on the H200) and the rest of the SM's 256 KB stays L1.  Left to the driver, which
+# maximizes resident CTAs, the carveout took 228 KB at g = 2048 and 4096 (L1: 28 KB) and the
+# transform ran at 1.17-1.21x the copy's time; with 164 KB (L1: 92 KB) 1.10-1.13x.  The FP4Quant
+# kernels, with more work a tile, run fastest with all that fit and the driver's carveout.
 PREFETCH_THREADS_PER_SM = 512
 THREADS_PER_SM = 2048  # every other kernel of this module and cuda.fp4quant: all that fit
 
@@ -872,9 +892,10 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         return
     xw, aligned = ctx.words_view(x, kind)
     kernel, max_threads, prefetch = transform_kernel(kind, group_size, inverse, signed, aligned)
-    per_sm = THREADS_PER_SM
-    if prefetch and group_size <= WARP_TILE:  # g >= 2048: a CTA is one group, all that fit
-        per_sm = PREFETCH_THREADS_PER_SM
+    # prefetching: 512 threads an SM, by the grid below g = 2048, by the carveout above
+    whole_groups = group_size > WARP_TILE  # a CTA is one group
+    capped = prefetch and not whole_groups
+    per_sm = PREFETCH_THREADS_PER_SM if capped else THREADS_PER_SM
     blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
     launch.launch(
         kernel,
@@ -882,4 +903,5 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         threads,
         ctx,
         (xw, ctx.view(out, np.uint32), np.int64(n), sign_words),
+        threads_per_sm=PREFETCH_THREADS_PER_SM if prefetch and whole_groups else None,
     )

@@ -97,7 +97,8 @@ def grid_for(work_items, per_cta):
 
 
 _compiled = {}  # (kernel, device, argument dtypes) -> PackedLauncher
-_resident = {}  # (that key, threads) -> CTAs resident at once on that device
+_resident = {}  # (that key, threads, resident threads an SM) -> CTAs resident at once
+_carveout = {}  # that key -> the CTAs an SM its shared-memory carveout is sized for (None: driver)
 
 
 def current_device_id():
@@ -108,11 +109,16 @@ def current_device_id():
     return cuda.current_context().device.id
 
 
-def launch(kernel, blocks, threads, ctx, args):
+def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
     """Queue ``kernel`` on the caller's stream (``ctx.stream``, on ``ctx.device_id``, the
     device the host wrapper made current); ``args`` are DeviceBuffers (GPU) or numba arrays
     (simulator) and numpy scalars.  Returns the number of CTAs launched: on a GPU the grid is
-    capped at the CTAs that can be resident at once (occupancy API)."""
+    capped at the CTAs that can be resident at once (occupancy API).
+
+    ``threads_per_sm``: the resident threads an SM the kernel is meant to run with; its
+    shared-memory carveout is then sized for that many threads' CTAs and the rest of the SM's
+    unified L1 / shared memory stays L1 (the occupancy, and so the grid, follow).  None: the
+    driver's choice, which maximizes resident CTAs."""
     stream = ctx.stream
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
@@ -126,10 +132,14 @@ def launch(kernel, blocks, threads, ctx, args):
         cu_kernel = abi.compile_kernel(kernel, map(abi.numba_type, args))
         launcher = _compiled[key] = abi.PackedLauncher(cu_kernel, args)
         launcher.cu_kernel = cu_kernel
-    resident = _resident.get((key, threads))
+    ctas_per_sm = None if threads_per_sm is None else max(1, threads_per_sm // threads)
+    if _carveout.get(key) != ctas_per_sm:  # a function attribute: follows the latest launch
+        abi.set_carveout(launcher.cu_kernel, device, ctas_per_sm)
+        _carveout[key] = ctas_per_sm
+    resident = _resident.get((key, threads, ctas_per_sm))
     if resident is None:
         per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
-        resident = _resident[(key, threads)] = max(1, per_sm) * sm_count(device)
+        resident = _resident[(key, threads, ctas_per_sm)] = max(1, per_sm) * sm_count(device)
     blocks = min(blocks, resident)
     record = getattr(stream, "record", None)
     if record is not None:  # a plan being recorded (``fp4_kernels._plans``): not queued
