@@ -175,7 +175,7 @@ def main():
                 "threads": threads,
                 "ctas": ctas,
             }
-            for (key, threads, _), ctas in launch._resident.items()
+            for (key, threads, *_), ctas in launch._resident.items()
         ],
     )
     write_json(args.out, "launch_sweep", {"meta": meta, "results": rows})
