@@ -393,13 +393,17 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     wide = kind == KIND_F32
     first = hn.layouts(group_size, wide, False)[0]
     warps_per_group = max(1, group_size // WARP_TILE)
-    # g >= 2048: the CTA amax's barrier follows every tile's network
-    final, network = hn.make_network(group_size, wide, False, fenced=warps_per_group > 1)
+    # g >= 2048: the group amax's CTA barrier follows every tile's network (fenced), and the
+    # exchange reuses the per-warp buffers (one buffer: half the shared memory at 2048 / 4096;
+    # on an H200 encode 2048 1.29 -> 1.26-1.27x copy time, 4096 unchanged)
+    final, network = hn.make_network(
+        group_size, wide, False, fenced=warps_per_group > 1, one_buffer=True
+    )
     assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
     run = min(hn.run_length(final), CHUNK)
     n_runs = REGISTERS // run
-    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
+    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch), one_buffer=True)
     in_offset = hn.make_offsets(first)
     out_offset = hn.make_offsets(final)
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))

@@ -579,41 +579,48 @@ def _chain4(first, second):
     return both
 
 
-def smem_network_words(group_size, max_threads):
+def shares_one_buffer(group_size, one_buffer=False):
+    """Whether the CTA exchange reuses the per-warp buffers' words (g >= 2048): always at 8192
+    (48 KB is the static limit), at 2048 and 4096 where ``one_buffer`` asks for it."""
+    return group_size == 8192 or (one_buffer and group_size > WARP_TILE)
+
+
+def smem_network_words(group_size, max_threads, one_buffer=False):
     """float32 words of shared memory the "smem" network uses: 1024 a warp up to g = 1024 (CTAs
     of at most ``max_threads``); g (per-warp buffers) + g (the CTA exchange) at 2048 and 4096;
-    at 8192 one buffer of g words serves both (48 KB is the static limit), with a CTA barrier
-    before each tile."""
+    one buffer of g words for both at 8192 (and where ``one_buffer`` asks for it), with a CTA
+    barrier before the exchange and one before the first transpose (``make_network``)."""
     if group_size <= WARP_TILE:
         return WARP_TILE * (max_threads // WARP_SIZE)
-    return group_size if group_size == 8192 else 2 * group_size
+    return group_size if shares_one_buffer(group_size, one_buffer) else 2 * group_size
 
 
 @functools.cache
-def make_network(group_size, wide=False, wide_out=None, fenced=False):
+def make_network(group_size, wide=False, wide_out=None, fenced=False, one_buffer=False):
     """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
     of the first of ``layouts(g, wide, wide_out)`` in ``stage_order(g)``, leaving them in the
     last.
 
     A CTA barrier comes before each write to a buffer that other warps may still be reading:
-    the CTA exchange's (g >= 2048) after the last tile's reads, and at g = 8192, where the
-    exchange and the per-warp buffers share one array, before the first transpose and before
-    the exchange.  ``fenced``: the caller has a CTA barrier after every tile's network (the
+    the CTA exchange's (g >= 2048) after the last tile's reads, and where the exchange and the
+    per-warp buffers share one array (``shares_one_buffer``), before the first transpose and
+    before the exchange.  ``fenced``: the caller has a CTA barrier after every tile's network (the
     FP4Quant encoder's group amax), so the barriers that only keep the last tile's reads apart
     become warp barriers: one CTA barrier a tile fewer."""
     chain = layouts(group_size, wide, wide_out)
     k = cross_warp_bits(group_size)
-    region = group_size if 0 < k < 3 else 0
+    single = shares_one_buffer(group_size, one_buffer)
+    region = 0 if single else group_size
     steps = []
     at = 0
 
     def advance():
         nonlocal at
         cross = k if chain[at + 1] is chain[-1] and k else 0
-        if cross:  # at g = 8192 this tile's per-warp reads of the same array come first
-            cta_before = k == 3 or not fenced
-        else:  # at g = 8192 the last tile's exchange read the first transpose's buffers
-            cta_before = k == 3 and at == 0 and not fenced
+        if cross:  # one buffer: this tile's per-warp reads of the same words come first
+            cta_before = single or not fenced
+        else:  # one buffer: the last tile's exchange read the first transpose's words
+            cta_before = single and at == 0 and not fenced
         steps.append(_transpose(chain[at], chain[at + 1], cross, region, cta_before))
         at += 1
 
