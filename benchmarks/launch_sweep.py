@@ -1,14 +1,20 @@
 """One op's time over grid sizes and CTA sizes, each point against a copy timed right before it.
 
     python benchmarks/launch_sweep.py [--log2n 28] [--ops hadamard:1024,encode:4096,...]
-        [--ctas-per-sm 0,1,2,4,8] [--threads 0,64,128] [--repeat 2] [--out DIR]
+        [--ctas-per-sm 0,1,2,4,8] [--threads 0,64,128] [--threads-per-sm table,0,512,640]
+        [--repeat 2] [--out DIR]
     python benchmarks/launch_sweep.py --profile [--ops ...]    # each op once, for ncu
 
 Ops: ``hadamard:G``, ``hadamard-signs:G``, ``hadamard-f32:G`` (float32 input, the copy still
 bf16: compare it with ``hadamard:G`` of the same run), ``encode:G`` (FP4Quant with the transform),
 ``decode:G``, ``nvfp4`` (quantize with ``global_amax`` given), ``dequantize-nvfp4``.  A point is
-``launch_policy(max_blocks=ctas_per_sm * SMs, threads=threads)`` (0: the launch table's
-choice; the launcher still caps the grid at the CTAs that can be resident at once).
+``launch_policy(max_blocks=ctas_per_sm * SMs, threads=threads, threads_per_sm=...)`` (0 CTAs
+or threads: the launch table's choice; the launcher still caps the grid at the CTAs that can
+be resident at once).  ``--threads-per-sm``: the resident threads an SM each kernel's
+shared-memory carveout is sized for, the rest of the SM being L1 (``table``: the op's choice;
+0: the driver's, which fits the most CTAs).  On the H200 the transform at g = 4096 (CTAs of
+128 threads, 33 KB of shared memory each) gets 228 KB of shared memory for 768 or 0, 196 KB
+for 640 and 164 KB for 512 (the driver rounds up to the sizes it supports).
 
 Timing: ``_timing.graph_time_ms`` with ``--chain`` CUDA-graph replays back to back between two
 events (the GPU busy for ~10 ms a sample), median of 15 samples; the copy of the same tensor
@@ -26,6 +32,7 @@ launch of each kernel.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -100,6 +107,12 @@ def main():
     ap.add_argument("--ops", default=DEFAULT_OPS)
     ap.add_argument("--ctas-per-sm", default="0,1,2,3,4,6,8")
     ap.add_argument("--threads", default="0")
+    ap.add_argument(
+        "--threads-per-sm",
+        default="table",
+        help="resident threads an SM the carveout is sized for: 'table' (the op's), 0 (the "
+        "driver's), N; a comma list sweeps them",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="sweeps in a row")
     ap.add_argument("--chain", type=int, default=40, help="calls per timed sample")
     ap.add_argument("--profile", action="store_true", help="run each op once (for ncu)")
@@ -124,46 +137,53 @@ def main():
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
+    points = list(
+        itertools.product(
+            [int(t) for t in args.threads.split(",")],
+            [int(c) for c in args.ctas_per_sm.split(",")],
+            [None if c == "table" else int(c) for c in args.threads_per_sm.split(",")],
+        )
+    )
     for rep in range(args.repeat):
-        for name, fn in ops:
-            for threads in (int(t) for t in args.threads.split(",")):
-                for per_sm in (int(c) for c in args.ctas_per_sm.split(",")):
-                    rotation = [(i,) for i in range(ROTATE)]
-                    copy_ms = cuda_time_ms(copy, rotation, chain=args.chain)[0]
-                    copy_smi = busy_reading(torch, copy, 8 * args.chain)
-                    policy = dict(
-                        max_blocks=per_sm * sms if per_sm else None,
-                        threads=threads or None,
-                    )
-                    with launch.launch_policy(**policy):
-                        try:
-                            ms = graph_time_ms(fn, rotation, chain=args.chain)[0]
-                            op_smi = busy_reading(torch, fn, 8 * args.chain)
-                        except ValueError as e:  # a CTA size this op does not take
-                            print(f"{name} threads={threads} ctas/SM={per_sm}: {e}")
-                            continue
-                    row = {
-                        "repeat": rep,
-                        "op": name,
-                        "threads": threads or "table",
-                        "ctas_per_sm": per_sm or "table",
-                        "ms": ms,
-                        "copy_ms": copy_ms,
-                        "ratio_to_copy": ms / copy_ms,
-                        "sm_mhz": op_smi[0],
-                        "copy_sm_mhz": copy_smi[0],
-                        "mem_mhz": op_smi[1],
-                        "watts": op_smi[2],
-                        "clock_reasons": op_smi[3],
-                    }
-                    rows.append(row)
-                    print(
-                        f"{rep} {name:20s} threads={row['threads']!s:5s} "
-                        f"ctas/SM={row['ctas_per_sm']!s:5s} {ms:7.4f} ms  copy {copy_ms:7.4f}"
-                        f"  {ms / copy_ms:5.3f} x copy time  SM {op_smi[0]} MHz "
-                        f"(copy {copy_smi[0]}) {op_smi[2]} W {op_smi[3]}",
-                        flush=True,
-                    )
+        for (name, fn), (threads, per_sm, carve) in itertools.product(ops, points):
+            rotation = [(i,) for i in range(ROTATE)]
+            copy_ms = cuda_time_ms(copy, rotation, chain=args.chain)[0]
+            copy_smi = busy_reading(torch, copy, 8 * args.chain)
+            policy = dict(
+                max_blocks=per_sm * sms if per_sm else None,
+                threads=threads or None,
+                threads_per_sm=carve,
+            )
+            with launch.launch_policy(**policy):
+                try:
+                    ms = graph_time_ms(fn, rotation, chain=args.chain)[0]
+                    op_smi = busy_reading(torch, fn, 8 * args.chain)
+                except ValueError as e:  # a CTA size this op does not take
+                    print(f"{name} threads={threads} ctas/SM={per_sm}: {e}")
+                    continue
+            row = {
+                "repeat": rep,
+                "op": name,
+                "threads": threads or "table",
+                "ctas_per_sm": per_sm or "table",
+                "threads_per_sm": "table" if carve is None else carve,
+                "ms": ms,
+                "copy_ms": copy_ms,
+                "ratio_to_copy": ms / copy_ms,
+                "sm_mhz": op_smi[0],
+                "copy_sm_mhz": copy_smi[0],
+                "mem_mhz": op_smi[1],
+                "watts": op_smi[2],
+                "clock_reasons": op_smi[3],
+            }
+            rows.append(row)
+            print(
+                f"{rep} {name:20s} threads={row['threads']!s:5s} "
+                f"ctas/SM={row['ctas_per_sm']!s:5s} carveout for {row['threads_per_sm']!s:5s} "
+                f"{ms:7.4f} ms  copy {copy_ms:7.4f}  {ms / copy_ms:5.3f} x copy time  "
+                f"SM {op_smi[0]} MHz (copy {copy_smi[0]}) {op_smi[2]} W {op_smi[3]}",
+                flush=True,
+            )
     meta = run_meta(
         elements=n,
         chain=args.chain,
@@ -173,9 +193,10 @@ def main():
                 "kernel": getattr(getattr(key[0], "py_func", None), "__qualname__", "?"),
                 "arg_types": [str(t) for t in key[2]],
                 "threads": threads,
+                "carveout_for_ctas": carveout[0] if carveout else None,
                 "ctas": ctas,
             }
-            for (key, threads, *_), ctas in launch._resident.items()
+            for (key, threads, *carveout), ctas in launch._resident.items()
         ],
     )
     write_json(args.out, "launch_sweep", {"meta": meta, "results": rows})
@@ -184,12 +205,14 @@ def main():
         "",
         f"2^{args.log2n} bf16 elements, {args.chain} calls per timed sample.",
         "",
-        "| rep | op | threads | CTAs / SM | ms | copy ms | x copy time | SM MHz | W |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| rep | op | threads | CTAs / SM | carveout for (threads / SM) | ms | copy ms "
+        "| x copy time | SM MHz | W |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['repeat']} | {r['op']} | {r['threads']} | {r['ctas_per_sm']} | "
+            f"{r['threads_per_sm']} | "
             f"{r['ms']:.4f} | {r['copy_ms']:.4f} | {r['ratio_to_copy']:.3f} | {r['sm_mhz']} | "
             f"{r['watts']} |"
         )

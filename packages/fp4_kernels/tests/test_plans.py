@@ -183,6 +183,30 @@ def test_transform_carveout_is_set_once(fake, monkeypatch, g, ctas):
         assert list(fake.carveouts.values()) == [ctas]
 
 
+def test_a_launch_policy_sizes_every_kernels_carveout(fake, monkeypatch):
+    """``launch_policy(threads_per_sm=N)`` sizes the carveout of any kernel for N threads an SM,
+    0 gives it back to the driver, and outside the policy each op's own choice returns: the
+    kernel's attribute follows the latest launch."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
+    x = _x((8, 4096))
+
+    def transform_carveout(**policy):
+        with launch_policy(**policy):
+            fk.hadamard(x, group_size=4096)
+        (value,) = fake.carveouts.values()
+        return value
+
+    assert transform_carveout(threads_per_sm=640) == 5  # CTAs of 128
+    assert transform_carveout() == 4  # the transform's 512 threads an SM
+    assert transform_carveout(threads_per_sm=0) is None  # the driver's
+    with launch_policy(threads_per_sm=512):
+        fk.quantize(x, fmt=G64)  # the FP4Quant encoder: the driver's unless a policy says
+    assert sorted(v for v in fake.carveouts.values() if v is not None) == [4]  # CTAs of 128
+    with pytest.raises(ValueError, match="threads_per_sm: -1 is negative"):
+        with launch_policy(threads_per_sm=-1):
+            pass
+
+
 def test_planned_requantized_sum_launches_what_the_unplanned_path_launches(fake):
     with _plans.disabled():
         q = fk.quantize(_x((4, 1024), torch.float32), fmt="mxfp4")

@@ -8,7 +8,9 @@ Every op module states its launch in one line of the table below; the grid is
 ``ceil(work items / (threads * items per thread))`` CTAs, capped at one resident wave (the
 kernels are grid-stride loops, so a persistent grid does the same work without a partly filled
 last wave), and for the transform's prefetching kernels at 4 CTAs an SM (fewer warps with
-loads in flight run faster there: ``hadamard.PREFETCH_THREADS_PER_SM``).
+loads in flight run faster there: ``hadamard.PREFETCH_THREADS_PER_SM``); from g = 2048, where
+a CTA is one group, those kernels get the same 512 threads an SM through their shared-memory
+carveout instead (``launch``'s ``threads_per_sm``), which leaves the rest of the SM to L1.
 
     op (module)                          threads / CTA         work item, per thread
     quantize, dequantize (quantize.py,   256                   1 scale block (16 / 32 elem.)
@@ -20,8 +22,9 @@ loads in flight run faster there: ``hadamard.PREFETCH_THREADS_PER_SM``).
                                          32 * g / 1024 for
                                          g >= 2048
 
-``launch_policy(threads=..., max_blocks=...)`` overrides the table for the calls inside it (the
-simulator tests use small CTAs and grids so that grid-stride loops iterate and warps cross).
+``launch_policy(threads=..., max_blocks=..., threads_per_sm=...)`` overrides the table for the
+calls inside it (the simulator tests use small CTAs and grids so that grid-stride loops iterate
+and warps cross; ``benchmarks/launch_sweep.py`` sweeps the grid and the carveout).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ THREADS_PER_BLOCK = 256
 
 @dataclass(frozen=True)
 class LaunchPolicy:
-    """Threads per CTA, a cap on the number of CTAs and the threads that share an NVFP4 / MXFP4
-    block in the quantizer; ``None`` keeps the table's choice."""
+    """Threads per CTA, a cap on the number of CTAs, the threads that share an NVFP4 / MXFP4
+    block in the quantizer and the resident threads an SM every kernel's shared-memory
+    carveout is sized for (0: the driver's choice); ``None`` keeps the table's choice."""
 
     threads: int | None = None
     max_blocks: int | None = None
     lanes_per_block: int | None = None
+    threads_per_sm: int | None = None
 
 
 _DEFAULT_POLICY = LaunchPolicy()
@@ -51,15 +56,19 @@ _POLICY = contextvars.ContextVar("fp4_kernels_launch_policy", default=None)
 
 
 @contextlib.contextmanager
-def launch_policy(threads=None, max_blocks=None, lanes_per_block=None):
+def launch_policy(threads=None, max_blocks=None, lanes_per_block=None, threads_per_sm=None):
     """Launch every kernel queued inside the block with ``threads`` per CTA (a multiple of 32),
-    at most ``max_blocks`` CTAs and ``lanes_per_block`` threads sharing a quantizer block (1
-    or 2 for NVFP4; 1, 2 or 4 for MXFP4).  Results do not depend on it; speed does."""
+    at most ``max_blocks`` CTAs, ``lanes_per_block`` threads sharing a quantizer block (1
+    or 2 for NVFP4; 1, 2 or 4 for MXFP4) and a shared-memory carveout sized for
+    ``threads_per_sm`` resident threads an SM (0: the driver's choice, which fits the most
+    CTAs).  Results do not depend on it; speed does."""
     if threads is not None and (threads <= 0 or threads % 32):
         raise ValueError(f"threads: {threads} is not a positive multiple of 32")
     if lanes_per_block not in (None, 1, 2, 4):
         raise ValueError(f"lanes_per_block: {lanes_per_block} is not 1, 2 or 4")
-    token = _POLICY.set(LaunchPolicy(threads, max_blocks, lanes_per_block))
+    if threads_per_sm is not None and threads_per_sm < 0:
+        raise ValueError(f"threads_per_sm: {threads_per_sm} is negative (0: the driver's choice)")
+    token = _POLICY.set(LaunchPolicy(threads, max_blocks, lanes_per_block, threads_per_sm))
     try:
         yield
     finally:
@@ -118,7 +127,8 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
     ``threads_per_sm``: the resident threads an SM the kernel is meant to run with; its
     shared-memory carveout is then sized for that many threads' CTAs and the rest of the SM's
     unified L1 / shared memory stays L1 (the occupancy, and so the grid, follow).  None: the
-    driver's choice, which maximizes resident CTAs."""
+    driver's choice, which maximizes resident CTAs.  A launch policy's ``threads_per_sm``
+    overrides it."""
     stream = ctx.stream
     if SIMULATOR:
         kernel[blocks, threads, stream](*args)
@@ -132,6 +142,9 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
         cu_kernel = abi.compile_kernel(kernel, map(abi.numba_type, args))
         launcher = _compiled[key] = abi.PackedLauncher(cu_kernel, args)
         launcher.cu_kernel = cu_kernel
+    forced = current_policy().threads_per_sm
+    if forced is not None:
+        threads_per_sm = forced or None
     ctas_per_sm = None if threads_per_sm is None else max(1, threads_per_sm // threads)
     if _carveout.get(key) != ctas_per_sm:  # a function attribute: follows the latest launch
         abi.set_carveout(launcher.cu_kernel, device, ctas_per_sm)
