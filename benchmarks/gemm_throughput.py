@@ -25,26 +25,10 @@ import os
 import sys
 
 try:  # imported as part of the benchmarks package
-    from ._timing import (
-        CHAIN,
-        ROTATE,
-        cuda_time_ms,
-        graph_time_ms,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    from . import _timing
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import (
-        CHAIN,
-        ROTATE,
-        cuda_time_ms,
-        graph_time_ms,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    import _timing
 
 TARGET_RATIO = 1.15  # the aim: the exact path within 1.15x the bf16 GEMM at 8192^3
 
@@ -71,8 +55,8 @@ def main():
     torch.manual_seed(0)
     rows = []
     for n in args.sizes:
-        a = [torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
-        b = [torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
+        a = [torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(_timing.ROTATE)]
+        b = [torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(_timing.ROTATE)]
         qa = [fp4_kernels.quantize(x, fmt="nvfp4") for x in a]
         qb = [fp4_kernels.quantize(x, fmt="nvfp4") for x in b]
         pairs = list(zip(a, b, strict=True))
@@ -119,8 +103,8 @@ def main():
             del ops["bf16_gemm_fp32_out"]
         row = {"n": n, "ms": {}, "eager_ms": {}, "tflops": {}}
         for name, (fn, arg_list) in ops.items():
-            med, lo, hi = graph_time_ms(fn, arg_list)
-            eager, _, _ = cuda_time_ms(fn, arg_list)
+            med, lo, hi = _timing.graph_time_ms(fn, arg_list)
+            eager, _, _ = _timing.cuda_time_ms(fn, arg_list)
             row["ms"][name] = {"median": med, "min": lo, "max": hi}
             row["eager_ms"][name] = eager
             row["tflops"][name] = flop / med / 1e9
@@ -133,7 +117,9 @@ def main():
                 for x, y in pairs
             ]
             try:
-                med, lo, hi = graph_time_ms(lambda x, y: fp4_gemm(x, y, backend="native"), sq)
+                med, lo, hi = _timing.graph_time_ms(
+                    lambda x, y: fp4_gemm(x, y, backend="native"), sq
+                )
                 row["ms"]["fp4_native_fp32_out"] = {"median": med, "min": lo, "max": hi}
                 row["tflops"]["fp4_native_fp32_out"] = flop / med / 1e9
             except NativeGemmUnavailable as e:
@@ -152,13 +138,13 @@ def main():
         del a, b, qa, qb, pairs, qpairs
         torch.cuda.empty_cache()
 
-    meta = run_meta(
+    meta = _timing.run_meta(
         compute_capability=f"{cc[0]}.{cc[1]}",
-        method=f"CUDA-graph replays, {CHAIN} back to back between CUDA events a sample, median "
-        "of 15, 3 rotating input sets",
+        method=f"CUDA-graph replays, {_timing.CHAIN} back to back between CUDA events a sample, "
+        "median of 15, 3 rotating input sets",
         target=f"fp4_exact <= {TARGET_RATIO}x bf16_gemm at 8192^3",
     )
-    write_json(args.out, "gemm_throughput", {"meta": meta, "results": rows}, indent=2)
+    _timing.write_json(args.out, "gemm_throughput", {"meta": meta, "results": rows}, indent=2)
     lines = [
         f"# fp4_gemm vs bf16 GEMM: {meta['device']} (cc {meta['compute_capability']}), "
         f"commit {meta['commit']}, {meta['date']}",
@@ -185,7 +171,7 @@ def main():
             f"| {ratio['decode_both_operands']:.3f}x "
             f"| {native} |"
         )
-    write_markdown(args.out, "gemm_throughput", lines, echo=True)
+    _timing.write_markdown(args.out, "gemm_throughput", lines, echo=True)
 
 
 if __name__ == "__main__":

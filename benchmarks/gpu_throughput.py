@@ -20,30 +20,10 @@ import sys
 import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
-    from ._timing import (
-        CHAIN,
-        ROTATE,
-        copy_gbps as measure_copy_gbps,
-        cuda_time_ms,
-        graph_time_ms,
-        host_time_us,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    from . import _timing
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import (
-        CHAIN,
-        ROTATE,
-        copy_gbps as measure_copy_gbps,
-        cuda_time_ms,
-        graph_time_ms,
-        host_time_us,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    import _timing
 
 
 def main():
@@ -59,16 +39,16 @@ def main():
     rows = n // k
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
-    xs32 = [torch.randn(rows, k, device=dev, dtype=torch.float32) for _ in range(ROTATE)]
+    xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(_timing.ROTATE)]
+    xs32 = [torch.randn(rows, k, device=dev, dtype=torch.float32) for _ in range(_timing.ROTATE)]
 
-    copy_gbps = measure_copy_gbps()  # baseline: 1 GiB device-to-device, read + written
+    copy_gbps = _timing.copy_gbps()  # baseline: 1 GiB device-to-device, read + written
 
     results = []
 
     def record(name, fn, args_list, nbytes, small_args=None):
-        eager_ms, _, _ = cuda_time_ms(fn, args_list)
-        med, lo, hi = graph_time_ms(fn, args_list)
+        eager_ms, _, _ = _timing.cuda_time_ms(fn, args_list)
+        med, lo, hi = _timing.graph_time_ms(fn, args_list)
         gbps = nbytes / med / 1e6
         row = {
             "op": name,
@@ -82,7 +62,7 @@ def main():
             "ratio_to_copy": gbps / copy_gbps,
         }
         if small_args is not None:
-            row["host_us_per_call"] = host_time_us(fn, small_args)
+            row["host_us_per_call"] = _timing.host_time_us(fn, small_args)
         results.append(row)
         print(
             f"{name:48s} {med:8.3f} ms (eager {eager_ms:6.3f}) {gbps:7.1f} GB/s "
@@ -104,7 +84,7 @@ def main():
         return run
 
     # the write-heavy ops' other ceiling: a write-only fill of the same bf16 tensors
-    fills = [torch.empty(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
+    fills = [torch.empty(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(_timing.ROTATE)]
     record(
         "baseline: fill bf16 (torch, write only)",
         lambda y: y.fill_(1.0),
@@ -186,14 +166,14 @@ def main():
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
 
-    meta = run_meta(copy_gbps=copy_gbps, fp4_kernels=fk.__version__)
-    write_json(args.out, "gpu_throughput", {"meta": meta, "results": results})
+    meta = _timing.run_meta(copy_gbps=copy_gbps, fp4_kernels=fk.__version__)
+    _timing.write_json(args.out, "gpu_throughput", {"meta": meta, "results": results})
     lines = [
         f"Device {meta['device']}, commit {meta['commit']}, {meta['date']}; "
         f"D2D copy {copy_gbps:.0f} GB/s (read + write); {n} elements (2^{args.log2n}), "
         f"rows of {k}.",
         "",
-        f"Device time: median of 15 samples, each {CHAIN} CUDA-graph replays (one call per "
+        f"Device time: median of 15 samples, each {_timing.CHAIN} CUDA-graph replays (one call per "
         "graph) back to back between two events; eager: one call timed with events around the "
         "Python call (includes any idle GPU time while the host launches).",
         "",
@@ -206,7 +186,7 @@ def main():
             f"| {r['op']} | {r['median_ms']:.3f} | {r['eager_ms']:.3f} | {r['gbps']:.0f} | "
             f"{r['ratio_to_copy']:.2f} | {host} |"
         )
-    write_markdown(args.out, "gpu_throughput", lines, echo=True)
+    _timing.write_markdown(args.out, "gpu_throughput", lines, echo=True)
 
 
 if __name__ == "__main__":

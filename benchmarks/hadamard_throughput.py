@@ -38,28 +38,10 @@ import sys
 import fp4_kernels as fk
 
 try:  # imported by asv as part of the benchmarks package
-    from ._timing import (
-        CHAIN,
-        ROTATE,
-        cuda_time_ms,
-        graph_time_ms,
-        host_time_us,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    from . import _timing
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import (
-        CHAIN,
-        ROTATE,
-        cuda_time_ms,
-        graph_time_ms,
-        host_time_us,
-        run_meta,
-        write_json,
-        write_markdown,
-    )
+    import _timing
 
 GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 K = 8192
@@ -99,13 +81,15 @@ def main():
     n = 1 << args.log2n
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    xs = [torch.randn(n // K, K, device=dev, dtype=torch.bfloat16) for _ in range(ROTATE)]
+    xs = [torch.randn(n // K, K, device=dev, dtype=torch.bfloat16) for _ in range(_timing.ROTATE)]
     dst = torch.empty_like(xs[0])
     # The baseline is the faster of the copy launched eagerly and replayed from a CUDA graph:
     # in a graph a D2D memcpy may run on a copy engine at ~2.7 TB/s instead of ~4.2 with SMs.
     copy_args = [(x,) for x in xs]
-    copy_graph_ms, _, _ = graph_time_ms(lambda x: dst.copy_(x), copy_args)
-    copy_eager_ms, _, _ = cuda_time_ms(lambda x: dst.copy_(x), copy_args, chain=CHAIN)
+    copy_graph_ms, _, _ = _timing.graph_time_ms(lambda x: dst.copy_(x), copy_args)
+    copy_eager_ms, _, _ = _timing.cuda_time_ms(
+        lambda x: dst.copy_(x), copy_args, chain=_timing.CHAIN
+    )
     copy_ms = min(copy_graph_ms, copy_eager_ms)
     print(
         f"copy bf16 {n} elements: {copy_ms:.3f} ms ({4 * n / copy_ms / 1e6:.0f} GB/s; "
@@ -121,9 +105,9 @@ def main():
         inputs = xs if inputs is None else inputs
         small_input = small if small_input is None else small_input
         try:
-            med, lo, hi = graph_time_ms(fn, [(x,) for x in inputs])
-            one, _, _ = graph_time_ms(fn, [(x,) for x in inputs], chain=1)
-            eager, _, _ = cuda_time_ms(fn, [(x,) for x in inputs])
+            med, lo, hi = _timing.graph_time_ms(fn, [(x,) for x in inputs])
+            one, _, _ = _timing.graph_time_ms(fn, [(x,) for x in inputs], chain=1)
+            eager, _, _ = _timing.cuda_time_ms(fn, [(x,) for x in inputs])
         except Exception as e:  # a peer that cannot run this size: say so, keep going
             print(f"{op:40s} g={g:5d}  failed: {type(e).__name__}: {e}", flush=True)
             results.append({"op": op, "group_size": g, "error": f"{type(e).__name__}: {e}"})
@@ -140,7 +124,7 @@ def main():
             "ratio_to_copy": med / copy_ms,
         }
         if small_fn is not None and small.shape[-1] % g == 0:
-            row["host_us_per_call"] = host_time_us(small_fn, (small_input,))
+            row["host_us_per_call"] = _timing.host_time_us(small_fn, (small_input,))
         results.append(row)
         print(
             f"{op:40s} g={g:5d} {med:8.3f} ms  {med / copy_ms:6.2f} x copy  (one replay a "
@@ -191,7 +175,7 @@ def main():
     f = lambda x: fk.quantize(x, fmt="nvfp4", global_amax=4.5)  # noqa: E731
     record("NVFP4 quantize (context)", 16, f)
 
-    meta = run_meta(
+    meta = _timing.run_meta(
         elements=n,
         dtype="bfloat16",
         row_length=K,
@@ -202,7 +186,7 @@ def main():
         fast_hadamard_transform=fht is not None,
         hadamard_variants=variants,
     )
-    write_json(args.out, "hadamard_throughput", {"meta": meta, "results": results})
+    _timing.write_json(args.out, "hadamard_throughput", {"meta": meta, "results": results})
     lines = [
         f"# Hadamard / FP4Quant throughput: {meta['device']}, commit {meta['commit']}, "
         f"{meta['date']}",
@@ -222,7 +206,7 @@ def main():
             f"| {r['op']} | {r['group_size']} | {r['median_ms']:.3f} | "
             f"{r['ratio_to_copy']:.2f} | {r['one_replay_ms'] / copy_ms:.2f} | {host} |"
         )
-    write_markdown(args.out, "hadamard_throughput", lines)
+    _timing.write_markdown(args.out, "hadamard_throughput", lines)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ import sys
 import fp4_kernels as fk
 from fp4_kernels.cuda import launch
 
-try:
-    from ._timing import ROTATE, cuda_time_ms, graph_time_ms, run_meta, write_json, write_markdown
+try:  # imported as part of the benchmarks package
+    from . import _timing
 except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import ROTATE, cuda_time_ms, graph_time_ms, run_meta, write_json, write_markdown
+    import _timing
 
 K = 8192
 DEFAULT_OPS = (
@@ -95,7 +95,7 @@ def smi():
 def busy_reading(torch, fn, calls):
     """The nvidia-smi reading taken while ``calls`` more calls of ``fn`` run."""
     for j in range(calls):
-        fn(j % ROTATE)
+        fn(j % _timing.ROTATE)
     reading = smi()
     torch.cuda.synchronize()
     return reading
@@ -122,7 +122,9 @@ def main():
 
     n = 1 << args.log2n
     torch.manual_seed(0)
-    xs = [torch.randn(n // K, K, device="cuda", dtype=torch.bfloat16) for _ in range(ROTATE)]
+    xs = [
+        torch.randn(n // K, K, device="cuda", dtype=torch.bfloat16) for _ in range(_timing.ROTATE)
+    ]
     ops = [make_op(s, xs) for s in args.ops.split(",") if s]
     if args.profile:
         for name, fn in ops:
@@ -146,8 +148,8 @@ def main():
     )
     for rep in range(args.repeat):
         for (name, fn), (threads, per_sm, carve) in itertools.product(ops, points):
-            rotation = [(i,) for i in range(ROTATE)]
-            copy_ms = cuda_time_ms(copy, rotation, chain=args.chain)[0]
+            rotation = [(i,) for i in range(_timing.ROTATE)]
+            copy_ms = _timing.cuda_time_ms(copy, rotation, chain=args.chain)[0]
             copy_smi = busy_reading(torch, copy, 8 * args.chain)
             policy = dict(
                 max_blocks=per_sm * sms if per_sm else None,
@@ -156,7 +158,7 @@ def main():
             )
             with launch.launch_policy(**policy):
                 try:
-                    ms = graph_time_ms(fn, rotation, chain=args.chain)[0]
+                    ms = _timing.graph_time_ms(fn, rotation, chain=args.chain)[0]
                     op_smi = busy_reading(torch, fn, 8 * args.chain)
                 except ValueError as e:  # a CTA size this op does not take
                     print(f"{name} threads={threads} ctas/SM={per_sm}: {e}")
@@ -184,7 +186,7 @@ def main():
                 f"SM {op_smi[0]} MHz (copy {copy_smi[0]}) {op_smi[2]} W {op_smi[3]}",
                 flush=True,
             )
-    meta = run_meta(
+    meta = _timing.run_meta(
         elements=n,
         chain=args.chain,
         sms=sms,
@@ -199,7 +201,7 @@ def main():
             for (key, threads, *carveout), ctas in launch._resident.items()
         ],
     )
-    write_json(args.out, "launch_sweep", {"meta": meta, "results": rows})
+    _timing.write_json(args.out, "launch_sweep", {"meta": meta, "results": rows})
     lines = [
         f"# launch sweep: {meta['device']}, commit {meta['commit']}, {meta['date']}",
         "",
@@ -216,7 +218,7 @@ def main():
             f"{r['ms']:.4f} | {r['copy_ms']:.4f} | {r['ratio_to_copy']:.3f} | {r['sm_mhz']} | "
             f"{r['watts']} |"
         )
-    write_markdown(args.out, "launch_sweep", lines)
+    _timing.write_markdown(args.out, "launch_sweep", lines)
 
 
 if __name__ == "__main__":
