@@ -507,7 +507,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
         stride = cuda.gridDim.x
         start(x, cuda.blockIdx.x, tile, e_in, n, w, raw)
         for t in range(cuda.blockIdx.x, n_tiles, stride):
-            tile_values(x, t, stride, tile, e_in, n, w, raw, v)
+            tile_values(x, t, stride, tile, e_in, n, w, raw, v, U32(0))
             network(v, lane, warp, sm)
             group_scales(v, lane, warp, warp_amax, half, m, sbs, mults)
             half ^= 16

@@ -263,6 +263,24 @@ def flip_signs_per_tile(v, mask):
         v[i] = u32_as_f32(U32(f32_as_u32(v[i]) ^ U32(U32(m << U32(31 - i)) & U32(0x80000000))))
 
 
+# A 16-bit kind's word k holds registers 2k (low half) and 2k + 1 (high half), whose sign bits
+# are the word's bits 15 and 31.
+HALF_SIGN_BITS = 0x80008000
+
+
+@device_jit
+def word_flip_mask(mask):
+    """``mask`` (bit i: negate register i) rearranged for 16-bit words: bit 15 - k holds bit 2k
+    and bit 31 - k bit 2k + 1, so that ``(m << k) & HALF_SIGN_BITS`` flips word k's two
+    elements (one shift and one LOP3 a word, where ``flip_signs_per_tile`` spends two
+    instructions a register)."""
+    m = U32(0)
+    for k in range(REGISTERS // 2):
+        m = U32(m | U32(U32(U32(mask >> U32(2 * k)) & 1) << U32(15 - k)))
+        m = U32(m | U32(U32(U32(mask >> U32(2 * k + 1)) & 1) << U32(31 - k)))
+    return m
+
+
 @device_jit
 def sign_mask(sign_words, lane, warp, g_mask, k, exchanged):
     """Bit i set where register i's element (in the tile layout, or the exchanged one) has a
@@ -670,17 +688,22 @@ def max_threads(prefetch):
 
 
 @functools.cache
-def make_tile_loader(kind, layout, aligned=True, prefetch=False):
+def make_tile_loader(kind, layout, aligned=True, prefetch=False, flips=False):
     """(start, tile_values, n_raw): device functions that fill a thread's 32 registers ``v``
     with its elements of tile ``t`` in ``layout`` (the network's first; register 0 at element
     ``t * tile + e_in``, zeros past ``n``), by 16-byte loads into ``n_raw`` words ``raw``
     widened to float32 (``w``: a scratch array of 8 words).
 
     ``start(x, t0, tile, e_in, n, w, raw)`` before the grid-stride loop and
-    ``tile_values(x, t, stride, tile, e_in, n, w, raw, v)`` in it; with ``prefetch`` the
+    ``tile_values(x, t, stride, tile, e_in, n, w, raw, v, flip)`` in it; with ``prefetch`` the
     loads of tile t + stride are issued as soon as tile t's words are widened, so they are in
-    flight while the kernel computes on tile t (``raw`` stays live across the iteration)."""
+    flight while the kernel computes on tile t (``raw`` stays live across the iteration).
+
+    ``flips`` (16-bit kinds): the sign bits ``word_flip_mask`` sets in ``flip`` are flipped
+    in the raw words, before widening (the same float32 bits as negating the widened values:
+    bf16 widens by a shift, fp16 by an exact conversion); otherwise ``flip`` is not read."""
     wide = kind == KIND_F32
+    assert not (flips and wide), "float32 words hold one element: flip the registers"
     run_in = min(run_length(layout), CHUNK)
     n_words = words_per(kind, run_in)
     load, element = make_words_io(kind, n_words, aligned)[:2]
@@ -708,10 +731,15 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False):
                     raw[n_words * c + j] = w[j]
 
     @device_jit
-    def unpack(raw, w, v):
+    def unpack(raw, w, v, flip):
+        if flips:
+            m = opaque_u32(flip)  # the 16 word masks derived in each tile, not kept live
         for c in range(n_chunks):
             for j in range(n_words):
                 w[j] = raw[n_words * c + j]
+                if flips:
+                    k = n_words * c + j
+                    w[j] = U32(w[j] ^ U32(U32(m << U32(k)) & U32(HALF_SIGN_BITS)))
             for r in range(run_in):
                 v[run_in * c + r] = element(w, r)
 
@@ -721,14 +749,14 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False):
             load_raw(x, t0 * tile + e_in, n, w, raw, (t0 + 1) * tile <= n)
 
     @device_jit
-    def tile_values(x, t, stride, tile, e_in, n, w, raw, v):
+    def tile_values(x, t, stride, tile, e_in, n, w, raw, v, flip):
         if prefetch:  # widen this tile's words, then reuse them for the next tile's
-            unpack(raw, w, v)
+            unpack(raw, w, v, flip)
             t1 = t + stride
             load_raw(x, t1 * tile + e_in, n, w, raw, (t1 + 1) * tile <= n)
         else:
             load_raw(x, t * tile + e_in, n, w, raw, (t + 1) * tile <= n)
-            unpack(raw, w, v)
+            unpack(raw, w, v, flip)
 
     return start, tile_values, n_raw
 
@@ -746,7 +774,9 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     final, network = make_network(group_size, wide)
     # runs of consecutive elements in consecutive registers: a 16-byte access each
     n_smem = smem_network_words(group_size, max_threads(prefetch))
-    start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch)
+    # the forward transform of a 16-bit kind flips its input signs in the raw words
+    word_flips = signed and not inverse and not wide
+    start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch, word_flips)
     run = min(run_length(final), CHUNK)
     store = make_words_io(kind, words_per(kind, run))[4]
     shift = U64(0 if wide else 1)  # element index -> word index
@@ -791,13 +821,15 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
         if signed:  # a CTA tile is a whole number of groups: the same masks in every tile
             mask_in = mask_in_of(sign_words, e_in)
             mask_out = mask_out_of(sign_words, e_out)
+            if word_flips:
+                mask_in = word_flip_mask(mask_in)
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         stride = cuda.gridDim.x
         start(x, cuda.blockIdx.x, tile, e_in, n, w, raw)
         for t in range(cuda.blockIdx.x, n_tiles, stride):
-            tile_values(x, t, stride, tile, e_in, n, w, raw, v)
-            if signed and not inverse:
+            tile_values(x, t, stride, tile, e_in, n, w, raw, v, mask_in)
+            if signed and not inverse and not word_flips:
                 flip_signs_per_tile(v, mask_in)
             network(v, lane, warp, sm)
             for i in range(REGISTERS):
