@@ -88,6 +88,7 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
     "variant,dtype,g,grid",
     [("smem-pf", "bfloat16", 64, (4, 128, None)), ("smem-pf", "bfloat16", 1024, (4, 128, None)),
      ("smem-pf", "float32", 64, (8, 256, None)), ("smem", "bfloat16", 64, (8, 256, None)),
+     ("smem-pf", "bfloat16", 2048, (32, 64, 384)), ("smem", "bfloat16", 2048, (32, 64, None)),
      ("smem-pf", "bfloat16", 4096, (16, 128, 512)), ("smem", "bfloat16", 4096, (16, 128, None)),
      ("shfl", "bfloat16", 64, (8, 256, None))],
 )  # fmt: skip
@@ -95,9 +96,9 @@ def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     """(CTAs, threads, resident threads an SM for the carveout) the transform asks for under
     the launch table's policy on a GPU of one SM, for 20 tiles of work: the prefetching kernels
     ``PREFETCH_THREADS_PER_SM`` threads an SM, below g = 2048 by the grid (4 CTAs of 128), from
-    g = 2048 by the shared-memory carveout (the grid: all 16 CTAs of 128, one group each, the
-    launcher's occupancy cap then follows the carveout); the others up to 2048 (8 CTAs of
-    256)."""
+    g = 2048 by the shared-memory carveout (``prefetch_threads_per_sm``: 384 at 2048; the grid:
+    every group's CTA, the launcher's occupancy cap then follows the carveout); the others up to
+    2048 threads (8 CTAs of 256, 32 of 64)."""
     from fp4_kernels.cuda import launch
 
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
@@ -115,7 +116,7 @@ def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
 @pytest.mark.parametrize("g", [2048, 4096])
 def test_prefetching_transform_carveout(gpu, monkeypatch, g):
     """From g = 2048 the prefetching transform's shared-memory carveout is sized for
-    ``PREFETCH_THREADS_PER_SM`` threads' CTAs: the kernel's attribute holds that percentage,
+    ``prefetch_threads_per_sm(g)`` threads' CTAs: the kernel's attribute holds that percentage,
     the occupancy (the launcher's grid cap) has at least that many CTAs and fewer than the
     driver's own choice, which fills the SM with CTAs."""
     from cuda.bindings import driver
@@ -129,7 +130,7 @@ def test_prefetching_transform_carveout(gpu, monkeypatch, g):
     fk.hadamard(to_gpu(x, "numba"), group_size=g)
     (key,) = [k for k in launch._compiled if k[0] is kernel]
     threads = 32 * g // H.WARP_TILE
-    ctas = H.PREFETCH_THREADS_PER_SM // threads
+    ctas = H.prefetch_threads_per_sm(g) // threads
     assert launch._carveout[key] == ctas
     cu_kernel = launch._compiled[key].cu_kernel
     err, percent = driver.cuKernelGetAttribute(

@@ -906,10 +906,20 @@ def transform_kernel(kind, group_size, inverse, signed, aligned=True):
 # to a size the SM supports: 9 CTAs of 64 threads at g = 2048, 4 of 128 at 4096, 3 of 256 at
 # 8192 on the H200) and the rest of the SM's 256 KB stays L1.  Left to the driver, which
 # maximizes resident CTAs, the carveout took 228 KB at g = 2048 and 4096 (L1: 28 KB) and the
-# transform ran at 1.17-1.21x the copy's time; with 164 KB (L1: 92 KB) 1.10-1.13x.  The FP4Quant
+# transform ran at 1.17-1.21x the copy's time; with 164 KB (L1: 92 KB) 1.10-1.13x.  At g = 2048
+# a carveout sized for 384 threads (6 CTAs of 64; the driver's 132 KB hold 7, L1: 124 KB) ran
+# 0.01-0.02x of the copy's time faster again, in four same-run comparisons (with and without
+# signs); at 4096 and 8192 384 was no faster (8192: 1 CTA of 256, 1.45x).  The FP4Quant
 # kernels, with more work a tile, run fastest with all that fit and the driver's carveout.
 PREFETCH_THREADS_PER_SM = 512
+PREFETCH_CARVEOUT_THREADS_PER_SM = {2048: 384}  # g -> threads, where not 512
 THREADS_PER_SM = 2048  # every other kernel of this module and cuda.fp4quant: all that fit
+
+
+def prefetch_threads_per_sm(group_size):
+    """The resident threads an SM the prefetching transform's carveout is sized for at
+    ``group_size`` >= 2048 (a CTA is one group)."""
+    return PREFETCH_CARVEOUT_THREADS_PER_SM.get(group_size, PREFETCH_THREADS_PER_SM)
 
 
 def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=THREADS_PER_SM):
@@ -931,7 +941,8 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         return
     xw, aligned = ctx.words_view(x, kind)
     kernel, max_threads, prefetch = transform_kernel(kind, group_size, inverse, signed, aligned)
-    # prefetching: 512 threads an SM, by the grid below g = 2048, by the carveout above
+    # prefetching: 512 threads an SM by the grid below g = 2048, by the carveout from 2048
+    # (384 at 2048)
     whole_groups = group_size > WARP_TILE  # a CTA is one group
     capped = prefetch and not whole_groups
     per_sm = PREFETCH_THREADS_PER_SM if capped else THREADS_PER_SM
@@ -942,5 +953,5 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         threads,
         ctx,
         (xw, ctx.view(out, np.uint32), np.int64(n), sign_words),
-        threads_per_sm=PREFETCH_THREADS_PER_SM if prefetch and whole_groups else None,
+        threads_per_sm=prefetch_threads_per_sm(group_size) if prefetch and whole_groups else None,
     )
