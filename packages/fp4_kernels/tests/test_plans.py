@@ -169,10 +169,11 @@ def test_planned_hadamard_launches_what_the_unplanned_path_launches(fake, g, inv
     _compare(fake, lambda: fk.hadamard(x, group_size=g, inverse=inverse, signs=signs), {"x": x})
 
 
-@pytest.mark.parametrize("g,ctas", [(1024, None), (2048, 8), (4096, 4)])
+@pytest.mark.parametrize("g,ctas", [(1024, None), (2048, 6), (4096, 4)])
 def test_transform_carveout_is_set_once(fake, monkeypatch, g, ctas):
-    """The prefetching transform asks for a carveout of 512 threads' CTAs from g = 2048 (a CTA
-    of g / 32 threads is one group), none below; planned calls keep the kernel's attribute."""
+    """The prefetching transform asks for a carveout of 384 threads' CTAs at g = 2048 and 512
+    from 4096 (a CTA of g / 32 threads is one group), none below; planned calls keep the
+    kernel's attribute."""
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
     x = _x((8, 4096))
     for _ in range(3):
