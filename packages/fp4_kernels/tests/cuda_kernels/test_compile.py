@@ -13,10 +13,16 @@ from numba import config, types
 if config.ENABLE_CUDASIM:
     pytest.skip("compile check needs the real NVVM, not the simulator", allow_module_level=True)
 
+from fp4_kernels._scalar import KIND_F32
 from fp4_kernels.cuda.amax import amax_kernel
 from fp4_kernels.cuda.dequantize import dequantize_kernel
 from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
-from fp4_kernels.cuda.hadamard import hadamard_kernel, smem_hadamard_kernel
+from fp4_kernels.cuda.hadamard import (
+    EXCHANGED_DIRECT,
+    WARP_TILE,
+    hadamard_kernel,
+    smem_hadamard_kernel,
+)
 from fp4_kernels.cuda.quantize import BLOCK_SIZES, FMT_MXFP4, FMT_NVFP4, quantize_kernel
 from fp4_kernels.testing import compile_ptx
 
@@ -42,6 +48,7 @@ GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 # shared-memory group size
 GROUP_CASES = [(1, g) for g in GROUP_SIZES] + [(k, g) for k in (0, 2) for g in (64, 2048)]
 # the "smem" kernels that load elements prefetch only 16-bit kinds (network_choice)
+EXCHANGED_DIRECT_GROUPS = {WARP_TILE << k for k in EXCHANGED_DIRECT}  # 2048, 4096
 SMEM_CASES = [(k, g, pf) for k, g in GROUP_CASES for pf in (False, True) if k or not pf]
 ENCODE_CASES = [(k, g, False, False) for k, g in GROUP_CASES] + [
     (k, g, True, pf) for k, g, pf in SMEM_CASES
@@ -167,15 +174,22 @@ def test_hadamard_kernel_compiles_clean(kind, g):
 
 @pytest.mark.parametrize("kind,g,prefetch", SMEM_CASES)
 def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
-    """The shared-memory network: no shuffles, 16-byte (and 8-byte) shared accesses, CTA
-    barriers only across warps, and the global accesses of the shuffle kernel."""
+    """The shared-memory network: no shuffles, 16-byte shared accesses (8-byte ones in the
+    two-transpose exchange of 16-bit data at g = 2048 and 4096, ``EXCHANGED_DIRECT``), CTA
+    barriers only across warps, 16-byte loads and 16-byte stores (8-byte where the final
+    layout's runs are 4 elements: 8192, and 4096 with the direct exchange)."""
     ptx = compile_ptx(smem_hadamard_kernel(kind, g, False, True, True, prefetch), HADAMARD_SIG)
     _check_block_kernel_body(ptx)
     assert "shfl.sync" not in ptx
-    assert "ld.shared.v4.f32" in ptx and "st.shared.v4.f32" in ptx
+    direct = kind != KIND_F32 and g in EXCHANGED_DIRECT_GROUPS
+    shared = "v2" if direct else "v4"
+    assert f"ld.shared.{shared}.f32" in ptx and f"st.shared.{shared}.f32" in ptx
     assert ("bar.sync" in ptx) == (g > 1024)
     assert "ld.global.nc.v4.u32" in ptx
-    assert "st.global.v4.u32" in ptx or (g == 8192 and "st.global.v2.u32" in ptx)
+    if g == 8192 or (direct and g == 4096):
+        assert "st.global.v2.u32" in ptx
+    else:
+        assert "st.global.v4.u32" in ptx
     ptx = compile_ptx(smem_hadamard_kernel(kind, g, True, True, False, prefetch),
                       (ELEMENTS[kind],) + HADAMARD_SIG[1:])  # fmt: skip
     _check_block_kernel_body(ptx)  # unaligned input: element loads

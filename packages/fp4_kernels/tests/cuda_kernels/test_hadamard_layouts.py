@@ -24,9 +24,12 @@ def _warps(g):
     return max(1, g // H.WARP_TILE)
 
 
-# (data loaded, data stored) float32: the transform (same), FP4Quant decode to float32 (codes
-# in, float32 out) and encode of float32 (float32 in, codes out in runs of 8)
-WIDTHS = [(False, False), (True, True), (False, True), (True, False)]
+# (data loaded, data stored) float32, two-transpose exchange: the transform (same; 16-bit data
+# with the direct exchange at g = 2048 and 4096), FP4Quant decode to float32 (codes in, float32
+# out) and encode of float32 (float32 in, codes out in runs of 8), and the FP4Quant kernels of
+# 16-bit data (three transposes)
+WIDTHS = [(False, False, True), (True, True, False), (False, True, False), (True, False, False),
+          (False, False, False)]  # fmt: skip
 
 
 def _transposes(g, wide):
@@ -61,7 +64,7 @@ def test_every_stage_is_a_register_stage_in_order(g, wide):
         while b not in chain[at].regs:
             at += 1
         assert at < len(chain)
-    assert H.make_network(g, *wide)[0] == chain[-1]
+    assert H.make_network(g, wide[0], wide[1], direct_exchange=wide[2])[0] == chain[-1]
 
 
 def _bank_groups(addr_bytes, width):
@@ -119,10 +122,12 @@ def test_transposes_are_one_to_one_and_conflict_free(g, wide):
 @pytest.mark.parametrize("g", GROUP_SIZES)
 @pytest.mark.parametrize("element_bytes", [2, 4])
 def test_global_accesses_cover_whole_lines(g, element_bytes):
-    """Each load (first layout) and each store (final layout) instruction of a warp (16 bytes
-    a lane, or a run of 4 bf16) touches only 128-byte lines it reads or writes entirely."""
-    chain = H.layouts(g, element_bytes == 4)
-    for layout in (chain[0], chain[-1]):
+    """Each load (first layout) and each store (final layout, of either exchange) instruction of
+    a warp (16 bytes a lane, or a run of 4 bf16) touches only 128-byte lines it reads or writes
+    entirely."""
+    wide = element_bytes == 4
+    chain = H.layouts(g, wide)
+    for layout in (chain[0], chain[-1], H.layouts(g, wide, direct_exchange=True)[-1]):
         run = H.run_length(layout)
         per_access = min(run, 16 // element_bytes)  # elements one access moves
         assert per_access * element_bytes >= 8

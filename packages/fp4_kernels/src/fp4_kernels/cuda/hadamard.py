@@ -357,9 +357,11 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
 # bit of the current layout is a register butterfly (``a + b``, ``a - b``: the reference's
 # operands in the reference's order); when the next stage's bit is not, the registers go
 # through shared memory into the next layout.  Global loads and stores keep the elements of
-# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32) and the next three
-# bits across lanes 0-7, so each access instruction covers whole 128-byte lines (the layouts'
-# tests check this and that every shared-memory access is free of bank conflicts).
+# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32; 8-byte stores
+# where the final layout has runs of 4) and the next bits across the first lanes, so each
+# access instruction covers whole 128-byte lines (the layouts' tests check this and that every
+# shared-memory access is free of bank conflicts).  The transform of 16-bit data at g = 2048
+# and 4096 takes a shorter chain of layouts (``EXCHANGED_DIRECT``) than the FP4Quant kernels.
 
 
 class Layout(NamedTuple):
@@ -390,6 +392,19 @@ EXCHANGED = {
     2: Layout((0, 1, 2, 10, 11), (3, 4, 5, 7, 8), (6, 9, 12)),
     3: Layout((0, 1, 10, 11, 12), (2, 3, 4, 5, 7), (6, 8, 9)),
 }
+# The transform of 16-bit data at g = 2048 and 4096 (``direct_exchange``): two transposes a
+# tile instead of three.  The middle layout takes stages 3-6 and the CTA exchange leads straight
+# into the store layout, whose registers hold the warp bits' stages and runs of 8 (g = 2048) or
+# 4 (4096) elements; each transpose has one bit in common with its neighbours, so it moves 8
+# bytes an access: 32 + 32 accesses of 8 bytes a tile instead of 24 + 24 of 16, a third less
+# shared-memory traffic (the bound of the three-transpose kernel there: its warps stalled on
+# shared-memory results, the MIO queue and the barriers, not on DRAM).  At 8192 the store runs
+# would be 2 elements (4-byte stores), so 8192 keeps three transposes.
+MIDDLE_DIRECT = Layout((0, 3, 4, 5, 6), (1, 2, 7, 8, 9))
+EXCHANGED_DIRECT = {
+    1: Layout((0, 1, 2, 9, 10), (3, 4, 5, 6, 7), (8, 11, 12)),
+    2: Layout((0, 1, 9, 10, 11), (2, 3, 4, 5, 6), (7, 8, 12)),
+}
 # g <= 1024: at most this many threads a CTA (shared memory holds 1024 words for each warp);
 # with the prefetch (16 more registers) 128 (more CTAs fit the register file)
 # float32 (4 elements a 16-byte access): bits 0-1 in registers and 2-4 across lanes 0-7
@@ -410,12 +425,15 @@ def bits_offset(bits, x):
     return sum(((x >> j) & 1) << b for j, b in enumerate(bits))
 
 
-def layouts(group_size, wide=False, wide_out=None):
+def layouts(group_size, wide=False, wide_out=None, direct_exchange=False):
     """The layouts the registers pass through, load to store: ``wide`` (``wide_out``) when
     the data loaded (stored) is float32, 4 elements a 16-byte access (``wide_out`` defaults
-    to ``wide``)."""
+    to ``wide``).  ``direct_exchange``: where 16-bit data goes in and out at g = 2048 or 4096,
+    the two-transpose chain ending in ``EXCHANGED_DIRECT`` (the transform's)."""
     wide_out = wide if wide_out is None else wide_out
     k = cross_warp_bits(group_size)
+    if direct_exchange and k in EXCHANGED_DIRECT and not wide and not wide_out:
+        return [LOAD, MIDDLE_DIRECT, EXCHANGED_DIRECT[k]]
     store, exchanged = (STORE_F32, EXCHANGED_F32) if wide_out else (STORE, EXCHANGED)
     chain = [LOAD_F32 if wide else LOAD, _MIDDLE.get(group_size, MIDDLE), store]
     return chain + [exchanged[k]] if k else chain
@@ -614,10 +632,12 @@ def smem_network_words(group_size, max_threads, one_buffer=False):
 
 
 @functools.cache
-def make_network(group_size, wide=False, wide_out=None, fenced=False, one_buffer=False):
+def make_network(
+    group_size, wide=False, wide_out=None, fenced=False, one_buffer=False, direct_exchange=False
+):
     """(final layout, network(v, lane, warp, sm)): the unnormalized transform of the registers
-    of the first of ``layouts(g, wide, wide_out)`` in ``stage_order(g)``, leaving them in the
-    last.
+    of the first of ``layouts(g, wide, wide_out, direct_exchange)`` in ``stage_order(g)``,
+    leaving them in the last.
 
     A CTA barrier comes before each write to a buffer that other warps may still be reading:
     the CTA exchange's (g >= 2048) after the last tile's reads, and where the exchange and the
@@ -625,7 +645,7 @@ def make_network(group_size, wide=False, wide_out=None, fenced=False, one_buffer
     before the exchange.  ``fenced``: the caller has a CTA barrier after every tile's network (the
     FP4Quant encoder's group amax), so the barriers that only keep the last tile's reads apart
     become warp barriers: one CTA barrier a tile fewer."""
-    chain = layouts(group_size, wide, wide_out)
+    chain = layouts(group_size, wide, wide_out, direct_exchange)
     k = cross_warp_bits(group_size)
     single = shares_one_buffer(group_size, one_buffer)
     region = 0 if single else group_size
@@ -770,8 +790,8 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     registers)."""
     wide = kind == KIND_F32
     assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
-    first = layouts(group_size, wide)[0]
-    final, network = make_network(group_size, wide)
+    first = layouts(group_size, wide, direct_exchange=True)[0]
+    final, network = make_network(group_size, wide, direct_exchange=True)
     # runs of consecutive elements in consecutive registers: a 16-byte access each
     n_smem = smem_network_words(group_size, max_threads(prefetch))
     # the forward transform of a 16-bit kind flips its input signs in the raw words
