@@ -4,12 +4,13 @@ non-negative bf16 and fp16 pattern on a real GPU, a sample of them in the simula
 the stochastic rounding core."""
 
 import numpy as np
+import pytest
 from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 from numba import config, cuda
 
-from fp4_kernels._scalar import E2M1_CODE_BIAS
+from fp4_kernels._scalar import E2M1_CODE_BIAS, KIND_BF16
 from fp4_kernels.cuda._primitives import OPS, f32_as_u32, prmt, u32_as_f32
-from fp4_kernels.cuda._words import U32
+from fp4_kernels.cuda._words import U32, make_words_io
 from fp4_kernels.cuda.quantize import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
 from fp4_kernels.formats import e2m1, e4m3
 
@@ -89,3 +90,13 @@ def test_device_stochastic_core_matches_oracle(kernels, rng):
     got = codes.copy_to_host()
     np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(a, r16))
     np.testing.assert_array_equal(got[: a_edge.size], expected_edge)
+
+
+def test_word_blocks_of_other_sizes_are_refused():
+    """``make_words_io`` moves 16-byte blocks (and stores 8 bytes): for any other block its
+    loops would move nothing, so building it is an error, not a kernel that stores no data."""
+
+    for n_words in (0, 1, 3, 6):
+        with pytest.raises(ValueError, match="n_words"):
+            make_words_io(KIND_BF16, n_words)
+    assert len(make_words_io(KIND_BF16, 2)) == 5  # 8-byte stores of 4 bf16 elements

@@ -50,8 +50,14 @@ def make_words_io(kind, n_words, aligned=True):
     ``finite_amax_bits(w)``: max |element| over the finite elements only;
     ``store(out, first, v, at)``: the elements ``v[at ..]`` (a float32 local array) rounded to
     ``kind`` (nearest even) and stored 16 bytes at a time (8 at a time for 4 16-bit elements;
-    ``out`` a uint32 array).
+    ``out`` a uint32 array).  Any other ``n_words`` is an error (the loops would move nothing:
+    a kernel built on them would compile and store no data).
     """
+    if n_words <= 0 or (n_words % 4 and n_words != 2):
+        raise ValueError(
+            f"n_words: {n_words} is not a multiple of 4 or 2 (16- or 8-byte accesses); "
+            "give the device functions whole 16-byte blocks, or 8 bytes to store"
+        )
     wide = kind == KIND_F32
     to_f32 = cvt_f16_to_f32 if cvt_f16_to_f32 is not None else OPS.f16_to_f32
     if cvt_bf16x2 is not None:
