@@ -21,6 +21,7 @@ from fp4_kernels.cuda.hadamard import (
     EXCHANGED_DIRECT,
     WARP_TILE,
     hadamard_kernel,
+    layouts,
     smem_hadamard_kernel,
 )
 from fp4_kernels.cuda.quantize import BLOCK_SIZES, FMT_MXFP4, FMT_NVFP4, quantize_kernel
@@ -184,6 +185,13 @@ def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
     direct = kind != KIND_F32 and g in EXCHANGED_DIRECT_GROUPS
     shared = "v2" if direct else "v4"
     assert f"ld.shared.{shared}.f32" in ptx and f"st.shared.{shared}.f32" in ptx
+    # each transpose of the chain writes and reads a thread's 32 float32 once: the shared-memory
+    # traffic a tile is what the layouts say (two transposes, not three, where direct)
+    transposes = len(layouts(g, kind == KIND_F32, direct_exchange=True)) - 1
+    assert transposes == (2 if direct or g <= WARP_TILE else 3)
+    for op in ("ld", "st"):
+        moved = 16 * ptx.count(f"{op}.shared.v4.f32") + 8 * ptx.count(f"{op}.shared.v2.f32")
+        assert moved == 128 * transposes, (op, moved)
     assert ("bar.sync" in ptx) == (g > 1024)
     assert "ld.global.nc.v4.u32" in ptx
     if g == 8192 or (direct and g == 4096):
