@@ -48,8 +48,9 @@ GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 # every group size in bfloat16, and the other element kinds at a shuffle-only and a
 # shared-memory group size
 GROUP_CASES = [(1, g) for g in GROUP_SIZES] + [(k, g) for k in (0, 2) for g in (64, 2048)]
+# the group sizes whose transform of 16-bit data takes the two-transpose chain: 2048, 4096
+EXCHANGED_DIRECT_GROUPS = {WARP_TILE << k for k in EXCHANGED_DIRECT}
 # the "smem" kernels that load elements prefetch only 16-bit kinds (network_choice)
-EXCHANGED_DIRECT_GROUPS = {WARP_TILE << k for k in EXCHANGED_DIRECT}  # 2048, 4096
 SMEM_CASES = [(k, g, pf) for k, g in GROUP_CASES for pf in (False, True) if k or not pf]
 ENCODE_CASES = [(k, g, False, False) for k, g in GROUP_CASES] + [
     (k, g, True, pf) for k, g, pf in SMEM_CASES

@@ -95,7 +95,6 @@ def test_device_stochastic_core_matches_oracle(kernels, rng):
 def test_word_blocks_of_other_sizes_are_refused():
     """``make_words_io`` moves 16-byte blocks (and stores 8 bytes): for any other block its
     loops would move nothing, so building it is an error, not a kernel that stores no data."""
-
     for n_words in (0, 1, 3, 6):
         with pytest.raises(ValueError, match="n_words"):
             make_words_io(KIND_BF16, n_words)

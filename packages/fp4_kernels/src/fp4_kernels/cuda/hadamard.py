@@ -624,8 +624,8 @@ def shares_one_buffer(group_size, one_buffer=False):
 def smem_network_words(group_size, max_threads, one_buffer=False):
     """float32 words of shared memory the "smem" network uses: 1024 a warp up to g = 1024 (CTAs
     of at most ``max_threads``); g (per-warp buffers) + g (the CTA exchange) at 2048 and 4096;
-    one buffer of g words for both at 8192 (and where ``one_buffer`` asks for it), with a CTA
-    barrier before the exchange and one before the first transpose (``make_network``)."""
+    one buffer of g words for both at 8192 (and where ``one_buffer`` asks for it; the barriers
+    that sharing takes: ``make_network``)."""
     if group_size <= WARP_TILE:
         return WARP_TILE * (max_threads // WARP_SIZE)
     return group_size if shares_one_buffer(group_size, one_buffer) else 2 * group_size
