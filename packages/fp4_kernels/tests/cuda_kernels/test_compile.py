@@ -48,7 +48,7 @@ GROUP_SIZES = [16 << i for i in range(10)]  # 16 ... 8192
 # every group size in bfloat16, and the other element kinds at a shuffle-only and a
 # shared-memory group size
 GROUP_CASES = [(1, g) for g in GROUP_SIZES] + [(k, g) for k in (0, 2) for g in (64, 2048)]
-# the group sizes whose transform of 16-bit data takes the two-transpose chain: 2048, 4096
+# the group sizes whose transform of 16-bit data takes the two-transpose chain: 2048...8192
 EXCHANGED_DIRECT_GROUPS = {WARP_TILE << k for k in EXCHANGED_DIRECT}
 # the "smem" kernels that load elements prefetch only 16-bit kinds (network_choice)
 SMEM_CASES = [(k, g, pf) for k, g in GROUP_CASES for pf in (False, True) if k or not pf]
@@ -177,9 +177,10 @@ def test_hadamard_kernel_compiles_clean(kind, g):
 @pytest.mark.parametrize("kind,g,prefetch", SMEM_CASES)
 def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
     """The shared-memory network: no shuffles, 16-byte shared accesses (8-byte ones in the
-    two-transpose exchange of 16-bit data at g = 2048 and 4096, ``EXCHANGED_DIRECT``), CTA
-    barriers only across warps, 16-byte loads and 16-byte stores (8-byte where the final
-    layout's runs are 4 elements: 8192, and 4096 with the direct exchange)."""
+    two-transpose exchange of 16-bit data at g = 2048, 4096 and 8192, ``EXCHANGED_DIRECT``),
+    CTA barriers only across warps, 16-byte loads and 16-byte stores (8-byte where the final
+    layout's runs are 4 elements: float32 at 8192, and 4096 with the direct exchange; 4-byte
+    runs of 2 at 8192 with the direct exchange)."""
     ptx = compile_ptx(smem_hadamard_kernel(kind, g, False, True, True, prefetch), HADAMARD_SIG)
     _check_block_kernel_body(ptx)
     assert "shfl.sync" not in ptx
@@ -195,7 +196,9 @@ def test_smem_hadamard_kernel_compiles_clean(kind, g, prefetch):
         assert moved == 128 * transposes, (op, moved)
     assert ("bar.sync" in ptx) == (g > 1024)
     assert "ld.global.nc.v4.u32" in ptx
-    if g == 8192 or (direct and g == 4096):
+    if direct and g == 8192:
+        assert "st.global.u32" in ptx and "st.global.v" not in ptx
+    elif g == 8192 or (direct and g == 4096):
         assert "st.global.v2.u32" in ptx
     else:
         assert "st.global.v4.u32" in ptx

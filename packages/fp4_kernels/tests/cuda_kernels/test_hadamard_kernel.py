@@ -88,17 +88,18 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
     "variant,dtype,g,grid",
     [("smem-pf", "bfloat16", 64, (4, 128, None)), ("smem-pf", "bfloat16", 1024, (4, 128, None)),
      ("smem-pf", "float32", 64, (8, 256, None)), ("smem", "bfloat16", 64, (8, 256, None)),
-     ("smem-pf", "bfloat16", 2048, (32, 64, 384)), ("smem", "bfloat16", 2048, (32, 64, None)),
-     ("smem-pf", "bfloat16", 4096, (16, 128, 512)), ("smem", "bfloat16", 4096, (16, 128, None)),
+     ("smem-pf", "bfloat16", 2048, (8, 64, 384)), ("smem", "bfloat16", 2048, (32, 64, None)),
+     ("smem-pf", "bfloat16", 4096, (4, 128, 512)), ("smem", "bfloat16", 4096, (16, 128, None)),
+     ("smem-pf", "bfloat16", 8192, (2, 256, 512)), ("smem", "bfloat16", 8192, (8, 256, None)),
      ("shfl", "bfloat16", 64, (8, 256, None))],
 )  # fmt: skip
 def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     """(CTAs, threads, resident threads an SM for the carveout) the transform asks for under
     the launch table's policy on a GPU of one SM, for 20 tiles of work: the prefetching kernels
-    ``PREFETCH_THREADS_PER_SM`` threads an SM, below g = 2048 by the grid (4 CTAs of 128), from
-    g = 2048 by the shared-memory carveout (``prefetch_threads_per_sm``: 384 at 2048; the grid:
-    every group's CTA, the launcher's occupancy cap then follows the carveout); the others up to
-    2048 threads (8 CTAs of 256, 32 of 64)."""
+    ``PREFETCH_THREADS_PER_SM`` threads an SM by the grid (4 CTAs of 128; 8 of 64 at g = 2048,
+    4 of 128 at 4096, 2 of 256 at 8192), from g = 2048 by the shared-memory carveout too
+    (``prefetch_threads_per_sm``: 384 at 2048; the launcher's occupancy cap then follows the
+    carveout); the others up to 2048 threads (8 CTAs of 256, 32 of 64)."""
     from fp4_kernels.cuda import launch
 
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
@@ -106,7 +107,7 @@ def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     asked = []
     monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a, threads_per_sm=None:
                         asked.append((blocks, threads, threads_per_sm)))  # fmt: skip
-    x = np.zeros((20, 4096), NP_DTYPES[dtype])  # 81920 elements
+    x = np.zeros((10, 8192), NP_DTYPES[dtype])  # 81920 elements
     with launch.launch_policy():  # the table's choice, not the simulator tests' small grids
         fk.hadamard(to_gpu(x, "numba"), group_size=g)
     assert asked == [grid]

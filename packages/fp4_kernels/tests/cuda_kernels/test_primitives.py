@@ -3,12 +3,14 @@ encoder is the hardware cvt.rn.satfinite.e4m3x2.f32) against the numpy oracle: e
 non-negative bf16 and fp16 pattern on a real GPU, a sample of them in the simulator; likewise
 the stochastic rounding core."""
 
+import functools
+
 import numpy as np
 import pytest
 from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 from numba import config, cuda
 
-from fp4_kernels._scalar import E2M1_CODE_BIAS, KIND_BF16
+from fp4_kernels._scalar import E2M1_CODE_BIAS, KIND_BF16, KIND_F16, KIND_F32
 from fp4_kernels.cuda._primitives import OPS, f32_as_u32, prmt, u32_as_f32
 from fp4_kernels.cuda._words import U32, make_words_io
 from fp4_kernels.cuda.quantize import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
@@ -93,9 +95,47 @@ def test_device_stochastic_core_matches_oracle(kernels, rng):
 
 
 def test_word_blocks_of_other_sizes_are_refused():
-    """``make_words_io`` moves 16-byte blocks (and stores 8 bytes): for any other block its
+    """``make_words_io`` moves 16-byte blocks (and 4 or 8 bytes): for any other block its
     loops would move nothing, so building it is an error, not a kernel that stores no data."""
-    for n_words in (0, 1, 3, 6):
+    for n_words in (0, 3, 6):
         with pytest.raises(ValueError, match="n_words"):
             make_words_io(KIND_BF16, n_words)
-    assert len(make_words_io(KIND_BF16, 2)) == 5  # 8-byte stores of 4 bf16 elements
+
+
+@functools.cache
+def _words_copy(kind, n_words):
+    """A kernel that moves each block of ``n_words`` words through ``load``, ``element`` and
+    ``store`` (the elements widened to float32 and rounded back: the same bits)."""
+    load, element, _, _, store = make_words_io(kind, n_words)
+    per_block = n_words * (2 if kind != KIND_F32 else 1)
+
+    @cuda.jit
+    def kernel(x, out):
+        w = cuda.local.array(4, np.uint32)
+        v = cuda.local.array(8, np.float32)
+        b = cuda.grid(1)
+        if b * n_words < x.size:
+            load(x, b * n_words, w)
+            for j in range(per_block):
+                v[j] = element(w, j)
+            store(out, b * n_words, v, 0)
+
+    return kernel
+
+
+@pytest.mark.parametrize("kind", [KIND_BF16, KIND_F16, KIND_F32])
+@pytest.mark.parametrize("n_words", [1, 2, 4])
+def test_word_blocks_round_trip(kind, n_words):
+    """Every block size ``make_words_io`` accepts loads and stores every word (a block of 1
+    or 2 words included: no loop that moves nothing)."""
+    rng = np.random.default_rng(n_words)
+    finite = {KIND_BF16: 0x7F7F, KIND_F16: 0x7BFF}
+    if kind == KIND_F32:
+        x = rng.standard_normal(64 * n_words).astype(np.float32).view(np.uint32)
+    else:  # finite 16-bit patterns of both signs (NaN payloads need not survive a widening)
+        h = rng.integers(0, finite[kind], 128 * n_words, dtype=np.uint16)
+        h |= rng.integers(0, 2, h.size, dtype=np.uint16) << 15
+        x = h.view(np.uint32)
+    out = cuda.to_device(np.full(x.size, 0xDEADBEEF, np.uint32))
+    _words_copy(kind, n_words)[x.size // n_words, 1](cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), x)

@@ -40,24 +40,26 @@ def words_per(kind, elements):
 
 @functools.cache
 def make_words_io(kind, n_words, aligned=True):
-    """Device functions for blocks of ``n_words`` words (a multiple of 4, or 2) of ``kind``:
+    """Device functions for blocks of ``n_words`` words (a multiple of 4, or 1 or 2) of ``kind``:
 
     ``load(x, first, w)``: words ``first ..`` of ``x`` into the local array ``w`` (16-byte loads
-    through the read-only path where ``aligned``; ``x`` is then a uint32 array; otherwise ``x``
-    is the data's own element array and the words are assembled from element loads);
+    through the read-only path where ``aligned``, word loads for a block of 1 or 2 words; ``x``
+    is then a uint32 array; otherwise ``x`` is the data's own element array and the words are
+    assembled from element loads);
     ``element(w, j)``: element ``j`` of the block as float32 (exact);
     ``amax_bits(w)``: max |element| as float32 bits (>= 0x7F800000: a NaN or Inf is present);
     ``finite_amax_bits(w)``: max |element| over the finite elements only;
     ``store(out, first, v, at)``: the elements ``v[at ..]`` (a float32 local array) rounded to
-    ``kind`` (nearest even) and stored 16 bytes at a time (8 at a time for 4 16-bit elements;
-    ``out`` a uint32 array).  Any other ``n_words`` is an error (the loops would move nothing:
-    a kernel built on them would compile and store no data).
+    ``kind`` (nearest even) and stored 16 bytes at a time (8 or 4 bytes at a time for a block
+    of 2 or 1 words; ``out`` a uint32 array).  Any other ``n_words`` is an error (the 16-byte
+    loops would move nothing: a kernel built on them would compile and store no data).
     """
-    if n_words <= 0 or (n_words % 4 and n_words != 2):
+    if n_words <= 0 or (n_words % 4 and n_words not in (1, 2)):
         raise ValueError(
-            f"n_words: {n_words} is not a multiple of 4 or 2 (16- or 8-byte accesses); "
-            "give the device functions whole 16-byte blocks, or 8 bytes to store"
+            f"n_words: {n_words} is not a multiple of 4, or 1 or 2 (16-, 8- or 4-byte "
+            "accesses); give the device functions whole 16-byte blocks, or 4 or 8 bytes"
         )
+    quads = n_words % 4 == 0  # 16-byte accesses
     wide = kind == KIND_F32
     to_f32 = cvt_f16_to_f32 if cvt_f16_to_f32 is not None else OPS.f16_to_f32
     if cvt_bf16x2 is not None:
@@ -75,10 +77,10 @@ def make_words_io(kind, n_words, aligned=True):
 
     @device_jit
     def load(x, first, w):
-        if aligned:
+        if aligned and quads:
             for q in range(n_words // 4):
                 w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3] = load_v4(x, first + 4 * q)
-        elif wide:
+        elif aligned or wide:
             for j in range(n_words):
                 w[j] = U32(x[first + j])
         else:
@@ -136,7 +138,10 @@ def make_words_io(kind, n_words, aligned=True):
 
     @device_jit
     def store(out, first, v, at):
-        if wide:
+        if wide and not quads:
+            for j in range(n_words):
+                out[first + j] = f32_as_u32(v[at + j])
+        elif wide:
             for q in range(n_words // 4):
                 store_v4(
                     out,
@@ -146,6 +151,8 @@ def make_words_io(kind, n_words, aligned=True):
                     f32_as_u32(v[at + 4 * q + 2]),
                     f32_as_u32(v[at + 4 * q + 3]),
                 )
+        elif n_words == 1:
+            out[first] = pack2(v[at + 1], v[at])
         elif n_words == 2:
             store_v2(out, first, pack2(v[at + 1], v[at]), pack2(v[at + 3], v[at + 2]))
         else:

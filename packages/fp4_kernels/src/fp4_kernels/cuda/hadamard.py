@@ -357,11 +357,12 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
 # bit of the current layout is a register butterfly (``a + b``, ``a - b``: the reference's
 # operands in the reference's order); when the next stage's bit is not, the registers go
 # through shared memory into the next layout.  Global loads and stores keep the elements of
-# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32; 8-byte stores
-# where the final layout has runs of 4) and the next bits across the first lanes, so each
-# access instruction covers whole 128-byte lines (the layouts' tests check this and that every
-# shared-memory access is free of bank conflicts).  The transform of 16-bit data at g = 2048
-# and 4096 takes a shorter chain of layouts (``EXCHANGED_DIRECT``) than the FP4Quant kernels.
+# one 16-byte access in registers (bits 0-2 of bf16 / fp16, 0-1 of float32; 8- or 4-byte
+# stores where the final layout has runs of 4 or 2) and the next bits across the first lanes,
+# so each access instruction covers whole 128-byte lines (the layouts' tests check this and
+# that every shared-memory access is free of bank conflicts).  The transform of 16-bit data
+# from g = 2048 takes a shorter chain of layouts (``EXCHANGED_DIRECT``) than the FP4Quant
+# kernels.
 
 
 class Layout(NamedTuple):
@@ -392,18 +393,19 @@ EXCHANGED = {
     2: Layout((0, 1, 2, 10, 11), (3, 4, 5, 7, 8), (6, 9, 12)),
     3: Layout((0, 1, 10, 11, 12), (2, 3, 4, 5, 7), (6, 8, 9)),
 }
-# The transform of 16-bit data at g = 2048 and 4096 (``direct_exchange``): two transposes a
-# tile instead of three.  The middle layout takes stages 3-6 and the CTA exchange leads straight
-# into the store layout, whose registers hold the warp bits' stages and runs of 8 (g = 2048) or
-# 4 (4096) elements; each transpose has one bit in common with its neighbours, so it moves 8
-# bytes an access: 32 + 32 accesses of 8 bytes a tile instead of 24 + 24 of 16, a third less
-# shared-memory traffic (the bound of the three-transpose kernel there: its warps stalled on
-# shared-memory results, the MIO queue and the barriers, not on DRAM).  At 8192 the store runs
-# would be 2 elements (4-byte stores), so 8192 keeps three transposes.
+# The transform of 16-bit data from g = 2048 (``direct_exchange``): two transposes a tile
+# instead of three.  The middle layout takes stages 3-6 and the CTA exchange leads straight
+# into the store layout, whose registers hold the warp bits' stages and runs of 8 (g = 2048),
+# 4 (4096) or 2 (8192: 4-byte stores, 32 lanes on one whole 128-byte line) elements; each
+# transpose has one bit in common with its neighbours, so it moves 8 bytes an access: 32 + 32
+# accesses of 8 bytes a tile instead of 24 + 24 of 16, a third less shared-memory traffic (the
+# bound of the three-transpose kernel there: its warps stalled on shared-memory results, the
+# MIO queue and the barriers, not on DRAM).
 MIDDLE_DIRECT = Layout((0, 3, 4, 5, 6), (1, 2, 7, 8, 9))
 EXCHANGED_DIRECT = {
     1: Layout((0, 1, 2, 9, 10), (3, 4, 5, 6, 7), (8, 11, 12)),
     2: Layout((0, 1, 9, 10, 11), (2, 3, 4, 5, 6), (7, 8, 12)),
+    3: Layout((0, 9, 10, 11, 12), (1, 2, 3, 4, 5), (6, 7, 8)),
 }
 # g <= 1024: at most this many threads a CTA (shared memory holds 1024 words for each warp);
 # with the prefetch (16 more registers) 128 (more CTAs fit the register file)
@@ -428,8 +430,8 @@ def bits_offset(bits, x):
 def layouts(group_size, wide=False, wide_out=None, direct_exchange=False):
     """The layouts the registers pass through, load to store: ``wide`` (``wide_out``) when
     the data loaded (stored) is float32, 4 elements a 16-byte access (``wide_out`` defaults
-    to ``wide``).  ``direct_exchange``: where 16-bit data goes in and out at g = 2048 or 4096,
-    the two-transpose chain ending in ``EXCHANGED_DIRECT`` (the transform's)."""
+    to ``wide``).  ``direct_exchange``: where 16-bit data goes in and out from g = 2048, the
+    two-transpose chain ending in ``EXCHANGED_DIRECT`` (the transform's)."""
     wide_out = wide if wide_out is None else wide_out
     k = cross_warp_bits(group_size)
     if direct_exchange and k in EXCHANGED_DIRECT and not wide and not wide_out:
@@ -792,11 +794,12 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
     first = layouts(group_size, wide, direct_exchange=True)[0]
     final, network = make_network(group_size, wide, direct_exchange=True)
-    # runs of consecutive elements in consecutive registers: a 16-byte access each
     n_smem = smem_network_words(group_size, max_threads(prefetch))
     # the forward transform of a 16-bit kind flips its input signs in the raw words
     word_flips = signed and not inverse and not wide
     start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch, word_flips)
+    # runs of consecutive elements in consecutive registers: one store each (16 bytes; 8 or 4
+    # where the final layout's runs are 4 or 2 elements)
     run = min(run_length(final), CHUNK)
     store = make_words_io(kind, words_per(kind, run))[4]
     shift = U64(0 if wide else 1)  # element index -> word index
@@ -916,15 +919,16 @@ def transform_kernel(kind, group_size, inverse, signed, aligned=True):
 # ---------------------------------------------------------------------- host side
 
 
-# Resident threads an SM for the transform's prefetching kernels: 512.  Below g = 2048 the grid
-# is capped there (4 CTAs of 128 instead of the 7 that fit).  On the H200 (2^28 bf16,
+# Resident threads an SM for the transform's prefetching kernels: 512.  The grid is capped
+# there (below g = 2048 4 CTAs of 128 instead of the 7 that fit).  On the H200 (2^28 bf16,
 # ``benchmarks/launch_sweep.py``) 4 ran at 1.04x the copy's time at g = 64 and 1024, 3 at
 # 1.07-1.09x, 5-7 at 1.13-1.14x: each warp keeps a tile's loads in flight, and past 16 warps an
 # SM the extra requests slow DRAM down more than they hide.  From g = 2048 a CTA is one group
 # and holds 2g words of shared memory (g at 8192): there the kernel's shared-memory carveout is
-# sized for 512 threads' CTAs (``launch.launch``'s ``threads_per_sm``; the driver rounds it up
-# to a size the SM supports: 9 CTAs of 64 threads at g = 2048, 4 of 128 at 4096, 3 of 256 at
-# 8192 on the H200) and the rest of the SM's 256 KB stays L1.  Left to the driver, which
+# also sized for 512 threads' CTAs (``launch.launch``'s ``threads_per_sm``; the driver rounds it
+# up to a size the SM supports: 9 CTAs of 64 threads at g = 2048, 4 of 128 at 4096, 3 of 256 at
+# 8192 on the H200, where the grid's cap keeps 2: 1.09-1.11x the copy's time against 1.12-1.14x
+# with 3) and the rest of the SM's 256 KB stays L1.  Left to the driver, which
 # maximizes resident CTAs, the carveout took 228 KB at g = 2048 and 4096 (L1: 28 KB) and the
 # transform ran at 1.17-1.21x the copy's time; with 164 KB (L1: 92 KB) 1.10-1.13x.  At g = 2048
 # a carveout sized for 384 threads (6 CTAs of 64; the driver's 132 KB hold 7, L1: 124 KB) ran
@@ -961,11 +965,10 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         return
     xw, aligned = ctx.words_view(x, kind)
     kernel, max_threads, prefetch = transform_kernel(kind, group_size, inverse, signed, aligned)
-    # prefetching: 512 threads an SM by the grid below g = 2048, by the carveout from 2048
-    # (384 at 2048)
+    # prefetching: 512 threads an SM by the grid, and from g = 2048 by the carveout too (384
+    # at 2048)
     whole_groups = group_size > WARP_TILE  # a CTA is one group
-    capped = prefetch and not whole_groups
-    per_sm = PREFETCH_THREADS_PER_SM if capped else THREADS_PER_SM
+    per_sm = PREFETCH_THREADS_PER_SM if prefetch else THREADS_PER_SM
     blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
     launch.launch(
         kernel,
