@@ -25,7 +25,7 @@ def _warps(g):
 
 
 # (data loaded, data stored) float32, two-transpose exchange: the transform (same; 16-bit data
-# with the direct exchange at g = 2048 and 4096), FP4Quant decode to float32 (codes in, float32
+# with the direct exchange from g = 2048), FP4Quant decode to float32 (codes in, float32
 # out) and encode of float32 (float32 in, codes out in runs of 8), and the FP4Quant kernels of
 # 16-bit data (three transposes)
 WIDTHS = [(False, False, True), (True, True, False), (False, True, False), (True, False, False),
