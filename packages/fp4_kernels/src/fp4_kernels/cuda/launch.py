@@ -7,11 +7,12 @@ signature and launched straight through ``cuda.core.launch`` with numba's argume
 Every op module states its launch in one line of the table below; the grid is
 ``ceil(work items / (threads * items per thread))`` CTAs, capped at one resident wave (the
 kernels are grid-stride loops, so a persistent grid does the same work without a partly filled
-last wave), and for the transform's prefetching kernels at 4 CTAs an SM (fewer warps with
-loads in flight run faster there: ``hadamard.PREFETCH_THREADS_PER_SM``); from g = 2048, where
-a CTA is one group, those kernels get 512 threads an SM (384 at g = 2048:
-``hadamard.prefetch_threads_per_sm``) through their shared-memory carveout instead
-(``launch``'s ``threads_per_sm``), which leaves the rest of the SM to L1.
+last wave), and for the transform's prefetching kernels at 512 threads an SM (4 CTAs of 128
+below g = 2048; fewer warps with loads in flight run faster there:
+``hadamard.PREFETCH_THREADS_PER_SM``); from g = 2048, where a CTA is one group, their
+shared-memory carveout is also sized for 512 threads an SM (384 at g = 2048:
+``hadamard.prefetch_threads_per_sm``; ``launch``'s ``threads_per_sm``), which leaves the rest
+of the SM to L1.
 
     op (module)                          threads / CTA         work item, per thread
     quantize, dequantize (quantize.py,   256                   1 scale block (16 / 32 elem.)
