@@ -5,7 +5,8 @@ Starting a process costs seconds here (importing torch, compiling fp4_kernels' C
 numba), so the tests share one cluster instead of spawning per test.  Each worker holds one
 communicator per group size: ``comms[4]`` over all four ranks, ``comms[3]`` over ranks 0-2 and
 ``comms[2]`` over ranks 0 and 1 (subgroups; None on the ranks outside them); with
-``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks, rank r on GPU r.
+``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks, rank r on GPU r % (GPU count):
+more ranks than GPUs share them (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,37 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
+
+
+def env_ranks() -> int:
+    """The world size of the multi-rank GPU tests: ``FP4_COMM_TEST_RANKS`` (default 2)."""
+    return int(os.environ.get("FP4_COMM_TEST_RANKS", "2"))
+
+
+def skip_unless_ranks_fit(ranks: int) -> None:
+    """Skip the calling test, with the reason, where ``ranks`` NCCL ranks cannot run here: no
+    GPU or no usable NCCL, or more ranks than GPUs without NCCL's multi-rank mode (NCCL >= 2.30
+    with ``NCCL_MULTI_RANK_GPU_ENABLE=1``)."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from fp4_comm.nccl import _nccl
+
+    try:
+        nccl = _nccl()
+    except ImportError as err:
+        pytest.skip(str(err))
+    gpus = torch.cuda.device_count()
+    if ranks <= gpus:
+        return
+    version = nccl.get_version()
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1" or version < 23000:
+        pytest.skip(
+            f"{ranks} ranks on {gpus} GPU(s) share a GPU: needs NCCL >= 2.30 (this is "
+            f"{version}) with NCCL_MULTI_RANK_GPU_ENABLE=1 (nox -s gpu_multirank)"
+        )
 
 
 def free_port() -> int:
@@ -60,11 +92,11 @@ def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
             else None
         )
     if gpu:
-        # One GPU per rank, NCCL through CuPy, beside the gloo communicators.
-        torch.cuda.set_device(rank)
-        comms["cuda"] = fp4_comm.Communicator.from_process_group(
-            None, torch.device("cuda", rank), timeout_s
-        )
+        # GPU rank % count (ranks share GPUs where there are fewer), NCCL through CuPy, beside
+        # the gloo communicators.
+        device = fp4_comm.local_device(rank)
+        torch.cuda.set_device(device)
+        comms["cuda"] = fp4_comm.Communicator.from_process_group(None, device, timeout_s)
     conn.send(("ready", None))
     while True:
         msg = conn.recv()

@@ -2,14 +2,15 @@
 
 One GPU (world size 1, in this process): the CUDA data path against the gloo/CPU path, bit for
 bit (fp4_kernels' kernels equal its CPU path bit for bit, and the reductions are plain float32
-adds), CuPy arrays on a CuPy stream, CUDA-graph capture and replay.  Two or more GPUs (worker
-processes, rank r on GPU r): every collective against the gloo run of the same inputs, bit for
-bit, identical bits on every rank, argument mismatches, and a missing rank ending in
-CommTimeoutError through ``synchronize``.
+adds), CuPy arrays on a CuPy stream, CUDA-graph capture and replay.  Several ranks
+(``FP4_COMM_TEST_RANKS``, default 2, worker processes, rank r on GPU r % (GPU count)): every
+collective against the gloo run of the same inputs, bit for bit, identical bits on every rank,
+argument mismatches, and a missing rank ending in CommTimeoutError through ``synchronize``.
+More ranks than GPUs share them: NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``
+(``nox -s gpu_multirank`` sets it).
 """
 
 import datetime
-import os
 import time
 
 import numpy as np
@@ -18,27 +19,8 @@ import torch
 
 import fp4_comm
 import fp4_kernels
-from fp4_comm.nccl import _nccl
 
 pytestmark = pytest.mark.gpu
-
-
-def _nccl_missing():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    try:
-        _nccl()
-    except ImportError as err:
-        return str(err)
-    return None
-
-
-def _skip_without(gpus):
-    reason = _nccl_missing()
-    if reason:
-        pytest.skip(reason)
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
 
 
 CODECS = ["nvfp4", "mxfp4", "none", "none-float32", fp4_kernels.FP4Quant(64)]
@@ -47,9 +29,10 @@ CODECS = ["nvfp4", "mxfp4", "none", "none-float32", fp4_kernels.FP4Quant(64)]
 @pytest.fixture(scope="module")
 def single():
     """World size 1 in this process: an NCCL communicator on GPU 0 and a gloo one."""
-    _skip_without(1)
     import torch.distributed as dist
-    from fp4_comm_cluster import free_port
+    from fp4_comm_cluster import free_port, skip_unless_ranks_fit
+
+    skip_unless_ranks_fit(1)
 
     if not dist.is_initialized():
         dist.init_process_group(
@@ -154,10 +137,11 @@ def test_single_gpu_wrong_device_is_an_error(single):
 
 @pytest.fixture(scope="module")
 def multi():
-    _skip_without(2)
-    from fp4_comm_cluster import Cluster
+    from fp4_comm_cluster import Cluster, env_ranks, skip_unless_ranks_fit
 
-    world = min(torch.cuda.device_count(), int(os.environ.get("FP4_COMM_TEST_GPUS", "2")))
+    world = env_ranks()
+    skip_unless_ranks_fit(world)
+
     c = Cluster(world, timeout_s=30.0, gpu=True)
     yield c
     c.close()
@@ -237,10 +221,10 @@ def _run_ddp(comms):
     from fp4_comm import ddp
 
     gpu = comms["cuda"]
-    dev = torch.device("cuda", gpu.rank)
+    dev = gpu.device
     torch.manual_seed(0)
     model = torch.nn.Linear(40, 9).to(dev)  # 369 parameters: padding in the bucket
-    wrapped = DDP(model, device_ids=[gpu.rank])  # over the gloo default group
+    wrapped = DDP(model, device_ids=[dev.index])  # over the gloo default group
     ddp.register(wrapped, gpu, codec="none-float32", error_feedback=False)
     g = torch.Generator().manual_seed(7 + gpu.rank)
     x = torch.randn(6, 40, generator=g).to(dev)

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -239,3 +240,44 @@ def test_unique_id_reaches_the_communicator_as_made(cluster, id_kind):
     for rank, ((ndev, comm_id, got_rank), made) in enumerate(out):
         assert (ndev, got_rank) == (2, rank)
         assert type(comm_id) is type(made) and comm_id == made
+
+
+class _NeverConnects:
+    """A stand-in NCCL whose groupEnd waits, as ncclGroupEnd does for a peer that never
+    connects, until the communicator is aborted (then it fails, as NCCL's aborted calls do)."""
+
+    def __init__(self):
+        self.aborted = threading.Event()
+
+    def groupStart(self):  # noqa: N802
+        pass
+
+    def groupEnd(self):  # noqa: N802
+        if not self.aborted.wait(60):
+            raise AssertionError("not aborted within 60 s: the watchdog did not see the wait")
+        raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    def send(self, *args):
+        pass
+
+    def abort(self):
+        self.aborted.set()
+
+
+def test_watchdog_ends_a_group_that_never_starts(monkeypatch):
+    # The host side of a collective, bounded: ncclGroupEnd blocked on a peer that never
+    # connects ends in CommTimeoutError after timeout_s, and the communicator stays failed.
+    monkeypatch.setattr(nccl_module, "_relax_capture_mode", lambda: None)
+    fake = _NeverConnects()
+    t = NcclTransport.__new__(NcclTransport)
+    t._nccl, t.comm, t._uint8 = fake, fake, UINT8
+    t.rank, t.world_size, t.device, t.timeout_s = 0, 2, torch.device("cpu"), 0.2
+    t._stream = lambda: 0
+    t._watchdog, t._failed, t._closing, t._thread, t._host_since = True, None, False, None, None
+    t._pending = []
+    start = time.monotonic()
+    with pytest.raises(nccl_module.CommTimeoutError, match="did not start within 0.2 s"):
+        t.send([torch.zeros(8, dtype=torch.uint8)], 1)
+    assert fake.aborted.is_set() and time.monotonic() - start < 30
+    with pytest.raises(nccl_module.CommTimeoutError, match="never connected"):
+        t.send([torch.zeros(8, dtype=torch.uint8)], 1)

@@ -1,6 +1,6 @@
 """fp4_comm: FP4-compressed collectives for torch tensors and CuPy arrays.
 
-    comm = fp4_comm.Communicator.from_env()          # under torchrun: NCCL on GPU LOCAL_RANK
+    comm = fp4_comm.Communicator.from_env()          # under torchrun: NCCL on GPU LOCAL_RANK % n
     y = comm.all_reduce(x, codec="nvfp4")            # every rank gets the same bits
     y = comm.reduce_scatter(x, codec="mxfp4", error_feedback="grads")
     y = comm.all_gather(x, codec="none")             # bfloat16 baseline through the same path
@@ -22,6 +22,7 @@ from ._transport import CommConnectionError, CommPeerError, CommTimeoutError
 from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
 from .collectives import shard_rows
 from .communicator import Communicator
+from .devices import local_device
 from .error_feedback import ErrorFeedback
 from .parallel_group import TensorParallelGroup, WirePolicy
 from .stats import HopStats
@@ -45,6 +46,7 @@ __all__ = [
     "NVFP4Codec",
     "NoneCodec",
     "get_codec",
+    "local_device",
     "TensorParallelGroup",
     "TimedCommunicator",
     "WirePolicy",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import math
 import operator
-import os
 import sys
 import zlib
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from .codecs import (
     check_rounding,
     get_codec,
 )
+from .devices import local_device
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
 
@@ -194,14 +194,15 @@ class Communicator:
     ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
-        make a communicator on GPU LOCAL_RANK (or the CPU where there is no CUDA)."""
+        make a communicator on GPU ``LOCAL_RANK % torch.cuda.device_count()`` (``local_device``:
+        ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA."""
         _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
             )
         if device is None and torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            device = local_device()
             torch.cuda.set_device(device)
         return cls.from_process_group(None, device, timeout_s, validate)
 

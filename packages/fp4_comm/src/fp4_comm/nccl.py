@@ -10,6 +10,7 @@ waits for the GPU, except ``synchronize``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import warnings
@@ -93,16 +94,45 @@ class NcclTransport(Transport):
         # oldest (so a queue of long legitimate transfers does not trip it), which ends the
         # NCCL kernels that wait for a peer that never comes: no hang, even for a caller who
         # never calls synchronize().  Not under CUDA-graph capture (nothing runs then).
+        # The watchdog also bounds the host side: ncclGroupEnd connects to the peers on their
+        # first transfer and waits there (on the host, before anything is queued) for a peer
+        # that never comes; ``_host_since`` is when the call now inside a group began.
         self._watchdog = watchdog and timeout_s is not None
         self._pending = collections.deque()
         self._failed = None
         self._closing = False
         self._thread = None
+        self._host_since = None
 
     def _stream(self):
         if self._failed is not None:
             raise CommTimeoutError(self._failed)
         return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _start_watchdog(self):
+        if self._watchdog and self._thread is None:
+            self._thread = threading.Thread(target=self._watch_loop, daemon=True)
+            self._thread.start()
+
+    @contextlib.contextmanager
+    def _group(self):
+        """One NCCL group of transfers, bounded on the host by the watchdog (a peer that never
+        connects), then watched on the stream (a transfer that never ends)."""
+        self._start_watchdog()
+        self._host_since = time.monotonic()
+        self._nccl.groupStart()
+        try:
+            yield
+        finally:
+            try:
+                self._nccl.groupEnd()
+            except Exception as err:
+                if self._failed is not None:  # aborted by the watchdog while it waited
+                    raise CommTimeoutError(self._failed) from err
+                raise
+            finally:
+                self._host_since = None
+        self._watch()
 
     def _watch(self):
         if not self._watchdog or torch.cuda.is_current_stream_capturing():
@@ -110,9 +140,6 @@ class NcclTransport(Transport):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._pending.append(event)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch_loop, daemon=True)
-            self._thread.start()
 
     def _watch_loop(self):
         try:
@@ -122,6 +149,13 @@ class NcclTransport(Transport):
                           "may be invalidated by its event queries", stacklevel=1)  # fmt: skip
         head, since = None, 0.0
         while not self._closing:
+            host = self._host_since
+            if host is not None and time.monotonic() - host > self.timeout_s:
+                self._abort(
+                    f"NCCL: a group of transfers did not start within {self.timeout_s} s (a peer "
+                    "that never connected); the communicator was aborted"
+                )
+                return
             if not self._pending:
                 time.sleep(_WATCHDOG_INTERVAL_S)
                 continue
@@ -132,22 +166,24 @@ class NcclTransport(Transport):
                 self._pending.popleft()
                 continue
             if time.monotonic() - since > self.timeout_s:
-                self._failed = (
+                self._abort(
                     f"NCCL: a transfer did not finish within {self.timeout_s} s (a peer "
                     "missing from a collective, or called with other sizes); the communicator "
                     "was aborted"
                 )
-                self.comm.abort()
                 return
             time.sleep(_WATCHDOG_INTERVAL_S)
+
+    def _abort(self, why):
+        self._failed = why
+        self.comm.abort()
 
     def all_to_all(self, pairs):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
         for send, recv in pairs:
             # A rank's own row is a device copy on the same stream, not an NCCL self-send.
             recv[self.rank].copy_(send[self.rank])
-        self._nccl.groupStart()
-        try:
+        with self._group():
             for send, recv in pairs:
                 b = send.shape[1]
                 if b == 0:
@@ -157,43 +193,28 @@ class NcclTransport(Transport):
                         continue
                     comm.send(send[p].data_ptr(), b, u8, p, stream)
                     comm.recv(recv[p].data_ptr(), b, u8, p, stream)
-        finally:
-            self._nccl.groupEnd()
-        self._watch()
 
     def all_gather(self, pairs):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
-        self._nccl.groupStart()
-        try:
+        with self._group():
             for send, recv in pairs:
                 b = send.numel()
                 if b:
                     comm.allGather(send.data_ptr(), recv.data_ptr(), b, u8, stream)
-        finally:
-            self._nccl.groupEnd()
-        self._watch()
 
     def send(self, tensors, peer):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
-        self._nccl.groupStart()
-        try:
+        with self._group():
             for t in tensors:
                 if t.numel():
                     comm.send(t.data_ptr(), t.numel(), u8, peer, stream)
-        finally:
-            self._nccl.groupEnd()
-        self._watch()
 
     def recv(self, tensors, peer):
         stream, comm, u8 = self._stream(), self.comm, self._uint8
-        self._nccl.groupStart()
-        try:
+        with self._group():
             for t in tensors:
                 if t.numel():
                     comm.recv(t.data_ptr(), t.numel(), u8, peer, stream)
-        finally:
-            self._nccl.groupEnd()
-        self._watch()
 
     def synchronize(self, timeout_s=None):
         """Wait for the current stream; on timeout abort the communicator (so no later call can
