@@ -30,7 +30,9 @@ TRAIN = "./packages/fp4_train"
 KERNELS_TESTS = "packages/fp4_kernels/tests"
 COMM_TESTS = "packages/fp4_comm/tests"
 TRAIN_TESTS = "packages/fp4_train/tests"
-COMM_NCCL_TESTS = "packages/fp4_comm/tests/test_fp4_comm_nccl.py"
+# fp4_comm's GPU tests: every `gpu`-marked test of the package (NCCL, its faults, p2p)
+COMM_GPU_ARGS = ("packages/fp4_comm/tests", "-m", "gpu")
+TRAIN_GPU_TESTS = "packages/fp4_train/tests/test_tp_train_gpu.py"
 
 # The torch the tests run against, as its CPU build (no GPU is wanted there): PyTorch's CPU-only
 # wheel index has it for every platform. PyPI's `torch` for Linux is the CUDA build, a 500 MB
@@ -55,6 +57,27 @@ SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "1"}
 NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
 # NVLink multicast (NVLS) off for NCCL on the GPU machines, unless the caller says otherwise.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+# Several ranks on one GPU: NCCL >= 2.30's multi-rank mode, NVLink multicast off everywhere
+# (NCCL, torch's symmetric memory, NVSHMEM).
+MULTIRANK_ENV = {
+    **NCCL_ENV,
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# Which NCCL torch and CuPy loaded, and whether it lets ranks share a GPU.
+NCCL_CHECK = """
+import sys, torch
+from cupy.cuda import nccl
+ranks = int(sys.argv[1])
+gpus = torch.cuda.device_count()
+v = nccl.get_version()
+print(f"NCCL {v // 10000}.{v // 100 % 100}.{v % 100} (CuPy), torch {torch.__version__}, "
+      f"{gpus} GPU(s), up to {ranks} ranks")
+if ranks > gpus and v < 23000:
+    sys.exit(f"{ranks} ranks on {gpus} GPU(s) need NCCL >= 2.30 (its multi-rank mode); this one "
+             "is older: LD_PRELOAD a libnccl.so.2 of 2.30 or newer")
+"""
 
 # For a GPU machine whose Python already has numba-cuda, torch and CuPy (their CUDA builds): the
 # packages alone, built offline with the build backend (hatchling) that this Python has.
@@ -170,10 +193,36 @@ def gpu(session: nox.Session) -> None:
     are installed, without dependencies and offline, into a folder of the session's own."""
     env = _install_offline(session)
     _pytest(session, KERNELS_TESTS, "-m", GPU_MARKS, python=sys.executable, env=env, external=True)
-    # fp4_comm's multi-GPU tests use every GPU up to FP4_COMM_TEST_GPUS (default 2); fp4_train's
-    # tests run whole (its GPU tests beside the CPU ones).
-    _pytest(session, COMM_NCCL_TESTS, TRAIN_TESTS, python=sys.executable, env={**env, **NCCL_ENV},
+    # fp4_comm's multi-rank tests run FP4_COMM_TEST_RANKS ranks (default 2; fewer GPUs: they
+    # skip, saying so; `nox -s gpu_multirank` runs them on one GPU); fp4_train's tests run whole
+    # (its GPU tests beside the CPU ones).
+    _pytest(session, *COMM_GPU_ARGS, python=sys.executable, env={**env, **NCCL_ENV},
             external=True)  # fmt: skip
+    _pytest(session, TRAIN_TESTS, python=sys.executable, env={**env, **NCCL_ENV}, external=True)
+
+
+@nox.session(venv_backend="none")
+def gpu_multirank(session: nox.Session) -> None:
+    """On one GPU or more: every multi-rank GPU test with 2, then 4 ranks (`-- --ranks 2,4,8`).
+
+    Ranks share GPUs where there are fewer (rank r on GPU r % count): NCCL >= 2.30 with
+    NCCL_MULTI_RANK_GPU_ENABLE=1, which this session sets, with NVLink multicast off.  Such a
+    run proves correctness, hang-freedom and host cost, not link speed.  Each test has a time
+    limit (FP4_COMM_TEST_TIMEOUT_S, default 600 s here).  Args after the ranks go to pytest."""
+    env = {**_install_offline(session), **MULTIRANK_ENV}
+    env.setdefault("FP4_COMM_TEST_TIMEOUT_S", os.environ.get("FP4_COMM_TEST_TIMEOUT_S", "600"))
+    args = list(session.posargs)
+    ranks = ["2", "4"]
+    if args[:1] == ["--ranks"] and len(args) >= 2:
+        ranks, args = args[1].split(","), args[2:]
+    session.run(sys.executable, "-c", NCCL_CHECK, max(ranks, key=int), env=env, external=True)
+    pytest = (sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-ra")
+    for i, n in enumerate(ranks):
+        session.log(f"== {n} ranks")
+        # the one-process tests (world size 1) once, with the first rank count
+        only = () if i == 0 else ("-k", "not single_gpu")
+        session.run(*pytest, *COMM_GPU_ARGS, TRAIN_GPU_TESTS, *only, *args,
+                    env={**env, "FP4_COMM_TEST_RANKS": n}, external=True)  # fmt: skip
 
 
 @nox.session(venv_backend="none")

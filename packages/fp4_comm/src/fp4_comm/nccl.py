@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ._transport import CommTimeoutError, Transport, reraise_peer_error
+from ._transport import CommConnectionError, CommTimeoutError, Transport, reraise_peer_error
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
@@ -99,14 +99,15 @@ class NcclTransport(Transport):
         # that never comes; ``_host_since`` is when the call now inside a group began.
         self._watchdog = watchdog and timeout_s is not None
         self._pending = collections.deque()
-        self._failed = None
+        self._failed = None  # why the communicator was aborted
+        self._failure = CommTimeoutError  # the error later calls raise then
         self._closing = False
         self._thread = None
         self._host_since = None
 
     def _stream(self):
         if self._failed is not None:
-            raise CommTimeoutError(self._failed)
+            raise self._failure(self._failed)
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _start_watchdog(self):
@@ -221,14 +222,24 @@ class NcclTransport(Transport):
         hang on it either) and raise CommTimeoutError."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._failed is not None:
-            raise CommTimeoutError(self._failed)
+            raise self._failure(self._failed)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         deadline = time.monotonic() + timeout_s
         while not event.query():
             if self._failed is not None:  # the watchdog aborted meanwhile
                 raise CommTimeoutError(self._failed)
-            self.comm.check_async_error()
+            try:
+                self.comm.check_async_error()
+            except Exception as err:  # noqa: BLE001 - NCCL's asynchronous error, whatever type
+                self._failed = (
+                    f"NCCL reported an asynchronous error ({err}): a peer failed or left; the "
+                    "communicator was aborted"
+                )
+                self._failure = CommConnectionError
+                self._closing = True
+                self.comm.abort()
+                raise CommConnectionError(self._failed) from err
             if time.monotonic() > deadline:
                 self._failed = (
                     f"NCCL: the stream did not finish within {timeout_s} s (a peer missing from "
