@@ -263,15 +263,17 @@ def _run_missing_rank_watchdog(comms, timeout_s):
         return "absent"
     gpu.validate = "never"
     gpu.transport.timeout_s = timeout_s
-    gpu.all_reduce(torch.ones(1 << 20, device="cuda"), codec="mxfp4")
     start = time.monotonic()
-    torch.cuda.synchronize()  # no synchronize(timeout_s): only the watchdog can end the wait
-    waited = time.monotonic() - start
     try:
-        gpu.all_reduce(torch.ones(8, 32, device="cuda"), codec="mxfp4")
+        gpu.all_reduce(torch.ones(1 << 20, device=gpu.device), codec="mxfp4")
+        # No synchronize(timeout_s): only the watchdog can end the wait.  Where the host itself
+        # waits inside the all-reduce (a kernel module load or an allocation that waits for the
+        # stuck GPU), the abort ends that wait and the all-reduce raises.
+        torch.cuda.synchronize()
+        gpu.all_reduce(torch.ones(8, 32, device=gpu.device), codec="mxfp4")
     except fp4_comm.CommTimeoutError as err:
-        return (waited, str(err))
-    return (waited, None)
+        return (time.monotonic() - start, str(err))
+    return (time.monotonic() - start, None)
 
 
 def test_multi_gpu_watchdog_ends_a_hang_last(multi):
