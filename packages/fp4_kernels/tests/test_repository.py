@@ -149,3 +149,13 @@ def test_sessions_say_what_they_install_and_put_cpu_torch_first(
         assert before[0] == "log" and before[1].startswith("installing "), (name, args)
         if any(NEEDS_TORCH.search(a) or a.startswith("torch") for a in args):
             assert ("torch", "cpu build") in session.calls[:i], f"{name}: {args} before CPU torch"
+
+
+def test_benchmarks_page_leads_with_its_results():
+    """docs/benchmarks.md shows a reader the results first: its first table comes before any
+    list of the commits measured (which has a section of its own further down)."""
+    text = (REPO_ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    before_table = text[: text.index("\n|")]
+    commits = re.findall(r"`[0-9a-f]{7,40}`", before_table)
+    assert len(commits) <= 1, f"{len(commits)} commit hashes before the first table: {commits}"
+    assert "## What was measured" in text
