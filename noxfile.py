@@ -339,13 +339,21 @@ def docs(session: nox.Session) -> None:
 def bench_site(session: nox.Session) -> None:
     """The asv history site from the committed .asv/results; `-- --check` checks it renders.
 
-    `asv publish` builds .asv/html; with `-- --check`, benchmarks/site_check.py renders a graph
-    page in headless Chromium, checks its axis labels and legend, and keeps a screenshot."""
+    `asv publish` builds .asv/html; benchmarks/asv_site.py copies into it the JavaScript
+    libraries asv's page takes from CDNs (Debian's copies: it names the packages) and loads the
+    graph's fixes; with `-- --check`, benchmarks/site_check.py renders a graph page offline in
+    headless Chromium, checks its axes, ticks and legend, and keeps a screenshot."""
     check = "--check" in session.posargs
     _install(session, ASV, ASV)
     session.run("asv", "publish", *(a for a in session.posargs if a != "--check"))
+    session.run("python", "benchmarks/asv_site.py")
     # the docs' tables of the H200 history are those of the committed results
     session.run("python", "benchmarks/asv_tables.py", "--check", "docs/results/asv_h200.md")
     if check:
         session.run("python", "benchmarks/site_check.py")
-    session.log("open .asv/html/index.html, or `nox -s bench -- preview`")
+    # asv's pages load their data with XMLHttpRequest, which browsers refuse from file://
+    session.log(
+        "serve it: python3 -m http.server --bind 127.0.0.1 --directory .asv/html 8000, then "
+        "open http://127.0.0.1:8000 (or `nox -s bench -- preview`); opened as a file it "
+        "cannot load its data"
+    )

@@ -159,3 +159,91 @@ def test_benchmarks_page_leads_with_its_results():
     commits = re.findall(r"`[0-9a-f]{7,40}`", before_table)
     assert len(commits) <= 1, f"{len(commits)} commit hashes before the first table: {commits}"
     assert "## What was measured" in text
+
+
+# ---------------------------------------------------------------------- the asv history site
+
+ASV_PAGE = """<html><head>
+<script src="https://code.jquery.com/jquery-3.3.1.min.js" onerror="js_load_failure()"></script>
+<script src="https://cdnjs.cloudflare.com/ajax/libs/flot/0.8.3/jquery.flot.min.js"></script>
+<script src="https://cdn.jsdelivr.net/npm/flot-orderbars@1.0.0/js/jquery.flot.orderBars.js"></script>
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/bootstrap@3.1.1/dist/css/bootstrap.min.css">
+<script src="asv.js"></script>
+</head><body></body></html>
+"""
+
+
+@pytest.fixture
+def site_tools(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    import asv_site
+    import site_check
+
+    return asv_site, site_check
+
+
+def test_asv_site_is_made_self_contained(site_tools, tmp_path):
+    """The CDN scripts of asv's page come from local copies (Debian's files, here stand-ins),
+    the graph fixes load after them, once however often it runs; a missing package is named
+    and its link kept."""
+    asv_site, _ = site_tools
+    html, libs = tmp_path / "html", tmp_path / "share"
+    html.mkdir()
+    (html / "index.html").write_text(ASV_PAGE)
+    for path in ("javascript/jquery/jquery.min.js", "haskell-js-flot/jquery.flot.min.js"):
+        (libs / path).parent.mkdir(parents=True, exist_ok=True)
+        (libs / path).write_text(f"/* {path} */")
+    assert asv_site.make_self_contained(html, libs) == ["libjs-bootstrap"]
+    page = (html / "index.html").read_text()
+    assert asv_site.external_urls(page) == [
+        "https://cdn.jsdelivr.net/npm/bootstrap@3.1.1/dist/css/bootstrap.min.css"
+    ]
+    assert "orderBars" not in page
+    assert (html / "vendor" / "javascript_jquery_jquery.min.js").read_text().startswith("/*")
+    assert page.index("vendor/haskell-js-flot_jquery.flot.min.js") < page.index(
+        "vendor/asv_site.js"
+    )
+    (libs / "javascript/bootstrap/css").mkdir(parents=True)
+    (libs / "javascript/bootstrap/css/bootstrap.min.css").write_text("/* css */")
+    assert asv_site.make_self_contained(html, libs) == []
+    page = (html / "index.html").read_text()
+    assert asv_site.external_urls(page) == [] and page.count("vendor/asv_site.js") == 1
+    assert (html / "vendor" / "asv_site.js").read_text() == (
+        REPO_ROOT / "benchmarks" / "asv_site.js"
+    ).read_text()
+    (html / "index.html").write_text(ASV_PAGE.replace("jquery-3.3.1.min.js", "jquery-9.9.9.min.js"))
+    with pytest.raises(ValueError, match="no local stand-in for https://code.jquery.com/jquery-9"):
+        asv_site.make_self_contained(html, libs)
+
+
+def _site_report(**changes):
+    report = {
+        "axis_labels": {"x": "commits", "y": "GB/s"},
+        "tick_labels": {"x": ["997a76e8", "fb5a8a80", "b4931e2a"], "y": ["500", "1000"]},
+        "x_tick_boxes": [
+            {"x": 0, "y": 700, "w": 60, "h": 12},
+            {"x": 300, "y": 700, "w": 60, "h": 12},
+        ],
+        "plot_area": {"x": 280, "y": 117, "w": 780, "h": 620},
+    }
+    report.update(changes)
+    return report
+
+
+def test_site_check_fails_on_the_graph_defects(site_tools):
+    """What the site check reads from the page: exponent y ticks, a commits axis without
+    commits, overlapping x labels, a legend over the plot."""
+    _, site_check = site_tools
+    assert site_check._tick_problems(_site_report()) == []
+    bad_y = _site_report(tick_labels={"x": ["997a76e8", "b4931e2a"], "y": ["1.00e+3", "3.00e+3"]})
+    assert "exponent notation" in site_check._tick_problems(bad_y)[0]
+    no_commits = _site_report(tick_labels={"x": ["", "", ""], "y": ["500"]})
+    assert "names 0 commits" in site_check._tick_problems(no_commits)[0]
+    boxes = [{"x": 0, "y": 700, "w": 60, "h": 12}, {"x": 40, "y": 700, "w": 60, "h": 12}]
+    crossed = site_check._tick_problems(_site_report(x_tick_boxes=boxes))
+    assert "1 pairs of x tick labels overlap" in crossed[0]
+    legend = {"box": {"x": 287, "y": 122, "w": 253, "h": 133}, "labels": []}
+    problems = site_check._legend_placement_problems(_site_report(legend=legend))
+    assert "lies over the plot area" in problems[0]
+    beside = {"box": {"x": 1080, "y": 117, "w": 300, "h": 133}, "labels": []}
+    assert site_check._legend_placement_problems(_site_report(legend=beside)) == []
