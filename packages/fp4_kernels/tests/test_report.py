@@ -18,7 +18,7 @@ import pytest
 from conftest import REAL_GPU
 
 import fp4_kernels as fk
-from fp4_kernels import _throughput, report
+from fp4_kernels import _report_files, _throughput, report
 from fp4_kernels.formats import e2m1
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -377,6 +377,138 @@ def test_fifo_directory_and_broken_link_are_skipped(tmp_path, rng, capsys, deadl
     assert rc == 2 and "FIFO" in err
 
 
+def _permission_enforced(path):
+    """Whether chmod 000 on ``path`` blocks this process (not for root with
+    CAP_DAC_OVERRIDE, where the tests below simulate the error instead)."""
+    try:
+        if path.is_dir():
+            os.listdir(path)
+        else:
+            path.open("rb").close()
+    except PermissionError:
+        return True
+    return False
+
+
+def _scandir_refusing(monkeypatch, refused):
+    """os.scandir raising PermissionError for the directory ``refused``, as for a directory
+    without read permission."""
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.path.realpath(path) == os.path.realpath(refused):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def _unreadable_subdirectory(tmp_path, rng):
+    model = tmp_path / "model"
+    _model(model / "m.safetensors", rng)
+    _model(model / "locked" / "inner.safetensors", rng)
+    return model, model / "locked"
+
+
+def _check_locked_is_listed(model, tmp_path, capsys):
+    rc, out = _run([str(model)], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert [m["file"] for m in data["matrices"]] == ["m.safetensors"]
+    assert data["skipped"] == [
+        {
+            "file": "locked/",
+            "tensor": None,
+            "reason": "a directory that cannot be read (Permission denied): not searched",
+        }
+    ]
+    assert "locked/: a directory that cannot be read (Permission denied)" in capsys.readouterr().out
+
+
+def test_unreadable_subdirectory_is_listed_as_skipped(tmp_path, rng, capsys, monkeypatch):
+    """A subdirectory the report cannot list (simulated: os.scandir refuses it) is named under
+    "skipped" with the error, not left out in silence."""
+    model, locked = _unreadable_subdirectory(tmp_path, rng)
+    _scandir_refusing(monkeypatch, locked)
+    _check_locked_is_listed(model, tmp_path, capsys)
+    with pytest.raises(report.ReportError, match="a directory that cannot be read"):
+        _scandir_refusing(monkeypatch, model)
+        report.model_files(model)
+
+
+def test_unreadable_subdirectory_chmod_000(tmp_path, rng, capsys):
+    """The same with the file system's own refusal, where it refuses this process."""
+    model, locked = _unreadable_subdirectory(tmp_path, rng)
+    locked.chmod(0)
+    try:
+        if not _permission_enforced(locked):
+            pytest.skip("chmod 000 does not stop this process (root): simulated in the test above")
+        _check_locked_is_listed(model, tmp_path, capsys)
+    finally:
+        locked.chmod(0o755)
+
+
+def test_links_to_directories_are_followed_once(tmp_path, rng, capsys):
+    """A link to a directory is followed; a link to one already searched (a second name, or a
+    loop back up) is listed as skipped, naming the directory; a file reached under two names
+    is read once, under its own name."""
+    model = tmp_path / "model"
+    elsewhere = tmp_path / "elsewhere"
+    _model(model / "real" / "m.safetensors", rng)
+    _model(elsewhere / "e.safetensors", rng, k=32)
+    os.symlink(elsewhere, model / "ext")
+    os.symlink(model / "real", model / "latest")
+    os.symlink(model, model / "real" / "up")
+    os.symlink(model / "real" / "m.safetensors", model / "alias.safetensors")
+    rc, out = _run([str(model)], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    assert [m["file"] for m in data["matrices"]] == ["ext/e.safetensors", "real/m.safetensors"]
+    reasons = {s["file"]: s["reason"] for s in data["skipped"]}
+    assert reasons == {
+        "alias.safetensors": "the same file as 'real/m.safetensors' (read once)",
+        "latest/": "a link to the directory 'real', already searched (read once)",
+        "real/up/": "a link to the directory '.', already searched (a loop)",
+    }
+    assert "real/up/: a link to the directory '.'" in capsys.readouterr().out
+
+
+def test_unreadable_file_says_permission_denied(tmp_path, rng, capsys, monkeypatch):
+    """A file without read permission: the error says so (safetensors itself says "No such
+    file or directory"); in a directory it is skipped with that reason."""
+    _model(tmp_path / "model" / "ok.safetensors", rng)
+    locked = tmp_path / "model" / "locked.safetensors"
+    _model(locked, rng)
+    locked.chmod(0)
+    try:
+        if not _permission_enforced(locked):  # root: simulate the refusal of open()
+            real_open = open
+
+            def refusing_open(path, *args, **kwargs):
+                if os.path.realpath(path) == os.path.realpath(locked):
+                    raise PermissionError(13, "Permission denied", str(path))
+                return real_open(path, *args, **kwargs)
+
+            monkeypatch.setattr(_report_files, "open", refusing_open, raising=False)
+        rc, _ = _run([str(locked)], tmp_path)
+        err = capsys.readouterr().err
+        assert rc == 2 and "Permission denied" in err and "No such file" not in err
+        assert f"{str(locked)!r}: cannot open it (Permission denied)" in err
+        rc, out = _run([str(tmp_path / "model")], tmp_path)
+        assert rc == 0
+        data = _strict_json(out / "report.json")
+        assert [m["file"] for m in data["matrices"]] == ["ok.safetensors"]
+        assert data["skipped"] == [
+            {
+                "file": "locked.safetensors",
+                "tensor": None,
+                "reason": "cannot open it (Permission denied)",
+            }
+        ]
+    finally:
+        locked.chmod(0o644)
+
+
 def test_nonfinite_weights_are_counted_measured_as_zero_and_json_stays_strict(
     tmp_path, rng, capsys
 ):
@@ -402,7 +534,7 @@ def test_nonfinite_weights_are_counted_measured_as_zero_and_json_stays_strict(
         assert s["zero_fraction"] == np.mean(q[finite] == 0)
         assert s["nonfinite_outputs"] == 0
     printed = capsys.readouterr().out
-    assert "warning: 3 weights in 1 matrices are NaN or Inf" in printed
+    assert "warning: 3 weights in 1 matrix are NaN or Inf" in printed
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -661,6 +793,92 @@ def test_cli_help_and_errors(tmp_path, capsys):
     )
     assert "no linear weight matrix" in capsys.readouterr().err
     assert report.main(["report", "--formats", "fp8", str(tmp_path)]) == 2
+
+
+def test_a_format_given_twice_is_refused(tmp_path, rng, capsys):
+    """--formats nvfp4,nvfp4 would count every nvfp4 figure twice (zeros, bits, bytes):
+    refused, naming the option, before anything is measured or written."""
+    _model(tmp_path / "m.safetensors", rng)
+    rc, out = _run([str(tmp_path / "m.safetensors"), "--formats", "nvfp4,mxfp4,nvfp4"], tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert err == "fp4 report: --formats: nvfp4 given more than once; name each format once\n"
+    with pytest.raises(ValueError, match="--formats: nvfp4 given more than once"):
+        report.run_report(tmp_path / "m.safetensors", formats=("nvfp4", "nvfp4"), progress=False)
+    # spaces after the commas are allowed; each format's figures are those of a single run
+    rc, out = _run([str(tmp_path / "m.safetensors"), "--formats", "nvfp4, mxfp4"], tmp_path)
+    assert rc == 0
+    data = _strict_json(out / "report.json")
+    alone = report.run_report(tmp_path / "m.safetensors", formats=("nvfp4",), progress=False)
+    assert list(data["summary"]) == ["nvfp4", "mxfp4"]
+    for key in ("zero_fraction", "bits_per_weight", "linear_bytes"):
+        assert data["summary"]["nvfp4"][key] == alone["summary"]["nvfp4"][key], key
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv"),
+    [
+        ("tqdm", []),
+        ("matplotlib", ["--no-progress"]),
+        ("safetensors", ["--no-progress"]),
+    ],
+)
+def test_missing_report_extra_is_named_before_measuring(
+    missing, argv, tmp_path, rng, capsys, monkeypatch
+):
+    """Without a module of the [report] extra: one line naming it and the install command,
+    exit 2, before any matrix is measured or any file written (no traceback)."""
+    _model(tmp_path / "m.safetensors", rng)
+    out = tmp_path / "out"
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured although the report cannot be written")
+
+    monkeypatch.setattr(report, "measure", measure)
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    rc = report.main(["report", str(tmp_path / "m.safetensors"), "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"needs {missing}, not installed: pip install 'fp4-kernels[report]'" in err
+    assert ("--no-progress" in err) == (missing == "tqdm")
+
+
+def test_without_tqdm_no_progress_still_runs(tmp_path, rng, monkeypatch):
+    _model(tmp_path / "m.safetensors", rng)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    rc, out = _run([str(tmp_path / "m.safetensors")], tmp_path)  # --no-progress
+    assert rc == 0 and (out / "report.png").exists()
+
+
+def test_help_is_plain_text_and_counts_are_pluralized(tmp_path, rng, capsys):
+    with pytest.raises(SystemExit):
+        report.main(["report", "--help"])
+    helptext = capsys.readouterr().out
+    assert "``" not in helptext and ".safetensors file" in helptext
+    _model(tmp_path / "m.safetensors", rng)  # one linear weight matrix
+    rc, _ = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    printed = capsys.readouterr().out
+    assert rc == 0 and "; 1 linear weight matrix, 512 weights (" in printed
+    assert "1 linear weight matrices" not in printed
+    rows = report._count(1, "weight"), report._count(2048, "matrix", "matrices")
+    assert rows == ("1 weight", "2,048 matrices")
+
+
+def test_an_absolute_path_is_not_written_into_the_report(tmp_path, rng, monkeypatch):
+    """report.json is committed with results: an absolute PATH is written relative to the
+    current directory when inside it, else by its last two parts."""
+    path = tmp_path / "runs" / "layer0" / "model.safetensors"
+    _model(path, rng)
+    monkeypatch.chdir(tmp_path / "runs")
+    r = report.run_report(path, progress=False)
+    assert r["model"] == "layer0/model.safetensors"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = report.run_report(path, progress=False)
+    assert r["model"] == ".../layer0/model.safetensors"
+    assert str(tmp_path) not in json.dumps(report.strict_json(r))
+    assert report.run_report(path.parent, progress=False)["model"] == ".../runs/layer0"
 
 
 # ---------------------------------------------------------------------- GPU throughput

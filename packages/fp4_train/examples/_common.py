@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -12,7 +13,10 @@ import torch
 from fp4_train.experiments import records
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_OUT = REPO / "docs" / "results"
+# Outside the repository: a rerun does not rewrite the committed results unless asked to
+# (`--out docs/results`).
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "fp4_train_results"
+COMMITTED_OUT = "docs/results"
 
 
 def parse_args(doc, **extra):
@@ -20,7 +24,13 @@ def parse_args(doc, **extra):
     # machine torch's OpenMP pool competing with them made these runs 3x slower.
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output folder (default: %(default)s; --out {COMMITTED_OUT} from the repository "
+        "root rewrites the committed results)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     for name, (kind, default, help_text) in extra.items():
         ap.add_argument(f"--{name}", type=kind, default=default, help=help_text)

@@ -1,7 +1,7 @@
 """The MLP of stored_weight_training.py with FP4Linear layers: NVFP4 GEMM operands, bfloat16
 master weights.  Does the rounding choice still matter?
 
-    python packages/fp4_train/examples/fp4linear_training.py [--out docs/results] [--device cpu]
+    python packages/fp4_train/examples/fp4linear_training.py [--out DIR] [--device cpu]
 
 The same teacher-student task (64 -> 256 -> 256 -> 16, ReLU, AdamW lr 1e-3, batch 256, 3 seeds)
 with every ``nn.Linear`` replaced by ``FP4Linear``: the forward, dgrad and wgrad GEMMs run on
@@ -17,7 +17,9 @@ CPU; the FP4 GEMM operands are quantized from them either way).  Configurations:
 - ``fp4 stochastic grads + hadamard``: the recipe plus the random Hadamard transform on the
   weight-gradient GEMM.
 
-Writes fp4_train_fp4linear.{json,csv,png}.
+Writes fp4_train_fp4linear.{json,csv,png} into --out: by default a folder of the
+temporary directory, so that a rerun leaves the committed copies in docs/results alone
+(`--out docs/results` from the repository root rewrites them).
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def main():
             ],
         )
     )
+
+    print(f"results in {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Two toy experiments on one NVFP4 block: a value between grid points, and sub-step accumulation.
 
-    python packages/fp4_train/examples/rounding_toys.py [--out docs/results] [--device cpu]
+    python packages/fp4_train/examples/rounding_toys.py [--out DIR] [--device cpu]
 
 The block [6, w, 0, ..., 0] (16 elements) has amax 6, so its NVFP4 decode scale is
 448 * fl(1/448) = 1 up to a float32 ulp: w sits on the e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6.
@@ -15,7 +15,9 @@ The block [6, w, 0, ..., 0] (16 elements) has amax 6, so its NVFP4 decode scale 
    error-feedback rounding (``FP4StoredWeights`` over plain SGD).  Exact arithmetic ends at 5.5.
    Stochastic rounding is run as 64 independent weights (rows) to show its spread.
 
-Writes fp4_train_value_2p3.{json,png} and fp4_train_accumulation.{json,csv,png}.
+Writes fp4_train_value_2p3.{json,png} and fp4_train_accumulation.{json,csv,png} into --out:
+by default a folder of the temporary directory, so that a rerun leaves the committed copies in
+docs/results alone (`--out docs/results` from the repository root rewrites them).
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def main():
             ],
         )
     )
+
+    print(f"results in {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Training with the weights stored in NVFP4 and updated in place: bf16 vs nearest, stochastic,
 error feedback.
 
-    python packages/fp4_train/examples/stored_weight_training.py [--out docs/results] [--device cpu]
+    python packages/fp4_train/examples/stored_weight_training.py [--out DIR] [--device cpu]
 
 Two synthetic tasks, each trained from the same initialization and data for every method:
 
@@ -16,7 +16,9 @@ each update rounded to nearest), and NVFP4-stored weights (``FP4StoredWeights``)
 in float32 on the decoded weights: only the storage of the weights is quantized.  Losses are on
 a held-out set of 4096 samples, mean and spread over 3 seeds.
 
-Writes fp4_train_stored_weights.{json,csv,png}.
+Writes fp4_train_stored_weights.{json,csv,png} into --out: by default a folder of the
+temporary directory, so that a rerun leaves the committed copies in docs/results alone
+(`--out docs/results` from the repository root rewrites them).
 """
 
 from __future__ import annotations
@@ -207,6 +209,8 @@ def main():
     )
     for method in METHODS:
         print(f"MLP memory, {method} (bytes): {results['mlp'][method]['memory']}")
+
+    print(f"results in {args.out}")
 
 
 if __name__ == "__main__":

@@ -67,9 +67,25 @@ def _not_regular(path):
     return f"{kind}, not a regular file"
 
 
+def _cannot_open(path):
+    """Why the regular file ``path`` cannot be opened for reading (None if it can)."""
+    try:
+        with open(path, "rb"):
+            return None
+    except OSError as e:
+        return f"cannot open it ({e.strerror})"
+
+
 def model_files(path):
     """(the regular .safetensors files of ``path``, sorted; the skipped ones as
-    ``{"file", "tensor": None, "reason"}``); ReportError where there is nothing to read."""
+    ``{"file", "tensor": None, "reason"}``); ReportError where there is nothing to read.
+
+    A directory is searched recursively, following links to directories: each directory is
+    read once (by device and inode), real directories before links, so a link to a directory
+    already read (a loop, or a second name of one: ``latest -> checkpoint-500``) is listed as
+    skipped, naming it, and so is a directory that cannot be read (no permission) or a file
+    that cannot be opened, with the error.  A file reached under two names (links) is read
+    once, under the first name."""
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         raise ReportError(f"PATH {str(p)!r}: no such file or directory")
@@ -78,18 +94,98 @@ def model_files(path):
         if reason:
             raise ReportError(f"PATH {str(p)!r}: {reason}")
         return [ModelFile(p, p.name, p.stat().st_size)], []
-    files, skipped = [], []
-    for f in sorted(p.rglob("*.safetensors")):
-        name = f.relative_to(p).as_posix()
-        reason = _not_regular(f)
+    try:
+        os.scandir(p).close()
+    except OSError as e:
+        raise ReportError(
+            f"PATH {str(p)!r}: a directory that cannot be read ({e.strerror})"
+        ) from None
+    candidates, skipped = _walk(p)
+    files, read_as = [], {}
+
+    # a file's own name before a link's: the first name of a file is the one read
+    def own_name_first(c):
+        name, f, via_link = c
+        return via_link or f.is_symlink(), name.split("/")
+
+    for name, f, _ in sorted(candidates, key=own_name_first):
+        reason = _not_regular(f) or _cannot_open(f)
+        if reason is None:
+            st = f.stat()
+            first = read_as.setdefault((st.st_dev, st.st_ino), name)
+            if first != name:
+                reason = f"the same file as {first!r} (read once)"
         if reason:
             skipped.append({"file": name, "tensor": None, "reason": reason})
         else:
-            files.append(ModelFile(f, name, f.stat().st_size))
+            files.append(ModelFile(f, name, st.st_size))
+    files.sort(key=lambda f: f.name.split("/"))
+    skipped.sort(key=lambda s: s["file"].split("/"))
     if not files:
         found = f" ({len(skipped)} skipped: {skipped[0]['reason']}, ...)" if skipped else ""
         raise ReportError(f"PATH {str(p)!r}: a directory with no .safetensors file in it{found}")
     return files, skipped
+
+
+def _dir_key(path):
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk(root):
+    """([(name relative to root, path, whether reached through a link to a directory)] of
+    every entry named *.safetensors under ``root``, of any kind; the directories not
+    searched, as skipped entries).  Real directories are read first, breadth first, then
+    the links to directories, each only if its target was not read yet."""
+    read = {_dir_key(root): "."}
+    dirs = [(root, "", False)]  # (path, name relative to root ("": root), through a link)
+    links = []
+    candidates, skipped = [], []
+
+    def skip(name, reason):
+        skipped.append({"file": name + "/", "tensor": None, "reason": reason})
+
+    while dirs or links:
+        if dirs:
+            d, rel, via_link = dirs.pop(0)
+        else:
+            d, rel = links.pop(0)
+            via_link = True
+            try:
+                key = _dir_key(d)
+            except OSError as e:
+                skip(rel, f"a link to a directory that cannot be read ({e.strerror}): not searched")
+                continue
+            if key in read:
+                where = read[key]
+                what = "a loop" if rel.startswith(where + "/") or where == "." else "read once"
+                skip(rel, f"a link to the directory {where!r}, already searched ({what})")
+                continue
+            read[key] = rel
+        try:
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            skip(rel or ".", f"a directory that cannot be read ({e.strerror}): not searched")
+            continue
+        for e in entries:
+            name = f"{rel}/{e.name}" if rel else e.name
+            path = Path(e.path)
+            if e.name.endswith(".safetensors"):
+                candidates.append((name, path, via_link))
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    key = _dir_key(path)
+                    if key in read:  # a second mount of one directory: read once
+                        skip(name, f"the directory {read[key]!r} again, already searched")
+                    else:
+                        read[key] = name
+                        dirs.append((path, name, via_link))
+                elif e.is_symlink() and e.is_dir():
+                    links.append((path, name))
+            except OSError as err:
+                skip(name, f"cannot stat it ({err.strerror}): not searched")
+    return candidates, skipped
 
 
 # ---------------------------------------------------------------------- reading tensors
@@ -104,6 +200,13 @@ def torch_installed():
 def _safe_open(path, framework):
     from safetensors import SafetensorError, safe_open
 
+    # safetensors reports every failure to open a file as "No such file or directory" (a
+    # file without read permission too): open it here first, for the true reason
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ReportError(f"{str(path)!r}: cannot open it ({e.strerror})") from None
     try:
         # pread: tensor bytes are read when asked for, not mapped, so a model's pages do not
         # stay resident after its matrices were measured

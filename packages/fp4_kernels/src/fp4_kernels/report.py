@@ -23,7 +23,18 @@ installed.  Files are opened lazily and read one matrix at a time, which is meas
 of about ``CHUNK_ELEMENTS`` weights, so the memory needed is about that of the largest matrix
 as stored, not that of the model.  Only regular files are read: anything else named
 ``*.safetensors`` (a directory, a FIFO, a broken link) is skipped, and the report says so, as
-it does for matrices it cannot measure (an unsupported dtype, no element).
+it does for matrices it cannot measure (an unsupported dtype, no element).  A directory is
+searched recursively and links to directories are followed, each directory once: a
+directory that cannot be read, or a link to one already searched (a loop), is listed as
+skipped with the reason, and a file reached under two names is read once.
+
+``report.json`` names the model as PATH was given when it is relative; an absolute PATH is
+written relative to the current directory when inside it, else as its last two parts after
+``.../``, so that the file carries no absolute path of the machine that made it.
+
+The command needs the ``[report]`` extra (safetensors, matplotlib; tqdm for the progress bar):
+without one of them it says so in one line, naming ``pip install 'fp4-kernels[report]'``,
+before it reads or writes anything.
 
 A linear weight is a 2-D floating tensor named ``*.weight`` that is not a norm nor (unless
 ``--include-embeddings``) an embedding table.  Every matrix is named by its file (the path
@@ -59,12 +70,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -285,6 +298,61 @@ def _ratio(err, abs_sum, nonfinite_outputs):
 # ---------------------------------------------------------------------- the report
 
 
+def check_formats(formats):
+    """``formats`` as a tuple; ValueError naming ``--formats`` for an unknown name, a name
+    given twice (its figures would be counted twice in every sum) or none at all."""
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in REPORT_FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"--formats: unknown {unknown}; choose from {REPORT_FORMATS}")
+    twice = sorted({f for f in formats if formats.count(f) > 1})
+    if twice:
+        raise ValueError(
+            f"--formats: {', '.join(twice)} given more than once; name each format once"
+        )
+    return formats
+
+
+# The `[report]` extra of fp4-kernels: what `fp4 report` imports besides the core packages.
+REPORT_EXTRA = "pip install 'fp4-kernels[report]'"
+
+
+def missing_modules(progress=True, plot=True):
+    """The modules of the ``[report]`` extra that a run needs and that cannot be imported:
+    safetensors (reading), tqdm (the progress bar, when ``progress``), matplotlib (the plot,
+    when ``plot``)."""
+    needed = ["safetensors", *(["tqdm"] if progress else []), *(["matplotlib"] if plot else [])]
+    missing = []
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def check_extras(progress=True, plot=True):
+    """ReportError, naming the install command, when a module the run needs is missing:
+    checked before anything is measured or written."""
+    missing = missing_modules(progress, plot)
+    if missing:
+        hint = " (or --no-progress)" if missing == ["tqdm"] else ""
+        raise ReportError(f"needs {', '.join(missing)}, not installed: {REPORT_EXTRA}{hint}")
+
+
+def model_label(path):
+    """How report.json names the model given as ``path``: as given when relative; an
+    absolute path relative to the current directory when inside it, else by its last two
+    parts after ``.../``: the file records no absolute path of the machine it was made on."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(path)
+    try:
+        return p.relative_to(Path.cwd()).as_posix() or "."
+    except ValueError:
+        return ".../" + "/".join(p.parts[-2:]) if len(p.parts) > 2 else p.as_posix()
+
+
 def throughput_section(elements, formats=REPORT_FORMATS):
     """(the ``"throughput"`` entry of the report, or None; None, or why it is None)."""
     elements = check_elements(elements)
@@ -358,13 +426,15 @@ def run_report(
     ``throughput_elements`` > 0: also time the GPU kernels (``throughput_section``); the
     ``fp4 report`` command's default is 2^26."""
     t_start = time.perf_counter()
+    formats = check_formats(formats)
     bandwidth_gbs, fixed_ms = check_decode_model(bandwidth_gbs, fixed_ms)
+    check_extras(progress=progress, plot=False)
     if path is None:
         given = f"{DEFAULT_MODEL_DISTRIBUTION} {_dist_version()} (the default model)"
         default = default_model_path()
         files, skipped = [ModelFile(default, "model/model.safetensors", default.stat().st_size)], []
     else:
-        given = str(path)
+        given = model_label(path)
         files, skipped = model_files(path)
     readers = []
     try:
@@ -536,14 +606,20 @@ def _mib(b):
     return b / 2**20
 
 
+def _count(n, one, many=None):
+    """``n`` and the noun, singular for 1: "1 linear weight matrix", "2,048 weights"."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
 def format_table(result):
     files = result["files"]
     lines = [
         f"model: {result['model']}",
         f"{len(files)} file{'s' if len(files) != 1 else ''}, "
         f"{_mib(result['model_bytes_original']):.1f} MiB on disk; "
-        f"{result['matrices_count']} linear weight matrices, {result['linear_elements']:,} "
-        f"weights ({_mib(result['linear_bytes_original']):.1f} MiB as stored), read and "
+        f"{_count(result['matrices_count'], 'linear weight matrix', 'linear weight matrices')}, "
+        f"{_count(result['linear_elements'], 'weight')} "
+        f"({_mib(result['linear_bytes_original']):.1f} MiB as stored), read and "
         f"measured in {result['seconds']:.1f} s",
     ]
     lines.extend(_skipped_lines(result))
@@ -597,9 +673,11 @@ def _nonfinite_lines(result):
     bad = [m for m in result["matrices"] if m["nonfinite"]]
     if not bad:
         return []
+    n = result["nonfinite_weights"]
     lines = [
-        f"warning: {result['nonfinite_weights']:,} weights in {len(bad)} matrices are NaN or "
-        "Inf (in float32): measured as 0 and left out of every statistic"
+        f"warning: {_count(n, 'weight')} in {_count(len(bad), 'matrix', 'matrices')} "
+        f"{'is' if n == 1 else 'are'} NaN or Inf (in float32): measured as 0 and left out of "
+        "every statistic"
     ]
     for m in bad[:MAX_LISTED]:
         lines.append(f"  {m['file']}: {m['tensor']}: {m['nonfinite']:,}")
@@ -697,7 +775,9 @@ CSV_COLUMNS = (
 
 
 def write_outputs(result, out_dir):
-    """report.json (strict JSON), report.csv and report.png in ``out_dir``."""
+    """report.json (strict JSON), report.csv and report.png in ``out_dir``; ReportError,
+    before anything is written, without matplotlib."""
+    check_extras(progress=False, plot=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(strict_json(result), indent=1, allow_nan=False)
@@ -729,13 +809,18 @@ def write_outputs(result, out_dir):
 # ---------------------------------------------------------------------- command line
 
 
+def _plain_text(rst):
+    """A docstring's paragraph for the terminal: ``literal`` -> literal."""
+    return re.sub(r"``([^`]+)``", r"\1", rst)
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="fp4", description="FP4 toolkit command line (fp4_kernels).")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "report",
         help="how each FP4 format treats the linear weights of a model",
-        description=__doc__.split("\n\n")[1],
+        description=_plain_text(__doc__.split("\n\n")[1]),
         epilog="The decode-speed columns (MB/token, ms/token) are a model, not a measurement: "
         "per token a decoder reads every linear weight matrix and every other tensor except "
         "embedding tables once, at --bandwidth-gbs, plus --fixed-ms.",
@@ -790,13 +875,10 @@ def _parser():
 
 def main(argv=None):
     args = _parser().parse_args(argv)
-    formats = tuple(f for f in args.formats.split(",") if f)
-    unknown = [f for f in formats if f not in REPORT_FORMATS]
-    if unknown or not formats:
-        print(
-            f"fp4 report: --formats: unknown {unknown}; choose from {REPORT_FORMATS}",
-            file=sys.stderr,
-        )
+    try:
+        formats = check_formats(f.strip() for f in args.formats.split(",") if f.strip())
+    except ValueError as e:
+        print(f"fp4 report: {e}", file=sys.stderr)
         return 2
     try:
         check_elements(args.throughput_elements)
@@ -809,6 +891,7 @@ def main(argv=None):
         print(f"fp4 report: {e}", file=sys.stderr)
         return 2
     try:
+        check_extras(progress=not args.no_progress, plot=True)
         check_out_dir(args.out)
         result = run_report(
             args.path,
