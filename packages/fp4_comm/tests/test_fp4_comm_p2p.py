@@ -391,3 +391,12 @@ def test_communicator_transport_argument_is_checked(cluster):
     for out in cluster.run(_run_transport_arguments)[:2]:
         for (kind, message), word in zip(out, expected, strict=True):
             assert kind == "ValueError" and word in message, (kind, message)
+
+
+def test_shared_gpu_lanes_fit_every_rank_on_the_gpu():
+    from fp4_comm.p2p import shared_gpu_lanes
+
+    assert shared_gpu_lanes(8, 2, 132) == 8
+    assert shared_gpu_lanes(8, 4, 132) == 8  # 4 x 4 x 8 = 128 blocks <= 132 SMs
+    assert shared_gpu_lanes(8, 8, 132) == 2  # 8 x 8 x 2 = 128
+    assert shared_gpu_lanes(8, 16, 132) == 1  # never fewer than one lane

@@ -482,11 +482,11 @@ def entry_params(ptx: str) -> list[str]:
 
 
 def compile_ptx(cc: tuple[int, int]) -> str:
-    """The kernel's PTX for compute capability ``cc`` (numba-cuda's NVVM)."""
-    from numba import cuda
+    """The kernel's PTX for compute capability ``cc`` (numba-cuda's NVVM; the device functions
+    too are compiled for ``cc``, not for whatever device numba would find current)."""
+    from fp4_kernels.testing import compile_ptx as compile_for
 
-    ptx, _ = cuda.compile_ptx(exchange_kernel().py_func, signature(), cc=cc)
-    return ptx
+    return compile_for(exchange_kernel(), signature(), cc=tuple(cc))
 
 
 def check_ptx_params(ptx: str) -> None:

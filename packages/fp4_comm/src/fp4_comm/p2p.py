@@ -211,6 +211,14 @@ def plan_launch(layout: BufferLayout, nbytes, only_peer: int = -1) -> Launch | N
     return Launch(lanes, grid, total)
 
 
+def shared_gpu_lanes(lanes: int, world: int, sms: int) -> int:
+    """Lanes for ``world`` ranks that share one GPU of ``sms`` SMs: few enough that every
+    rank's blocks (world x lanes each) fit on the GPU at once, one block an SM, since each
+    kernel waits for the others' (where the processes' kernels run at the same time, as under
+    MPS; time-sliced processes need no cap, and it costs them nothing measurable)."""
+    return max(1, min(lanes, sms // (world * world)))
+
+
 def describe_failure(words, rank: int, world: int, timeout_s: float) -> tuple[str, list[int]]:
     """The message and the peers of a failure report (the words of the host page)."""
     status, peer, wait, lane = words[K.REPORT_STATUS : K.REPORT_LANE + 1]
@@ -297,7 +305,7 @@ class _DeviceMemory:
             self.base = int(_call(driver.cuMemAlloc, nbytes))
             try:
                 _call(driver.cuMemsetD8, self.base, 0, nbytes)
-                flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+                flags = int(driver.CU_MEMHOSTALLOC_DEVICEMAP) | int(driver.CU_MEMHOSTALLOC_PORTABLE)
                 self.host_ctl = int(_call(driver.cuMemHostAlloc, K.HOST_CTL_BYTES, flags))
                 ctypes.memset(self.host_ctl, 0, K.HOST_CTL_BYTES)
                 self.host_ctl_device = int(_call(driver.cuMemHostGetDevicePointer,
@@ -313,7 +321,7 @@ class _DeviceMemory:
 
     def open_peer(self, data: bytes) -> int:
         driver = _driver()
-        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        flags = int(driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         with torch.cuda.device(self.device):
             ptr = int(_call(driver.cuIpcOpenMemHandle, ipc_handle_from_bytes(data), flags))
         self.opened.append(ptr)
@@ -456,6 +464,7 @@ def _local_info(device: torch.device) -> dict:
     }
     return {
         "node": _node_id(),
+        "sms": torch.cuda.get_device_properties(device.index).multi_processor_count,
         "gpu": local[device.index],
         "local": local,
         "index": device.index,
@@ -498,12 +507,15 @@ class P2PTransport(Transport):
         device = _check_device(device)
         rank = dist.get_rank(control_group)
         world = dist.get_world_size(control_group)
-        layout = BufferLayout.for_buffer(world, _check_lanes(lanes), _check_bytes(buffer_bytes))
-        info = {**_local_info(device), "layout": (layout.lanes, layout.piece_bytes)}
+        args = (_check_lanes(lanes), _check_bytes(buffer_bytes))
+        info = {**_local_info(device), "args": args}
         infos = _gather(info, control_group, rank, world, "p2p setup (GPU check)")
-        if len({i["layout"] for i in infos}) > 1:
-            sizes = ", ".join(f"rank {r}: {i['layout']}" for r, i in enumerate(infos))
-            raise ValueError(f"p2p transport: the ranks disagree on (lanes, slot bytes): {sizes}")
+        if len({i["args"] for i in infos}) > 1:
+            given = ", ".join(f"rank {r}: {i['args']}" for r, i in enumerate(infos))
+            raise ValueError(f"p2p transport: the ranks disagree on (lanes, buffer_bytes): {given}")
+        if len({i["gpu"] for i in infos}) == 1:
+            lanes = shared_gpu_lanes(lanes, world, infos[0]["sms"])
+        layout = BufferLayout.for_buffer(world, lanes, buffer_bytes)
         rows = _gather(reach_row(info, infos), control_group, rank, world, "p2p setup")
         problems = unreachable_pairs(rows)
         if problems:
@@ -552,12 +564,15 @@ class P2PTransport(Transport):
     ) -> list[P2PTransport]:
         """``world_size`` ranks in this process on one GPU (no IPC: the buffers are this
         process's): rank r's calls must be queued on a stream of their own, since each kernel
-        waits for the others'.  For tests and the kernel benchmark."""
+        waits for the others' (``lanes`` is capped so that all of them fit on the GPU at once:
+        ``shared_gpu_lanes``).  For tests and the kernel benchmark."""
         device = _check_device(device)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: {world_size!r} is not a positive int")
-        layout = BufferLayout.for_buffer(world_size, _check_lanes(lanes),
-                                         _check_bytes(buffer_bytes))  # fmt: skip
+        sms = torch.cuda.get_device_properties(device.index).multi_processor_count
+        # the ranks' kernels run at once here, and each waits for the others'
+        lanes = shared_gpu_lanes(_check_lanes(lanes), world_size, sms)
+        layout = BufferLayout.for_buffer(world_size, lanes, _check_bytes(buffer_bytes))
         memories = [_DeviceMemory(device, layout.total_bytes) for _ in range(world_size)]
         bases = [m.base for m in memories]
         launcher, stream = _launcher(device), _CudaStream(device)
