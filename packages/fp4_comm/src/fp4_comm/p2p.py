@@ -189,6 +189,11 @@ def packed_bytes(nbytes) -> int:
     return sum(K.align_up(n, K.SECTION_ALIGN) for n in nbytes)
 
 
+class _Plan(NamedTuple):
+    launch: Launch | None
+    nbytes: tuple[int, ...]
+
+
 class Launch(NamedTuple):
     """One launch of the exchange kernel: lanes in use, blocks, bytes of each message."""
 
@@ -602,7 +607,7 @@ class P2PTransport(Transport):
             layout.table_off, layout.data_off,
         )  # fmt: skip
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self._plans: dict[tuple, Launch | None] = {}
+        self._plans: dict[tuple, _Plan] = {}
         self._status = ctypes.c_int64.from_address(memory.host_ctl + 8 * K.REPORT_STATUS)
         self._abort_word = ctypes.c_int64.from_address(memory.host_ctl + 8 * K.HOST_ABORT)
         self._failed: str | None = None
@@ -626,54 +631,59 @@ class P2PTransport(Transport):
         self._move([(None, t) for t in tensors], K.MODE_RECV, peer, K.OP_RECV)
 
     def _move(self, pairs, mode, peer, op):
-        self._raise_if_failed()
+        if self._failed is not None or self._status.value != 0 or self._closed:
+            self._raise_if_failed()
         stream = None
         for start in range(0, len(pairs), K.MAX_SECTIONS):
             group = pairs[start : start + K.MAX_SECTIONS]
-            sections = []
-            nbytes = []
-            for send, recv in group:
-                n = self._row_bytes(send, recv, mode)
-                nbytes.append(n)
-                sections += (send.data_ptr() if send is not None else 0,
-                             recv.data_ptr() if recv is not None else 0, n)  # fmt: skip
-            key = (mode, peer, *nbytes)
-            plan = self._plans.get(key, False)
-            if plan is False:
-                plan = self._plans[key] = plan_launch(self.layout, nbytes, peer)
+            # the plan of these section shapes: checked once (dtype, layout), then a lookup
+            key = (mode, peer, *[(None if s is None else s.shape, None if r is None else r.shape)
+                                 for s, r in group])  # fmt: skip
+            plan = self._plans.get(key)
             if plan is None:
+                plan = self._plans[key] = self._plan(group, mode, peer)
+            if plan.launch is None:
                 continue
-            sections += (0, 0, 0) * (K.MAX_SECTIONS - len(group))
+            values = [*self._fixed, plan.launch.lanes, mode, peer, self._timeout_ns, op]
+            for (send, recv), n in zip(group, plan.nbytes, strict=True):
+                # the plan holds for tensors of these shapes laid out contiguously
+                if not ((send is None or send.is_contiguous())
+                        and (recv is None or recv.is_contiguous())):  # fmt: skip
+                    raise ValueError("p2p transport: sections must be contiguous tensors")
+                values += (0 if send is None else send.data_ptr(),
+                           0 if recv is None else recv.data_ptr(), n)  # fmt: skip
+            values += (0, 0, 0) * (K.MAX_SECTIONS - len(group))
             if stream is None:
                 stream = self._stream()
-            self._launch(plan.grid, (*self._fixed, plan.lanes, mode, peer, self._timeout_ns, op,
-                                     *sections), stream)  # fmt: skip
+            self._launch(plan.launch.grid, values, stream)
         if self._watchdog and self._thread is None:
             name = f"fp4_comm p2p watchdog rank {self.rank}"
             self._thread = threading.Thread(target=self._watch_loop, daemon=True, name=name)
             self._thread.start()
 
-    def _row_bytes(self, send, recv, mode):
-        """Bytes of one row of a section, its tensors checked: uint8 and contiguous, and the
-        shapes the operation moves (a wrong one would move other bytes than asked)."""
-        for t in (send, recv):
-            if t is not None and (t.dtype != torch.uint8 or not t.is_contiguous()):
-                raise ValueError(f"p2p transport: sections must be contiguous uint8 tensors, got "
-                                 f"{t.dtype} with strides {t.stride()}")  # fmt: skip
-        if mode == K.MODE_ALL_TO_ALL:
-            n = send.shape[1] if send.dim() == 2 else -1
-            ok = send.shape[0] == self.world_size and recv.shape == send.shape
-        elif mode == K.MODE_ALL_GATHER:
-            n = send.numel()
-            ok = recv.dim() == 2 and recv.shape[0] == self.world_size and recv.shape[1] == n
-        else:
-            n = (send if send is not None else recv).numel()
-            ok = True
-        if not ok or n < 0:
-            shapes = [None if t is None else tuple(t.shape) for t in (send, recv)]
-            raise ValueError(f"p2p transport: section shapes {shapes} do not fit operation mode "
-                             f"{mode} on {self.world_size} ranks")  # fmt: skip
-        return n
+    def _plan(self, group, mode, peer):
+        """The launch of one group of sections, their tensors checked: uint8 and the shapes the
+        operation moves (other shapes would move other bytes than asked)."""
+        nbytes = []
+        for send, recv in group:
+            for t in (send, recv):
+                if t is not None and t.dtype != torch.uint8:
+                    raise ValueError(f"p2p transport: sections must be uint8, got {t.dtype}")
+            if mode == K.MODE_ALL_TO_ALL:
+                n = send.shape[1] if send.dim() == 2 else -1
+                ok = send.shape[0] == self.world_size and recv.shape == send.shape
+            elif mode == K.MODE_ALL_GATHER:
+                n = send.numel()
+                ok = recv.dim() == 2 and recv.shape[0] == self.world_size and recv.shape[1] == n
+            else:
+                n = (send if send is not None else recv).numel()
+                ok = True
+            if not ok or n < 0:
+                shapes = [None if t is None else tuple(t.shape) for t in (send, recv)]
+                raise ValueError(f"p2p transport: section shapes {shapes} do not fit operation "
+                                 f"mode {mode} on {self.world_size} ranks")  # fmt: skip
+            nbytes.append(n)
+        return _Plan(plan_launch(self.layout, nbytes, peer), tuple(nbytes))
 
     # ------------------------------------------------------------------ faults
 
