@@ -75,3 +75,21 @@ def test_ptxas_assembles_it_for_sm_90(ptx, tmp_path):
     # THREADS threads a block launch only below 65536 registers a block
     assert registers * K.THREADS <= 65536, registers
     assert "spill" not in done.stderr or "0 bytes spill stores" in done.stderr
+
+
+def test_cuda_core_links_it_to_a_cubin(ptx):
+    # the transport links the PTX as numba-cuda links its own kernels (cuda.core's Linker:
+    # nvJitLink, no GPU needed; the driver's linker where nvJitLink is missing)
+    try:
+        from cuda.core import Linker, LinkerOptions, ObjectCode
+    except ImportError:
+        pytest.skip("no cuda.core")
+    try:
+        linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_90"))
+    except Exception as err:  # noqa: BLE001 - neither nvJitLink nor a driver on this machine
+        pytest.skip(f"no linker here: {err}")
+    try:
+        cubin = linker.link("cubin")
+    finally:
+        linker.close()
+    assert len(cubin.code) > 10_000  # a cubin with the kernel, not an empty image
