@@ -244,6 +244,19 @@ def gpu_multirank(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def gpu_p2p(session: nox.Session) -> None:
+    """On a GPU: the p2p transport's tests (fp4_comm), in the Python running nox, as `gpu`.
+
+    `FP4_COMM_TEST_RANKS=N` processes (default 2) share the visible GPUs, rank r on GPU
+    r % count; `FP4_COMM_P2P_LOOP=50000` makes the back-to-back test the long hang test;
+    `FP4_COMM_P2P_VS_NCCL=1` also compares with NCCL (ranks sharing a GPU need NCCL 2.30's
+    NCCL_MULTI_RANK_GPU_ENABLE=1)."""
+    env = _install_offline(session)
+    tests = [f"{COMM_TESTS}/test_fp4_comm_p2p_gpu.py", f"{COMM_TESTS}/test_fp4_comm_p2p.py"]
+    _pytest(session, *tests, python=sys.executable, env={**env, **NCCL_ENV}, external=True)
+
+
+@nox.session(venv_backend="none")
 def benchmark_gpu(session: nox.Session) -> None:
     """On a GPU: benchmarks/gpu_throughput.py with the args after `--`, in nox's Python."""
     env = _install_offline(session)

@@ -6,7 +6,9 @@ numba), so the tests share one cluster instead of spawning per test.  Each worke
 communicator per group size: ``comms[4]`` over all four ranks, ``comms[3]`` over ranks 0-2 and
 ``comms[2]`` over ranks 0 and 1 (subgroups; None on the ranks outside them); with
 ``gpu=True`` also ``comms["cuda"]``, NCCL over all ranks, rank r on GPU r % (GPU count):
-more ranks than GPUs share them (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``).
+more ranks than GPUs share them (NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``);
+``setup(comms, rank, world, timeout_s)``, a module-level function, adds a test module's own
+communicators.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Died:
     exitcode: int | None
 
 
-def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
+def _worker(rank, world, port, conn, timeout_s, sizes, gpu, setup=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -97,6 +99,12 @@ def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
         device = fp4_comm.local_device(rank)
         torch.cuda.set_device(device)
         comms["cuda"] = fp4_comm.Communicator.from_process_group(None, device, timeout_s)
+    if setup is not None:  # a test module's own communicators, made in every worker
+        try:
+            setup(comms, rank, world, timeout_s)
+        except BaseException:  # noqa: BLE001 - the cluster fails with the traceback
+            conn.send(("error", traceback.format_exc()))
+            return
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -111,7 +119,9 @@ def _worker(rank, world, port, conn, timeout_s, sizes, gpu):
 
 
 class Cluster:
-    def __init__(self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0, gpu=False):
+    def __init__(
+        self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0, gpu=False, setup=None
+    ):
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world = world
@@ -120,7 +130,9 @@ class Cluster:
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=_worker, args=(rank, world, port, child, timeout_s, sizes, gpu), daemon=True
+                target=_worker,
+                args=(rank, world, port, child, timeout_s, sizes, gpu, setup),
+                daemon=True,
             )
             p.start()
             self.conns.append(parent)

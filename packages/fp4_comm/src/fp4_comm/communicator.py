@@ -52,6 +52,7 @@ TensorLike = Any
 #: A torch.device, a device string ("cuda:1", "cpu") or a CUDA device index.
 DeviceLike = torch.device | str | int
 Validate = Literal["always", "first", "never"]
+TransportName = Literal["nccl", "gloo", "p2p"]
 
 VALIDATE = ("always", "first", "never")
 _OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
@@ -141,6 +142,7 @@ class Communicator:
         device: DeviceLike | None = None,
         timeout_s: float = 60.0,
         validate: Validate = "always",
+        transport: TransportName | None = None,
     ) -> Communicator:
         """A communicator over the ranks of ``group`` (default: the default group).
 
@@ -148,6 +150,10 @@ class Communicator:
         "cpu" (default when CUDA is unavailable) for gloo.  ``timeout_s`` bounds every check
         and every gloo transfer; NCCL transfers are bounded by ``synchronize`` and by a
         watchdog thread that aborts the NCCL communicator when a transfer is not done in time.
+        ``transport``: "nccl" (default for a CUDA device), "gloo" (for "cpu"), or "p2p": CUDA
+        tensors moved by fp4_comm's own kernel through CUDA IPC buffers, for ranks on one node
+        whose GPUs can map each other's memory (``fp4_comm.p2p``; ValueError on every rank
+        where they cannot).
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -160,10 +166,11 @@ class Communicator:
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
+                if torch.cuda.is_available() and transport != "gloo"
                 else torch.device("cpu")
             )
         device = torch.device(device)
+        _check_transport(transport, device)
         timeout = datetime.timedelta(seconds=timeout_s)
         ranks = None if group is None else dist.get_process_group_ranks(group)
         # Our own gloo group: its timeout is ours, and the checks never queue behind (or
@@ -173,17 +180,21 @@ class Communicator:
         control = dist.new_group(
             ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
         )
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if transport == "p2p":
+            from .p2p import P2PTransport
+
+            mover: Transport = P2PTransport(control, device, timeout_s)
+        elif device.type == "cuda":
             from .nccl import NcclTransport
 
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            transport = NcclTransport(control, device, timeout_s)
+            mover = NcclTransport(control, device, timeout_s)
         elif device.type == "cpu":
-            transport = GlooTransport(control)
+            mover = GlooTransport(control)
         else:
             raise ValueError(f"device: {device} is neither a CUDA device nor the CPU")
-        return cls(transport, control, validate)
+        return cls(mover, control, validate)
 
     @classmethod
     def from_env(
@@ -191,11 +202,13 @@ class Communicator:
         device: DeviceLike | None = None,
         timeout_s: float = 60.0,
         validate: Validate = "always",
+        transport: TransportName | None = None,
     ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU ``LOCAL_RANK % torch.cuda.device_count()`` (``local_device``:
-        ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA."""
+        ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA.
+        ``transport`` as in ``from_process_group``."""
         _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
@@ -204,7 +217,7 @@ class Communicator:
         if device is None and torch.cuda.is_available():
             device = local_device()
             torch.cuda.set_device(device)
-        return cls.from_process_group(None, device, timeout_s, validate)
+        return cls.from_process_group(None, device, timeout_s, validate, transport)
 
     # ------------------------------------------------------------------ properties
 
@@ -230,7 +243,8 @@ class Communicator:
 
     def close(self) -> None:
         """Stop the NCCL watchdog and destroy the NCCL communicator (nothing to release over
-        gloo); no collective may follow on an NCCL communicator."""
+        gloo); no collective may follow on an NCCL communicator.  A p2p communicator's close is
+        collective: every rank waits for its kernels, the ranks meet, and the buffers go."""
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
@@ -576,6 +590,21 @@ class CapturedCollective:
         """Run the captured collective on the current contents of ``input``."""
         self.graph.replay()
         return self.output
+
+
+def _check_transport(transport, device):
+    """``transport`` is a known name that fits ``device`` (None: the device's default)."""
+    if transport is None:
+        return
+    if transport not in ("nccl", "gloo", "p2p"):
+        raise ValueError(f"transport: {transport!r} is not one of 'nccl', 'gloo', 'p2p'")
+    if transport == "gloo" and device.type != "cpu":
+        raise ValueError(f"transport='gloo' moves CPU tensors; device {device} is not the CPU")
+    if transport in ("nccl", "p2p") and device.type != "cuda":
+        raise ValueError(
+            f"transport={transport!r} moves CUDA tensors; device {device} is not a CUDA device "
+            "(CPU tensors go over gloo: transport='gloo' or None)"
+        )
 
 
 def _check_timeout(timeout_s):
