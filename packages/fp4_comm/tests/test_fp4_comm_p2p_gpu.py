@@ -470,9 +470,10 @@ def test_p2p_killed_peer_ends_in_timeout_naming_it():
     finally:
         c.close(force=True)
     assert isinstance(res[victim], Died)
-    for r, (message, took, peers) in enumerate(res):
+    for r, result in enumerate(res):
         if r == victim:
             continue
+        message, took, peers = result
         assert f"rank {victim} did not take part in time" in message, message
         assert peers == [victim]
         assert took < FAULT_TIMEOUT_S + 30, took
