@@ -295,6 +295,14 @@ def study(session: nox.Session) -> None:
     session.run("python", "-m", "fp4_train.experiments.boundary_study", *args)
 
 
+@nox.session(python=PYTHON)
+def corpus(session: nox.Session) -> None:
+    """The BPE training corpus in .data/corpus (fp4_train.experiments.build_corpus; args after
+    `--` go to it). Needs Debian's documentation packages: docs/tp_training.md, Data."""
+    session.install(KERNELS, f"{TRAIN}[examples]", TORCH)
+    session.run("python", "-m", "fp4_train.experiments.build_corpus", *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def study_gpu(session: nox.Session) -> None:
     """A training study preset on the GPU machine, in the Python that runs nox.

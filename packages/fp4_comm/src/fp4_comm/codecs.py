@@ -18,6 +18,8 @@ Codecs:
 - ``MXFP4Codec`` ("mxfp4"): E2M1 codes and an E8M0 scale per 32 elements.
 - ``FP4QuantCodec(group_size, hadamard)`` (or an ``fp4_kernels.FP4Quant`` passed as codec):
   E2M1 codes and a bfloat16 scale per group, after a Walsh-Hadamard transform of each group.
+- ``TAHQuantCodec(token_size)`` ("tahquant-h<C>") and ``TAHQuantGradCodec`` ("tahquant-grad"),
+  in ``fp4_comm.tahquant``: TAH-Quant (arXiv:2506.01352), a baseline from the literature.
 
 All work on torch tensors, CPU (numba CPU path of fp4_kernels) or CUDA (its kernels, on the
 current stream); bit-identical on both.
@@ -483,13 +485,16 @@ _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
 
 
 #: ``codec=`` of the collectives: a name ("nvfp4", "mxfp4", "none", "none-float32",
-#: "none-float16"), an ``fp4_kernels.FP4Quant`` or a ``Codec``.
+#: "none-float16", "tahquant-h<C>", "tahquant-grad"), an ``fp4_kernels.FP4Quant`` or a
+#: ``Codec``.
 CodecSpec = str | fp4_kernels.FP4Quant | Codec
 
 
 def get_codec(spec: CodecSpec) -> Codec:
     """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
-    / ``"none-float16"``, an ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
+    / ``"none-float16"``, ``"tahquant-h<C>"`` (TAH-Quant's activation codec for tokens of
+    ``C`` channels) / ``"tahquant-grad"`` (its gradient codec; ``fp4_comm.tahquant``), an
+    ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
     if isinstance(spec, Codec):
         return spec
     if isinstance(spec, fp4_kernels.FP4Quant):
@@ -499,10 +504,28 @@ def get_codec(spec: CodecSpec) -> Codec:
             return _BY_NAME[spec]()
         if spec.startswith("none-"):
             return NoneCodec(spec[len("none-") :])
+        if spec.startswith("tahquant"):
+            return _tahquant(spec)
     raise ValueError(
         f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of 'nvfp4', 'mxfp4', "
-        "'none', 'none-float32', 'none-float16'"
+        "'none', 'none-float32', 'none-float16', 'tahquant-h<C>', 'tahquant-grad'"
     )
+
+
+def _tahquant(spec):
+    # imported here: tahquant builds on this module's Codec
+    from .tahquant import TAHQuantCodec, TAHQuantGradCodec
+
+    if spec == "tahquant-grad":
+        return TAHQuantGradCodec()
+    digits = spec[len("tahquant-h") :] if spec.startswith("tahquant-h") else ""
+    if not digits.isdigit():
+        raise ValueError(
+            f"codec: {spec!r}: TAH-Quant's activation codec ranks tokens, so its name carries "
+            "the tokens' hidden size: 'tahquant-h<C>' (e.g. 'tahquant-h768'); 'tahquant-grad' "
+            "is its gradient codec"
+        )
+    return TAHQuantCodec(int(digits))
 
 
 def padded_chunk(n: int, chunks: int, granularity: int) -> int:

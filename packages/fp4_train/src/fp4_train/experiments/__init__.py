@@ -8,6 +8,8 @@ with a command line (``python -m fp4_train.experiments.<module> --help``).
 - ``boundary_study``: the pipeline-boundary and sequence-parallel decomposition (forward only,
   backward only, nearest or stochastic rounding), paired against bf16 over seeds, with 95 %
   confidence intervals;
+- ``build_corpus``: the BPE corpus (60 MB of English from Debian's documentation packages, a
+  16 384-id vocabulary, uint16 token files; docs/tp_training.md, Data);
 - ``corpus``, ``transformer``, ``records``: the data, the model and the result files they share.
 
 They need fp4-comm and the ``examples`` extra (matplotlib, scipy) beside fp4-train.
