@@ -168,6 +168,13 @@ def test_bad_options(kwargs, exc, match):
         (np.array([2.0]), TypeError, "global_amax: dtype float64, expected float32"),
         (np.array([2.0], ">f4"), TypeError, "global_amax: dtype >f4, expected float32"),
         (np.array([np.nan], np.float32), ValueError, "global_amax: must be finite and >= 0"),
+        # beyond float32's range: float32(amax) would be inf, S silently 1 (1e38 -> 2688)
+        (3.5e38, ValueError, r"global_amax: 3.5e\+38 is beyond float32's range"),
+        (np.float64(1e39), ValueError, r"global_amax: np.float64\(1e\+39\) is beyond float32's"),
+        (1e300, ValueError, r"global_amax: 1e\+300 is beyond float32's range"),
+        (2.0**128 - 2.0**103, ValueError, "beyond float32's range"),  # rounds to inf
+        (10**400, ValueError, "global_amax: an integer of 1329 bits is beyond float32's range"),
+        (-(10**400), ValueError, "global_amax: must be finite and >= 0, got an integer of"),
     ],
     ids=[
         "str",
@@ -180,11 +187,62 @@ def test_bad_options(kwargs, exc, match):
         "float64",
         "big-endian",
         "nan-arr",
+        "3.5e38",
+        "np-1e39",
+        "1e300",
+        "f32-overflow",
+        "int-beyond-float64",
+        "negative-int-beyond-float64",
     ],
 )
 def test_bad_global_amax(amax, exc, match):
     with pytest.raises(exc, match=match):
         fk.quantize(_x(), fmt="nvfp4", global_amax=amax)
+    with pytest.raises(exc, match=match):
+        fk.quantize_dequantize(_x(), fmt="nvfp4", global_amax=amax)
+
+
+def test_global_amax_up_to_float32s_range_is_that_float32():
+    """The largest accepted amax is the largest float that rounds to a finite float32 (just
+    below FLT_MAX + half an ulp): it quantizes as FLT_MAX itself."""
+    x = np.zeros((1, 16), np.float32)
+    x[0, 0] = 1e38
+    flt_max = float(np.finfo(np.float32).max)
+    below = np.nextafter(2.0**128 - 2.0**103, 0.0)
+    ref = fk.quantize(x, global_amax=flt_max)
+    for amax in (below, np.float32(flt_max), np.float64(below)):
+        q = fk.quantize(x, global_amax=amax)
+        assert same_bits(q.global_scale, ref.global_scale)
+        assert np.array_equal(q.data, ref.data) and np.array_equal(q.scales, ref.scales)
+    assert np.isfinite(ref.global_scale[0]) and ref.global_scale[0] != 1.0
+
+
+def test_global_amax_beyond_float32_is_refused_on_the_planned_path():
+    """A torch CUDA call whose kind of call has a plan skips the checks; a float amax goes into
+    the plan's float32 argument there, so it is checked on that path too (here torch tensors
+    pretend to live on a GPU: ``_fake_cuda``, no kernel runs)."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            x = torch.randn(4, 64)
+            fk.quantize(x, global_amax=2.0)  # the plan of this kind of call
+            n_plans = len(_plans._PLANS)
+            recorder.launches.clear()
+            fk.quantize(x, global_amax=3.0)  # planned: launches with amax 3.0
+            assert recorder.launches and len(_plans._PLANS) == n_plans
+            for amax in (3.5e38, np.float64(1e39), 10**400, 2.0**128 - 2.0**103):
+                recorder.launches.clear()
+                with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+                    fk.quantize(x, global_amax=amax)
+                with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+                    fk.quantize_dequantize(x, global_amax=amax)
+                assert not recorder.launches
+    finally:
+        _plans.clear()
 
 
 def test_global_amax_must_live_where_x_lives():

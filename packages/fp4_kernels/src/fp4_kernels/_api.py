@@ -87,7 +87,8 @@ def quantize(
             independent of the launch configuration and identical on the GPU and the CPU.
         seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
         global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
-            ranks or steps); a non-negative finite float, or a one-element float32 array on the
+            ranks or steps); a non-negative float within float32's range (<= 3.4028235e38:
+            the tensor scale is computed in float32), or a one-element float32 array on the
             same device (read by the kernel, no host synchronization, so a GPU array is not
             checked: a NaN, infinite or zero value there gives S = 1, a negative one a negative
             S).  Default: amax of the finite elements of ``x``.
@@ -162,8 +163,9 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
             if type(fmt) is FP4Quant:
                 q = run_encode_plan(plan, x, fmt, seed, step)
                 return dequantize(q) if fused else q
-            amax_value = -1.0 if key[5] != "number" else float(global_amax)
-            if 0.0 <= amax_value < math.inf or key[5] != "number":
+            # a float amax the full check would refuse takes the unplanned path, which names it
+            amax_value = -1.0 if key[5] != "number" else _plannable_amax(global_amax)
+            if amax_value is not None:
                 return _run_quantize_plan(plan, x, fmt, seed, step, global_amax, amax_value)
     _check_fmt(fmt)
     _check_choice(rounding, "rounding", ROUNDINGS)
@@ -240,11 +242,36 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     )
 
 
+# The tensor scale is computed from float32(global_amax): a float from 2^128 - 2^103 up (half
+# an ulp above FLT_MAX = 2^128 - 2^104) rounds to inf there, and S would silently become 1.
+_AMAX_F32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def _plannable_amax(value):
+    """``float(value)`` when the full check (``_checked_amax``) accepts it, else None."""
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond float64's range
+        return None
+    return v if 0.0 <= v < _AMAX_F32_OVERFLOW else None
+
+
 def _checked_amax(value):
-    """``global_amax`` as a float, or ValueError unless it is finite and >= 0."""
-    v = float(value)
+    """``global_amax`` as a float, or ValueError unless it is finite, >= 0 and within float32's
+    range."""
+    try:
+        v, shown = float(value), repr(value)
+    except OverflowError:  # an int beyond float64's range (its repr may be too long to print)
+        v = _AMAX_F32_OVERFLOW if value > 0 else -math.inf
+        shown = f"an integer of {value.bit_length()} bits"
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"global_amax: must be finite and >= 0, got {value!r}")
+        raise ValueError(f"global_amax: must be finite and >= 0, got {shown}")
+    if v >= _AMAX_F32_OVERFLOW:
+        raise ValueError(
+            f"global_amax: {shown} is beyond float32's range (largest finite value "
+            f"{float(np.finfo(np.float32).max)!r}), in which the tensor scale is computed; "
+            "pass at most that (the amax of a float32, bfloat16 or float16 tensor always is)"
+        )
     return v
 
 
