@@ -10,6 +10,7 @@ tests/test_bad_input.py`` checks that no kernel touches memory it was not given.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -150,6 +151,134 @@ def test_bad_x(x, exc, match, fmt):
 def test_bad_options(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         fk.quantize(_x(), **kwargs)
+
+
+# ------------------------------------------------------------------ tensors without plain memory
+
+
+def _nested(t, layout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        return torch.nested.nested_tensor([t, t.clone()], layout=layout)
+
+
+# (id, the odd kind of a dense torch tensor t, message with {name} for the argument)
+ODD_TENSORS = [
+    ("meta", lambda t: t.to("meta"), r"{name}: .*meta"),
+    ("nested", lambda t: _nested(t, torch.strided), r"{name}: nested tensors are not supported"),
+    ("jagged", lambda t: _nested(t, torch.jagged), r"{name}: nested tensors are not supported"),
+    # its memory holds t while it shows -t: a raw read would flip every sign (silently on a GPU)
+    ("neg-view", torch._neg_view, r"{name}: a lazily negated .* pass {name}.resolve_neg\(\)"),
+    ("sparse", lambda t: t.to_sparse(), r"{name}: layout torch.sparse_coo is not supported"),
+]
+ODD_IDS = [case[0] for case in ODD_TENSORS]
+
+X_CALLS = {
+    "quantize": lambda x: fk.quantize(x),
+    "quantize_dequantize": lambda x: fk.quantize_dequantize(x, fmt="mxfp4"),
+    "fp4quant": lambda x: fk.quantize(x, fmt=fk.FP4Quant(64)),
+    "hadamard": lambda x: fk.hadamard(x, group_size=64),
+}
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("case", range(len(ODD_TENSORS)), ids=ODD_IDS)
+def test_torch_tensors_without_plain_memory_are_refused_as_x(case, call):
+    _, odd, match = ODD_TENSORS[case]
+    with pytest.raises(TypeError, match=match.format(name="x")):
+        X_CALLS[call](odd(torch.from_numpy(_x())))
+
+
+def test_the_fix_named_for_a_negated_view_gives_the_values_it_shows():
+    t = torch.from_numpy(_x())
+    for call in X_CALLS.values():
+        got, want = call(torch._neg_view(t).resolve_neg()), call(-t)
+        if isinstance(want, fk.QuantizedTensor):
+            got, want = fk.dequantize(got), fk.dequantize(want)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", range(len(ODD_TENSORS)), ids=ODD_IDS)
+def test_torch_tensors_without_plain_memory_are_refused_as_other_arguments(case):
+    _, odd, _ = ODD_TENSORS[case]
+    x = torch.from_numpy(_x())
+    with pytest.raises((TypeError, ValueError), match="global_amax: "):
+        fk.quantize(x, global_amax=odd(torch.tensor([3.0])))
+    with pytest.raises((TypeError, ValueError), match="signs: "):
+        fk.hadamard(x, group_size=64, signs=odd(torch.ones(64)))
+    q = fk.quantize(x)
+    for field in ("data", "scales", "global_scale"):
+        bad = dataclasses.replace(q, **{field: odd(getattr(q, field))})
+        with pytest.raises((TypeError, ValueError), match=f"q.{field}: "):
+            fk.dequantize(bad)
+        with pytest.raises((TypeError, ValueError), match=f"q.{field}: "):
+            fk.requantized_sum(bad)
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+def test_a_negated_view_on_the_planned_path_is_refused(call):
+    """On a GPU a planned call reads raw memory without a check: a lazily negated view must
+    not match the plan of its plain tensor (here torch tensors pretend to live on a GPU:
+    ``_fake_cuda``, no kernel runs)."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            x = torch.randn(4, 64)
+            X_CALLS[call](x)  # the plan of this kind of call
+            recorder.launches.clear()
+            with pytest.raises(TypeError, match=r"x: a lazily negated"):
+                X_CALLS[call](torch._neg_view(x))
+            assert not recorder.launches
+    finally:
+        _plans.clear()
+
+
+@pytest.mark.gpu
+def test_planned_torch_cuda_calls_refuse_what_the_unplanned_path_refuses(gpu):
+    """On a real GPU: a negated view and a float amax beyond float32's range, each after the
+    plan of the same kind of call was made (planned calls skip the checks)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch")
+    x = torch.randn(128, 256, device="cuda")
+    for call in X_CALLS.values():
+        call(x)
+        call(x)  # planned
+        with pytest.raises(TypeError, match="x: a lazily negated"):
+            call(torch._neg_view(x))
+    fk.quantize(x, global_amax=2.0)
+    good = fk.quantize(x, global_amax=3.0)  # planned
+    for amax in (3.5e38, np.float64(1e39), 1e300, 10**400):
+        with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+            fk.quantize(x, global_amax=amax)
+    again = fk.quantize(x, global_amax=3.0)  # the plan still serves good calls
+    assert torch.equal(again.data, good.data) and torch.equal(again.scales, good.scales)
+    assert torch.equal(again.global_scale, good.global_scale)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("flip", [(slice(None, None, -1),), (slice(None), slice(None, None, -1))])
+def test_negative_strided_numpy_views_are_refused_and_the_fix_works(call, flip):
+    x = _x(4, 64)
+    with pytest.raises(ValueError, match=r"x: must be (C-)?contiguous.*ascontiguousarray"):
+        X_CALLS[call](x[flip])
+    got, want = X_CALLS[call](np.ascontiguousarray(x[flip])), X_CALLS[call](x[flip].copy())
+    if isinstance(want, fk.QuantizedTensor):
+        got, want = fk.dequantize(got), fk.dequantize(want)
+    assert same_bits(got, want)
+    # torch has no negative strides: torch.flip copies (an ordinary input)
+    flipped = X_CALLS[call](torch.from_numpy(x).flip(0))
+    assert torch.equal(
+        _torch_result(flipped), _torch_result(X_CALLS[call](torch.from_numpy(x[::-1].copy())))
+    )
+
+
+def _torch_result(r):
+    return fk.dequantize(r) if isinstance(r, fk.QuantizedTensor) else r
 
 
 # ------------------------------------------------------------------ global_amax
@@ -376,6 +505,23 @@ def test_mxfp4_without_global_scale_decodes():
     """MXFP4 has no tensor scale: a hand-built tensor may leave global_scale None."""
     q = fk.quantize(_x(), fmt="mxfp4")
     assert same_bits(fk.dequantize(dataclasses.replace(q, global_scale=None)), fk.dequantize(q))
+
+
+@pytest.mark.parametrize("value", [2.0, 0.5, 0.0, -1.0, np.nan, np.inf])
+def test_mxfp4_with_a_tensor_scale_is_refused_where_it_can_be_read(place, value):
+    """MXFP4 has no tensor scale: quantize() stores [1.0] and the decode reads only the block
+    scales, so another value would be silently ignored.  On the host it is refused; a GPU
+    array is not read (no host synchronization), as documented: it decodes as [1.0]."""
+    q = fk.quantize(_to(place, _x()), fmt="mxfp4")
+    assert float(_np(q.global_scale)[0]) == 1.0
+    bad = dataclasses.replace(q, global_scale=_to(place, np.array([value], np.float32)))
+    if place == "torch-cuda":
+        assert same_bits(_np(fk.dequantize(bad)), _np(fk.dequantize(q)))
+        return
+    with pytest.raises(ValueError, match=r"q.global_scale: MXFP4 has no tensor scale .* got \["):
+        fk.dequantize(bad)
+    with pytest.raises(ValueError, match=r"q.global_scale: MXFP4 has no tensor scale"):
+        fk.requantized_sum(bad)
 
 
 @pytest.mark.parametrize("dtype", ["float64", np.int8, "bf16", None.__class__])

@@ -38,6 +38,7 @@ _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 
 def _validate_input(x, fmt):
     backend = arrays.backend_of(x, "x")
+    arrays.check_has_values(x, backend, "x")
     dt = arrays.dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) == 0:
@@ -280,6 +281,8 @@ def _checked_amax_array(a, backend):
     try:
         b = arrays.backend_of(a, "global_amax")
     except TypeError:
+        if arrays.is_torch_tensor(a):
+            raise  # a torch tensor of a kind the kernels cannot read: the message says which
         raise TypeError(
             "global_amax: expected a non-negative finite float or a one-element float32 array "
             f"where x lives, got {type(a).__name__}"

@@ -55,6 +55,7 @@ def hadamard(
     if not isinstance(inverse, bool):
         raise TypeError(f"inverse: expected True or False, got {inverse!r}")
     backend = arrays.backend_of(x, "x")
+    arrays.check_has_values(x, backend, "x")
     dt = arrays.dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if not shape or shape[-1] % g:
@@ -143,9 +144,12 @@ def _sign_words(signs, g):
     try:
         backend = arrays.backend_of(signs, "signs")
     except TypeError:
-        pass
+        if arrays.is_torch_tensor(signs):
+            raise  # a torch tensor of a kind that cannot be read: the message says which
     if backend is not None and backend.gpu:
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
+    if backend is not None:
+        arrays.check_has_values(signs, backend, "signs")
     s = np.asarray(to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")

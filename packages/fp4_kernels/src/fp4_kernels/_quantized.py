@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
+from ._devices import to_numpy
 
 FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
 SCALE_LAYOUTS = ("linear", "swizzled")
@@ -85,7 +86,9 @@ class QuantizedTensor:
         global_scale: float32, shape (1,): the NVFP4 tensor *decode* scale, fp32(1) / S with
             S = 2688 / amax (1.0 for MXFP4), an array of the input's kind so that it can stay
             on the GPU; a decoded element is e2m1 * block scale * global_scale.  None for
-            FP4Quant.  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
+            FP4Quant.  MXFP4 has no tensor scale: None or [1.0]; another value is refused
+            where it can be read without a device synchronization (host arrays; a GPU array is
+            not read).  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
             ``nvfp4_quantize`` take is the *encode* scale S itself (its decode takes 1 / S,
             which is this one).
         fmt: "nvfp4", "mxfp4" or an ``FP4Quant``.
@@ -360,6 +363,7 @@ def check_quantized(q, name="q"):
         q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS
     )
     backend = arrays.backend_of(q.data, f"{name}.data")
+    arrays.check_has_values(q.data, backend, f"{name}.data")
     _check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
     arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
     if fp4quant:
@@ -374,13 +378,25 @@ def check_quantized(q, name="q"):
                 f"{name}.global_scale: NVFP4 needs its tensor decode scale 1/S (a one-element "
                 "float32 array, as quantize() returns it); got None"
             )
-        if isinstance(gs, (int, float, np.floating)) or not hasattr(gs, "shape"):
+        # (a nested torch tensor raises on .shape: same_place names what it is)
+        if isinstance(gs, (int, float, np.floating)) or not (
+            arrays.is_torch_tensor(gs) or hasattr(gs, "shape")
+        ):
             raise TypeError(
                 f"{name}.global_scale: expected a one-element float32 array where "
                 f"{name}.data lives, got {type(gs).__name__}"
             )
         arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
         _check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
+        if q.fmt == "mxfp4" and not backend.gpu:  # (a GPU value is not read: no host sync)
+            value = float(np.asarray(to_numpy(gs)).reshape(-1)[0])
+            if value != 1.0:
+                raise ValueError(
+                    f"{name}.global_scale: MXFP4 has no tensor scale (its decode reads only the "
+                    f"power-of-two block scales), so it must be None or [1.0] as quantize() "
+                    f"returns it; got [{value!r}] (scale the decoded values instead, or use "
+                    "NVFP4)"
+                )
     return backend
 
 
