@@ -553,6 +553,19 @@ def test_bad_hadamard_arguments(kwargs, exc, match):
         fk.hadamard(_x(), **kwargs)
 
 
+def test_signs_that_require_grad_are_refused():
+    """The transform's gradient is taken with respect to x only; signs that require grad
+    would silently get none."""
+    signs = torch.ones(16).requires_grad_()
+    for x in (torch.from_numpy(_x()), torch.from_numpy(_x()).requires_grad_()):
+        with pytest.raises(ValueError, match=r"signs: .* requires grad.*signs.detach\(\)"):
+            fk.hadamard(x, group_size=16, signs=signs)
+        y = fk.hadamard(x, group_size=16, signs=signs.detach())  # the fix named
+        assert torch.equal(y.detach(), fk.hadamard(x.detach(), group_size=16, signs=[1] * 16))
+    with torch.no_grad():  # no graph is recorded: nothing to drop
+        fk.hadamard(torch.from_numpy(_x()), group_size=16, signs=signs)
+
+
 # ------------------------------------------------------------------ documented policies
 
 

@@ -100,6 +100,11 @@ def quantize(
     e8m0 0xFF) and decodes entirely to NaN; the tensor amax ignores non-finite values; the rest
     of the tensor is unaffected.  All-zero blocks and tensors decode to exact zeros.  Signed
     zero is preserved: -0 and negative values that round to zero get the code 0x8 (-0).
+
+    Autograd: not differentiable.  The codes are integers (as ``torch.argmax``'s indices), so
+    for a torch tensor that requires grad the fields carry no graph, and neither does
+    ``dequantize(q)``; ``quantize_dequantize`` is the differentiable route (straight-through
+    gradient).
     """
     return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused=False)
 
@@ -373,6 +378,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
 
     NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
+    The result does not require grad (``quantize`` is not differentiable).
     """
     key = _dequantize_key(q, dtype)
     if key is not None:
