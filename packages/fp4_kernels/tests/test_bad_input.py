@@ -10,6 +10,7 @@ tests/test_bad_input.py`` checks that no kernel touches memory it was not given.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -152,6 +153,134 @@ def test_bad_options(kwargs, exc, match):
         fk.quantize(_x(), **kwargs)
 
 
+# ------------------------------------------------------------------ tensors without plain memory
+
+
+def _nested(t, layout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        return torch.nested.nested_tensor([t, t.clone()], layout=layout)
+
+
+# (id, the odd kind of a dense torch tensor t, message with {name} for the argument)
+ODD_TENSORS = [
+    ("meta", lambda t: t.to("meta"), r"{name}: .*meta"),
+    ("nested", lambda t: _nested(t, torch.strided), r"{name}: nested tensors are not supported"),
+    ("jagged", lambda t: _nested(t, torch.jagged), r"{name}: nested tensors are not supported"),
+    # its memory holds t while it shows -t: a raw read would flip every sign (silently on a GPU)
+    ("neg-view", torch._neg_view, r"{name}: a lazily negated .* pass {name}.resolve_neg\(\)"),
+    ("sparse", lambda t: t.to_sparse(), r"{name}: layout torch.sparse_coo is not supported"),
+]
+ODD_IDS = [case[0] for case in ODD_TENSORS]
+
+X_CALLS = {
+    "quantize": lambda x: fk.quantize(x),
+    "quantize_dequantize": lambda x: fk.quantize_dequantize(x, fmt="mxfp4"),
+    "fp4quant": lambda x: fk.quantize(x, fmt=fk.FP4Quant(64)),
+    "hadamard": lambda x: fk.hadamard(x, group_size=64),
+}
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("case", range(len(ODD_TENSORS)), ids=ODD_IDS)
+def test_torch_tensors_without_plain_memory_are_refused_as_x(case, call):
+    _, odd, match = ODD_TENSORS[case]
+    with pytest.raises(TypeError, match=match.format(name="x")):
+        X_CALLS[call](odd(torch.from_numpy(_x())))
+
+
+def test_the_fix_named_for_a_negated_view_gives_the_values_it_shows():
+    t = torch.from_numpy(_x())
+    for call in X_CALLS.values():
+        got, want = call(torch._neg_view(t).resolve_neg()), call(-t)
+        if isinstance(want, fk.QuantizedTensor):
+            got, want = fk.dequantize(got), fk.dequantize(want)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", range(len(ODD_TENSORS)), ids=ODD_IDS)
+def test_torch_tensors_without_plain_memory_are_refused_as_other_arguments(case):
+    _, odd, _ = ODD_TENSORS[case]
+    x = torch.from_numpy(_x())
+    with pytest.raises((TypeError, ValueError), match="global_amax: "):
+        fk.quantize(x, global_amax=odd(torch.tensor([3.0])))
+    with pytest.raises((TypeError, ValueError), match="signs: "):
+        fk.hadamard(x, group_size=64, signs=odd(torch.ones(64)))
+    q = fk.quantize(x)
+    for field in ("data", "scales", "global_scale"):
+        bad = dataclasses.replace(q, **{field: odd(getattr(q, field))})
+        with pytest.raises((TypeError, ValueError), match=f"q.{field}: "):
+            fk.dequantize(bad)
+        with pytest.raises((TypeError, ValueError), match=f"q.{field}: "):
+            fk.requantized_sum(bad)
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+def test_a_negated_view_on_the_planned_path_is_refused(call):
+    """On a GPU a planned call reads raw memory without a check: a lazily negated view must
+    not match the plan of its plain tensor (here torch tensors pretend to live on a GPU:
+    ``_fake_cuda``, no kernel runs)."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            x = torch.randn(4, 64)
+            X_CALLS[call](x)  # the plan of this kind of call
+            recorder.launches.clear()
+            with pytest.raises(TypeError, match=r"x: a lazily negated"):
+                X_CALLS[call](torch._neg_view(x))
+            assert not recorder.launches
+    finally:
+        _plans.clear()
+
+
+@pytest.mark.gpu
+def test_planned_torch_cuda_calls_refuse_what_the_unplanned_path_refuses(gpu):
+    """On a real GPU: a negated view and a float amax beyond float32's range, each after the
+    plan of the same kind of call was made (planned calls skip the checks)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch")
+    x = torch.randn(128, 256, device="cuda")
+    for call in X_CALLS.values():
+        call(x)
+        call(x)  # planned
+        with pytest.raises(TypeError, match="x: a lazily negated"):
+            call(torch._neg_view(x))
+    fk.quantize(x, global_amax=2.0)
+    good = fk.quantize(x, global_amax=3.0)  # planned
+    for amax in (3.5e38, np.float64(1e39), 1e300, 10**400):
+        with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+            fk.quantize(x, global_amax=amax)
+    again = fk.quantize(x, global_amax=3.0)  # the plan still serves good calls
+    assert torch.equal(again.data, good.data) and torch.equal(again.scales, good.scales)
+    assert torch.equal(again.global_scale, good.global_scale)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("flip", [(slice(None, None, -1),), (slice(None), slice(None, None, -1))])
+def test_negative_strided_numpy_views_are_refused_and_the_fix_works(call, flip):
+    x = _x(4, 64)
+    with pytest.raises(ValueError, match=r"x: must be (C-)?contiguous.*ascontiguousarray"):
+        X_CALLS[call](x[flip])
+    got, want = X_CALLS[call](np.ascontiguousarray(x[flip])), X_CALLS[call](x[flip].copy())
+    if isinstance(want, fk.QuantizedTensor):
+        got, want = fk.dequantize(got), fk.dequantize(want)
+    assert same_bits(got, want)
+    # torch has no negative strides: torch.flip copies (an ordinary input)
+    flipped = X_CALLS[call](torch.from_numpy(x).flip(0))
+    assert torch.equal(
+        _torch_result(flipped), _torch_result(X_CALLS[call](torch.from_numpy(x[::-1].copy())))
+    )
+
+
+def _torch_result(r):
+    return fk.dequantize(r) if isinstance(r, fk.QuantizedTensor) else r
+
+
 # ------------------------------------------------------------------ global_amax
 
 
@@ -168,6 +297,13 @@ def test_bad_options(kwargs, exc, match):
         (np.array([2.0]), TypeError, "global_amax: dtype float64, expected float32"),
         (np.array([2.0], ">f4"), TypeError, "global_amax: dtype >f4, expected float32"),
         (np.array([np.nan], np.float32), ValueError, "global_amax: must be finite and >= 0"),
+        # beyond float32's range: float32(amax) would be inf, S silently 1 (1e38 -> 2688)
+        (3.5e38, ValueError, r"global_amax: 3.5e\+38 is beyond float32's range"),
+        (np.float64(1e39), ValueError, r"global_amax: np.float64\(1e\+39\) is beyond float32's"),
+        (1e300, ValueError, r"global_amax: 1e\+300 is beyond float32's range"),
+        (2.0**128 - 2.0**103, ValueError, "beyond float32's range"),  # rounds to inf
+        (10**400, ValueError, "global_amax: an integer of 1329 bits is beyond float32's range"),
+        (-(10**400), ValueError, "global_amax: must be finite and >= 0, got an integer of"),
     ],
     ids=[
         "str",
@@ -180,11 +316,62 @@ def test_bad_options(kwargs, exc, match):
         "float64",
         "big-endian",
         "nan-arr",
+        "3.5e38",
+        "np-1e39",
+        "1e300",
+        "f32-overflow",
+        "int-beyond-float64",
+        "negative-int-beyond-float64",
     ],
 )
 def test_bad_global_amax(amax, exc, match):
     with pytest.raises(exc, match=match):
         fk.quantize(_x(), fmt="nvfp4", global_amax=amax)
+    with pytest.raises(exc, match=match):
+        fk.quantize_dequantize(_x(), fmt="nvfp4", global_amax=amax)
+
+
+def test_global_amax_up_to_float32s_range_is_that_float32():
+    """The largest accepted amax is the largest float that rounds to a finite float32 (just
+    below FLT_MAX + half an ulp): it quantizes as FLT_MAX itself."""
+    x = np.zeros((1, 16), np.float32)
+    x[0, 0] = 1e38
+    flt_max = float(np.finfo(np.float32).max)
+    below = np.nextafter(2.0**128 - 2.0**103, 0.0)
+    ref = fk.quantize(x, global_amax=flt_max)
+    for amax in (below, np.float32(flt_max), np.float64(below)):
+        q = fk.quantize(x, global_amax=amax)
+        assert same_bits(q.global_scale, ref.global_scale)
+        assert np.array_equal(q.data, ref.data) and np.array_equal(q.scales, ref.scales)
+    assert np.isfinite(ref.global_scale[0]) and ref.global_scale[0] != 1.0
+
+
+def test_global_amax_beyond_float32_is_refused_on_the_planned_path():
+    """A torch CUDA call whose kind of call has a plan skips the checks; a float amax goes into
+    the plan's float32 argument there, so it is checked on that path too (here torch tensors
+    pretend to live on a GPU: ``_fake_cuda``, no kernel runs)."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            x = torch.randn(4, 64)
+            fk.quantize(x, global_amax=2.0)  # the plan of this kind of call
+            n_plans = len(_plans._PLANS)
+            recorder.launches.clear()
+            fk.quantize(x, global_amax=3.0)  # planned: launches with amax 3.0
+            assert recorder.launches and len(_plans._PLANS) == n_plans
+            for amax in (3.5e38, np.float64(1e39), 10**400, 2.0**128 - 2.0**103):
+                recorder.launches.clear()
+                with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+                    fk.quantize(x, global_amax=amax)
+                with pytest.raises(ValueError, match="global_amax: .* beyond float32's range"):
+                    fk.quantize_dequantize(x, global_amax=amax)
+                assert not recorder.launches
+    finally:
+        _plans.clear()
 
 
 def test_global_amax_must_live_where_x_lives():
@@ -320,6 +507,23 @@ def test_mxfp4_without_global_scale_decodes():
     assert same_bits(fk.dequantize(dataclasses.replace(q, global_scale=None)), fk.dequantize(q))
 
 
+@pytest.mark.parametrize("value", [2.0, 0.5, 0.0, -1.0, np.nan, np.inf])
+def test_mxfp4_with_a_tensor_scale_is_refused_where_it_can_be_read(place, value):
+    """MXFP4 has no tensor scale: quantize() stores [1.0] and the decode reads only the block
+    scales, so another value would be silently ignored.  On the host it is refused; a GPU
+    array is not read (no host synchronization), as documented: it decodes as [1.0]."""
+    q = fk.quantize(_to(place, _x()), fmt="mxfp4")
+    assert float(_np(q.global_scale)[0]) == 1.0
+    bad = dataclasses.replace(q, global_scale=_to(place, np.array([value], np.float32)))
+    if place == "torch-cuda":
+        assert same_bits(_np(fk.dequantize(bad)), _np(fk.dequantize(q)))
+        return
+    with pytest.raises(ValueError, match=r"q.global_scale: MXFP4 has no tensor scale .* got \["):
+        fk.dequantize(bad)
+    with pytest.raises(ValueError, match=r"q.global_scale: MXFP4 has no tensor scale"):
+        fk.requantized_sum(bad)
+
+
 @pytest.mark.parametrize("dtype", ["float64", np.int8, "bf16", None.__class__])
 def test_bad_dequantize_dtype(dtype):
     q = fk.quantize(_x())
@@ -347,6 +551,19 @@ def test_bad_dequantize_dtype(dtype):
 def test_bad_hadamard_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         fk.hadamard(_x(), **kwargs)
+
+
+def test_signs_that_require_grad_are_refused():
+    """The transform's gradient is taken with respect to x only; signs that require grad
+    would silently get none."""
+    signs = torch.ones(16).requires_grad_()
+    for x in (torch.from_numpy(_x()), torch.from_numpy(_x()).requires_grad_()):
+        with pytest.raises(ValueError, match=r"signs: .* requires grad.*signs.detach\(\)"):
+            fk.hadamard(x, group_size=16, signs=signs)
+        y = fk.hadamard(x, group_size=16, signs=signs.detach())  # the fix named
+        assert torch.equal(y.detach(), fk.hadamard(x.detach(), group_size=16, signs=[1] * 16))
+    with torch.no_grad():  # no graph is recorded: nothing to drop
+        fk.hadamard(torch.from_numpy(_x()), group_size=16, signs=signs)
 
 
 # ------------------------------------------------------------------ documented policies

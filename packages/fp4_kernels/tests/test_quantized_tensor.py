@@ -242,3 +242,157 @@ def test_pickle_round_trip_and_the_old_module_path(rng):
     # pickles made when the class lived in fp4_kernels._api still load
     assert old_home.QuantizedTensor is fk.QuantizedTensor
     assert old_home.FP4Quant is fk.FP4Quant
+
+
+# ------------------------------------------------------------------ pickle, copy, equality
+
+COPY_FORMATS = [
+    ("nvfp4", "linear"),
+    ("nvfp4", "swizzled"),
+    ("mxfp4", "linear"),
+    (fk.FP4Quant(32), "linear"),
+    (fk.FP4Quant(64, hadamard=False), "linear"),
+]
+COPY_IDS = ["nvfp4", "nvfp4-swizzled", "mxfp4", "fp4quant32", "fp4quant64-nohad"]
+
+
+def _pickled(q):
+    import pickle
+
+    return pickle.loads(pickle.dumps(q))
+
+
+COPIES = {
+    "pickle": _pickled,
+    "deepcopy": lambda q: __import__("copy").deepcopy(q),
+    "copy": lambda q: __import__("copy").copy(q),
+}
+
+
+def _made(rng, lib, fmt, layout, dtype="bfloat16"):
+    x = _tensor(rng, dtype) if lib == "torch" else _x(rng).astype(NP_DTYPES[dtype])
+    return fk.quantize(x, fmt=fmt, scale_layout=layout)
+
+
+def _bits16(y):
+    """The raw bits of a 16-bit float result, as a numpy uint16 array."""
+    if isinstance(y, torch.Tensor):
+        return y.view(torch.int16).cpu().numpy().view(np.uint16)
+    return y.view(np.uint16)
+
+
+def _address(a):
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("fmt, layout", COPY_FORMATS, ids=COPY_IDS)
+def test_pickle_and_copies_round_trip_every_kind(rng, fmt, layout, lib, how):
+    """torch does not unpickle uint16 tensors (FP4Quant's scales); FP4Quant's data and scales
+    stay views of the restored payload; a deep copy owns its memory, a shallow one shares."""
+    q = _made(rng, lib, fmt, layout)
+    r = COPIES[how](q)
+    assert type(r) is fk.QuantizedTensor and r == q
+    assert r.fmt == q.fmt and r.shape == q.shape and r.dtype == q.dtype
+    assert r.scale_layout == q.scale_layout
+    _same_q(r, q)
+    assert np.array_equal(_bits16(fk.dequantize(r)), _bits16(fk.dequantize(q)))
+    deep = how != "copy"
+    if r.payload is not None:
+        assert _address(r.data) == _address(r.payload)
+        assert _address(r.scales) == _address(r.payload) + q.numel() // 2
+        assert (_address(r.payload) != _address(q.payload)) == deep
+    else:
+        assert (_address(r.data) != _address(q.data)) == deep
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_pickle_keeps_fields_that_are_not_views_of_the_payload(rng, lib):
+    """A hand-built FP4Quant tensor without a payload, and one whose data was replaced (not
+    a view of its payload any more): each field round-trips as it is."""
+    q = _made(rng, lib, fk.FP4Quant(32), "linear")
+    no_payload = dataclasses.replace(q, payload=None)
+    other = q.data.clone() if lib == "torch" else q.data.copy()
+    other[0, 0] ^= 0xFF
+    replaced = dataclasses.replace(q, data=other)
+    for made in (no_payload, replaced):
+        for how in COPIES.values():
+            r = how(made)
+            assert r == made
+            _same_q(r, made)
+
+
+def test_equality_is_field_wise_and_exact(rng):
+    q = _made(rng, "torch", "nvfp4", "linear")
+    same = dataclasses.replace(
+        q, data=q.data.clone(), scales=q.scales.clone(), global_scale=q.global_scale.clone()
+    )
+    assert (q == same) is True and (q != same) is False and q in [None, 1, same]
+    assert q == q and (q == q.data) is False and q != "nvfp4"
+    changed = {
+        "data": lambda: dataclasses.replace(q, data=q.data ^ 1),
+        "scales": lambda: dataclasses.replace(q, scales=q.scales ^ 1),
+        "global_scale": lambda: dataclasses.replace(q, global_scale=q.global_scale * 2),
+        "-0": lambda: dataclasses.replace(q, global_scale=torch.tensor([0.0])),
+        "fmt": lambda: dataclasses.replace(q, fmt="mxfp4"),
+        "shape": lambda: dataclasses.replace(q, shape=(1, *q.shape)),
+        "dtype": lambda: dataclasses.replace(q, dtype=torch.float32),
+        "scale_layout": lambda: dataclasses.replace(q, scale_layout="swizzled"),
+        "numpy": lambda: dataclasses.replace(
+            q, data=q.data.numpy(), scales=q.scales.numpy(), global_scale=q.global_scale.numpy()
+        ),
+        "int8-data": lambda: dataclasses.replace(q, data=q.data.view(torch.int8)),
+    }
+    zero = dataclasses.replace(q, global_scale=torch.tensor([-0.0]))
+    for name, make in changed.items():
+        other = zero if name == "-0" else q
+        assert (other == make()) is False, name
+        assert other not in [make()], name
+    half = dataclasses.replace(q, global_scale=torch.tensor([0.5]))
+    assert half != dataclasses.replace(q, global_scale=0.5)  # an array is not a float
+    nan = dataclasses.replace(q, global_scale=torch.tensor([float("nan")]))
+    assert nan == dataclasses.replace(nan, global_scale=nan.global_scale.clone())  # same bits
+
+
+def test_equality_of_fp4quant_and_mxfp4_without_global_scale(rng):
+    q = _made(rng, "numpy", fk.FP4Quant(32), "linear")
+    assert q == dataclasses.replace(q, payload=None)  # the payload holds data and scales
+    m = _made(rng, "numpy", "mxfp4", "linear")
+    assert m != dataclasses.replace(m, global_scale=None)
+    none = dataclasses.replace(m, global_scale=None)
+    assert none == dataclasses.replace(none)
+
+
+def test_quantized_tensors_are_not_hashable(rng):
+    """Mutable and compared by value, as a numpy array: no hash (key a dict by id(q))."""
+    q = _made(rng, "numpy", "nvfp4", "linear")
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(q)
+    assert {id(q): q}[id(q)] is q
+
+
+def test_equality_of_device_arrays(kernels, rng):
+    q = _made(rng, "numpy", "nvfp4", "linear", "float32")
+    qd = dataclasses.replace(q, **{k: cuda.to_device(getattr(q, k)) for k in _ARRAYS})
+    assert qd == dataclasses.replace(q, **{k: cuda.to_device(getattr(q, k)) for k in _ARRAYS})
+    assert qd != q  # numba device arrays are not numpy arrays
+    flipped = q.data.copy()
+    flipped[0, 0] ^= 1
+    assert qd != dataclasses.replace(qd, data=cuda.to_device(flipped))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("fmt, layout", COPY_FORMATS, ids=COPY_IDS)
+def test_pickle_and_copies_on_cuda(gpu, rng, fmt, layout, how):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA build of torch")
+    q = _made(rng, "torch", fmt, layout).cuda()
+    r = COPIES[how](q)
+    assert r == q and r.data.is_cuda and r.data.device == q.data.device
+    _same_q(r, q)
+    assert r == q.cpu().cuda() and r != q.cpu()
+    if r.payload is not None:
+        assert r.data.data_ptr() == r.payload.data_ptr()
+        assert r.scales.data_ptr() == r.payload.data_ptr() + q.numel() // 2

@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._api import dequantize, quantize, quantize_dequantize
 from ._hadamard import hadamard
+from ._notices import KernelCacheWarning, KernelCompileWarning
 from ._quantized import FORMATS, FP4Quant, QuantizedTensor, swizzled_scale_shape
 from ._reduce import requantized_sum
 
@@ -28,6 +29,8 @@ __all__ = [
     "FORMATS",
     "FP4Quant",
     "hadamard",
+    "KernelCacheWarning",
+    "KernelCompileWarning",
     "QuantizedTensor",
     "dequantize",
     "quantize",

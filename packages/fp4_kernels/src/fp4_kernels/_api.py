@@ -38,6 +38,7 @@ _FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 
 def _validate_input(x, fmt):
     backend = arrays.backend_of(x, "x")
+    arrays.check_has_values(x, backend, "x")
     dt = arrays.dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) == 0:
@@ -87,7 +88,8 @@ def quantize(
             independent of the launch configuration and identical on the GPU and the CPU.
         seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
         global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
-            ranks or steps); a non-negative finite float, or a one-element float32 array on the
+            ranks or steps); a non-negative float within float32's range (<= 3.4028235e38:
+            the tensor scale is computed in float32), or a one-element float32 array on the
             same device (read by the kernel, no host synchronization, so a GPU array is not
             checked: a NaN, infinite or zero value there gives S = 1, a negative one a negative
             S).  Default: amax of the finite elements of ``x``.
@@ -98,6 +100,11 @@ def quantize(
     e8m0 0xFF) and decodes entirely to NaN; the tensor amax ignores non-finite values; the rest
     of the tensor is unaffected.  All-zero blocks and tensors decode to exact zeros.  Signed
     zero is preserved: -0 and negative values that round to zero get the code 0x8 (-0).
+
+    Autograd: not differentiable.  The codes are integers (as ``torch.argmax``'s indices), so
+    for a torch tensor that requires grad the fields carry no graph, and neither does
+    ``dequantize(q)``; ``quantize_dequantize`` is the differentiable route (straight-through
+    gradient).
     """
     return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused=False)
 
@@ -162,8 +169,9 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
             if type(fmt) is FP4Quant:
                 q = run_encode_plan(plan, x, fmt, seed, step)
                 return dequantize(q) if fused else q
-            amax_value = -1.0 if key[5] != "number" else float(global_amax)
-            if 0.0 <= amax_value < math.inf or key[5] != "number":
+            # a float amax the full check would refuse takes the unplanned path, which names it
+            amax_value = -1.0 if key[5] != "number" else _plannable_amax(global_amax)
+            if amax_value is not None:
                 return _run_quantize_plan(plan, x, fmt, seed, step, global_amax, amax_value)
     _check_fmt(fmt)
     _check_choice(rounding, "rounding", ROUNDINGS)
@@ -240,11 +248,36 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     )
 
 
+# The tensor scale is computed from float32(global_amax): a float from 2^128 - 2^103 up (half
+# an ulp above FLT_MAX = 2^128 - 2^104) rounds to inf there, and S would silently become 1.
+_AMAX_F32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def _plannable_amax(value):
+    """``float(value)`` when the full check (``_checked_amax``) accepts it, else None."""
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond float64's range
+        return None
+    return v if 0.0 <= v < _AMAX_F32_OVERFLOW else None
+
+
 def _checked_amax(value):
-    """``global_amax`` as a float, or ValueError unless it is finite and >= 0."""
-    v = float(value)
+    """``global_amax`` as a float, or ValueError unless it is finite, >= 0 and within float32's
+    range."""
+    try:
+        v, shown = float(value), repr(value)
+    except OverflowError:  # an int beyond float64's range (its repr may be too long to print)
+        v = _AMAX_F32_OVERFLOW if value > 0 else -math.inf
+        shown = f"an integer of {value.bit_length()} bits"
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"global_amax: must be finite and >= 0, got {value!r}")
+        raise ValueError(f"global_amax: must be finite and >= 0, got {shown}")
+    if v >= _AMAX_F32_OVERFLOW:
+        raise ValueError(
+            f"global_amax: {shown} is beyond float32's range (largest finite value "
+            f"{float(np.finfo(np.float32).max)!r}), in which the tensor scale is computed; "
+            "pass at most that (the amax of a float32, bfloat16 or float16 tensor always is)"
+        )
     return v
 
 
@@ -253,6 +286,8 @@ def _checked_amax_array(a, backend):
     try:
         b = arrays.backend_of(a, "global_amax")
     except TypeError:
+        if arrays.is_torch_tensor(a):
+            raise  # a torch tensor of a kind the kernels cannot read: the message says which
         raise TypeError(
             "global_amax: expected a non-negative finite float or a one-element float32 array "
             f"where x lives, got {type(a).__name__}"
@@ -343,6 +378,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
 
     NVFP4: (e2m1 * float(e4m3 scale)) * global_scale, in float32, rounded once to ``dtype``;
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
+    The result does not require grad (``quantize`` is not differentiable).
     """
     key = _dequantize_key(q, dtype)
     if key is not None:

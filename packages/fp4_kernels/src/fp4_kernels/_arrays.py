@@ -36,6 +36,7 @@ def backend_of(x, name="x"):
     """Classify ``x``; raise TypeError naming ``name`` for anything unsupported."""
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
+        _check_torch_tensor(torch, x, name)
         return Backend("torch", x.is_cuda, x.device)
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray and not isinstance(x, np.memmap):
@@ -56,6 +57,47 @@ def backend_of(x, name="x"):
         f"{name}: expected a numpy array, a torch tensor, a CuPy array or a numba device array, "
         f"got {type(x).__name__}"
     )
+
+
+def is_torch_tensor(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _check_torch_tensor(torch, x, name):
+    """TypeError naming ``name`` for torch tensors whose memory is not plain strided elements
+    on the CPU or a CUDA device: the kernels read raw memory, so a lazily negated view
+    (``torch._neg_view``, whose memory holds the values un-negated) would be read with the wrong
+    sign, and nested, sparse and meta tensors have no such memory."""
+    if x.is_nested:
+        raise TypeError(
+            f"{name}: nested tensors are not supported; pass their components one by one "
+            f"({name}.unbind()) or a padded dense tensor ({name}.to_padded_tensor(0.0))"
+        )
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name}: layout {x.layout} is not supported; pass a dense tensor ({name}.to_dense())"
+        )
+    kind = x.device.type
+    if kind not in ("cpu", "cuda", "meta"):  # (meta: a QuantizedTensor may be moved there)
+        raise TypeError(
+            f"{name}: a tensor on device '{kind}' is not supported (the kernels need its data "
+            f"on the CPU or a CUDA GPU); move it with {name}.cpu() or {name}.cuda()"
+        )
+    if x.is_neg() or x.is_conj():
+        raise TypeError(
+            f"{name}: a lazily negated or conjugated view (its memory does not hold the values "
+            f"it shows) is not supported; pass {name}.resolve_neg().resolve_conj()"
+        )
+
+
+def check_has_values(x, backend, name="x"):
+    """TypeError naming ``name`` for a torch tensor on the meta device (shape and dtype only)."""
+    if backend.lib == "torch" and backend.device.type == "meta":
+        raise TypeError(
+            f"{name}: a tensor on the meta device has no values to read; materialize it first "
+            "(e.g. module.to_empty(device=...), then load its weights)"
+        )
 
 
 def dtype_name(x, backend, name="x"):
@@ -98,11 +140,16 @@ def same_place(a, backend, name, where):
         or (b.device is not None and backend.device is not None and b.device != backend.device)
     ):
         raise ValueError(
-            f"{name}: must live where {where} lives ({backend.lib}"
-            f"{', GPU ' + str(backend.device) if backend.gpu else ', CPU'}), got {b.lib}"
-            f"{', GPU ' + str(b.device) if b.gpu else ', CPU'}"
+            f"{name}: must live where {where} lives ({backend.lib}, {_place(backend)}), got "
+            f"{b.lib}, {_place(b)}"
         )
     return b
+
+
+def _place(b):
+    if b.gpu:
+        return f"GPU {b.device}"
+    return "CPU" if b.device is None or str(b.device) == "cpu" else f"device {b.device}"
 
 
 def normalize_dtype(dtype, name="dtype"):

@@ -1,10 +1,13 @@
-"""Fake quantization as a torch autograd function with a straight-through gradient.
+"""The torch autograd functions of the public ops.
 
 ``quantize_dequantize`` of a torch tensor that requires grad (with grad mode on) goes through
 ``FakeQuantize``: the forward pass is the fused quantize-dequantize, bit for bit the no-grad
 call; the backward pass is the identity, the straight-through estimator of torchao's and
 Transformer Engine's fake quantization (rounding has zero derivative almost everywhere, so
 the gradient of the unquantized value is passed on as it is).
+
+``hadamard`` goes through ``LinearTransform``: the transform is linear, so its backward pass
+is its adjoint (the transposed matrix) applied to the incoming gradient.
 
 torch is an optional dependency of fp4_kernels: it is imported only when a torch tensor that
 requires grad arrives, and then it is already loaded.
@@ -46,3 +49,30 @@ def _function():
             return grad, None
 
     return FakeQuantize
+
+
+def linear_transform(x, forward, adjoint):
+    """``forward(x)`` (a linear map of a torch tensor) whose gradient is ``adjoint(grad)``."""
+    return _linear_function().apply(x, forward, adjoint)
+
+
+@functools.cache
+def _linear_function():
+    import torch
+
+    class LinearTransform(torch.autograd.Function):
+        """forward: ``forward(x)``; backward: ``adjoint(grad)``, itself recorded when the
+        backward pass builds a graph (``create_graph=True``: the adjoint's adjoint is the
+        forward map again)."""
+
+        @staticmethod
+        def forward(ctx, x, forward, adjoint):
+            ctx.adjoint = adjoint
+            return forward(x.detach())
+
+        @staticmethod
+        def backward(ctx, grad):
+            # autograd may hand over an expanded (stride-0) or lazily negated gradient
+            return ctx.adjoint(grad.resolve_neg().contiguous()), None, None
+
+    return LinearTransform

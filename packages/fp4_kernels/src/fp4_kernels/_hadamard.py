@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _arrays as arrays, _plans
+from . import _arrays as arrays, _autograd, _plans
 from ._devices import on_device, to_numpy
 from ._quantized import Array
 from .formats import hadamard as spec
@@ -36,6 +36,13 @@ def hadamard(
     ``|x| > FLT_MAX / g``) gives ±inf where they do (and NaN for inf - inf), as float32 arithmetic
     does; below FLT_MAX / g nothing overflows.
 
+    Autograd: for a torch tensor that requires grad (with grad mode on) the result requires
+    grad too, and the gradient is the adjoint transform of the incoming gradient: the matrix
+    transposed, which for this orthogonal matrix is the other direction with the same signs
+    (``hadamard(grad, group_size=g, inverse=not inverse, signs=signs)``, in grad's dtype; the
+    forward values are the bits of the no-grad call).  Signs that require grad are refused:
+    the transform is not differentiated with respect to them.
+
     Args:
         x: float32 / bfloat16 / float16, C-contiguous, last dimension a multiple of g.  GPU
             arrays (torch CUDA, CuPy, numba) run on the caller's current stream; numpy and
@@ -46,6 +53,19 @@ def hadamard(
             ``fp4_kernels.formats.hadamard.hadamard_signs(g, seed)``, the same on every rank
             and backend), or a ±1 vector of length g (numpy, list or torch CPU).
     """
+    if signs is not None and _autograd.requires_autograd(signs):
+        raise ValueError(
+            "signs: a ±1 vector that requires grad; the transform is not differentiated with "
+            "respect to its signs (they are constants of the transform): pass signs.detach()"
+        )
+    if _autograd.requires_autograd(x):
+        # x @ (D H / sqrt(g)) has the adjoint (H D / sqrt(g)), the inverse with the same signs
+        # (H is symmetric), and the inverse's adjoint is the forward transform
+        return _autograd.linear_transform(
+            x,
+            lambda t: hadamard(t, group_size=group_size, inverse=inverse, signs=signs),
+            lambda g: hadamard(g, group_size=group_size, inverse=not inverse, signs=signs),
+        )
     key = _hadamard_key(x, group_size, inverse, signs)
     if key is not None:
         plan = _plans.get(key)
@@ -55,6 +75,7 @@ def hadamard(
     if not isinstance(inverse, bool):
         raise TypeError(f"inverse: expected True or False, got {inverse!r}")
     backend = arrays.backend_of(x, "x")
+    arrays.check_has_values(x, backend, "x")
     dt = arrays.dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if not shape or shape[-1] % g:
@@ -143,9 +164,12 @@ def _sign_words(signs, g):
     try:
         backend = arrays.backend_of(signs, "signs")
     except TypeError:
-        pass
+        if arrays.is_torch_tensor(signs):
+            raise  # a torch tensor of a kind that cannot be read: the message says which
     if backend is not None and backend.gpu:
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
+    if backend is not None:
+        arrays.check_has_values(signs, backend, "signs")
     s = np.asarray(to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")

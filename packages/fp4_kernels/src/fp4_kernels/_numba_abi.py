@@ -6,7 +6,10 @@
 * the direct launch path: a ``@cuda.jit`` kernel compiled once per signature to a driver
   function handle, and its arguments packed as numba's kernel ABI lays them out, so a launch
   costs a few microseconds instead of the dispatcher's 25-55 (which types every argument and
-  builds a device-array object for each).
+  builds a device-array object for each);
+* the on-disk cache of the CPU functions: keyed to the whole package's source
+  (``install_cache_locator``), each file checked against a digest before it is read
+  (``CheckedFunctionCache``, which replaces a dispatcher's numba ``FunctionCache``).
 
 numba's kernel ABI passes a 1-D C-contiguous array as the seven fields of its data model,
 ``ARRAY_FIELDS``; scalars as themselves.  ``tests/test_numba_abi.py`` compiles a kernel to PTX
@@ -17,13 +20,18 @@ launching kernels with shifted arguments.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import pickle
 import struct
 import threading
 from typing import NamedTuple
 
 import numpy as np
-from numba.core import types
+from numba.core import caching, types
 from numba.core.errors import TypingError
+
+from ._notices import KernelCacheWarning, KernelCompileWarning, notify
 
 # numba's data model of an array, in ABI order (meminfo and parent are host-side, passed as 0)
 ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data", "shape", "strides")
@@ -129,7 +137,15 @@ def numba_type(arg):
 def compile_kernel(kernel, argtypes):
     """Compile ``kernel`` (a ``@cuda.jit`` dispatcher) for ``argtypes`` on the current device
     and return its ``cuda.core`` kernel handle."""
-    compiled = kernel.compile(tuple(argtypes))
+    argtypes = tuple(argtypes)
+    notify(
+        "compile-cuda",
+        "fp4_kernels is compiling CUDA kernels (seconds for each new kind of call: op, "
+        "format, dtype, options; once per process, they are not cached on disk). Silence with "
+        "warnings.filterwarnings('ignore', category=fp4_kernels.KernelCompileWarning)",
+        KernelCompileWarning,
+    )
+    compiled = kernel.compile(argtypes)
     compiled.bind()
     return compiled._codelibrary.get_cufunc().kernel
 
@@ -352,3 +368,137 @@ def install_cache_locator():
 
     caching.CacheImpl._locator_classes.insert(0, PackageCacheLocator)
     _LOCATOR.append(PackageCacheLocator)
+
+
+_MAGIC = b"fp4_kernels numba cache, sha256\n"
+_DIGEST_BYTES = 32
+
+
+class CorruptCacheFile(Exception):
+    """A cache file that does not hold what was written to it."""
+
+    def __init__(self, path, reason):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class CheckedCacheFile(caching.IndexDataCacheFile):
+    """numba's index and data files of one function, each written with a SHA-256 digest of its
+    contents in front and checked against it before anything in it is unpickled or loaded as
+    machine code.  A truncated, garbled or emptied file raises ``CorruptCacheFile``, where
+    numba's own files would raise EOFError or UnpicklingError on every call, or load garbled
+    code that still unpickles."""
+
+    def _save_index(self, overloads):
+        self._write(self._index_path, self._dump((self._version, self._source_stamp, overloads)))
+
+    def _load_index(self):
+        try:
+            body = self._read(self._index_path)
+        except FileNotFoundError:
+            return {}
+        version, stamp, overloads = _unpickle(body, self._index_path)
+        if version != self._version or stamp != self._source_stamp:
+            return {}  # stale: its entries are overwritten as new ones are saved (as numba)
+        return overloads
+
+    def _save_data(self, name, data):
+        self._write(self._data_path(name), self._dump(data))
+
+    def _load_data(self, name):
+        path = self._data_path(name)
+        return _unpickle(self._read(path), path)
+
+    def _write(self, path, body):
+        with self._open_for_write(path) as f:  # numba's: a temporary file, then os.replace
+            f.write(_MAGIC + hashlib.sha256(body).digest() + body)
+
+    @staticmethod
+    def _read(path):
+        with open(path, "rb") as f:
+            raw = f.read()
+        head = len(_MAGIC) + _DIGEST_BYTES
+        if len(raw) < head or not raw.startswith(_MAGIC):
+            raise CorruptCacheFile(path, f"{len(raw)} bytes, not a complete cache file")
+        if hashlib.sha256(raw[head:]).digest() != raw[len(_MAGIC) : head]:
+            raise CorruptCacheFile(path, "its contents do not match their SHA-256 digest")
+        return raw[head:]
+
+
+def _unpickle(body, path):
+    try:
+        return pickle.loads(body)
+    except Exception as exc:  # a digest that matches but a body that does not load
+        raise CorruptCacheFile(path, f"unpickling failed ({exc!r})") from exc
+
+
+class CheckedFunctionCache(caching.FunctionCache):
+    """numba's per-function cache with ``CheckedCacheFile``s: an entry that cannot be read is
+    deleted (with a warning naming it, once per process) and the function compiled and saved
+    again; a function compiled because it was not in the cache gives a notice (once per
+    process)."""
+
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._cache_file = CheckedCacheFile(
+            cache_path=self._cache_path,
+            filename_base=self._impl.filename_base,
+            source_stamp=self._impl.locator.get_source_stamp(),
+        )
+
+    def _load_overload(self, sig, target_context):
+        try:
+            cres = super()._load_overload(sig, target_context)
+        except Exception as exc:  # CorruptCacheFile, or numba failing to rebuild what it read
+            path = getattr(exc, "path", self._cache_file._index_path)
+            self._discard()
+            notify(
+                "cache-corrupt",
+                f"fp4_kernels: discarded an unreadable entry of the kernel cache, {path} "
+                f"({getattr(exc, 'reason', repr(exc))}); compiling it again. The cache is "
+                f"{self._cache_path} (FP4_KERNELS_CACHE_DIR sets where; deleting it is safe)",
+                KernelCacheWarning,
+            )
+            cres = None
+        if cres is None and self._enabled:
+            notify(
+                "compile-cpu",
+                "fp4_kernels is compiling CPU kernels not in its on-disk cache yet (seconds to "
+                f"a minute, once: they are then cached in {self._cache_path}). Silence with "
+                "warnings.filterwarnings('ignore', category=fp4_kernels.KernelCompileWarning)",
+                KernelCompileWarning,
+            )
+        return cres
+
+    def _save_overload(self, sig, data):
+        try:
+            super()._save_overload(sig, data)
+        except CorruptCacheFile:  # an index spoiled since it was read: start it again
+            self._discard()
+            super()._save_overload(sig, data)
+
+    def _discard(self):
+        """Delete this function's index and data files (whatever can be deleted)."""
+        index = os.path.basename(self._cache_file._index_path)
+        base = index.removesuffix(".nbi")
+        try:
+            names = os.listdir(self._cache_path)
+        except OSError:
+            return
+        for name in names:
+            if name == index or (name.startswith(base + ".") and name.endswith(".nbc")):
+                try:
+                    os.unlink(os.path.join(self._cache_path, name))
+                except OSError:
+                    pass
+
+
+def enable_checked_cache(dispatcher):
+    """Cache ``dispatcher`` (a ``numba.njit`` function) on disk through
+    ``CheckedFunctionCache``: what ``cache=True`` does, with numba's own ``FunctionCache``."""
+    from numba.core.dispatcher import Dispatcher
+
+    if isinstance(dispatcher, Dispatcher):  # (not under NUMBA_DISABLE_JIT)
+        dispatcher._cache = CheckedFunctionCache(dispatcher.py_func)
+    return dispatcher

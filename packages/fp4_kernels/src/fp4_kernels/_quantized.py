@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
+from ._devices import to_numpy
 
 FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
 SCALE_LAYOUTS = ("linear", "swizzled")
@@ -85,7 +86,9 @@ class QuantizedTensor:
         global_scale: float32, shape (1,): the NVFP4 tensor *decode* scale, fp32(1) / S with
             S = 2688 / amax (1.0 for MXFP4), an array of the input's kind so that it can stay
             on the GPU; a decoded element is e2m1 * block scale * global_scale.  None for
-            FP4Quant.  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
+            FP4Quant.  MXFP4 has no tensor scale: None or [1.0]; another value is refused
+            where it can be read without a device synchronization (host arrays; a GPU array is
+            not read).  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
             ``nvfp4_quantize`` take is the *encode* scale S itself (its decode takes 1 / S,
             which is this one).
         fmt: "nvfp4", "mxfp4" or an ``FP4Quant``.
@@ -107,6 +110,41 @@ class QuantizedTensor:
     dtype: DType
     scale_layout: ScaleLayout
     payload: Array | None = None
+
+    # Mutable and compared by value (as a numpy array is): not hashable; key a dict by id(q).
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        """Field-wise exact equality, a plain bool: the same ``fmt``, ``shape``, ``dtype`` and
+        ``scale_layout``, and ``data``, ``scales`` and ``global_scale`` arrays of the same kind
+        on the same device with the same dtype, shape and bits (a NaN scale equals itself, -0
+        does not equal 0).  ``payload`` holds the bytes of ``data`` and ``scales`` and is not
+        compared again.  GPU arrays are compared on their device, which waits for them."""
+        if not isinstance(other, QuantizedTensor):
+            return NotImplemented
+        if self is other:
+            return True
+        return all(
+            _same(getattr(self, f), getattr(other, f))
+            for f in ("fmt", "shape", "dtype", "scale_layout")
+        ) and all(
+            _same_bits(getattr(self, f), getattr(other, f))
+            for f in ("data", "scales", "global_scale")
+        )
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickling and ``copy.deepcopy``: every field, as it is.  FP4Quant's ``data`` and
+        ``scales`` are made again as views of the restored ``payload`` (pickling them would
+        give three unrelated buffers), and torch uint16 scales travel as int16 (torch does not
+        unpickle uint16 tensors)."""
+        fields = dict(self.__dict__)
+        if self.payload is not None and _are_payload_views(self):
+            fields["data"] = fields["scales"] = None
+        for name in _ARRAY_FIELDS:
+            a = fields[name]
+            if arrays.is_torch_tensor(a) and a.dtype == sys.modules["torch"].uint16:
+                fields[name] = _TorchUint16(a.view(sys.modules["torch"].int16))
+        return (_unpickle, (fields,))
 
     def __post_init__(self) -> None:
         # The dtype of data's library, so that q.dtype compares equal to x.dtype.  A dtype or
@@ -250,6 +288,93 @@ class QuantizedTensor:
         )
 
 
+_ARRAY_FIELDS = ("data", "scales", "global_scale", "payload")
+
+
+class _TorchUint16(NamedTuple):
+    """A torch uint16 tensor in a pickle: its bits as int16."""
+
+    bits: Any
+
+
+def _unpickle(fields):
+    """The ``QuantizedTensor`` of ``__reduce__``'s fields."""
+    for name in _ARRAY_FIELDS:
+        if isinstance(fields[name], _TorchUint16):
+            fields[name] = fields[name].bits.view(sys.modules["torch"].uint16)
+    if fields["data"] is None:  # FP4Quant: views of the payload
+        payload, shape, fmt = fields["payload"], fields["shape"], fields["fmt"]
+        lib = arrays.backend_of(payload, "payload").lib
+        fields["data"], fields["scales"] = payload_views(
+            payload, shape, math.prod(shape), fmt.group_size, lib
+        )
+    return QuantizedTensor._from_checked(fields)
+
+
+def _are_payload_views(q):
+    """Whether ``q.data`` and ``q.scales`` are the views ``payload_views`` makes of
+    ``q.payload`` (a hand-built or modified tensor may hold others)."""
+    try:
+        lib = arrays.backend_of(q.payload, "payload").lib
+        views = payload_views(q.payload, q.shape, q.numel(), q.block_size, lib)
+        return all(_layout(v) == _layout(a) for v, a in zip(views, (q.data, q.scales), strict=True))
+    except Exception:  # fields a view cannot be made of: pickled one by one
+        return False
+
+
+def _layout(a):
+    """(type, address, shape, dtype, strides) of an array of any supported kind."""
+    if hasattr(a, "data_ptr"):  # torch
+        return (type(a), a.data_ptr(), tuple(a.shape), a.dtype, a.stride())
+    if isinstance(a, np.ndarray):
+        address = a.__array_interface__["data"][0]
+    elif hasattr(a, "device_ctypes_pointer"):  # numba
+        address = a.device_ctypes_pointer.value
+    else:  # CuPy
+        address = a.data.ptr
+    return (type(a), address, tuple(a.shape), a.dtype, tuple(a.strides))
+
+
+def _same(a, b):
+    """``a == b`` as a bool (False where the comparison itself fails)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _same_bits(a, b):
+    """Arrays of the same kind, device, dtype and shape holding the same bytes (or both None;
+    objects that are not arrays: ``_same``)."""
+    if a is None or b is None:
+        return a is b
+    ka, kb = _kind_or_none(a), _kind_or_none(b)
+    if ka is None or kb is None:  # (an array never equals what is not one)
+        return ka is kb and _same(a, b)
+    if ka != kb or arrays.element_dtype(a, ka) != arrays.element_dtype(b, kb):
+        return False
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if math.prod(a.shape) == 0:
+        return True
+    if ka.lib == "torch":
+        torch = sys.modules["torch"]
+        a, b = (t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        return bool(torch.equal(a, b))
+    if ka.lib == "numba":
+        a, b = a.copy_to_host(), b.copy_to_host()
+    xp = sys.modules["cupy"] if ka.lib == "cupy" else np
+    a, b = (xp.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in (a, b))
+    return bool(xp.array_equal(a, b))
+
+
+def _kind_or_none(a):
+    try:
+        return arrays.backend_of(a)
+    except TypeError:
+        return None
+
+
 def _check_device(device):
     torch = sys.modules.get("torch")
     ok = isinstance(device, (str, int)) and not isinstance(device, bool)
@@ -360,6 +485,7 @@ def check_quantized(q, name="q"):
         q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS
     )
     backend = arrays.backend_of(q.data, f"{name}.data")
+    arrays.check_has_values(q.data, backend, f"{name}.data")
     _check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
     arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
     if fp4quant:
@@ -374,13 +500,25 @@ def check_quantized(q, name="q"):
                 f"{name}.global_scale: NVFP4 needs its tensor decode scale 1/S (a one-element "
                 "float32 array, as quantize() returns it); got None"
             )
-        if isinstance(gs, (int, float, np.floating)) or not hasattr(gs, "shape"):
+        # (a nested torch tensor raises on .shape: same_place names what it is)
+        if isinstance(gs, (int, float, np.floating)) or not (
+            arrays.is_torch_tensor(gs) or hasattr(gs, "shape")
+        ):
             raise TypeError(
                 f"{name}.global_scale: expected a one-element float32 array where "
                 f"{name}.data lives, got {type(gs).__name__}"
             )
         arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
         _check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
+        if q.fmt == "mxfp4" and not backend.gpu:  # (a GPU value is not read: no host sync)
+            value = float(np.asarray(to_numpy(gs)).reshape(-1)[0])
+            if value != 1.0:
+                raise ValueError(
+                    f"{name}.global_scale: MXFP4 has no tensor scale (its decode reads only the "
+                    f"power-of-two block scales), so it must be None or [1.0] as quantize() "
+                    f"returns it; got [{value!r}] (scale the decoded values instead, or use "
+                    "NVFP4)"
+                )
     return backend
 
 
