@@ -62,6 +62,10 @@ class NcclTransport(Transport):
     Collective: every rank of the group must construct it, each with its own device.
     """
 
+    #: all_to_all takes a send section of one row as meant for every peer (sent from where it
+    #: is, no repeated copy made)
+    broadcast_rows = True
+
     def __init__(self, control_group, device, timeout_s=300.0, watchdog=True):
         nccl = _nccl()
         self._nccl = nccl
@@ -95,6 +99,9 @@ class NcclTransport(Transport):
         # never calls synchronize().  Not under CUDA-graph capture (nothing runs then).
         self._watchdog = watchdog and timeout_s is not None
         self._pending = collections.deque()
+        # Events the watchdog saw complete, recorded again by later calls (an event is only
+        # re-recorded once its previous record has completed and left the queue).
+        self._spare_events = collections.deque()
         self._failed = None
         self._closing = False
         self._thread = None
@@ -102,12 +109,16 @@ class NcclTransport(Transport):
     def _stream(self):
         if self._failed is not None:
             raise CommTimeoutError(self._failed)
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # torch's current stream on this device as a raw handle (no Stream object made)
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
 
     def _watch(self):
         if not self._watchdog or torch.cuda.is_current_stream_capturing():
             return
-        event = torch.cuda.Event()
+        try:
+            event = self._spare_events.popleft()
+        except IndexError:
+            event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._pending.append(event)
         if self._thread is None:
@@ -129,7 +140,7 @@ class NcclTransport(Transport):
             if event is not head:
                 head, since = event, time.monotonic()
             if event.query():
-                self._pending.popleft()
+                self._spare_events.append(self._pending.popleft())
                 continue
             if time.monotonic() - since > self.timeout_s:
                 self._failed = (
@@ -142,21 +153,29 @@ class NcclTransport(Transport):
             time.sleep(_WATCHDOG_INTERVAL_S)
 
     def all_to_all(self, pairs):
-        stream, comm, u8 = self._stream(), self.comm, self._uint8
+        stream, comm, u8, rank = self._stream(), self.comm, self._uint8, self.rank
+        # Rows are contiguous: row p starts p * b bytes in (a one-row send section: the same
+        # row for every peer, ``broadcast_rows``).
+        rows, own_send, own_recv = [], [], []
         for send, recv in pairs:
-            # A rank's own row is a device copy on the same stream, not an NCCL self-send.
-            recv[self.rank].copy_(send[self.rank])
+            b = recv.shape[1]
+            if b == 0:
+                continue
+            step = b if send.shape[0] > 1 else 0
+            rows.append((send.data_ptr(), step, recv.data_ptr(), b))
+            own_send.append(send[rank if step else 0])
+            own_recv.append(recv[rank])
+        # A rank's own rows: device copies on the same stream (not NCCL self-sends), all
+        # sections in one launch.
+        if own_recv:
+            torch._foreach_copy_(own_recv, own_send)
         self._nccl.groupStart()
         try:
-            for send, recv in pairs:
-                b = send.shape[1]
-                if b == 0:
-                    continue
+            for send_ptr, step, recv_ptr, b in rows:
                 for p in range(self.world_size):
-                    if p == self.rank:
-                        continue
-                    comm.send(send[p].data_ptr(), b, u8, p, stream)
-                    comm.recv(recv[p].data_ptr(), b, u8, p, stream)
+                    if p != rank:
+                        comm.send(send_ptr + p * step, b, u8, p, stream)
+                        comm.recv(recv_ptr + p * b, b, u8, p, stream)
         finally:
             self._nccl.groupEnd()
         self._watch()
