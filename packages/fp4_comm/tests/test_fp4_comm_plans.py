@@ -13,6 +13,7 @@ The gloo tests (``test_fp4_comm_collectives``) run the same plans against the re
 """
 
 import contextlib
+import types
 
 import numpy as np
 import pytest
@@ -205,6 +206,42 @@ def test_results_survive_the_next_call_of_their_kind(op, codec):
     for (y1, kept, y2), y2_fresh in zip(results, fresh, strict=True):
         assert torch.equal(y1.view(torch.int32), kept.view(torch.int32))
         assert torch.equal(y2.view(torch.int32), y2_fresh.view(torch.int32))
+
+
+@pytest.mark.parametrize("codec", ["none-float32", "nvfp4"])
+@pytest.mark.parametrize("shape", [(4, 64), (3, 5)])
+def test_results_start_where_their_storage_starts(codec, shape):
+    # A "none-float32" result of float32 input is a view of the receive buffer; DDP's reducer
+    # views a comm hook's result with absolute storage offsets, so it must start at offset 0
+    # (also where the input needs padding, and the buffer holds a padded copy of it too).
+    xs = _inputs(2, shape, seed=6)
+    comms = _communicators(2)
+
+    def run(rank):
+        comm = comms[rank]
+        results = [comm.all_reduce(xs[rank], codec=codec)]
+        results.append(comm.reduce_scatter(xs[rank], codec=codec))
+        results.append(comm.all_gather(xs[rank], codec=codec))
+        return [y.storage_offset() for y in results]
+
+    for offsets in _on_threads(2, run):
+        assert offsets == [0, 0, 0]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "send", "recv"])
+@pytest.mark.parametrize("codec", ["none", "nvfp4"])
+def test_every_buffer_of_a_plan_starts_on_a_section_boundary(op, codec):
+    # receive sections are viewed as float32 (NVFP4's 1/S, "none-float32" values) and keyed
+    # by fp4_kernels' plans on their alignment; a bfloat16 staging copy of 3 x 5 elements
+    # (30 bytes) must not push what follows it off the boundary
+    transport = types.SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
+    opts = collectives.Options(get_codec(codec))
+    extra = (None,) if op == "all_gather" else ()
+    plan = collectives.PLANS[op](transport, opts, (3, 5), torch.bfloat16, *extra)
+    starts = []
+    for part in plan._parts:
+        starts += [part[1]] if part[0] == "stage" else [o for o, _ in part[1]]
+    assert all(o % collectives.SECTION_ALIGN_BYTES == 0 for o in starts)
 
 
 def test_messages_survive_the_next_send():

@@ -66,8 +66,9 @@ def rank_seed(seed: int, rank: int, hop: str) -> int:
 
 def _section_spans(codec: Codec, chunks: int, n: int, start: int = 0):
     """(offset, bytes per chunk) of each section of ``chunks`` chunks of ``n`` elements laid out
-    in one flat buffer from byte ``start``, and the byte after the last one."""
-    spans, end = [], start
+    in one flat buffer from byte ``start`` (rounded up to SECTION_ALIGN_BYTES), and the byte
+    after the last one."""
+    spans, end = [], -(-start // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
     for b in codec.section_nbytes(n):
         spans.append((end, b))
         end += -(-(chunks * b) // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
@@ -167,6 +168,10 @@ class _Plan:
     call or another graph), and only where no result can be a view of them: codecs whose
     decode makes new memory (``Codec.decode_copies``), or a send, which returns nothing.
     Over gloo every call is synchronous, so the same holds trivially.
+
+    Layout: the receive sections whose decode a call returns come first in the allocation, so
+    that a result that is a view of them starts where its storage starts, as other torch ops'
+    results do (DDP's reducer, for one, views a comm hook's result by absolute storage offset).
     """
 
     #: buffers that this kind of call returns views of: never kept (see above)
@@ -266,10 +271,10 @@ class AllReducePlan(_Plan):
         W = self.world
         self.shape, self.n = tuple(shape), _numel(shape)
         self.c = c = padded_chunk(self.n, W, self.codec.granularity)
-        self.stage = self._stage((W, c), dtype) if self.n != W * c else None
         self.fused = _fused_reduction(opts)
+        self.gather = self._receive(W, c, dtype)  # first: see _Plan
         self.spread = self._receive(W, c, None if self.fused else torch.float32, self.fused)
-        self.gather = self._receive(W, c, dtype)
+        self.stage = self._stage((W, c), dtype) if self.n != W * c else None
         self.keys = self._key_offset("reduce_scatter"), self._key_offset("all_gather")
         # The valid elements of this rank's chunk (the last chunks hold padding, or nothing).
         own_valid = max(0, min(c, self.n - self.rank * c))
@@ -314,8 +319,8 @@ class ReduceScatterPlan(_Plan):
         # shards are whole, shard `full` holds the `rest` rows left.
         self.full = d0 // m if m else 0
         self.rest = (d0 - self.full * m) * row
+        self.spread = self._receive(W, c, torch.float32)  # first: see _Plan
         self.stage = None if W * m == d0 and per_rank == c else self._stage((W, c), dtype)
-        self.spread = self._receive(W, c, torch.float32)
         self.key = self._key_offset("reduce_scatter")
         rows = shard_rows(d0, W)[self.rank]
         self.keep, self.out_shape = rows * row, (rows, *shape[1:])
@@ -372,8 +377,8 @@ class AllGatherPlan(_Plan):
         # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts):
         # the largest shard, padded to whole blocks; the shorter shards are zero-padded.
         self.c = c = padded_chunk(m * row, 1, self.codec.granularity)
+        self.gather = self._receive(W, c, dtype)  # first: see _Plan
         self.stage = self._stage((1, c), dtype) if n != c else None
-        self.gather = self._receive(W, c, dtype)
         self.key = self._key_offset("all_gather")
         self.valid = _prefix(n)
         self._done()
