@@ -182,7 +182,11 @@ def main():
 
     import fp4_comm
 
-    comm = fp4_comm.Communicator.from_env(validate="first")
+    # LOCAL_RANK modulo the GPUs: ranks share a GPU where there are more ranks than GPUs (NCCL's
+    # multi-rank mode, NCCL_MULTI_RANK_GPU_ENABLE=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    comm = fp4_comm.Communicator.from_env(device=device, validate="first")
     world, rank = comm.world_size, comm.rank
     dev = comm.device
     base = NcclBaseline(comm)
