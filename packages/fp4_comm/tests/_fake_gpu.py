@@ -119,6 +119,7 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None):
     # started (a placeholder stands in for it).
     transport._watchdog, transport._failed, transport._thread = True, None, object()
     transport._pending, transport._spare_events = _NoQueue(), _NoQueue()
+    transport._stream_objects = {}
     transport._closing = False
     control = ControlGroup(world)
     saved = []

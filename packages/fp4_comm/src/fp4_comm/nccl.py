@@ -23,6 +23,8 @@ from ._transport import CommTimeoutError, Transport, reraise_peer_error
 _POLL_INTERVAL_S = 1e-4
 # How often the watchdog looks at the oldest unfinished transfer.
 _WATCHDOG_INTERVAL_S = 1e-3
+# Stream objects kept for the watchdog's event records (all dropped when there are more).
+_STREAM_OBJECTS = 16
 
 
 def _relax_capture_mode():
@@ -102,6 +104,7 @@ class NcclTransport(Transport):
         # Events the watchdog saw complete, recorded again by later calls (an event is only
         # re-recorded once its previous record has completed and left the queue).
         self._spare_events = collections.deque()
+        self._stream_objects = {}  # raw stream handle -> torch.cuda.Stream (_stream_object)
         self._failed = None
         self._closing = False
         self._thread = None
@@ -112,6 +115,18 @@ class NcclTransport(Transport):
         # torch's current stream on this device as a raw handle (no Stream object made)
         return torch._C._cuda_getCurrentRawStream(self.device.index)
 
+    def _stream_object(self):
+        """torch's current stream on this device as a ``torch.cuda.Stream``, made once per
+        stream (``torch.cuda.current_stream`` builds a new object, in Python, every call)."""
+        streams = self._stream_objects
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = streams.get(raw)
+        if stream is None:
+            if len(streams) >= _STREAM_OBJECTS:
+                streams.clear()
+            stream = streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
+
     def _watch(self):
         if not self._watchdog or torch.cuda.is_current_stream_capturing():
             return
@@ -119,7 +134,7 @@ class NcclTransport(Transport):
             event = self._spare_events.popleft()
         except IndexError:
             event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._stream_object())
         self._pending.append(event)
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch_loop, daemon=True)
