@@ -169,14 +169,14 @@ class NcclTransport(Transport):
 
     def all_to_all(self, pairs):
         stream, comm, u8, rank = self._stream(), self.comm, self._uint8, self.rank
-        # Rows are contiguous: row p starts p * b bytes in (a one-row send section: the same
-        # row for every peer, ``broadcast_rows``).
+        # Row p of a send section starts p row strides in (a one-row section: the same row for
+        # every peer, ``broadcast_rows``); receive sections are contiguous.
         rows, own_send, own_recv = [], [], []
         for send, recv in pairs:
             b = recv.shape[1]
             if b == 0:
                 continue
-            step = b if send.shape[0] > 1 else 0
+            step = send.stride(0) if send.shape[0] > 1 else 0
             rows.append((send.data_ptr(), step, recv.data_ptr(), b))
             own_send.append(send[rank if step else 0])
             own_recv.append(recv[rank])
