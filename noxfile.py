@@ -283,6 +283,15 @@ def benchmark_comm(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def comm_host_cost(session: nox.Session) -> None:
+    """fp4_comm's host work per eager collective on a pretend GPU (no GPU needed):
+    benchmarks/comm_host_overhead.py with the args after `--` (e.g. `--world 2 --kernels`)."""
+    _install_torch_cpu(session)
+    session.install(KERNELS, COMM, TORCH)
+    session.run("python", "benchmarks/comm_host_overhead.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def study(session: nox.Session) -> None:
     """The training studies on the CPU: the args after `--` go to boundary_study.
 

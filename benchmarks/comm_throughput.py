@@ -10,7 +10,13 @@ on bf16, the baseline; "none": bf16 through fp4_comm's path; "nvfp4", "mxfp4", "
 - device time (ms): median over repeats, between CUDA events, of the call captured in a CUDA
   graph and replayed (host overhead cannot leave the GPU idle inside the interval), and of
   the eager call (what an un-captured caller gets, host overhead included when it dominates);
-- host time (us) of one eager call (queued, not waited for);
+- host time (us) of one eager call (queued, not waited for), and of one made with the GPU
+  idle and every rank ready (``host_idle_us``: each call after a synchronize and a barrier):
+  where the queued figure is the larger, calls wait on the GPU (a full launch queue, an
+  allocation that synchronizes, NCCL waiting for work ahead of it), the difference being that
+  wait; the idle figure is the host's own work (Python, launches, NCCL's host side).
+  ``--host-profile`` also writes, per row, rank 0's cProfile of queued calls (where the host
+  time goes: Python functions, and C calls such as kernel launches and NCCL's groupEnd);
 - algorithm bandwidth (size / graph time), bus bandwidth (NCCL-tests' factors: all-reduce
   2(W-1)/W, all-gather and reduce-scatter (W-1)/W, send/recv 1);
 - speedup over nccl-bf16 (graph and eager);
@@ -42,6 +48,8 @@ BUS_FACTOR = {
     "send_recv": lambda w: 1.0,
 }
 HOST_REPS = 50
+HOST_IDLE_REPS = 20
+HOST_PROFILE_CALLS = 20
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO")
 
 
@@ -65,6 +73,47 @@ def host_time_us(fn, args_list, reps=HOST_REPS):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(ts)
+
+
+def host_idle_us(comm, fn, args_list, reps=HOST_IDLE_REPS):
+    """Median wall time of one eager call made with the GPU idle: every rank synchronizes and
+    meets the others at a barrier before each call, so nothing is queued ahead of it."""
+    import torch
+    import torch.distributed as dist
+
+    ts = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier(group=comm.control_group)
+        t0 = time.perf_counter()
+        fn(*args_list[i % len(args_list)])
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
+def host_profile(fn, args_list, path, calls=HOST_PROFILE_CALLS):
+    """cProfile of ``calls`` queued eager calls (every rank makes them; rank 0 writes ``path``),
+    sorted by own time: Python functions and the C calls they make."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile() if path else None
+    for i in range(calls):
+        if prof is not None:
+            prof.enable()
+        fn(*args_list[i % len(args_list)])
+        if prof is not None:
+            prof.disable()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    if prof is not None:
+        with open(path, "w") as fh:
+            fh.write(f"{calls} queued calls\n")
+            pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(40)
 
 
 def sqnr_db(ref, y):
@@ -124,6 +173,8 @@ def main():
                     default=["nccl-bf16", "none", "nvfp4", "mxfp4", "fp4quant64"])  # fmt: skip
     ap.add_argument("--reps", type=int, default=15, help="timed repeats (events, graphs)")
     ap.add_argument("--host-reps", type=int, default=HOST_REPS, help="calls timed on the host")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="write rank 0's cProfile of queued calls per row to --out")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -131,7 +182,11 @@ def main():
 
     import fp4_comm
 
-    comm = fp4_comm.Communicator.from_env(validate="first")
+    # LOCAL_RANK modulo the GPUs: ranks share a GPU where there are more ranks than GPUs (NCCL's
+    # multi-rank mode, NCCL_MULTI_RANK_GPU_ENABLE=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    comm = fp4_comm.Communicator.from_env(device=device, validate="first")
     world, rank = comm.world_size, comm.rank
     dev = comm.device
     base = NcclBaseline(comm)
@@ -143,7 +198,9 @@ def main():
         for op in args.ops:
             if op == "send_recv" and world < 2:
                 continue
-            rows += _measure_op(comm, base, op, n, args.codecs, args.reps, args.host_reps, gen)
+            profile_dir = args.out if args.host_profile else None
+            rows += _measure_op(comm, base, op, n, args.codecs, args.reps, args.host_reps, gen,
+                                profile_dir)  # fmt: skip
             torch.cuda.empty_cache()
             if rank == 0:  # after every operation: a run cut short keeps what it measured
                 _write(args.out, rows, world)
@@ -160,7 +217,7 @@ def _slowest(comm, value):
     return every
 
 
-def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
+def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen, profile_dir=None):
     import torch
 
     world, rank, dev = comm.world_size, comm.rank, comm.device
@@ -192,13 +249,18 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
             print(f"rank {rank}: {op} {codec}: graph capture failed: {capture_err}", flush=True)
             graph_ms = math.nan
         host_us = host_time_us(fn, arg_list, host_reps)
-        every = _slowest(comm, (graph_ms, eager_ms, host_us, err))
-        graph_ms, eager_ms, host_us = (max(e[i] for e in every) for i in range(3))
-        err = every[1][3] if op == "send_recv" else every[0][3]  # the receiver's for send/recv
+        idle_us = host_idle_us(comm, fn, arg_list)
+        if profile_dir is not None:
+            name = f"host_profile_{op}_{codec}_{2 * n >> 20}mb_w{world}.txt"
+            host_profile(fn, arg_list, os.path.join(profile_dir, name) if rank == 0 else None)
+        every = _slowest(comm, (graph_ms, eager_ms, host_us, idle_us, err))
+        graph_ms, eager_ms, host_us, idle_us = (max(e[i] for e in every) for i in range(4))
+        err = every[1][4] if op == "send_recv" else every[0][4]  # the receiver's for send/recv
         size_b = 2 * n
         row = {
             "op": op, "codec": codec, "size_bytes": size_b, "world": world,
             "graph_ms": graph_ms, "eager_ms": eager_ms, "host_us": host_us,
+            "host_idle_us": idle_us,
             "algbw_gbps": size_b / graph_ms / 1e6,
             "busbw_gbps": size_b / graph_ms / 1e6 * BUS_FACTOR[op](world),
             "sqnr_db": err,
@@ -212,7 +274,7 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen):
         if rank == 0:
             print(
                 f"{op:15s} {size_b / 2**20:7.0f} MB {codec:11s} graph {graph_ms:8.3f} ms "
-                f"eager {eager_ms:8.3f} ms host {host_us:7.0f} us "
+                f"eager {eager_ms:8.3f} ms host {host_us:7.0f} us (idle {idle_us:5.0f}) "
                 f"busbw {row['busbw_gbps']:6.1f} GB/s "
                 f"x{row.get('speedup_graph', float('nan')):5.2f} SQNR {err:6.2f} dB",
                 flush=True,
@@ -253,14 +315,15 @@ def _write(out_dir, rows, world):
         "",
         f"commit {meta['commit']}, {meta['date']}, NCCL env {meta['nccl_env'] or 'default'}",
         "",
-        "| op | size | codec | graph ms | eager ms | host us | busbw GB/s | speedup (graph) "
-        "| speedup (eager) | SQNR dB |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| op | size | codec | graph ms | eager ms | host us | host us, GPU idle | busbw GB/s "
+        "| speedup (graph) | speedup (eager) | SQNR dB |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r['op']} | {r['size_bytes'] / 2**20:.0f} MB | {r['codec']} | {r['graph_ms']:.3f} "
-            f"| {r['eager_ms']:.3f} | {r['host_us']:.0f} | {r['busbw_gbps']:.1f} "
+            f"| {r['eager_ms']:.3f} | {r['host_us']:.0f} | {r['host_idle_us']:.0f} "
+            f"| {r['busbw_gbps']:.1f} "
             f"| {r.get('speedup_graph', float('nan')):.2f} "
             f"| {r.get('speedup_eager', float('nan')):.2f} | {r['sqnr_db']:.2f} |"
         )

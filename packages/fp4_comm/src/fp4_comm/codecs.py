@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -94,6 +94,31 @@ class Codec(ABC):
         """Identifies the wire format; every rank of a collective must have the same one."""
         return self.name
 
+    # -- what a collective's plan (``collectives.py``) calls on its hot path.  The defaults
+    # -- fall back on ``encode`` / ``decode``, so a codec written against the methods above
+    # -- works unchanged; the built-in codecs do the checks and the views once instead.
+
+    #: True where ``decode`` always returns new memory, never a view of its sections: a
+    #: collective may then keep its receive buffers and reuse them for its next call.
+    decode_copies = False
+
+    def encode_unchecked(
+        self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
+    ) -> list[torch.Tensor]:
+        """``encode`` of arguments that the caller has checked once for a kind of call (a
+        non-empty, contiguous (chunks, n) float tensor; rounding, seed and step valid).  A
+        section of one row where ``x`` has several chunks holds bytes that are the same for
+        every chunk (NVFP4's tensor scale): it is meant for each of them."""
+        return self.encode(x, rounding, seed, step)
+
+    def decoder(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        """``f()``: ``decode(sections, n, dtype)`` of whatever ``sections`` hold when it is
+        called, with the views and the objects that do not depend on the bytes made once.
+        ``sections`` as ``section_nbytes`` lays them out (not checked again)."""
+        return lambda: self.decode(sections, n, dtype)
+
     def saturated(self, sections: Sequence[torch.Tensor], n: int) -> torch.Tensor | None:
         """bool (chunks, n): elements encoded with the largest magnitude of their block, or
         None where the format has no such notion.  Used for the clipped-fraction statistic."""
@@ -137,6 +162,11 @@ class NoneCodec(Codec):
         empty = _encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
+        return self.encode_unchecked(x, rounding, seed, step)
+
+    def encode_unchecked(
+        self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
+    ) -> list[torch.Tensor]:
         # Casting rounds to nearest even; stochastic rounding is a format feature of FP4 only.
         return [_bytes_per_chunk(x.to(self.dtype), x.shape[0])]
 
@@ -149,6 +179,12 @@ class NoneCodec(Codec):
         (raw,) = sections
         values = raw.view(self.dtype).reshape(raw.shape[0], n)
         return values.to(dtype) if dtype != self.dtype else values
+
+    def decoder(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        values = sections[0].view(self.dtype).view(sections[0].shape[0], n)
+        return (lambda: values) if dtype == self.dtype else (lambda: values.to(dtype))
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
@@ -181,8 +217,23 @@ class _FP4BlockCodec(Codec):
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
         return self._sections(q, x.shape[0])
 
+    decode_copies = True  # dequantize writes a new tensor
+
+    def encode_unchecked(
+        self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
+    ) -> list[torch.Tensor]:
+        q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
+        return self._sections(q, 1)
+
     def _sections(self, q, chunks):
         return [q.data, q.scales]
+
+    def decoder(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        q = self._quantized(sections, n, sections[0].shape[0])
+        name, dequantize = _dtype_name(dtype), fp4_kernels.dequantize
+        return lambda: dequantize(q, name)
 
     def _quantized(self, sections, n, chunks):
         codes, scales = sections[0], sections[1]
@@ -220,8 +271,12 @@ class NVFP4Codec(_FP4BlockCodec):
 
     def _sections(self, q, chunks):
         # Every chunk of one encode call shares the tensor scale; each chunk carries a copy so
-        # that a receiver holding chunks from several ranks knows each one's scale.
-        gs = q.global_scale.expand(chunks).contiguous().view(torch.uint8).reshape(chunks, 4)
+        # that a receiver holding chunks from several ranks knows each one's scale.  With
+        # chunks = 1 the section is the quantizer's own 4 bytes (no copy): for encode_unchecked
+        # one row meant for every chunk, which the transport sends to each peer.
+        gs = q.global_scale.view(torch.uint8).view(1, 4)
+        if chunks > 1:
+            gs = gs.expand(chunks, 4).contiguous()
         return [q.data, q.scales, gs]
 
     def decode(
@@ -240,6 +295,15 @@ class NVFP4Codec(_FP4BlockCodec):
         y = fp4_kernels.dequantize(self._quantized(sections, n, chunks), _dtype_name(dtype))
         inv_s = sections[2].reshape(chunks, 4).view(torch.float32)
         return y.mul_(inv_s)
+
+    def decoder(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        chunks = sections[0].shape[0]
+        q = self._quantized(sections, n, chunks)
+        inv_s = sections[2].view(torch.float32)  # (chunks, 1): each chunk's own 1/S
+        name, dequantize = _dtype_name(dtype), fp4_kernels.dequantize
+        return lambda: dequantize(q, name).mul_(inv_s)  # as decode: see there
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
@@ -287,6 +351,15 @@ class MXFP4Codec(_FP4BlockCodec):
         q = fp4_kernels.requantized_sum(self._quantized(sections, n, chunks))
         return self._sections(q, 1)
 
+    def requantizer(
+        self, sections: Sequence[torch.Tensor], n: int
+    ) -> Callable[[], list[torch.Tensor]]:
+        """``f()``: ``requantized_sum(sections, n)`` of whatever ``sections`` hold when it is
+        called (``decoder``'s contract)."""
+        q = self._quantized(sections, n, sections[0].shape[0])
+        summed, to_sections = fp4_kernels.requantized_sum, self._sections
+        return lambda: to_sections(summed(q), 1)
+
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
@@ -322,9 +395,15 @@ class FP4QuantCodec(Codec):
         empty = _encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
+        return self.encode_unchecked(x, rounding, seed, step)
+
+    decode_copies = True  # dequantize writes a new tensor
+
+    def encode_unchecked(
+        self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
+    ) -> list[torch.Tensor]:
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
-        chunks = x.shape[0]
-        return [q.data, q.scales.view(torch.uint8).reshape(chunks, -1)]
+        return [q.data, q.scales.view(torch.uint8).view(x.shape[0], -1)]
 
     def decode(
         self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
@@ -332,9 +411,19 @@ class FP4QuantCodec(Codec):
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
+        return fp4_kernels.dequantize(self._quantized(sections, n), _dtype_name(dtype))
+
+    def decoder(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype
+    ) -> Callable[[], torch.Tensor]:
+        q = self._quantized(sections, n)
+        name, dequantize = _dtype_name(dtype), fp4_kernels.dequantize
+        return lambda: dequantize(q, name)
+
+    def _quantized(self, sections, n):
         codes, scales = sections
         chunks = codes.shape[0]
-        q = fp4_kernels.QuantizedTensor(
+        return fp4_kernels.QuantizedTensor(
             data=codes.reshape(chunks, n // 2),
             scales=scales.reshape(chunks, -1).view(torch.uint16),
             global_scale=None,
@@ -343,7 +432,6 @@ class FP4QuantCodec(Codec):
             dtype="float32",
             scale_layout="linear",
         )
-        return fp4_kernels.dequantize(q, _dtype_name(dtype))
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32

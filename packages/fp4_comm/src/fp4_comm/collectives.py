@@ -18,7 +18,12 @@ dim 0 as ``shard_rows`` says: ceil(d0 / W) rows per rank, the last ranks fewer o
 padded with zero rows to a multiple of W, as a ``reduce_scatter_tensor`` of the padded tensor,
 the padding dropped); ``all_gather`` with ``total_dim0`` is the inverse.
 
-Buffers come from torch's caching allocator (on a GPU: stream-ordered reuse, no cudaMalloc per
+Every call runs a *plan* of its kind (``_Plan``): sizes, padding, the layout of its buffers,
+the Philox key offsets and the decoders' views worked out once.  A ``Communicator`` keeps the
+plans of the kinds of call it has made (``communicator.PLAN_CACHE_SIZE``), so that a repeated
+call does no check and no layout again, and each plan keeps its receive buffers per stream for
+its next calls (the rule that makes this safe, and where it does not apply: ``_Plan``).  Other
+buffers come from torch's caching allocator (on a GPU: stream-ordered reuse, no cudaMalloc per
 call, and a CUDA graph's private pool under capture).
 """
 
@@ -59,15 +64,26 @@ def rank_seed(seed: int, rank: int, hop: str) -> int:
     return (seed + (1 + rank + (HOPS.index(hop) << 20)) * _KEY_STRIDE) % 2**64
 
 
+def _section_spans(codec: Codec, chunks: int, n: int, start: int = 0):
+    """(offset, bytes per chunk) of each section of ``chunks`` chunks of ``n`` elements laid out
+    in one flat buffer from byte ``start`` (rounded up to SECTION_ALIGN_BYTES), and the byte
+    after the last one."""
+    spans, end = [], -(-start // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
+    for b in codec.section_nbytes(n):
+        spans.append((end, b))
+        end += -(-(chunks * b) // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
+    return spans, end
+
+
+def _section_views(flat, spans, chunks):
+    return [flat[o : o + chunks * b].view(chunks, b) for o, b in spans]
+
+
 def receive_sections(codec: Codec, chunks: int, n: int, device):
     """(chunks, nbytes_i) uint8 views into one new flat buffer, one per section."""
-    sizes = codec.section_nbytes(n)
-    offsets, total = [], 0
-    for s in sizes:
-        offsets.append(total)
-        total += -(-(chunks * s) // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
+    spans, total = _section_spans(codec, chunks, n)
     flat = torch.empty(total, dtype=torch.uint8, device=device)
-    return [flat[o : o + chunks * s].view(chunks, s) for o, s in zip(offsets, sizes, strict=True)]
+    return _section_views(flat, spans, chunks)
 
 
 def _padded(x2d, c):
@@ -110,18 +126,6 @@ def _sum_rows(d):
     return acc
 
 
-def _exchange_and_reduce(transport, sections, c, codec):
-    recv = receive_sections(codec, transport.world_size, c, sections[0].device)
-    transport.all_to_all(list(zip(sections, recv, strict=True)))
-    return _sum_rows(codec.decode(recv, c))
-
-
-def _gather_and_decode(transport, sections, c, codec, dtype):
-    recv = receive_sections(codec, transport.world_size, c, sections[0].device)
-    transport.all_gather(list(zip(sections, recv, strict=True)))
-    return codec.decode(recv, c, dtype)
-
-
 def _fused_reduction(opts: Options):
     """Whether the all-reduce's middle step (decode the received chunks, add, encode again)
     can be the codec's one-pass ``requantized_sum``: nearest rounding (its encode draws no
@@ -134,26 +138,325 @@ def _fused_reduction(opts: Options):
     )
 
 
+# ---------------------------------------------------------------------- plans
+
+# A plan keeps its buffers (receive sections, and the zero-padded copy of an input that is no
+# whole number of chunks) for its next calls where they take at most this many bytes: an FP4
+# all-reduce of up to about 28 MB of bfloat16.  Larger ones come from torch's caching
+# allocator on every call: a few microseconds beside transfers of that size, and no memory
+# held between calls.  With the communicator's PLAN_CACHE_SIZE plans, at most
+# PLAN_CACHE_SIZE * REUSE_STREAMS * REUSE_MAX_BYTES are held, typically far less.
+REUSE_MAX_BYTES = 16 << 20
+# Streams one plan keeps buffers for (a call on another stream drops the oldest set).
+REUSE_STREAMS = 2
+
+
+class _Plan:
+    """One kind of call, worked out once: (op, shape, dtype, codec, rounding, world size, rank,
+    error feedback and statistics on or off).  The chunk size, the padding, the layout of the
+    call's buffers in one allocation and the stochastic-rounding key offsets are computed when
+    the plan is made; a call then encodes, moves and decodes, with no check repeated.
+
+    Buffer reuse, and why it is safe: a call's buffers are written and read only by work it
+    queues on the current stream (the copy of a padded input, the transfers into the receive
+    sections, the decodes out of them).  The next call on the same stream queues its own
+    writes after all of that, so it may reuse them: stream order separates the two calls, on
+    the GPU as on the host.  Hence buffers are kept per stream (a call on another stream gets
+    its own set: work on two streams is not ordered), never under CUDA-graph capture (a
+    captured call allocates inside the capture, from the graph's private pool, as before: the
+    graph owns its buffers and a replay, on whatever stream, never shares them with an eager
+    call or another graph), and only where no result can be a view of them: codecs whose
+    decode makes new memory (``Codec.decode_copies``), or a send, which returns nothing.
+    Over gloo every call is synchronous, so the same holds trivially.
+
+    Layout: the receive sections whose decode a call returns come first in the allocation, so
+    that a result that is a view of them starts where its storage starts, as other torch ops'
+    results do (DDP's reducer, for one, views a comm hook's result by absolute storage offset).
+    """
+
+    #: buffers that this kind of call returns views of: never kept (see above)
+    returns_views_of_buffers = True
+
+    def __init__(self, transport, opts: Options, dtype):
+        self.codec, self.rounding, self.dtype = opts.codec, opts.rounding, dtype
+        self.world, self.rank, self.device = transport.world_size, transport.rank, transport.device
+        self.plain = opts.error_feedback_name is None and not opts.stats
+        # A section of one row is sent to every peer by transports that say they can; the
+        # others get it repeated (NVFP4's tensor scale, shared by the chunks of one encode).
+        self.broadcast_rows = getattr(transport, "broadcast_rows", False)
+        self._parts = []
+        self._nbytes = 0
+        self._kept = {}  # stream -> this call kind's buffers on it
+
+    # -- layout, while the plan is made
+
+    def _receive(self, chunks, c, dtype=None, requantize=False):
+        """Receive sections of ``chunks`` chunks of ``c`` elements, decoded to ``dtype`` (or
+        summed and encoded again: ``requantize``); returns their index in ``buffers()``."""
+        spans, self._nbytes = _section_spans(self.codec, chunks, c, self._nbytes)
+        self._parts.append(("receive", spans, chunks, c, dtype, requantize))
+        return len(self._parts) - 1
+
+    def _stage(self, shape, dtype):
+        """A zero-padded (rows, c) copy of the input; its index in ``buffers()``."""
+        offset = -(-self._nbytes // SECTION_ALIGN_BYTES) * SECTION_ALIGN_BYTES
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        self._nbytes = offset + nbytes
+        self._parts.append(("stage", offset, nbytes, shape, dtype))
+        return len(self._parts) - 1
+
+    def _done(self):
+        reusable = self.codec.decode_copies or not self.returns_views_of_buffers
+        self.reuse = reusable and 0 < self._nbytes <= REUSE_MAX_BYTES
+
+    # -- per call
+
+    def buffers(self):
+        """The call's buffers: this stream's kept set, or a new one."""
+        if not self.reuse:
+            return self._allocate()
+        stream = None
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return self._allocate()
+            stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        b = self._kept.get(stream)
+        if b is None:
+            if len(self._kept) >= REUSE_STREAMS:
+                del self._kept[next(iter(self._kept))]
+            b = self._kept[stream] = self._allocate()
+        return b
+
+    def _allocate(self):
+        if not self._nbytes:
+            return ()
+        flat = torch.empty(self._nbytes, dtype=torch.uint8, device=self.device)
+        out = []
+        for part in self._parts:
+            if part[0] == "stage":
+                _, offset, nbytes, shape, dtype = part
+                stage = flat[offset : offset + nbytes].view(dtype).view(shape)
+                out.append(stage.zero_())  # the padding; calls overwrite the rest only
+                continue
+            _, spans, chunks, c, dtype, requantize = part
+            sections = _section_views(flat, spans, chunks)
+            if requantize:
+                out.append((sections, self.codec.requantizer(sections, c)))
+            else:
+                out.append((sections, self.codec.decoder(sections, c, dtype)))
+        return out
+
+    def _key_offset(self, hop):
+        """rank_seed(seed, rank, hop) == (seed + this) % 2**64."""
+        return rank_seed(0, self.rank, hop)
+
+    def _encode(self, payload, hop, key_offset, opts, valid):
+        if self.plain:
+            seed = (opts.seed + key_offset) % 2**64
+            return self.codec.encode_unchecked(payload, self.rounding, seed, opts.step % 2**32)
+        return _encode(payload, self.rank, hop, opts, valid)
+
+    def _all_to_all(self, transport, sections, recv):
+        if not self.broadcast_rows and self.world > 1:
+            sections = [s if s.shape[0] > 1 else s.expand(self.world, -1).contiguous()
+                        for s in sections]  # fmt: skip
+        transport.all_to_all(list(zip(sections, recv, strict=True)))
+
+
+class AllReducePlan(_Plan):
+    """``all_reduce`` of (shape, dtype): see the module's docstring for the algorithm."""
+
+    def __init__(self, transport, opts: Options, shape, dtype):
+        super().__init__(transport, opts, dtype)
+        W = self.world
+        self.shape, self.n = tuple(shape), _numel(shape)
+        self.c = c = padded_chunk(self.n, W, self.codec.granularity)
+        self.fused = _fused_reduction(opts)
+        self.gather = self._receive(W, c, dtype)  # first: see _Plan
+        self.spread = self._receive(W, c, None if self.fused else torch.float32, self.fused)
+        self.stage = self._stage((W, c), dtype) if self.n != W * c else None
+        self.keys = self._key_offset("reduce_scatter"), self._key_offset("all_gather")
+        # The valid elements of this rank's chunk (the last chunks hold padding, or nothing).
+        own_valid = max(0, min(c, self.n - self.rank * c))
+        self.valid = _prefix(self.n), _prefix(own_valid)
+        self._done()
+
+    def run(self, transport, x, opts: Options):
+        bufs, W, c = self.buffers(), self.world, self.c
+        if self.stage is None:
+            payload = x.contiguous().view(W, c)  # view(-1) of a strided view can stay strided
+        else:
+            payload = bufs[self.stage]
+            payload.view(-1)[: self.n].view(self.shape).copy_(x)
+        sections = self._encode(payload, "reduce_scatter", self.keys[0], opts, self.valid[0])
+        recv, reduce = bufs[self.spread]
+        self._all_to_all(transport, sections, recv)
+        if self.fused:
+            sections = reduce()  # decode + float32 sum + encode in one pass, the same bits
+        else:
+            reduced = _sum_rows(reduce()).view(1, c)
+            sections = self._encode(reduced, "all_gather", self.keys[1], opts, self.valid[1])
+        recv, decode = bufs[self.gather]
+        transport.all_gather(list(zip(sections, recv, strict=True)))
+        y = decode()
+        return y.view(self.shape) if self.stage is None else y.view(-1)[: self.n].view(self.shape)
+
+
+class ReduceScatterPlan(_Plan):
+    """``reduce_scatter`` of (shape, dtype)."""
+
+    def __init__(self, transport, opts: Options, shape, dtype):
+        super().__init__(transport, opts, dtype)
+        W = self.world
+        self.shape = shape = tuple(shape)
+        d0 = shape[0]
+        row = _numel(shape) // d0 if d0 else 0
+        m = -(-d0 // W)
+        self.per_rank = per_rank = m * row  # elements of one shard, padding rows included
+        self.c = c = padded_chunk(per_rank, 1, self.codec.granularity)
+        # Zero rows pad dim 0 to W m rows (zeros encode exactly and change no amax): chunk j is
+        # shard j, whole rows, so no rank's shard straddles two chunks.  The first `full`
+        # shards are whole, shard `full` holds the `rest` rows left.
+        self.full = d0 // m if m else 0
+        self.rest = (d0 - self.full * m) * row
+        self.spread = self._receive(W, c, torch.float32)  # first: see _Plan
+        self.stage = None if W * m == d0 and per_rank == c else self._stage((W, c), dtype)
+        self.key = self._key_offset("reduce_scatter")
+        rows = shard_rows(d0, W)[self.rank]
+        self.keep, self.out_shape = rows * row, (rows, *shape[1:])
+        n = d0 * row
+
+        def valid(t):  # the elements of x in a (W, c) payload: neither padding rows nor columns
+            return t[:, :per_rank].reshape(-1)[:n]
+
+        self.valid = valid
+        self._done()
+
+    def run(self, transport, x, opts: Options):
+        bufs = self.buffers()
+        if self.stage is None:
+            payload = x.contiguous().view(self.world, self.c)
+        else:
+            payload = bufs[self.stage]
+            flat, full, per_rank = x.reshape(-1), self.full, self.per_rank
+            payload[:full, :per_rank].copy_(flat[: full * per_rank].view(full, per_rank))
+            if self.rest:
+                payload[full, : self.rest].copy_(flat[full * per_rank :])
+        sections = self._encode(payload, "reduce_scatter", self.key, opts, self.valid)
+        recv, decode = bufs[self.spread]
+        self._all_to_all(transport, sections, recv)
+        return self._sum(decode())
+
+    def _sum(self, d):
+        """The rows of the float32 (W, c) ``d`` added in rank order, over the elements this
+        rank keeps, in the input's dtype: float32 adds, then one rounding to the dtype (the
+        last add writes it straight into the result, as ``(... + d[W-1]).to(dtype)``)."""
+        W, keep, dtype = self.world, self.keep, self.dtype
+        d = d[:, :keep]
+        if W == 1 or dtype == torch.float32:
+            return _sum_rows(d).to(dtype).view(self.out_shape)
+        acc = d[0]
+        for i in range(1, W - 1):
+            acc = acc + d[i] if i == 1 else acc.add_(d[i])
+        out = torch.empty(keep, dtype=dtype, device=d.device)
+        return torch.add(acc, d[W - 1], out=out).view(self.out_shape)
+
+
+class AllGatherPlan(_Plan):
+    """``all_gather`` of (shape, dtype), rank r holding shard_rows(total_dim0, W)[r] rows."""
+
+    def __init__(self, transport, opts: Options, shape, dtype, total_dim0=None):
+        super().__init__(transport, opts, dtype)
+        W = self.world
+        self.shape = shape = tuple(shape)
+        d0 = shape[0]
+        self.total = W * d0 if total_dim0 is None else total_dim0
+        self.m = m = -(-self.total // W)  # rows of the largest shard (rank 0's)
+        self.row = row = _numel(shape) // d0 if d0 else _numel(shape[1:])
+        self.n = n = _numel(shape)
+        # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts):
+        # the largest shard, padded to whole blocks; the shorter shards are zero-padded.
+        self.c = c = padded_chunk(m * row, 1, self.codec.granularity)
+        self.gather = self._receive(W, c, dtype)  # first: see _Plan
+        self.stage = self._stage((1, c), dtype) if n != c else None
+        self.key = self._key_offset("all_gather")
+        self.valid = _prefix(n)
+        self._done()
+
+    def run(self, transport, x, opts: Options):
+        bufs, W, m = self.buffers(), self.world, self.m
+        if self.stage is None:
+            payload = x.contiguous().view(1, self.n)
+        else:
+            payload = bufs[self.stage]
+            payload[0, : self.n].view(self.shape).copy_(x)
+        sections = self._encode(payload, "all_gather", self.key, opts, self.valid)
+        recv, decode = bufs[self.gather]
+        transport.all_gather(list(zip(sections, recv, strict=True)))
+        y = decode()
+        if self.c != m * self.row:
+            y = y[:, : m * self.row]
+        # Shards before the last non-empty one are full (m rows), so the valid rows are the
+        # first total_dim0 of the W m rows.
+        y = y.reshape((W * m, *self.shape[1:]))
+        return y if W * m == self.total else y[: self.total].contiguous()
+
+
+class SendPlan(_Plan):
+    """``send`` of (shape, dtype)."""
+
+    returns_views_of_buffers = False
+
+    def __init__(self, transport, opts: Options, shape, dtype):
+        super().__init__(transport, opts, dtype)
+        self.shape, self.n = tuple(shape), _numel(shape)
+        self.c = padded_chunk(self.n, 1, self.codec.granularity)
+        self.stage = self._stage((1, self.c), dtype) if self.n != self.c else None
+        self.key = self._key_offset("send")
+        self.valid = _prefix(self.n)
+        self._done()
+
+    def run(self, transport, x, opts: Options, peer):
+        if self.stage is None:
+            payload = x.contiguous().view(1, self.n)
+        else:
+            payload = self.buffers()[self.stage]
+            payload[0, : self.n].view(self.shape).copy_(x)
+        transport.send(self._encode(payload, "send", self.key, opts, self.valid), peer)
+
+
+class RecvPlan(_Plan):
+    """``recv`` of (shape, dtype)."""
+
+    def __init__(self, transport, opts: Options, shape, dtype):
+        super().__init__(transport, opts, dtype)
+        self.shape, self.n = tuple(shape), _numel(shape)
+        self.c = padded_chunk(self.n, 1, self.codec.granularity)
+        self.receive = self._receive(1, self.c, dtype)
+        self._done()
+
+    def run(self, transport, opts: Options, peer):
+        sections, decode = self.buffers()[self.receive]
+        transport.recv(sections, peer)
+        y = decode()
+        return y.view(self.shape) if self.n == self.c else y.view(-1)[: self.n].view(self.shape)
+
+
+PLANS = {
+    "all_reduce": AllReducePlan,
+    "reduce_scatter": ReduceScatterPlan,
+    "all_gather": AllGatherPlan,
+    "send": SendPlan,
+    "recv": RecvPlan,
+}
+
+
+# ---------------------------------------------------------------------- one call, no plan kept
+
+
 def all_reduce(transport, x, opts: Options):
     """Sum of ``x`` over the ranks, same shape and dtype, identical bits on every rank."""
-    W, rank = transport.world_size, transport.rank
-    n = x.numel()
-    c = padded_chunk(n, W, opts.codec.granularity)
-    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
-    payload = flat.view(W, c) if n == W * c else F.pad(flat, (0, W * c - n)).view(W, c)
-    sections = _encode(payload, rank, "reduce_scatter", opts, _prefix(n))
-    if _fused_reduction(opts):
-        # decode + float32 sum + encode in one pass (same bits as the three steps below)
-        recv = receive_sections(opts.codec, W, c, sections[0].device)
-        transport.all_to_all(list(zip(sections, recv, strict=True)))
-        sections = opts.codec.requantized_sum(recv, c)
-    else:
-        reduced = _exchange_and_reduce(transport, sections, c, opts.codec)
-        # The valid elements of this rank's chunk (the last chunks hold padding, or nothing).
-        own_valid = max(0, min(c, n - rank * c))
-        sections = _encode(reduced.view(1, c), rank, "all_gather", opts, _prefix(own_valid))
-    y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
-    return y.reshape(-1)[:n].view(x.shape)
+    return AllReducePlan(transport, opts, x.shape, x.dtype).run(transport, x, opts)
 
 
 def shard_rows(dim0: int, world_size: int) -> list[int]:
@@ -182,51 +485,15 @@ def reduce_scatter(transport, x, opts: Options):
     """x (d0, ...) on every rank -> (shard_rows(d0, W)[r], ...) on rank r: the sum over the
     ranks of rows [r m, r m + that), m = ceil(d0 / W).  With d0 a multiple of W, every rank gets
     d0 / W rows, as ``torch.distributed.reduce_scatter_tensor``."""
-    W, rank = transport.world_size, transport.rank
-    d0 = x.shape[0]
-    row = x.numel() // d0 if d0 else 0
-    m = -(-d0 // W)
-    per_rank = m * row  # elements of one shard, padding rows included
-    c = padded_chunk(per_rank, 1, opts.codec.granularity)
-    flat = x.contiguous().view(-1)  # reshape(-1) of a strided view can stay strided
-    if W * m != d0:
-        # Zero rows pad dim 0 to W m rows (zeros encode exactly and change no amax): chunk j
-        # is shard j, whole rows, so no rank's shard straddles two chunks.
-        flat = F.pad(flat, (0, W * per_rank - d0 * row))
-    payload = _padded(flat.view(W, per_rank), c)
-
-    def valid(t):  # the elements of x in a (W, c) payload: neither padding rows nor columns
-        return t[:, :per_rank].reshape(-1)[: d0 * row]
-
-    sections = _encode(payload, rank, "reduce_scatter", opts, valid)
-    reduced = _exchange_and_reduce(transport, sections, c, opts.codec)
-    rows = shard_rows(d0, W)[rank]
-    return reduced[: rows * row].to(x.dtype).view((rows,) + tuple(x.shape[1:]))
+    return ReduceScatterPlan(transport, opts, x.shape, x.dtype).run(transport, x, opts)
 
 
 def all_gather(transport, x, opts: Options, total_dim0=None):
     """The inverse of ``reduce_scatter``'s split: rank r holds rows [r m, r m + d_r) of a
     (total_dim0, ...) tensor, d_r = shard_rows(total_dim0, W)[r]; every rank gets the whole
     tensor, decoded.  ``total_dim0`` None: every rank holds d0 rows, the result has W d0."""
-    W, rank = transport.world_size, transport.rank
-    d0 = x.shape[0]
-    if total_dim0 is None:
-        total_dim0 = W * d0
-    m = -(-total_dim0 // W)  # rows of the largest shard (rank 0's)
-    row = x.numel() // d0 if d0 else _numel(x.shape[1:])
-    n = x.numel()
-    # Every rank sends a chunk of the same length (NCCL's allGather needs equal counts): the
-    # largest shard, padded to whole blocks; the shorter shards are zero-padded.
-    c = padded_chunk(m * row, 1, opts.codec.granularity)
-    payload = _padded(x.contiguous().view(1, n), c)
-    sections = _encode(payload, rank, "all_gather", opts, _prefix(n))
-    y = _gather_and_decode(transport, sections, c, opts.codec, x.dtype)
-    if c != m * row:
-        y = y[:, : m * row]
-    # Shards before the last non-empty one are full (m rows), so the valid rows are the first
-    # total_dim0 of the W m rows.
-    y = y.reshape((W * m,) + tuple(x.shape[1:]))
-    return y if W * m == total_dim0 else y[:total_dim0].contiguous()
+    plan = AllGatherPlan(transport, opts, x.shape, x.dtype, total_dim0)
+    return plan.run(transport, x, opts)
 
 
 def _numel(shape):
@@ -237,22 +504,11 @@ def _numel(shape):
 
 
 def send(transport, x, peer, opts: Options):
-    n = x.numel()
-    c = padded_chunk(n, 1, opts.codec.granularity)
-    payload = _padded(x.contiguous().view(1, n), c)
-    sections = _encode(payload, transport.rank, "send", opts, _prefix(n))
-    transport.send(sections, peer)
+    SendPlan(transport, opts, x.shape, x.dtype).run(transport, x, opts, peer)
 
 
 def recv(transport, shape, dtype, peer, opts: Options):
-    n = 1
-    for s in shape:
-        n *= s
-    c = padded_chunk(n, 1, opts.codec.granularity)
-    sections = receive_sections(opts.codec, 1, c, transport.device)
-    transport.recv(sections, peer)
-    y = opts.codec.decode(sections, c, dtype)
-    return y.reshape(-1)[:n].view(shape)
+    return RecvPlan(transport, opts, shape, dtype).run(transport, opts, peer)
 
 
 def collected_stats(opts: Options) -> dict[str, HopStats]:

@@ -17,6 +17,7 @@ import math
 import operator
 import sys
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
@@ -62,6 +63,8 @@ _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # (-1 for send / recv): ranks that disagree on it are out of step (one of them failed or
 # skipped a call that the others made).
 _MAX_DIMS = 8
+# Kinds of call whose plans a communicator keeps (least recently used dropped first).
+PLAN_CACHE_SIZE = 64
 _SIG_LEN = 7 + _MAX_DIMS
 _CALL = 4
 
@@ -130,6 +133,7 @@ class Communicator:
         self.validate = validate
         self.error_feedback = ErrorFeedback()
         self._validated: set[tuple] = set()
+        self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()  # kind of call -> plan
         self._calls = 0  # collectives made: the default stochastic-rounding step
         self._sends = 0
 
@@ -243,8 +247,10 @@ class Communicator:
 
     def close(self) -> None:
         """Stop the NCCL watchdog and destroy the NCCL communicator (nothing to release over
-        gloo); no collective may follow on an NCCL communicator.  A p2p communicator's close is
-        collective: every rank waits for its kernels, the ranks meet, and the buffers go."""
+        gloo), and drop the plans and the buffers they keep; no collective may follow on an
+        NCCL communicator.  A p2p communicator's close is collective: every rank waits for its
+        kernels, the ranks meet, and the buffers go."""
+        self._plans.clear()  # and with them the buffers they keep
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
@@ -352,14 +358,28 @@ class Communicator:
         """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``.
         ``like``: a tensor or CuPy array whose kind and stream the result follows (default: a
         torch tensor on this communicator's device)."""
+        kind = ("recv", shape, dtype, src, codec)
+        entry = self._planned(kind) if like is None and type(src) is int else None
+        if entry is not None:
+            plan = entry.plan
+            if self._needs_check(entry):
+                self._validate_p2p("recv", plan.shape, plan.dtype, plan.codec, "nearest", src)
+                entry.validated = entry.validated or self._validated_for_good()
+            try:
+                return plan.run(self.transport, collectives.Options(plan.codec), src)
+            except CommPeerError as err:
+                _reraise_with_op(err, "recv")
         shape = _shape(shape, "recv: shape")
         dtype = _torch_dtype(dtype, "recv")
         opts = collectives.Options(get_codec(codec))
         src = self._check_peer(src, "recv: src")
         with _stream_of(like) as back:
             self._validate_p2p("recv", shape, dtype, opts.codec, "nearest", src)
+            plan = collectives.RecvPlan(self.transport, opts, shape, dtype)
+            if like is None:
+                self._keep_plan(kind, plan)
             try:
-                y = collectives.recv(self.transport, shape, dtype, src, opts)
+                y = plan.run(self.transport, opts, src)
             except CommPeerError as err:
                 _reraise_with_op(err, "recv")
             return back(y)
@@ -398,6 +418,25 @@ class Communicator:
             call = -1
             default_step = self._sends
             self._sends += 1
+        kind = None
+        if type(x) is torch.Tensor:
+            # A torch tensor in a kind of call made before: its plan, if the per-call values
+            # are plain ints in range (anything else goes the full way, which checks it).
+            kind = (op, codec, rounding, ef_name, stats, peer, total_dim0, x.shape, x.dtype,
+                    x.device)  # fmt: skip
+            entry = self._planned(kind)
+            if (
+                entry is not None
+                and type(seed) is int
+                and 0 <= seed < SEED_LIMIT
+                and (step is None or (type(step) is int and 0 <= step < STEP_LIMIT))
+                and (peer is None or type(peer) is int)
+                and (total_dim0 is None or type(total_dim0) is int)
+            ):
+                if step is None:
+                    step = (call if peer is None else default_step) % STEP_LIMIT
+                return self._run_planned(entry, op, x, rounding, seed, step, ef_name, stats,
+                                         peer, total_dim0, call)  # fmt: skip
         codec = get_codec(codec)
         check_options(rounding, seed, step, ef_name)
         seed = operator.index(seed)
@@ -411,30 +450,98 @@ class Communicator:
         with _stream_of(x) as back:
             t = back.tensor
             self._check_input(op, t)
-            if peer is not None:
-                self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
-            elif op == "all_gather":
-                self._validate_all_gather(t, codec, rounding, total_dim0, call)
-            else:
-                self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding, call)
+            self._validate_call(op, t, codec, rounding, peer, total_dim0, call)
             opts = collectives.Options(
                 codec, rounding, seed, step, self.error_feedback if ef_name else None,
                 ef_name, stats,
             )  # fmt: skip
-            fn = getattr(collectives, op)
+            extra = (total_dim0,) if op == "all_gather" else ()
+            plan = collectives.PLANS[op](self.transport, opts, t.shape, t.dtype, *extra)
+            if type(x) is torch.Tensor:  # CuPy arrays come through _stream_of: not kept
+                self._keep_plan(kind, plan)
             try:
                 if op == "send":
-                    fn(self.transport, t, peer, opts)
+                    plan.run(self.transport, t, opts, peer)
                     out = None
-                elif op == "all_gather":
-                    out = back(fn(self.transport, t, opts, total_dim0))
                 else:
-                    out = back(fn(self.transport, t, opts))
+                    out = back(plan.run(self.transport, t, opts))
             except CommPeerError as err:
                 _reraise_with_op(err, op)
             if stats:
                 return out, collectives.collected_stats(opts)
             return out
+
+    # -- plans: the host work of a kind of call done once (collectives.py)
+
+    def _planned(self, kind):
+        """The kept plan of this kind of call, or None (also for arguments that cannot be
+        hashed: the checks of the full path name them)."""
+        try:
+            entry = self._plans.get(kind)
+        except TypeError:
+            return None
+        if entry is not None:
+            self._plans.move_to_end(kind)
+        return entry
+
+    def _keep_plan(self, kind, plan):
+        try:
+            self._plans[kind] = _PlanEntry(plan, self._validated_for_good())
+        except TypeError:
+            return
+        while len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
+
+    def _validated_for_good(self):
+        """Whether the check just made leaves this kind of call in ``_validated`` (it is then
+        never checked again under validate="first")."""
+        return (
+            self.control_group is not None
+            and self.validate != "never"
+            and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        )
+
+    def _needs_check(self, entry):
+        """Whether a call of a planned kind must go through ``_validate_call`` (what
+        ``_should_validate`` would say, without computing the signature)."""
+        if self.control_group is None:
+            return False
+        if self.transport.always_validate or self.validate == "always":
+            return True
+        return self.validate == "first" and not entry.validated
+
+    def _run_planned(self, entry, op, x, rounding, seed, step, ef_name, stats, peer, total_dim0,
+                     call):  # fmt: skip
+        """A call of a kind made before: its arguments were checked then, and everything the
+        checks read is in the plan's key; seed and step, which are not, were checked by the
+        caller.  The ranks' comparison runs as ``validate`` says."""
+        plan = entry.plan
+        if self._needs_check(entry):
+            self._validate_call(op, x, plan.codec, rounding, peer, total_dim0, call)
+            entry.validated = entry.validated or self._validated_for_good()
+        opts = collectives.Options(
+            plan.codec, rounding, seed, step, self.error_feedback if ef_name else None, ef_name,
+            stats,
+        )  # fmt: skip
+        try:
+            if peer is not None:
+                plan.run(self.transport, x, opts, peer)
+                out = None
+            else:
+                out = plan.run(self.transport, x, opts)
+        except CommPeerError as err:
+            _reraise_with_op(err, op)
+        if stats:
+            return out, collectives.collected_stats(opts)
+        return out
+
+    def _validate_call(self, op, t, codec, rounding, peer, total_dim0, call):
+        if peer is not None:
+            self._validate_p2p(op, tuple(t.shape), t.dtype, codec, rounding, peer)
+        elif op == "all_gather":
+            self._validate_all_gather(t, codec, rounding, total_dim0, call)
+        else:
+            self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding, call)
 
     def _check_input(self, op, t):
         if t.dtype not in _DTYPES:
@@ -559,6 +666,15 @@ class Communicator:
             raise ValueError(f"send/recv between ranks {self.rank} and {peer} disagree "
                              "(row 0: sender, row 1: receiver):\n" + _describe(rows))  # fmt: skip
         self._validated.add(key)
+
+
+class _PlanEntry:
+    """A kept plan, and whether its kind of call is in ``Communicator._validated``."""
+
+    __slots__ = ("plan", "validated")
+
+    def __init__(self, plan, validated):
+        self.plan, self.validated = plan, validated
 
 
 class CapturedCollective:

@@ -24,6 +24,8 @@ from ._transport import CommConnectionError, CommTimeoutError, Transport, rerais
 _POLL_INTERVAL_S = 1e-4
 # How often the watchdog looks at the oldest unfinished transfer.
 _WATCHDOG_INTERVAL_S = 1e-3
+# Stream objects kept for the watchdog's event records (all dropped when there are more).
+_STREAM_OBJECTS = 16
 
 
 def _relax_capture_mode():
@@ -63,6 +65,10 @@ class NcclTransport(Transport):
     Collective: every rank of the group must construct it, each with its own device.
     """
 
+    #: all_to_all takes a send section of one row as meant for every peer (sent from where it
+    #: is, no repeated copy made)
+    broadcast_rows = True
+
     def __init__(self, control_group, device, timeout_s=300.0, watchdog=True):
         nccl = _nccl()
         self._nccl = nccl
@@ -99,6 +105,10 @@ class NcclTransport(Transport):
         # that never comes; ``_host_since`` is when the call now inside a group began.
         self._watchdog = watchdog and timeout_s is not None
         self._pending = collections.deque()
+        # Events the watchdog saw complete, recorded again by later calls (an event is only
+        # re-recorded once its previous record has completed and left the queue).
+        self._spare_events = collections.deque()
+        self._stream_objects = {}  # raw stream handle -> torch.cuda.Stream (_stream_object)
         self._failed = None  # why the communicator was aborted
         self._failure = CommTimeoutError  # the error later calls raise then
         self._closing = False
@@ -108,7 +118,20 @@ class NcclTransport(Transport):
     def _stream(self):
         if self._failed is not None:
             raise self._failure(self._failed)
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # torch's current stream on this device as a raw handle (no Stream object made)
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
+    def _stream_object(self):
+        """torch's current stream on this device as a ``torch.cuda.Stream``, made once per
+        stream (``torch.cuda.current_stream`` builds a new object, in Python, every call)."""
+        streams = self._stream_objects
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = streams.get(raw)
+        if stream is None:
+            if len(streams) >= _STREAM_OBJECTS:
+                streams.clear()
+            stream = streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
 
     def _start_watchdog(self):
         if self._watchdog and self._thread is None:
@@ -138,8 +161,11 @@ class NcclTransport(Transport):
     def _watch(self):
         if not self._watchdog or torch.cuda.is_current_stream_capturing():
             return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        try:
+            event = self._spare_events.popleft()
+        except IndexError:
+            event = torch.cuda.Event()
+        event.record(self._stream_object())
         self._pending.append(event)
 
     def _watch_loop(self):
@@ -164,7 +190,7 @@ class NcclTransport(Transport):
             if event is not head:
                 head, since = event, time.monotonic()
             if event.query():
-                self._pending.popleft()
+                self._spare_events.append(self._pending.popleft())
                 continue
             if time.monotonic() - since > self.timeout_s:
                 self._abort(
@@ -180,20 +206,28 @@ class NcclTransport(Transport):
         self.comm.abort()
 
     def all_to_all(self, pairs):
-        stream, comm, u8 = self._stream(), self.comm, self._uint8
+        stream, comm, u8, rank = self._stream(), self.comm, self._uint8, self.rank
+        # Row p of a send section starts p row strides in (a one-row section: the same row for
+        # every peer, ``broadcast_rows``); receive sections are contiguous.
+        rows, own_send, own_recv = [], [], []
         for send, recv in pairs:
-            # A rank's own row is a device copy on the same stream, not an NCCL self-send.
-            recv[self.rank].copy_(send[self.rank])
+            b = recv.shape[1]
+            if b == 0:
+                continue
+            step = send.stride(0) if send.shape[0] > 1 else 0
+            rows.append((send.data_ptr(), step, recv.data_ptr(), b))
+            own_send.append(send[rank if step else 0])
+            own_recv.append(recv[rank])
+        # A rank's own rows: device copies on the same stream (not NCCL self-sends), all
+        # sections in one launch.
+        if own_recv:
+            torch._foreach_copy_(own_recv, own_send)
         with self._group():
-            for send, recv in pairs:
-                b = send.shape[1]
-                if b == 0:
-                    continue
+            for send_ptr, step, recv_ptr, b in rows:
                 for p in range(self.world_size):
-                    if p == self.rank:
-                        continue
-                    comm.send(send[p].data_ptr(), b, u8, p, stream)
-                    comm.recv(recv[p].data_ptr(), b, u8, p, stream)
+                    if p != rank:
+                        comm.send(send_ptr + p * step, b, u8, p, stream)
+                        comm.recv(recv_ptr + p * b, b, u8, p, stream)
 
     def all_gather(self, pairs):
         stream, comm, u8 = self._stream(), self.comm, self._uint8

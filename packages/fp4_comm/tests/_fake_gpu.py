@@ -1,0 +1,161 @@
+"""A communicator on a pretend GPU, for the host path of the collectives without a GPU.
+
+``fake_gpu_communicator(world)`` is rank 0 of ``world`` ranks: every torch tensor pretends to
+live on ``cuda:0`` (fp4_kernels' ``tests/_fake_cuda.py``: checks, launch plans, allocation on
+the CPU and argument packing run as on a GPU, kernel launches are recorded or dropped), the
+transport is the real ``NcclTransport`` over ``NullNccl``, a stand-in for ``cupy.cuda.nccl``
+that records each call and moves no byte, and the argument checks' exchanges over the control
+group answer as if every rank agreed.  Nothing waits for a peer, so it measures and checks the
+host work of one rank's calls: what they queue, what they allocate, what they check.
+
+Used by ``test_fp4_comm_plans.py`` and ``benchmarks/comm_host_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "fp4_kernels", "tests"))  # fmt: skip
+from _fake_cuda import Recorder, fake_cuda  # noqa: E402
+
+from fp4_comm import Communicator, codecs  # noqa: E402
+from fp4_comm.nccl import NcclTransport  # noqa: E402
+
+#: the fake's raw handle of torch's current stream on cuda:0 (``_fake_cuda.Recorder.stream``)
+FAKE_STREAM = Recorder().stream(0)
+
+
+class NullNccl:
+    """``cupy.cuda.nccl`` and one communicator of it: each call recorded as (name, args...) in
+    ``calls`` (pointers, byte counts, peers), none moves a byte."""
+
+    NCCL_UINT8 = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def groupStart(self):  # noqa: N802 - cupy's names
+        self.calls.append(("groupStart",))
+
+    def groupEnd(self):  # noqa: N802
+        self.calls.append(("groupEnd",))
+
+    def send(self, ptr, count, dtype, peer, stream):
+        self.calls.append(("send", ptr, count, peer, stream))
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        self.calls.append(("recv", ptr, count, peer, stream))
+
+    def allGather(self, send_ptr, recv_ptr, count, dtype, stream):  # noqa: N802
+        self.calls.append(("allGather", send_ptr, recv_ptr, count, stream))
+
+
+class ControlGroup:
+    """The gloo control group's exchanges, answered as if every rank agreed; ``exchanges``
+    counts them (one per argument check)."""
+
+    def __init__(self, world):
+        self.world = world
+        self.exchanges = 0
+        self._sent = None
+
+    def all_gather(self, out, mine, group=None):
+        self.exchanges += 1
+        out.view(self.world, -1).copy_(mine)
+
+    def send(self, t, dst, group=None):
+        self.exchanges += 1
+        self._sent = t.clone()
+
+    def recv(self, t, src, group=None):
+        # a receiver checked before any send of the same kind has nothing to compare with
+        # here; the fake hands it back its own signature only once one was sent
+        if self._sent is None:
+            raise RuntimeError("fake control group: recv before any send")
+        t.copy_(self._sent)
+
+
+class _FakeEvent:
+    """``torch.cuda.Event`` of the NCCL watchdog: recorded, never queried here."""
+
+    def record(self, stream=None):
+        pass
+
+
+class _FakeStream:
+    """``torch.cuda.current_stream(device)``."""
+
+    def __init__(self, device=None):
+        self.cuda_stream = FAKE_STREAM
+
+
+class _NoQueue(list):
+    """The watchdog's queues, which no thread drains here (events are dropped)."""
+
+    def append(self, item):
+        pass
+
+    def popleft(self):
+        raise IndexError
+
+
+@contextlib.contextmanager
+def fake_gpu_communicator(world, rank=0, validate="first", recorder=None):
+    """(Communicator, NullNccl, ControlGroup, Recorder) of rank ``rank`` of ``world`` ranks on a
+    pretend ``cuda:0``; ``recorder``: fp4_kernels' launch recorder (default: launches dropped)."""
+    null = NullNccl()
+    transport = NcclTransport.__new__(NcclTransport)  # no CuPy, no process group
+    transport._nccl = transport.comm = null
+    transport._uint8 = null.NCCL_UINT8
+    transport.rank, transport.world_size, transport.timeout_s = rank, world, 60.0
+    transport.device = torch.device("cuda", 0)
+    # The watchdog records its event per transfer; its thread, which would query them, is not
+    # started (a placeholder stands in for it).
+    transport._watchdog, transport._failed, transport._thread = True, None, object()
+    transport._pending, transport._spare_events = _NoQueue(), _NoQueue()
+    transport._stream_objects = {}
+    transport._closing = False
+    control = ControlGroup(world)
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name, _MISSING)))
+        setattr(obj, name, value)
+
+    recorder = recorder or Recorder(keep=False)
+    with fake_cuda(recorder):
+        patch(torch.cuda, "is_available", lambda: True)
+        patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+        patch(torch.cuda, "Event", _FakeEvent)
+        patch(torch.cuda, "current_stream", _FakeStream)
+        patch(dist, "all_gather_single", control.all_gather)
+        patch(dist, "send", control.send)
+        patch(dist, "recv", control.recv)
+        patch(dist, "get_global_rank", lambda group, rank: rank)
+        patch(codecs, "_ONES", {})  # its 1.0 made on the pretend device, dropped afterwards
+        patch(torch, "ones", _host_ones(torch.ones))
+        try:
+            comm = Communicator(transport, control_group=control, validate=validate)
+            yield comm, null, control, recorder
+        finally:
+            for obj, name, value in reversed(saved):
+                if value is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
+def _host_ones(real):
+    def ones(*shape, device=None, **kw):
+        return real(*shape, **kw)
+
+    return ones

@@ -1,0 +1,280 @@
+"""The collectives' plans (``collectives.py``) and the communicator's cache of them.
+
+On a pretend GPU (``_fake_gpu``: one rank, an NCCL stand-in that moves nothing): what a planned
+call queues (no copy of NVFP4's tensor scale, one launch for a rank's own rows), that it reuses
+its receive buffers on one stream and only there (not on another stream, not under CUDA-graph
+capture, never where a result is a view of them), that validate="first" checks each kind of
+call once, that the cache is bounded, and that per-call values still get checked.
+
+Over the threaded host-memory NCCL stand-in (``test_fp4_comm_nccl_transport``), which moves
+the bytes: results of a call are not overwritten by the next call of its kind, and the
+reduce-scatter's sum rounded once to a 16-bit dtype equals the reference for 2 and 4 ranks.
+The gloo tests (``test_fp4_comm_collectives``) run the same plans against the references.
+"""
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+import torch
+from _fake_gpu import FAKE_STREAM, fake_gpu_communicator
+from test_fp4_comm_collectives import FP4QUANT, _inputs, reference_reduce_scatter
+from test_fp4_comm_nccl_transport import _on_threads, _transports
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp4_comm import Communicator, collectives, communicator
+from fp4_comm.codecs import get_codec
+
+
+class _TorchOps(TorchDispatchMode):
+    """The torch ops that queue device work (kernels, copies), by name; views and
+    allocations left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        view = returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        if not (view or func.__name__.startswith("empty")):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _recv_pointers(null):
+    """The receive addresses of the NCCL calls recorded so far, then forgets them."""
+    ptrs = [c[1] for c in null.calls if c[0] == "recv"]
+    ptrs += [c[2] for c in null.calls if c[0] == "allGather"]
+    null.calls.clear()
+    return ptrs
+
+
+@contextlib.contextmanager
+def _current_stream(handle):
+    saved = torch._C._cuda_getCurrentRawStream
+    torch._C._cuda_getCurrentRawStream = lambda device: handle
+    try:
+        yield
+    finally:
+        torch._C._cuda_getCurrentRawStream = saved
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planned_nvfp4_all_reduce_queues_no_copy_of_the_tensor_scale(world):
+    x = torch.randn(world * 8, 64)
+    with fake_gpu_communicator(world) as (comm, null, _, _):
+        comm.all_reduce(x)  # plans made
+        null.calls.clear()
+        with _TorchOps() as ops:
+            comm.all_reduce(x)
+    # each rank's own rows of the three sections: one launch; the decodes' 1/S products (two
+    # hops) and the rank-order float32 adds; the tensor scale goes out as the quantizer wrote
+    # it (4 bytes sent to every peer), not repeated per chunk by a copy
+    adds = {"add": 1} if world == 2 else {"add": 1, "add_": world - 2}
+    assert ops.ops == {"_foreach_copy_": 1, "mul_": 2, **adds}
+    sends = [c for c in null.calls if c[0] == "send"]
+    assert len(sends) == 3 * (world - 1)
+    scale_sends = {c[1] for c in sends if c[2] == 4}
+    assert len(scale_sends) == 1  # the same 4 bytes to every peer
+    assert [c[0] for c in null.calls].count("groupEnd") == 2
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", FP4QUANT])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_receive_buffers_are_kept_per_stream_and_not_under_capture(op, codec):
+    x = torch.randn(16, 48)
+    with fake_gpu_communicator(2) as (comm, null, _, _):
+        call = getattr(comm, op)
+        call(x, codec=codec)
+        first = _recv_pointers(null)
+        call(x, codec=codec)
+        assert _recv_pointers(null) == first  # the same stream: the same buffers
+        with _current_stream(FAKE_STREAM + 1):
+            call(x, codec=codec)
+            other = _recv_pointers(null)
+            call(x, codec=codec)
+            assert _recv_pointers(null) == other
+        assert set(other).isdisjoint(first)  # another stream: buffers of its own
+        call(x, codec=codec)
+        assert _recv_pointers(null) == first  # the first stream's are still there
+        torch.cuda.is_current_stream_capturing = lambda: True
+        call(x, codec=codec)
+        captured = _recv_pointers(null)
+        assert set(captured).isdisjoint(first + other)  # a capture allocates its own
+
+
+@pytest.mark.parametrize(
+    ("codec", "dtype"), [("none", torch.bfloat16), ("none-float32", torch.float32)]
+)
+def test_buffers_that_results_view_are_not_kept(codec, dtype):
+    # decode of a wire dtype equal to the result's returns a view of the receive buffer: a
+    # kept buffer would be overwritten by the next call while the earlier result lives on
+    x = torch.randn(16, 48).to(dtype)
+    with fake_gpu_communicator(2) as (comm, null, _, _):
+        y1 = comm.all_gather(x, codec=codec)
+        first = _recv_pointers(null)
+        y2 = comm.all_gather(x, codec=codec)
+        assert set(_recv_pointers(null)).isdisjoint(first)
+        del y1, y2
+
+
+def test_validate_first_checks_each_kind_of_call_once():
+    x, x2 = torch.randn(8, 32), torch.randn(4, 32)
+    with fake_gpu_communicator(2) as (comm, _, control, _):
+        for expected in (1, 0, 0):
+            before = control.exchanges
+            comm.all_reduce(x)
+            assert control.exchanges - before == expected
+        comm.all_reduce(x2)  # another shape: another kind of call, checked once
+        comm.all_reduce(x2)
+        comm.all_reduce(x, codec="mxfp4")
+        assert control.exchanges == 3
+        comm.validate = "always"
+        comm.all_reduce(x)
+        comm.all_reduce(x)
+        assert control.exchanges == 5
+    with fake_gpu_communicator(2, validate="never") as (comm, _, control, _):
+        comm.all_reduce(x)
+        comm.all_reduce(x)
+        assert control.exchanges == 0
+        comm.validate = "first"  # planned under "never": not checked yet, so checked now
+        comm.all_reduce(x)
+        comm.all_reduce(x)
+        assert control.exchanges == 1
+
+
+def test_the_plan_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(communicator, "PLAN_CACHE_SIZE", 3)
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        for rows in (2, 4, 6, 8, 2):
+            comm.all_reduce(torch.randn(rows, 16))
+        assert len(comm._plans) == 3
+        assert [k[7][0] for k in comm._plans] == [6, 8, 2]  # least recently used dropped
+
+
+def test_per_call_values_of_a_planned_kind_are_still_checked():
+    x = torch.randn(8, 32)
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        comm.all_reduce(x, seed=1, step=2)
+        comm.send(x, 1)
+        with pytest.raises(ValueError, match="seed"):
+            comm.all_reduce(x, seed=2**64)
+        with pytest.raises(ValueError, match="step"):
+            comm.all_reduce(x, step=-1)
+        with pytest.raises(TypeError, match="seed"):
+            comm.all_reduce(x, seed=1.0)
+        with pytest.raises(TypeError, match="dst"):
+            comm.send(x, True)  # equal to 1 as a dict key, but no rank
+        comm.all_reduce(x, seed=np.uint64(1), step=np.int32(2))  # the full way: accepted
+
+
+# ---------------------------------------------------------------------- bytes that move
+
+
+def _communicators(world):
+    return [Communicator(t, control_group=None, validate="never") for t in _transports(world)]
+
+
+CALLS = {
+    "all_reduce": lambda comm, x, codec: comm.all_reduce(x, codec=codec),
+    "reduce_scatter": lambda comm, x, codec: comm.reduce_scatter(x, codec=codec),
+    "all_gather": lambda comm, x, codec: comm.all_gather(x, codec=codec),
+}
+
+
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", FP4QUANT, "none", "none-float32"])
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_results_survive_the_next_call_of_their_kind(op, codec):
+    world = 2
+    first, second = _inputs(world, (4, 64), seed=3), _inputs(world, (4, 64), seed=4)
+    comms = _communicators(world)
+    call = CALLS[op]
+
+    def run(rank):
+        y1 = call(comms[rank], first[rank], codec)
+        kept = y1.clone()
+        y2 = call(comms[rank], second[rank], codec)
+        return y1, kept, y2
+
+    results = _on_threads(world, run)
+    # ranks whose call is the first of its kind (its plan made anew)
+    anew = _communicators(world)
+    fresh = _on_threads(world, lambda r: call(anew[r], second[r], codec))
+    for (y1, kept, y2), y2_fresh in zip(results, fresh, strict=True):
+        assert torch.equal(y1.view(torch.int32), kept.view(torch.int32))
+        assert torch.equal(y2.view(torch.int32), y2_fresh.view(torch.int32))
+
+
+@pytest.mark.parametrize("codec", ["none-float32", "nvfp4"])
+@pytest.mark.parametrize("shape", [(4, 64), (3, 5)])
+def test_results_start_where_their_storage_starts(codec, shape):
+    # A "none-float32" result of float32 input is a view of the receive buffer; DDP's reducer
+    # views a comm hook's result with absolute storage offsets, so it must start at offset 0
+    # (also where the input needs padding, and the buffer holds a padded copy of it too).
+    xs = _inputs(2, shape, seed=6)
+    comms = _communicators(2)
+
+    def run(rank):
+        comm = comms[rank]
+        results = [comm.all_reduce(xs[rank], codec=codec)]
+        results.append(comm.reduce_scatter(xs[rank], codec=codec))
+        results.append(comm.all_gather(xs[rank], codec=codec))
+        return [y.storage_offset() for y in results]
+
+    for offsets in _on_threads(2, run):
+        assert offsets == [0, 0, 0]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "send", "recv"])
+@pytest.mark.parametrize("codec", ["none", "nvfp4"])
+def test_every_buffer_of_a_plan_starts_on_a_section_boundary(op, codec):
+    # receive sections are viewed as float32 (NVFP4's 1/S, "none-float32" values) and keyed
+    # by fp4_kernels' plans on their alignment; a bfloat16 staging copy of 3 x 5 elements
+    # (30 bytes) must not push what follows it off the boundary
+    transport = types.SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
+    opts = collectives.Options(get_codec(codec))
+    extra = (None,) if op == "all_gather" else ()
+    plan = collectives.PLANS[op](transport, opts, (3, 5), torch.bfloat16, *extra)
+    starts = []
+    for part in plan._parts:
+        starts += [part[1]] if part[0] == "stage" else [o for o, _ in part[1]]
+    assert all(o % collectives.SECTION_ALIGN_BYTES == 0 for o in starts)
+
+
+def test_messages_survive_the_next_send():
+    x1, x2 = _inputs(2, (3, 40), seed=5)
+    comms = _communicators(2)
+
+    def run(rank):
+        if rank == 0:
+            comms[0].send(x1, 1, codec="nvfp4")
+            comms[0].send(x2, 1, codec="nvfp4")
+            return None
+        y1 = comms[1].recv(x1.shape, x1.dtype, 0, codec="nvfp4")
+        kept = y1.clone()
+        y2 = comms[1].recv(x1.shape, x1.dtype, 0, codec="nvfp4")
+        return y1, kept, y2
+
+    y1, kept, y2 = _on_threads(2, run)[1]
+    assert torch.equal(y1, kept)
+    codec = get_codec("nvfp4")
+    for x, y in ((x1, y1), (x2, y2)):
+        payload = torch.nn.functional.pad(x.reshape(1, -1), (0, 8))
+        sections = codec.encode(payload, seed=collectives.rank_seed(0, 0, "send"))
+        assert torch.equal(y, codec.decode(sections, 128)[0, :120].reshape(3, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("world", "shape"), [(2, (6, 32)), (4, (7, 33)), (4, (8, 16))])
+def test_reduce_scatter_rounds_the_float32_sum_once(world, shape, dtype):
+    xs = _inputs(world, shape, seed=world + shape[0], dtype=dtype)
+    comms = _communicators(world)
+    got = _on_threads(world, lambda r: comms[r].reduce_scatter(
+        xs[r], codec="nvfp4", rounding="stochastic", seed=2, step=7))  # fmt: skip
+    ref = reference_reduce_scatter(xs, "nvfp4", "stochastic", 2, 7)
+    for j in range(world):
+        assert got[j].dtype == dtype and got[j].shape == ref[j][0].shape
+        assert torch.equal(got[j].view(torch.int16), ref[j][0].view(torch.int16))
