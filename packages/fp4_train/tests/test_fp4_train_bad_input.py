@@ -721,6 +721,59 @@ REJECTED = [
         id="sw/load-missing-residuals",
     ),
     pytest.param(
+        lambda: _sw_adamw().load_state_dict(_sw().state_dict()),
+        ValueError,
+        r"^state\['optimizer'\] was saved by an optimizer of class SGD, but this "
+        r"FP4StoredWeights wraps one of class AdamW",
+        id="sw/load-sgd-into-adamw",
+    ),
+    pytest.param(
+        # a state without the class name (as a hand-made one): the groups give it away
+        lambda: _sw_adamw().load_state_dict(_without_class(_sw().state_dict())),
+        ValueError,
+        r"^state\['optimizer'\] has parameter groups without 'betas', 'eps', which "
+        r"AdamW.step\(\) needs.*'momentum'",
+        id="sw/load-sgd-groups-into-adamw",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_without_class(_sw_adamw().state_dict())),
+        ValueError,
+        r"without 'dampening', .*'momentum', .*which SGD.step\(\) needs",
+        id="sw/load-adamw-groups-into-sgd",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "step_count": 2.9}),
+        TypeError,
+        r"^state\['step_count'\]: expected an integer, got float",
+        id="sw/load-step-count-float",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "step_count": -7}),
+        ValueError,
+        r"^state\['step_count'\]: -7 is negative",
+        id="sw/load-step-count-negative",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "optimizer": [1]}),
+        ValueError,
+        r"^state\['optimizer'\]: expected the dict that torch.optim.Optimizer.state_dict",
+        id="sw/load-optimizer-list",
+    ),
+    pytest.param(
+        lambda: _unattached_linear()(X),
+        RuntimeError,
+        r"^a parameter that FP4StoredWeights released was used.*"
+        r"Call FP4StoredWeights.attach\(model\) once.*mat2 must be a matrix",
+        id="sw/forward-without-attach",
+    ),
+    pytest.param(
+        lambda: _unattached_linear(torch.optim.AdamW).weight.add_(1.0),
+        RuntimeError,
+        r"^a parameter that FP4StoredWeights released .*FP4StoredWeights.step\(\), not the "
+        r"wrapped optimizer's own step\(\)",
+        id="sw/released-parameter-updated",
+    ),
+    pytest.param(
         lambda: _attached_linear().load_state_dict(
             torch.nn.Linear(32, 16).state_dict(), assign=True
         ),
@@ -747,6 +800,20 @@ def _attached_linear():
     model = torch.nn.Linear(32, 16)
     FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1)).attach(model)
     return model
+
+
+def _unattached_linear(optimizer=torch.optim.SGD):
+    model = torch.nn.Linear(32, 16)
+    model.fp4 = FP4StoredWeights(optimizer(model.parameters(), lr=0.1))  # kept alive, no attach
+    return model
+
+
+def _sw_adamw(**kw):
+    return FP4StoredWeights(torch.optim.AdamW([_param(32, 32)], lr=0.1), **kw)
+
+
+def _without_class(state):
+    return {k: v for k, v in state.items() if k != "optimizer_class"}
 
 
 @pytest.mark.parametrize("call, error, message", REJECTED)
@@ -877,6 +944,72 @@ def test_policy_stored_weights_nan_weight_makes_its_block_nan():
     p = torch.nn.Parameter(w)
     _sw([p], rounding="nearest", release=False)
     assert bool(p[0].isnan().all()) and bool(p[1].isfinite().all())
+
+
+def _trained(opt, model, steps=2):
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.linspace(-1, 1, 64).view(2, 32) * (i + 1)).square().sum().backward()
+        opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    """Every part of ``opt``'s state, as nested plain values and tensors."""
+    return opt.state_dict(), [(p.dtype, tuple(p.shape), type(p)) for p in opt.params]
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _ef_pair(optimizer=torch.optim.AdamW):
+    """Two error-feedback FP4StoredWeights over models of one shape, trained 1 and 3 steps."""
+    models = [torch.nn.Linear(32, 16) for _ in range(2)]
+    opts = []
+    for model, steps in zip(models, (1, 3), strict=True):
+        opt = FP4StoredWeights(optimizer(model.parameters(), lr=0.05), rounding="error_feedback")
+        opt.attach(model)
+        opts.append(_trained(opt, model, steps))
+    return models, opts
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        # each passes every check before the optimizer part, which torch or FP4StoredWeights
+        # then refuses: the residuals, seed and step count had been replaced by then
+        lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups": []}},
+        lambda s: {**s, "optimizer_class": "SGD"},
+        lambda s: {**_without_class(s), "optimizer": _ef_pair(torch.optim.SGD)[1][1]
+                   .state_dict()["optimizer"]},
+        lambda s: {**s, "optimizer": None},
+    ],
+    ids=["group-count", "class", "sgd-groups", "none"],
+)  # fmt: skip
+def test_failed_load_leaves_the_stored_weights_unchanged(corrupt):
+    (model, _), (opt, other) = _ef_pair()
+    bad = corrupt(other.state_dict())
+    assert bad["step_count"] != opt.step_count
+    before = _snapshot(opt)
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    assert _same(_snapshot(opt), before)
+    _trained(opt, model, steps=1)  # and it trains on
+
+
+def test_a_refused_sgd_state_leaves_adamw_working():
+    (model, _), (opt, _) = _ef_pair()
+    sgd_state = _ef_pair(torch.optim.SGD)[1][1].state_dict()
+    with pytest.raises(ValueError, match="which AdamW.step"):
+        opt.load_state_dict(_without_class(sgd_state))
+    _trained(opt, model, steps=1)  # before the check: KeyError: 'betas'
 
 
 # -- the CUDA path ----------------------------------------------------------------------------

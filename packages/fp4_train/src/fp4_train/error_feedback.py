@@ -229,7 +229,14 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict``; ValueError if it was saved with another format or rounding,
-        or is not an ``ErrorFeedback.state_dict()``."""
+        or is not an ``ErrorFeedback.state_dict()`` (nothing changes then)."""
+        self._assign(self._checked_state(state))
+
+    def _assign(self, checked):
+        self.seed, self._residuals, self._steps = checked
+
+    def _checked_state(self, state):
+        """(seed, residuals, steps) of ``state``, checked and copied; this object unchanged."""
         _require_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
         for key in ("fmt", "rounding"):
             if state[key] != getattr(self, key):
@@ -245,7 +252,7 @@ class ErrorFeedback:
         steps = {
             k: check_step(v, f"state['steps'][{k!r}]") for k, v in state.get("steps", {}).items()
         }
-        self.seed, self._residuals, self._steps = seed, residuals, steps
+        return seed, residuals, steps
 
 
 def _require_keys(state, keys, what):
