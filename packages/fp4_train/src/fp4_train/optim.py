@@ -35,7 +35,14 @@ import torch
 import fp4_kernels
 from fp4_kernels.formats import e2m1
 
-from .error_feedback import ErrorFeedback, _index, _require_keys, check_seed, philox_key
+from .error_feedback import (
+    ErrorFeedback,
+    _index,
+    _require_keys,
+    check_seed,
+    check_storage,
+    philox_key,
+)
 
 ROUNDINGS = e2m1.ROUNDINGS + ("error_feedback",)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -96,6 +103,7 @@ class FP4StoredWeights:
         self.release_after_step = release
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         for i, p in enumerate(self.params):
+            check_storage(p, f"parameter {i}")
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
                     f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; FP4 storage "
@@ -122,7 +130,7 @@ class FP4StoredWeights:
     def _store(self, i, w):
         """The packed FP4 form of ``w`` (any shape): flattened, padded to whole blocks."""
         block = fp4_kernels.FORMATS[self.fmt]
-        flat = w.reshape(-1).float()
+        flat = w.reshape(-1).resolve_neg().float()
         pad = -flat.numel() % block
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
