@@ -120,7 +120,7 @@ class NoneCodec(Codec):
     granularity = 1
 
     def __init__(self, dtype: str | torch.dtype = "bfloat16") -> None:
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = _NONE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if self.dtype not in REL_HALF_ULP:
             raise ValueError(f"NoneCodec: dtype {dtype!r}: use float32, bfloat16 or float16")
         self.name = "none" if self.dtype == torch.bfloat16 else f"none-{_dtype_name(self.dtype)}"
@@ -432,6 +432,13 @@ def _encode_args(codec, x, rounding, seed, step):
     check_int(step, "step", STEP_LIMIT)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x: expected a torch tensor, got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided or x.is_meta or x.is_neg():
+        kind = "nested" if x.is_nested else "meta" if x.is_meta else "negative-view"
+        kind = str(x.layout) if x.layout not in (torch.strided, torch.jagged) else kind
+        raise TypeError(
+            f"{what}: x: a {kind} tensor; pass a dense tensor of its values (.to_dense(), "
+            ".resolve_neg(); the collectives take such views)"
+        )
     if x.dtype not in REL_HALF_ULP:
         raise TypeError(f"{what}: x: dtype {x.dtype} is not supported; use float32, bfloat16 "
                         "or float16")  # fmt: skip
@@ -480,16 +487,21 @@ def _dtype_name(dtype):
 
 
 _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
+# The dtypes of the "none-<dtype>" codecs, by the name torch gives them.
+_NONE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+#: The codec names that ``get_codec`` takes ("none" is "none-bfloat16").
+CODEC_NAMES = (*_BY_NAME, *(f"none-{name}" for name in _NONE_DTYPES))
 
 
-#: ``codec=`` of the collectives: a name ("nvfp4", "mxfp4", "none", "none-float32",
-#: "none-float16"), an ``fp4_kernels.FP4Quant`` or a ``Codec``.
+#: ``codec=`` of the collectives: a name (``CODEC_NAMES``), an ``fp4_kernels.FP4Quant`` or a
+#: ``Codec``.
 CodecSpec = str | fp4_kernels.FP4Quant | Codec
 
 
 def get_codec(spec: CodecSpec) -> Codec:
-    """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
-    / ``"none-float16"``, an ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
+    """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-bfloat16"``
+    / ``"none-float32"`` / ``"none-float16"``, an ``fp4_kernels.FP4Quant``, or a ``Codec``
+    instance (as is).  Other names (``"none-fp16"`` too: no aliases) raise ValueError."""
     if isinstance(spec, Codec):
         return spec
     if isinstance(spec, fp4_kernels.FP4Quant):
@@ -497,11 +509,11 @@ def get_codec(spec: CodecSpec) -> Codec:
     if isinstance(spec, str):
         if spec in _BY_NAME:
             return _BY_NAME[spec]()
-        if spec.startswith("none-"):
+        if spec.startswith("none-") and spec[len("none-") :] in _NONE_DTYPES:
             return NoneCodec(spec[len("none-") :])
     raise ValueError(
-        f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of 'nvfp4', 'mxfp4', "
-        "'none', 'none-float32', 'none-float16'"
+        f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of "
+        f"{', '.join(map(repr, CODEC_NAMES))}"
     )
 
 
