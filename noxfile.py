@@ -63,6 +63,10 @@ COMPILE_CHECK_MARKS = "compile_check or gpu"
 GPU_MARKS = "not compile_check"
 SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "1"}
 NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
+# The tests draw the same random inputs on every run (hypothesis derandomized, no example
+# database; fixed seeds): fp4_kernels.testing.load_test_profile.  `tests_explore` draws fresh
+# ones and keeps hypothesis's failures in .hypothesis/ to replay them.
+EXPLORE = {"FP4_TEST_PROFILE": "explore"}
 # NVLink multicast (NVLS) off for NCCL on the GPU machines, unless the caller says otherwise.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
 # Several ranks on one GPU: NCCL >= 2.30's multi-rank mode, NVLink multicast off everywhere
@@ -99,12 +103,12 @@ def _pytest(session: nox.Session, *args: str, python: str = "python", **run_kwar
     session.run(*pytest, *args, *session.posargs, **run_kwargs)
 
 
-def _simulator_tier(session: nox.Session) -> None:
-    _pytest(session, KERNELS_TESTS, "-m", SIMULATOR_MARKS, env=SIMULATOR)
+def _simulator_tier(session: nox.Session, env: dict[str, str] | None = None) -> None:
+    _pytest(session, KERNELS_TESTS, "-m", SIMULATOR_MARKS, env={**SIMULATOR, **(env or {})})
 
 
-def _compile_check_tier(session: nox.Session) -> None:
-    _pytest(session, KERNELS_TESTS, "-m", COMPILE_CHECK_MARKS, env=NO_SIMULATOR)
+def _compile_check_tier(session: nox.Session, env: dict[str, str] | None = None) -> None:
+    _pytest(session, KERNELS_TESTS, "-m", COMPILE_CHECK_MARKS, env={**NO_SIMULATOR, **(env or {})})
 
 
 def _install(session: nox.Session, what: str, *args: str) -> None:
@@ -156,16 +160,31 @@ def _install_offline(session: nox.Session) -> dict[str, str]:
     return {**NO_SIMULATOR, "PYTHONPATH": pythonpath}
 
 
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    """Every test that needs no GPU, as CI runs them: simulator, compile check, comm, train."""
+def _every_test_without_a_gpu(session: nox.Session, env: dict[str, str] | None = None) -> None:
     _install_torch_cpu(session)
     # One pip call, so pip takes fp4-kernels from ./packages and never looks for it in an index.
     what = "the three packages from ./packages and the test tools"
     _install(session, what, f"{KERNELS}[test,torch]", f"{COMM}[test]", f"{TRAIN}[test]", TORCH)
-    _simulator_tier(session)
-    _compile_check_tier(session)
-    _pytest(session, COMM_TESTS, TRAIN_TESTS)
+    _simulator_tier(session, env)
+    _compile_check_tier(session, env)
+    _pytest(session, COMM_TESTS, TRAIN_TESTS, env=env)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every test that needs no GPU, as CI runs them: simulator, compile check, comm, train.
+    The same random inputs on every run (the "ci" test profile)."""
+    _every_test_without_a_gpu(session)
+
+
+@nox.session(python=PYTHON)
+def tests_explore(session: nox.Session) -> None:
+    """`tests` with fresh random inputs on every run (the "explore" test profile).
+
+    hypothesis draws new examples and replays the failures it kept in .hypothesis/; the `rng`
+    fixture draws new seeds.  A failure worth keeping becomes an @example (or a fixed case)
+    in its test."""
+    _every_test_without_a_gpu(session, EXPLORE)
 
 
 @nox.session(python=PYTHON)

@@ -6,6 +6,12 @@ import threading
 import pytest
 from fp4_comm_cluster import Cluster
 
+from fp4_kernels.testing import load_test_profile
+
+# hypothesis derandomized and without a database unless FP4_TEST_PROFILE=explore
+# (nox -s tests_explore)
+load_test_profile()
+
 # One cluster for the session: four gloo ranks, with communicators over all four, over ranks
 # 0-2 and over ranks 0-1 (even and uneven world sizes, subgroups, one cluster to start).
 WORLD = 4

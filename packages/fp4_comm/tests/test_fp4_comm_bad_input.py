@@ -14,6 +14,7 @@ import torch
 import fp4_comm
 import fp4_kernels
 from fp4_comm import ErrorFeedback, codecs, ddp, shard_rows
+from fp4_comm.nccl import NcclTransport
 
 CODECS = ["nvfp4", "mxfp4", "none", "none-float32", fp4_kernels.FP4Quant(32)]
 
@@ -34,7 +35,12 @@ def _bad_collective_calls(comm):
             (f"{op} meta", lambda f=f: f(torch.ones(4, 32, device="meta"))),
             (f"{op} numpy", lambda f=f: f(np.ones((4, 32), np.float32))),
             (f"{op} list", lambda f=f: f([1.0, 2.0])),
+            (f"{op} nested", lambda f=f: f(_nested())),
+            (f"{op} sparse", lambda f=f: f(x.to_sparse())),
             (f"{op} codec fp5", lambda f=f: f(x, codec="fp5")),
+            (f"{op} codec none-fp16", lambda f=f: f(x, codec="none-fp16")),
+            (f"{op} codec none-bf16", lambda f=f: f(x, codec="none-bf16")),
+            (f"{op} codec none-", lambda f=f: f(x, codec="none-")),
             (f"{op} codec 4", lambda f=f: f(x, codec=4)),
             (f"{op} codec None", lambda f=f: f(x, codec=None)),
             (f"{op} rounding up", lambda f=f: f(x, rounding="up")),
@@ -77,6 +83,10 @@ def _bad_collective_calls(comm):
         ("recv 'nonsense'", lambda: comm.recv((4, 32), "nonsense", src=peer)),
         ("recv int8", lambda: comm.recv((4, 32), np.int8, src=peer)),
         ("recv codec fp5", lambda: comm.recv((4, 32), torch.float32, src=peer, codec="fp5")),
+        ("recv codec none-fp16", lambda: comm.recv((4, 32), torch.float32, src=peer,
+                                                   codec="none-fp16")),
+        ("synchronize timeout 1e-9", lambda: comm.synchronize(1e-9)),
+        ("synchronize timeout '1'", lambda: comm.synchronize("1")),
         ("recv like str", lambda: comm.recv((4, 32), torch.float32, src=peer, like="x")),
         ("capture a CPU tensor", lambda: comm.capture("all_reduce", x)),
         ("capture send", lambda: comm.capture("send", x)),
@@ -113,7 +123,12 @@ for _op in ("all_reduce", "reduce_scatter", "all_gather"):
         f"{_op} meta": ("ValueError", ["meta", "communicator on cpu"]),
         f"{_op} numpy": ("TypeError", ["torch tensor or a CuPy array", "ndarray"]),
         f"{_op} list": ("TypeError", ["torch tensor or a CuPy array", "list"]),
+        f"{_op} nested": ("TypeError", ["nested", "torch.nested.to_padded_tensor"]),
+        f"{_op} sparse": ("TypeError", ["torch.sparse_coo", ".to_dense()"]),
         f"{_op} codec fp5": ("ValueError", ["codec", "'fp5'", "'nvfp4'"]),
+        f"{_op} codec none-fp16": ("ValueError", ["codec", "'none-fp16'", "'none-float16'"]),
+        f"{_op} codec none-bf16": ("ValueError", ["codec", "'none-bf16'", "'none-bfloat16'"]),
+        f"{_op} codec none-": ("ValueError", ["codec", "'none-'", "'none-float32'"]),
         f"{_op} codec 4": ("ValueError", ["codec", "4"]),
         f"{_op} codec None": ("ValueError", ["codec", "None"]),
         f"{_op} rounding up": ("ValueError", ["rounding", "'up'", "nearest"]),
@@ -153,6 +168,9 @@ EXPECTED.update({
     "recv 'nonsense'": ("TypeError", ["dtype", "nonsense"]),
     "recv int8": ("TypeError", ["dtype", "int8"]),
     "recv codec fp5": ("ValueError", ["codec", "'fp5'"]),
+    "recv codec none-fp16": ("ValueError", ["codec", "'none-fp16'", "'none-float16'"]),
+    "synchronize timeout 1e-9": ("ValueError", ["timeout_s", "below 1 ms"]),
+    "synchronize timeout '1'": ("TypeError", ["timeout_s", "str"]),
     "recv like str": ("TypeError", ["torch tensor or a CuPy array", "str"]),
     "capture a CPU tensor": ("ValueError", ["capture", "CUDA tensor"]),
     "capture send": ("ValueError", ["capture", "'send'"]),
@@ -182,6 +200,10 @@ def test_bad_arguments_raise_a_clear_error_on_every_rank(bad_call_outcomes, case
 def test_every_bad_call_case_has_an_expectation(bad_call_outcomes):
     for out in bad_call_outcomes:
         assert set(out) == set(EXPECTED)
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.ones(2, 32), torch.ones(3, 32)], layout=torch.jagged)
 
 
 # ------------------------------------------------------------------ policies, every rank
@@ -216,6 +238,34 @@ def _run_non_contiguous(comms, codec):
 @pytest.mark.parametrize("codec", CODECS, ids=str)
 def test_non_contiguous_input_gives_the_bits_of_its_contiguous_copy(cluster, codec):
     for same in cluster.run(_run_non_contiguous, codec)[:2]:
+        assert all(same), same
+
+
+def _run_negative_view(comms, codec):
+    """Each collective of a negative view (torch._neg_view, a lazy negation) equals that of the
+    negated tensor, bit for bit (the policy: such a view is taken as the values it stands
+    for), and so does a send / recv of it."""
+    comm = comms[2]
+    if comm is None:
+        return None
+    x = torch.randn(8, 66, generator=torch.Generator().manual_seed(comm.rank))
+    view, plain = torch._neg_view(x), -x
+    assert view.is_neg()
+    same = []
+    for op in (comm.all_reduce, comm.reduce_scatter, comm.all_gather):
+        same.append(_bits(op(view, codec=codec)) == _bits(op(plain, codec=codec)))
+    if comm.rank == 0:
+        comm.send(view, dst=1, codec=codec)
+        comm.send(plain, dst=1, codec=codec)
+    else:
+        got = [comm.recv((8, 66), torch.float32, src=0, codec=codec) for _ in range(2)]
+        same.append(_bits(got[0]) == _bits(got[1]))
+    return same
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=str)
+def test_negative_views_give_the_bits_of_the_negated_tensor(cluster, codec):
+    for same in cluster.run(_run_negative_view, codec)[:2]:
         assert all(same), same
 
 
@@ -309,6 +359,16 @@ def test_non_finite_input_makes_its_block_nan_and_nothing_else(cluster, codec):
         (lambda: shard_rows(4, "2"), TypeError, ["world_size", "str"]),
         (lambda: codecs.get_codec("fp5"), ValueError, ["codec", "'fp5'"]),
         (lambda: codecs.get_codec(16), ValueError, ["codec"]),
+        (lambda: codecs.get_codec("none-fp16"), ValueError,
+         ["codec: 'none-fp16'", "'none-bfloat16', 'none-float32', 'none-float16'"]),
+        (lambda: codecs.get_codec("none-float64"), ValueError, ["codec: 'none-float64'"]),
+        (lambda: codecs.get_codec("bfloat16"), ValueError, ["codec: 'bfloat16'"]),
+        (lambda: codecs.NoneCodec("fp16"), ValueError, ["NoneCodec: dtype 'fp16'"]),
+        (lambda: codecs.NoneCodec("Tensor"), ValueError, ["NoneCodec: dtype 'Tensor'"]),
+        (lambda: NcclTransport(None, "cuda:0", timeout_s=1e-9), ValueError,
+         ["timeout_s", "below 1 ms"]),
+        (lambda: NcclTransport(None, "cuda:0", timeout_s=float("nan")), ValueError,
+         ["timeout_s"]),
         (lambda: codecs.NoneCodec("int8"), ValueError, ["int8"]),
         (lambda: codecs.NoneCodec(torch.float64), ValueError, ["float64"]),
         (lambda: codecs.FP4QuantCodec(group_size=3), ValueError, ["group_size", "3"]),
@@ -340,6 +400,11 @@ def _codec_calls(codec):
         ("encode non-contiguous", lambda: c.encode(torch.ones(4 * g, 2).t()), ValueError,
          ["contiguous"]),
         ("encode rounding up", lambda: c.encode(good, "up"), ValueError, ["rounding"]),
+        ("encode meta", lambda: c.encode(good.to("meta")), TypeError, ["a meta tensor"]),
+        ("encode nested", lambda: c.encode(_nested()), TypeError, ["a nested tensor"]),
+        ("encode sparse", lambda: c.encode(good.to_sparse()), TypeError, ["sparse_coo"]),
+        ("encode negative view", lambda: c.encode(torch._neg_view(good)), TypeError,
+         ["negative-view", ".resolve_neg()"]),
         ("encode seed -1", lambda: c.encode(good, "stochastic", -1), ValueError, ["seed"]),
         ("encode step 2**32", lambda: c.encode(good, "stochastic", 0, 2**32), ValueError,
          ["step"]),
@@ -390,6 +455,7 @@ def test_ddp_register_checks_its_options_before_the_first_backward():
     comm = fp4_comm.Communicator.__new__(fp4_comm.Communicator)  # no group needed to check
     for kwargs, kind, words in [
         ({"codec": "fp5"}, ValueError, ["codec"]),
+        ({"codec": "none-fp16"}, ValueError, ["codec", "'none-fp16'", "'none-float16'"]),
         ({"rounding": "up"}, ValueError, ["rounding"]),
         ({"seed": -1}, ValueError, ["seed"]),
         ({"seed": 0.5}, TypeError, ["seed"]),
@@ -414,6 +480,9 @@ def _run_construction(comms):
         {"timeout_s": float("nan")},
         {"timeout_s": float("inf")},
         {"timeout_s": "60"},
+        {"timeout_s": 1e-9},
+        {"timeout_s": 5e-4},
+        {"timeout_s": 1e20},
         {"validate": "sometimes"},
         {"device": "meta"},
     ):
@@ -432,6 +501,9 @@ def test_communicator_construction_rejects_bad_arguments(cluster):
         ("ValueError", "timeout_s"),
         ("ValueError", "timeout_s"),
         ("TypeError", "timeout_s"),
+        ("ValueError", "timeout_s: 1e-09 s is below 1 ms"),
+        ("ValueError", "timeout_s: 0.0005 s is below 1 ms"),
+        ("ValueError", "timeout_s: 1e+20 s is beyond"),
         ("ValueError", "validate"),
         ("ValueError", "neither a CUDA device nor the CPU"),
     ]

@@ -340,6 +340,8 @@ def _run_mismatch(comms, kind):
         dtype = torch.bfloat16
     if kind == "codec" and r == 0:
         codec = "mxfp4"
+    if kind == "trailing-dims":  # 10 dims, the same first 8 and element count: only the
+        shape = (1,) * 8 + ((16, 2) if r == 1 else (2, 16))  # whole shape tells them apart
     try:
         if kind == "shard":  # 5 rows on 3 ranks are shards of 2, 2, 1; rank 1 passes 1
             rows = 1 if r == 1 else shard_rows(5, 3)[r]
@@ -351,15 +353,39 @@ def _run_mismatch(comms, kind):
     return None
 
 
-@pytest.mark.parametrize("kind", ["shape", "dtype", "codec", "shard"])
+@pytest.mark.parametrize("kind", ["shape", "dtype", "codec", "shard", "trailing-dims"])
 def test_mismatched_arguments_raise_on_every_rank(cluster, kind):
     messages = cluster.run(_run_mismatch, kind)[:3]
     for m in messages:
         assert m is not None and "ranks disagree" in m
     if kind == "shard":  # the rank at fault says what it should have passed
         assert "should hold 2" in messages[1]
+    if kind == "trailing-dims":
+        assert "(1, 1, 1, 1, 1, 1, 1, ...) of 10 dims (CRC of the whole shape" in messages[0]
     # and the group is still usable afterwards
     assert all(m is None for m in cluster.run(_run_mismatch, "none")[:3])
+
+
+def _run_p2p_trailing_dims(comms):
+    """Rank 0 sends a (1,)*8 + (2, 16) tensor, rank 1 receives (1,)*8 + (16, 2): the same
+    element count and first 8 dims."""
+    comm = comms[2]
+    if comm is None:
+        return None
+    try:
+        if comm.rank == 0:
+            comm.send(torch.ones((1,) * 8 + (2, 16)), dst=1)
+        else:
+            comm.recv((1,) * 8 + (16, 2), torch.float32, src=0)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_send_and_recv_of_shapes_that_differ_after_the_eighth_dim_raise(cluster):
+    for m in cluster.run(_run_p2p_trailing_dims)[:2]:
+        assert m is not None and "disagree" in m and "of 10 dims" in m, m
+    assert all(m is None for m in cluster.run(_run_mismatch, "none")[:3])  # still in step
 
 
 def _run_bad_inputs(comms):

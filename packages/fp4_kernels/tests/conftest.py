@@ -5,16 +5,17 @@ without a GPU; ``gpu`` tests need a real GPU and skip, with the reason, where th
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from numba import config, cuda
 
-from fp4_kernels.testing import install_simulator_warp_intrinsics
+from fp4_kernels.testing import install_simulator_warp_intrinsics, load_test_profile, random_seed
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 install_simulator_warp_intrinsics()
+# hypothesis derandomized and without a database, and the rng fixture's seeds fixed, unless
+# FP4_TEST_PROFILE=explore (nox -s tests_explore)
+TEST_PROFILE = load_test_profile()
 
 
 def _real_gpu():
@@ -31,7 +32,7 @@ REAL_GPU = _real_gpu()
 
 def pytest_report_header(config):
     tier = "simulator" if SIMULATOR else ("real GPU" if REAL_GPU else "no GPU (compile check)")
-    return f"fp4_kernels test tier: {tier}"
+    return f"fp4_kernels test tier: {tier}; test profile: {TEST_PROFILE}"
 
 
 @pytest.fixture
@@ -59,7 +60,9 @@ def gpu():
 
 
 @pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
+def rng(request):
+    """A numpy Generator: seeded by the test's id under the "ci" profile (every run draws the
+    same inputs), afresh under "explore"."""
+    seed = random_seed(request.node.nodeid)
     print(f"rng seed {seed}")  # shown on failure: rerun with this seed to reproduce
     return np.random.default_rng(seed)

@@ -1,4 +1,7 @@
-"""fp4_kernels.testing: the simulator's warp shuffles behave as the hardware's."""
+"""fp4_kernels.testing: the simulator's warp shuffles behave as the hardware's; the test
+profile and seeds."""
+
+import zlib
 
 import numpy as np
 import pytest
@@ -42,3 +45,59 @@ def test_same_bits():
     assert not same_bits(a, np.array([1.0, np.nan, 0.0], np.float32))
     with pytest.raises(AssertionError):
         assert same_bits(a, a.astype(np.float16))
+
+
+def test_the_suite_runs_under_the_test_profile():
+    # conftest.py loads it: "ci" (derandomized, no example database: no run replays another's
+    # failures) unless FP4_TEST_PROFILE=explore
+    from hypothesis import settings
+
+    from fp4_kernels.testing import current_test_profile
+
+    ci = current_test_profile() == "ci"
+    assert settings.default.derandomize is ci
+    assert (settings.default.database is None) is ci
+
+
+def test_random_seed_is_fixed_by_the_name_under_ci_and_fresh_under_explore(monkeypatch):
+    from fp4_kernels import testing
+
+    monkeypatch.delenv(testing.TEST_PROFILE_ENV, raising=False)
+    assert testing.random_seed("a::b") == testing.random_seed("a::b") == zlib.crc32(b"a::b")
+    assert testing.random_seed("a::b") != testing.random_seed("a::c")
+    monkeypatch.setenv(testing.TEST_PROFILE_ENV, "explore")
+    monkeypatch.setattr(testing.os, "urandom", lambda n: bytes(range(1, n + 1)))
+    assert testing.random_seed("a::b") == 0x04030201
+    monkeypatch.setenv(testing.TEST_PROFILE_ENV, "random")
+    with pytest.raises(ValueError, match="FP4_TEST_PROFILE='random' is not one of"):
+        testing.random_seed("a::b")
+
+
+def test_no_test_draws_randomness_the_profile_does_not_control():
+    from pathlib import Path
+
+    from fp4_kernels.testing import unprofiled_randomness
+
+    assert unprofiled_randomness(Path(__file__).parent) == []
+
+
+def test_unprofiled_randomness_finds_each_kind(tmp_path):
+    from fp4_kernels.testing import unprofiled_randomness
+
+    # written with a "|" that is taken out below, so that this file itself holds none of them
+    lines = [
+        line.replace("|", "")
+        for line in [
+            'seed = int.from_bytes(os.ura|ndom(4), "little")',
+            "rng = np.random.default_rng(|)",
+            "x = np.random.ra|nd(3)",
+            "random.se|ed(1)",
+            "@settings(derandom|ize=False)",
+            "@settings(datab|ase=ExampleDatabase())",
+            "@se|ed(123)",
+        ]
+    ]
+    fine = ["rng = np.random.default_rng(5)", "g = np.random.Generator(np.random.PCG64(1))"]
+    (tmp_path / "test_x.py").write_text("\n".join(fine + lines) + "\n")
+    found = unprofiled_randomness(tmp_path)
+    assert [f.split(":", 2)[1] for f in found] == [str(i) for i in range(3, 3 + len(lines))]

@@ -173,6 +173,18 @@ REJECTED = [
         id="gemm/data-list",
     ),
     pytest.param(
+        lambda: fp4_gemm(_with(Q, data=torch.empty(4, 32, dtype=torch.uint8, device="meta")), Q),
+        TypeError,
+        r"^a.data: a meta torch.strided tensor; fp4_gemm reads the operands' fields as dense",
+        id="gemm/data-meta",
+    ),
+    pytest.param(
+        lambda: fp4_gemm(Q, _with(Q, scales=_nested())),
+        TypeError,
+        r"^b.scales: a nested tensor",
+        id="gemm/scales-nested",
+    ),
+    pytest.param(
         lambda: fp4_gemm(_with(Q, scales=Q.scales.long()), Q),
         TypeError,
         r"^a.scales: dtype torch.int64, expected uint8",
@@ -268,6 +280,30 @@ REJECTED = [
         TypeError,
         r"^fp4_linear: x must be a torch tensor, got ndarray",
         id="linear/x-numpy",
+    ),
+    pytest.param(
+        lambda: fp4_linear(torch.ones(4, 32, device="meta"), W),
+        ValueError,
+        r"^fp4_linear: x: a meta tensor \(a shape without data\)",
+        id="linear/x-meta",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W.to("meta")),
+        ValueError,
+        r"^fp4_linear: weight: a meta tensor",
+        id="linear/weight-meta",
+    ),
+    pytest.param(
+        lambda: fp4_linear(_nested(), W),
+        TypeError,
+        r"^fp4_linear: x: a nested tensor; pass its tensors one by one",
+        id="linear/x-nested",
+    ),
+    pytest.param(
+        lambda: fp4_linear(X, W, torch.ones(16).to_sparse()),
+        TypeError,
+        r"^fp4_linear: bias: layout torch.sparse_coo; pass a dense tensor",
+        id="linear/bias-sparse",
     ),
     pytest.param(
         lambda: fp4_linear(X, W, np.ones(16, np.float32)),
@@ -417,8 +453,26 @@ REJECTED = [
     pytest.param(
         lambda: FP4Linear(16.0, 16),
         TypeError,
-        r"in_features must be an int, got float",
+        r"^FP4Linear: in_features: expected an integer, got float",
         id="FP4Linear/in-float",
+    ),
+    pytest.param(
+        lambda: FP4Linear(16, True),
+        TypeError,
+        r"^FP4Linear: out_features: expected an integer, got bool",
+        id="FP4Linear/out-bool",
+    ),
+    pytest.param(
+        lambda: FP4Linear(np.float64(32), 16),
+        TypeError,
+        r"^FP4Linear: in_features: expected an integer, got float64",
+        id="FP4Linear/in-numpy-float",
+    ),
+    pytest.param(
+        lambda: FP4Linear(32, 16, device="meta")(torch.ones(2, 32, device="meta")),
+        ValueError,
+        r"^fp4_linear: x: a meta tensor",
+        id="FP4Linear/forward-meta",
     ),
     pytest.param(
         lambda: FP4Linear(16, 16, bias="yes"),
@@ -534,6 +588,18 @@ REJECTED = [
         TypeError,
         r"^x: expected a torch tensor or a numpy array, got list",
         id="ef/x-list",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().qdq("w", torch.ones(32, device="meta")),
+        ValueError,
+        r"^x: a meta tensor",
+        id="ef/x-meta",
+    ),
+    pytest.param(
+        lambda: ErrorFeedback().quantize("w", _nested()),
+        TypeError,
+        r"^x: a nested tensor",
+        id="ef/x-nested",
     ),
     pytest.param(
         lambda: ErrorFeedback().qdq("w", torch.tensor(1.0)),
@@ -653,6 +719,18 @@ REJECTED = [
         id="sw/param-int",
     ),
     pytest.param(
+        lambda: _sw([torch.nn.Parameter(torch.ones(32, device="meta"))]),
+        ValueError,
+        r"^parameter 0: a meta tensor",
+        id="sw/param-meta",
+    ),
+    pytest.param(
+        lambda: _sw([torch.ones(16), torch.nn.Parameter(_nested())]),
+        TypeError,
+        r"^parameter 1: a nested tensor",
+        id="sw/param-nested",
+    ),
+    pytest.param(
         lambda: _sw().attach("model"),
         TypeError,
         r"^module: expected a torch.nn.Module, got str",
@@ -721,6 +799,59 @@ REJECTED = [
         id="sw/load-missing-residuals",
     ),
     pytest.param(
+        lambda: _sw_adamw().load_state_dict(_sw().state_dict()),
+        ValueError,
+        r"^state\['optimizer'\] was saved by an optimizer of class SGD, but this "
+        r"FP4StoredWeights wraps one of class AdamW",
+        id="sw/load-sgd-into-adamw",
+    ),
+    pytest.param(
+        # a state without the class name (as a hand-made one): the groups give it away
+        lambda: _sw_adamw().load_state_dict(_without_class(_sw().state_dict())),
+        ValueError,
+        r"^state\['optimizer'\] has parameter groups without 'betas', 'eps', which "
+        r"AdamW.step\(\) needs.*'momentum'",
+        id="sw/load-sgd-groups-into-adamw",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict(_without_class(_sw_adamw().state_dict())),
+        ValueError,
+        r"without 'dampening', .*'momentum', .*which SGD.step\(\) needs",
+        id="sw/load-adamw-groups-into-sgd",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "step_count": 2.9}),
+        TypeError,
+        r"^state\['step_count'\]: expected an integer, got float",
+        id="sw/load-step-count-float",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "step_count": -7}),
+        ValueError,
+        r"^state\['step_count'\]: -7 is negative",
+        id="sw/load-step-count-negative",
+    ),
+    pytest.param(
+        lambda: _sw().load_state_dict({**_sw().state_dict(), "optimizer": [1]}),
+        ValueError,
+        r"^state\['optimizer'\]: expected the dict that torch.optim.Optimizer.state_dict",
+        id="sw/load-optimizer-list",
+    ),
+    pytest.param(
+        lambda: _unattached_linear()(X),
+        RuntimeError,
+        r"^a parameter that FP4StoredWeights released was used.*"
+        r"Call FP4StoredWeights.attach\(model\) once.*mat2 must be a matrix",
+        id="sw/forward-without-attach",
+    ),
+    pytest.param(
+        lambda: _unattached_linear(torch.optim.AdamW).weight.add_(1.0),
+        RuntimeError,
+        r"^a parameter that FP4StoredWeights released .*FP4StoredWeights.step\(\), not the "
+        r"wrapped optimizer's own step\(\)",
+        id="sw/released-parameter-updated",
+    ),
+    pytest.param(
         lambda: _attached_linear().load_state_dict(
             torch.nn.Linear(32, 16).state_dict(), assign=True
         ),
@@ -737,6 +868,10 @@ REJECTED = [
 ]
 
 
+def _nested():
+    return torch.nested.nested_tensor([torch.ones(2, 32), torch.ones(3, 32)], layout=torch.jagged)
+
+
 def _tampered(**fields):
     state = _sw().state_dict()
     state["packed"][0].update(fields)
@@ -747,6 +882,20 @@ def _attached_linear():
     model = torch.nn.Linear(32, 16)
     FP4StoredWeights(torch.optim.SGD(model.parameters(), lr=0.1)).attach(model)
     return model
+
+
+def _unattached_linear(optimizer=torch.optim.SGD):
+    model = torch.nn.Linear(32, 16)
+    model.fp4 = FP4StoredWeights(optimizer(model.parameters(), lr=0.1))  # kept alive, no attach
+    return model
+
+
+def _sw_adamw(**kw):
+    return FP4StoredWeights(torch.optim.AdamW([_param(32, 32)], lr=0.1), **kw)
+
+
+def _without_class(state):
+    return {k: v for k, v in state.items() if k != "optimizer_class"}
 
 
 @pytest.mark.parametrize("call, error, message", REJECTED)
@@ -859,6 +1008,67 @@ def test_policy_error_feedback_non_finite_block_restarts_its_residual():
     assert torch.equal(nxt[0], ErrorFeedback(fmt="mxfp4").qdq("g", x)[0])
 
 
+def test_policy_negative_views_give_the_values_they_stand_for():
+    # torch._neg_view (what conj() of a real view can give): a lazy negation, accepted as the
+    # negated values (fp4_kernels' kernels read memory, which holds the values un-negated)
+    x = torch.linspace(-3, 5, 4 * 32).view(4, 32)
+    neg, plain = torch._neg_view(x), -x
+    assert neg.is_neg()
+    assert torch.equal(fp4_linear(neg, W), fp4_linear(plain, W))
+    assert torch.equal(fp4_linear(plain, torch._neg_view(W)), fp4_linear(plain, -W))
+    for method in ("qdq", "quantize"):
+        a, b = (
+            getattr(ErrorFeedback(), method)("x", neg),
+            getattr(ErrorFeedback(), method)("x", plain),
+        )
+        assert torch.equal(a, b) if method == "qdq" else torch.equal(a.data, b.data)
+    p = torch.nn.Parameter(x.clone())
+    w = torch.nn.Parameter(W.clone())
+    fp4_linear(torch._neg_view(p), torch._neg_view(w)).sum().backward()
+    q, v = torch.nn.Parameter(x.clone()), torch.nn.Parameter(W.clone())
+    fp4_linear(-q, -v).sum().backward()
+    assert torch.equal(p.grad, q.grad) and torch.equal(w.grad, v.grad)
+
+
+def test_policy_fp4linear_takes_numpy_integers():
+    layer = FP4Linear(np.int64(32), np.int32(16))
+    assert type(layer.in_features) is int and type(layer.out_features) is int
+    assert layer(X).shape == (4, 16)
+
+
+def test_policy_fp4linear_and_linear_state_dicts():
+    # nn.Linear -> FP4Linear loads strictly and keeps the counters; the other way nn.Linear
+    # does not know _extra_state (documented: strict=False, or drop the key)
+    plain, layer = torch.nn.Linear(32, 16), FP4Linear(32, 16, seed=7)
+    layer.step = 5
+    layer.load_state_dict(plain.state_dict())  # strict
+    assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+    assert layer.get_extra_state() == {"step": 5, "seed": 7}
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), FP4Linear(32, 16))
+    model.load_state_dict(torch.nn.Sequential(torch.nn.Linear(32, 32), plain).state_dict())
+    with pytest.raises(RuntimeError, match="Unexpected key.*_extra_state"):
+        torch.nn.Linear(32, 16).load_state_dict(layer.state_dict())
+    back = torch.nn.Linear(32, 16)
+    assert back.load_state_dict(layer.state_dict(), strict=False).unexpected_keys == [
+        "_extra_state"
+    ]
+    assert torch.equal(back.weight, layer.weight)
+    # a missing weight is still missing
+    with pytest.raises(RuntimeError, match='Missing key.*"weight"'):
+        FP4Linear(32, 16).load_state_dict({"bias": plain.bias})
+
+
+def test_policy_failed_error_feedback_call_changes_no_step():
+    ef = ErrorFeedback(rounding="stochastic", seed=3)
+    with pytest.raises(ValueError, match="not a multiple of the NVFP4 block size"):
+        ef.qdq("w", torch.ones(3))  # fp4_kernels refuses K = 3, after ErrorFeedback's checks
+    with pytest.raises(ValueError, match="not a multiple of the NVFP4 block size"):
+        ef.quantize("w", torch.ones(3))
+    assert ef.state_dict()["steps"] == {} and "w" not in ef
+    x = torch.linspace(-1, 1, 32)
+    assert torch.equal(ef.qdq("w", x), ErrorFeedback(rounding="stochastic", seed=3).qdq("w", x))
+
+
 def test_policy_stored_weights_empty_and_float64_parameters():
     empty, wide = _param(0, 4), torch.nn.Parameter(torch.randn(3, 5, dtype=torch.float64))
     w0 = wide.detach().clone()
@@ -877,6 +1087,72 @@ def test_policy_stored_weights_nan_weight_makes_its_block_nan():
     p = torch.nn.Parameter(w)
     _sw([p], rounding="nearest", release=False)
     assert bool(p[0].isnan().all()) and bool(p[1].isfinite().all())
+
+
+def _trained(opt, model, steps=2):
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.linspace(-1, 1, 64).view(2, 32) * (i + 1)).square().sum().backward()
+        opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    """Every part of ``opt``'s state, as nested plain values and tensors."""
+    return opt.state_dict(), [(p.dtype, tuple(p.shape), type(p)) for p in opt.params]
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _ef_pair(optimizer=torch.optim.AdamW):
+    """Two error-feedback FP4StoredWeights over models of one shape, trained 1 and 3 steps."""
+    models = [torch.nn.Linear(32, 16) for _ in range(2)]
+    opts = []
+    for model, steps in zip(models, (1, 3), strict=True):
+        opt = FP4StoredWeights(optimizer(model.parameters(), lr=0.05), rounding="error_feedback")
+        opt.attach(model)
+        opts.append(_trained(opt, model, steps))
+    return models, opts
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        # each passes every check before the optimizer part, which torch or FP4StoredWeights
+        # then refuses: the residuals, seed and step count had been replaced by then
+        lambda s: {**s, "optimizer": {**s["optimizer"], "param_groups": []}},
+        lambda s: {**s, "optimizer_class": "SGD"},
+        lambda s: {**_without_class(s), "optimizer": _ef_pair(torch.optim.SGD)[1][1]
+                   .state_dict()["optimizer"]},
+        lambda s: {**s, "optimizer": None},
+    ],
+    ids=["group-count", "class", "sgd-groups", "none"],
+)  # fmt: skip
+def test_failed_load_leaves_the_stored_weights_unchanged(corrupt):
+    (model, _), (opt, other) = _ef_pair()
+    bad = corrupt(other.state_dict())
+    assert bad["step_count"] != opt.step_count
+    before = _snapshot(opt)
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    assert _same(_snapshot(opt), before)
+    _trained(opt, model, steps=1)  # and it trains on
+
+
+def test_a_refused_sgd_state_leaves_adamw_working():
+    (model, _), (opt, _) = _ef_pair()
+    sgd_state = _ef_pair(torch.optim.SGD)[1][1].state_dict()
+    with pytest.raises(ValueError, match="which AdamW.step"):
+        opt.load_state_dict(_without_class(sgd_state))
+    _trained(opt, model, steps=1)  # before the check: KeyError: 'betas'
 
 
 # -- the CUDA path ----------------------------------------------------------------------------

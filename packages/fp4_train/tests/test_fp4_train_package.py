@@ -92,3 +92,23 @@ def test_public_functions_carry_type_annotations(qualname):
 def test_py_typed_marker_is_in_the_package():
     # hatchling ships every file of src/fp4_train in the wheel, this marker included
     assert importlib.resources.files("fp4_train").joinpath("py.typed").is_file()
+
+
+def test_the_suite_runs_under_the_test_profile():
+    # conftest.py loads it (fp4_kernels.testing.load_test_profile), for tests that use
+    # hypothesis where it is installed
+    hypothesis = pytest.importorskip("hypothesis")
+
+    from fp4_kernels.testing import current_test_profile
+
+    ci = current_test_profile() == "ci"
+    assert hypothesis.settings.default.derandomize is ci
+    assert (hypothesis.settings.default.database is None) is ci
+
+
+def test_no_test_draws_randomness_the_profile_does_not_control():
+    from pathlib import Path
+
+    from fp4_kernels.testing import unprofiled_randomness
+
+    assert unprofiled_randomness(Path(__file__).parent) == []

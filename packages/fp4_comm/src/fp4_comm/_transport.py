@@ -8,8 +8,34 @@ over NCCL.
 
 from __future__ import annotations
 
+import datetime
+import math
+
 import torch
 import torch.distributed as dist
+
+# torch.distributed counts timeouts in whole milliseconds: a shorter one would become 0 ms, and
+# every exchange would fail at once as if a peer were missing.
+MIN_TIMEOUT_S = 1e-3
+# The longest datetime.timedelta, which torch.distributed takes its timeouts as.
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+
+
+def check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
+    """``timeout_s``: seconds, a real number in [1 ms, datetime.timedelta.max]; TypeError /
+    ValueError naming ``name`` otherwise."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"{name}: expected seconds as a number, got {type(timeout_s).__name__}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"{name}: {timeout_s} is not a positive finite number of seconds")
+    if timeout_s < MIN_TIMEOUT_S:
+        raise ValueError(
+            f"{name}: {timeout_s} s is below 1 ms; torch.distributed counts timeouts in whole "
+            "milliseconds, so it would be 0 and every exchange would time out at once"
+        )
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"{name}: {timeout_s} s is beyond datetime.timedelta's range")
+    return timeout_s
 
 
 class CommPeerError(RuntimeError):

@@ -58,6 +58,13 @@ FLOAT32_ROUNDING_SLACK = 2.0**-20
 # (p significand bits: 2^-p; bfloat16 has 8, float16 11, float32 24; normal range only).
 FLOAT32_REL_HALF_ULP = 2.0**-24
 REL_HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# Half the subnormal step of a float dtype, absolute: a rounding to that dtype below its
+# smallest normal number (float32 and bfloat16: 2^-149 and 2^-133 steps; float16: 2^-24).
+HALF_SUBNORMAL_STEP = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+# The encoders' reciprocal of a block scale is clamped to FLT_MAX (Transformer Engine's
+# NVFP4 cast does so; FP4Quant likewise): a block whose scale is below 1 / FLT_MAX is encoded
+# from x * FLT_MAX instead of x / scale, so its codes come out smaller, down to 0.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -128,9 +135,12 @@ class Codec(ABC):
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
         """Per-element bound on ``|decode(encode(x)) - x|`` for a (chunks, n) float32 numpy
-        array of finite values, derived from the format (docs/formats.md); decoding to
-        ``dtype``.  (FP4Quant with the transform: for groups whose transform stays below
-        FLT_MAX, about ``|x| < FLT_MAX / g``; beyond, the encoder marks the group NaN.)"""
+        array of finite values, derived from the format (docs/comm.md, "Error bounds");
+        decoding to ``dtype`` (for values that ``dtype`` holds: float16's range ends at 65504).
+        (FP4Quant with the transform: for groups whose transform stays below FLT_MAX, about
+        ``|x| < FLT_MAX / g``; beyond, the encoder marks the group NaN.)  Blocks whose scale
+        falls below 1 / FLT_MAX (NVFP4 and FP4Quant blocks of magnitude below about 2e-38)
+        may decode to anything between 0 and their value: their bound is ``|x|`` or more."""
         raise NotImplementedError(f"{self.name}: no error bound")
 
     def __repr__(self) -> str:
@@ -147,7 +157,7 @@ class NoneCodec(Codec):
     granularity = 1
 
     def __init__(self, dtype: str | torch.dtype = "bfloat16") -> None:
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = _NONE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if self.dtype not in REL_HALF_ULP:
             raise ValueError(f"NoneCodec: dtype {dtype!r}: use float32, bfloat16 or float16")
         self.name = "none" if self.dtype == torch.bfloat16 else f"none-{_dtype_name(self.dtype)}"
@@ -189,9 +199,13 @@ class NoneCodec(Codec):
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
+        """For ``|x|`` up to the largest value of the wire dtype (bfloat16: 3.39e38; float16:
+        65504): beyond, the cast gives infinity."""
         rel = REL_HALF_ULP[self.dtype] + (REL_HALF_ULP[dtype] if dtype != self.dtype else 0.0)
+        absolute = HALF_SUBNORMAL_STEP[self.dtype]
+        absolute += HALF_SUBNORMAL_STEP[dtype] if dtype != self.dtype else 0.0
         # A second rounding sees a value already within rel of x: (1 + rel) covers it.
-        return np.abs(x).astype(np.float64) * rel * (1 + rel)
+        return np.abs(x).astype(np.float64) * rel * (1 + rel) + absolute
 
     def __repr__(self) -> str:
         return f"NoneCodec({_dtype_name(self.dtype)!r})"
@@ -309,19 +323,36 @@ class NVFP4Codec(_FP4BlockCodec):
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
         finite = np.abs(x[np.isfinite(x)])
-        amax = float(finite.max()) if finite.size else 0.0
-        inv_s = amax / NVFP4_S_NUMERATOR if amax > 0 else 1.0
+        amax = np.float32(finite.max() if finite.size else 0.0)
+        # S and the 1/S sent with the chunk, as the encoder makes them in float32 (S clamped
+        # to FLT_MAX for amax below 2688 / FLT_MAX, ~7.9e-36); S * (1/S) is 1 up to roundings
+        s_enc = nvfp4.global_encode_scale(amax)
+        inv_s = float(np.float32(1.0) / s_enc)
+        ratio = float(s_enc) * inv_s
         amax_b = self._block_amax(x)
         # Effective block scale sigma = s * (1/S), s the E4M3 rounding of amax_b * S / 6, so
-        # sigma <= amax_b / 6 * (1 + 2^-4) + 2^-10 / S and 6 * sigma >= amax_b * (1 - 2^-4)
-        # - 6 * 2^-10 / S.  Nearest rounding errs by at most half the widest E2M1 step (2,
-        # between 4 and 6): sigma; stochastic by less than a step: 2 sigma.  Saturation (a
-        # scale rounded down, or to 0) loses at most amax_b - 6 * sigma.
-        sigma = amax_b / E2M1_MAX * (1 + E4M3_REL_HALF_ULP) + E4M3_SUBNORMAL_HALF_STEP * inv_s
+        # sigma <= amax_b S (1/S) / 6 * (1 + 2^-4) + 2^-10 / S and 6 * sigma >= amax_b S (1/S)
+        # * (1 - 2^-4) - 6 * 2^-10 / S.  Nearest rounding errs by at most half the widest E2M1
+        # step (2, between 4 and 6): sigma; stochastic by less than a step: 2 sigma.
+        # Saturation (a scale rounded down, or to 0) loses at most amax_b - 6 * sigma.
+        sigma = amax_b * ratio / E2M1_MAX * (1 + E4M3_REL_HALF_ULP)
+        sigma += E4M3_SUBNORMAL_HALF_STEP * inv_s
         steps = 1.0 if rounding == "nearest" else 2.0
-        saturation = amax_b * E4M3_REL_HALF_ULP + E2M1_MAX * E4M3_SUBNORMAL_HALF_STEP * inv_s
-        bound = np.maximum(steps * sigma, saturation) * (1 + FLOAT32_ROUNDING_SLACK)
-        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+        saturation = amax_b * (1 - ratio * (1 - E4M3_REL_HALF_ULP))
+        saturation += E2M1_MAX * E4M3_SUBNORMAL_HALF_STEP * inv_s
+        bound = np.maximum(steps * sigma, saturation)
+        # A block whose sigma may be below 1 / FLT_MAX is encoded from x * FLT_MAX < x / sigma
+        # (FLOAT32_MAX above): its codes are smaller, of the same sign, so it decodes to
+        # between 0 and x plus a step: within max(|x|, steps * sigma).
+        sigma_lo = amax_b * ratio / E2M1_MAX * (1 - E4M3_REL_HALF_ULP)
+        sigma_lo -= E4M3_SUBNORMAL_HALF_STEP * inv_s
+        clamped = sigma_lo * (1 - FLOAT32_ROUNDING_SLACK) <= 1 / FLOAT32_MAX
+        bound = np.where(clamped, np.maximum(bound, np.abs(x)), bound)
+        bound *= 1 + FLOAT32_ROUNDING_SLACK
+        # decode: e2m1 * s is exact; its product with 1/S is rounded (in float32, then to
+        # dtype), in the subnormal range by up to half a step of each
+        absolute = HALF_SUBNORMAL_STEP[torch.float32] + HALF_SUBNORMAL_STEP[dtype]
+        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype] + absolute
 
 
 class MXFP4Codec(_FP4BlockCodec):
@@ -445,15 +476,25 @@ class FP4QuantCodec(Codec):
         # g * amax_x, and every output collects one rounding per stage of that size.
         transform_err = stages * FLOAT32_REL_HALF_ULP * g * amax_x
         # s = bf16 rounding *up* of amax(t) * fp32(1/6): never below amax(t) / 6 (no element
-        # clips), at most 2^-7 (one bfloat16 ulp) above it.
+        # clips), at most 2^-7 (one bfloat16 ulp) above it, or one subnormal step (2^-133)
+        # in bfloat16's subnormal range.
         s_hi = (np.abs(t).max(axis=1) + transform_err) / E2M1_MAX * (1 + 2.0**-7)
-        s_hi *= 1 + FLOAT32_ROUNDING_SLACK
+        s_hi = s_hi * (1 + FLOAT32_ROUNDING_SLACK) + 2 * HALF_SUBNORMAL_STEP[torch.bfloat16]
         steps = 1.0 if rounding == "nearest" else 2.0
         # The inverse transform divided by g maps a code-domain error bounded by e elementwise
         # to one bounded by e again (a mean of +-e), and rounds like the forward one.
         per_group = steps * s_hi + transform_err + stages * FLOAT32_REL_HALF_ULP * 6 * s_hi
+        # A scale below 1 / FLT_MAX: the codes come from t * FLT_MAX < t / s (FLOAT32_MAX
+        # above), smaller and of the same sign, so each decoded t errs by at most max(|t|,
+        # steps * s): within amax(t) per element, through the inverse transform as well.
+        t_hi = np.abs(t).max(axis=1) + transform_err
+        s_lo = (np.abs(t).max(axis=1) - transform_err) / E2M1_MAX * (1 - FLOAT32_ROUNDING_SLACK)
+        clamped = s_lo - HALF_SUBNORMAL_STEP[torch.float32] <= 1 / FLOAT32_MAX
+        per_group = np.where(clamped, np.maximum(per_group, t_hi), per_group)
         bound = np.repeat(per_group, g).reshape(x.shape)
-        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+        # the decode is exact in float32 (module docstring of fp4_kernels.formats.fp4quant)
+        # and then rounded to dtype: in its subnormal range by up to half a step
+        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype] + HALF_SUBNORMAL_STEP[dtype]
 
     @property
     def key(self) -> str:
@@ -522,6 +563,13 @@ def _encode_args(codec, x, rounding, seed, step):
     check_int(step, "step", STEP_LIMIT)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x: expected a torch tensor, got {type(x).__name__}")
+    if x.is_nested or x.layout != torch.strided or x.is_meta or x.is_neg():
+        kind = "nested" if x.is_nested else "meta" if x.is_meta else "negative-view"
+        kind = str(x.layout) if x.layout not in (torch.strided, torch.jagged) else kind
+        raise TypeError(
+            f"{what}: x: a {kind} tensor; pass a dense tensor of its values (.to_dense(), "
+            ".resolve_neg(); the collectives take such views)"
+        )
     if x.dtype not in REL_HALF_ULP:
         raise TypeError(f"{what}: x: dtype {x.dtype} is not supported; use float32, bfloat16 "
                         "or float16")  # fmt: skip
@@ -570,19 +618,25 @@ def _dtype_name(dtype):
 
 
 _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
+# The dtypes of the "none-<dtype>" codecs, by the name torch gives them.
+_NONE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+#: The codec names that ``get_codec`` takes ("none" is "none-bfloat16").
+CODEC_NAMES = (
+    *_BY_NAME, *(f"none-{name}" for name in _NONE_DTYPES), "tahquant-h<C>", "tahquant-grad"
+)
 
 
-#: ``codec=`` of the collectives: a name ("nvfp4", "mxfp4", "none", "none-float32",
-#: "none-float16", "tahquant-h<C>", "tahquant-grad"), an ``fp4_kernels.FP4Quant`` or a
+#: ``codec=`` of the collectives: a name (``CODEC_NAMES``), an ``fp4_kernels.FP4Quant`` or a
 #: ``Codec``.
 CodecSpec = str | fp4_kernels.FP4Quant | Codec
 
 
 def get_codec(spec: CodecSpec) -> Codec:
-    """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-float32"``
-    / ``"none-float16"``, ``"tahquant-h<C>"`` (TAH-Quant's activation codec for tokens of
-    ``C`` channels) / ``"tahquant-grad"`` (its gradient codec; ``fp4_comm.tahquant``), an
-    ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is)."""
+    """A codec from ``"nvfp4"``, ``"mxfp4"``, ``"none"`` (bfloat16 values), ``"none-bfloat16"``
+    / ``"none-float32"`` / ``"none-float16"``, ``"tahquant-h<C>"`` (TAH-Quant's activation codec
+    for tokens of ``C`` channels) / ``"tahquant-grad"`` (its gradient codec;
+    ``fp4_comm.tahquant``), an ``fp4_kernels.FP4Quant``, or a ``Codec`` instance (as is).  Other
+    names (``"none-fp16"`` too: no aliases) raise ValueError."""
     if isinstance(spec, Codec):
         return spec
     if isinstance(spec, fp4_kernels.FP4Quant):
@@ -590,13 +644,13 @@ def get_codec(spec: CodecSpec) -> Codec:
     if isinstance(spec, str):
         if spec in _BY_NAME:
             return _BY_NAME[spec]()
-        if spec.startswith("none-"):
+        if spec.startswith("none-") and spec[len("none-") :] in _NONE_DTYPES:
             return NoneCodec(spec[len("none-") :])
         if spec.startswith("tahquant"):
             return _tahquant(spec)
     raise ValueError(
-        f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of 'nvfp4', 'mxfp4', "
-        "'none', 'none-float32', 'none-float16', 'tahquant-h<C>', 'tahquant-grad'"
+        f"codec: {spec!r} is not a Codec, an fp4_kernels.FP4Quant, nor one of "
+        f"{', '.join(map(repr, CODEC_NAMES))}"
     )
 
 

@@ -13,7 +13,6 @@ CUDA-graph capture); over gloo every call is checked (``GlooTransport`` says why
 from __future__ import annotations
 
 import datetime
-import math
 import operator
 import sys
 import zlib
@@ -32,6 +31,7 @@ from ._transport import (
     CommTimeoutError,
     GlooTransport,
     Transport,
+    check_timeout as _check_timeout,
     reraise_peer_error,
 )
 from .codecs import (
@@ -58,14 +58,15 @@ TransportName = Literal["nccl", "gloo", "p2p"]
 VALIDATE = ("always", "first", "never")
 _OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# Signature: op, dtype, codec, rounding, call, ndim, numel, then the shape (up to _MAX_DIMS
-# dims).  "call" is the number of collectives the communicator was asked for before this one
-# (-1 for send / recv): ranks that disagree on it are out of step (one of them failed or
-# skipped a call that the others made).
-_MAX_DIMS = 8
 # Kinds of call whose plans a communicator keeps (least recently used dropped first).
 PLAN_CACHE_SIZE = 64
-_SIG_LEN = 7 + _MAX_DIMS
+# Signature: op, dtype, codec, rounding, call, ndim, numel, then the shape (up to _MAX_DIMS
+# dims; beyond, the first _MAX_DIMS - 1 and -1), then a CRC of the whole shape, so that shapes
+# of more dims that differ only after the first ones differ too.  "call" is the number of
+# collectives the communicator was asked for before this one (-1 for send / recv): ranks that
+# disagree on it are out of step (one of them failed or skipped a call that the others made).
+_MAX_DIMS = 8
+_SIG_LEN = 8 + _MAX_DIMS
 _CALL = 4
 
 
@@ -98,7 +99,7 @@ class Communicator:
     Arguments every collective takes:
 
     - ``codec``: "nvfp4", "mxfp4", "none" (bfloat16 values: the baseline through the same
-      path), "none-float32", or a ``Codec`` instance (``fp4_comm.codecs``).
+      path), "none-float32", "none-float16", or a ``Codec`` instance (``fp4_comm.codecs``).
     - ``rounding``: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own
       random words, keyed by ``seed``, rank and hop, at counter ``step``).
     - ``seed``: an int, 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter, an int,
@@ -152,8 +153,9 @@ class Communicator:
 
         ``device``: a CUDA device (this rank's GPU) for an NCCL communicator through CuPy, or
         "cpu" (default when CUDA is unavailable) for gloo.  ``timeout_s`` bounds every check
-        and every gloo transfer; NCCL transfers are bounded by ``synchronize`` and by a
-        watchdog thread that aborts the NCCL communicator when a transfer is not done in time.
+        and every gloo transfer (at least 1 ms: torch.distributed counts whole milliseconds);
+        NCCL transfers are bounded by ``synchronize`` and by a watchdog thread that aborts the
+        NCCL communicator when a transfer is not done in time.
         ``transport``: "nccl" (default for a CUDA device), "gloo" (for "cpu"), or "p2p": CUDA
         tensors moved by fp4_comm's own kernel through CUDA IPC buffers, for ranks on one node
         whose GPUs can map each other's memory (``fp4_comm.p2p``; ValueError on every rank
@@ -243,6 +245,8 @@ class Communicator:
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait until this rank's queued transfers are done; CommTimeoutError (and, for NCCL,
         an aborted communicator) if they are not within the timeout."""
+        if timeout_s is not None:
+            _check_timeout(timeout_s)
         self.transport.synchronize(timeout_s)
 
     def close(self) -> None:
@@ -419,7 +423,7 @@ class Communicator:
             default_step = self._sends
             self._sends += 1
         kind = None
-        if type(x) is torch.Tensor:
+        if type(x) is torch.Tensor and not (x.is_nested or x.is_neg()):
             # A torch tensor in a kind of call made before: its plan, if the per-call values
             # are plain ints in range (anything else goes the full way, which checks it).
             kind = (op, codec, rounding, ef_name, stats, peer, total_dim0, x.shape, x.dtype,
@@ -450,6 +454,7 @@ class Communicator:
         with _stream_of(x) as back:
             t = back.tensor
             self._check_input(op, t)
+            t = t.resolve_neg()  # a negative view: the values it stands for
             self._validate_call(op, t, codec, rounding, peer, total_dim0, call)
             opts = collectives.Options(
                 codec, rounding, seed, step, self.error_feedback if ef_name else None,
@@ -544,6 +549,11 @@ class Communicator:
             self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding, call)
 
     def _check_input(self, op, t):
+        if t.is_nested or t.layout != torch.strided:
+            raise TypeError(
+                f"{op}: a {'nested' if t.is_nested else t.layout} tensor; pass a dense one "
+                "(torch.nested.to_padded_tensor, or .to_dense())"
+            )
         if t.dtype not in _DTYPES:
             raise TypeError(f"{op}: dtype {t.dtype} is not supported; use float32, bfloat16, "
                             "float16")  # fmt: skip
@@ -571,10 +581,11 @@ class Communicator:
         numel = 1
         for s in shape:
             numel *= s
-        if len(shape) > _MAX_DIMS:  # the leading dims and the element count still compare
+        ndim, whole = len(shape), _crc(",".join(str(int(d)) for d in shape))
+        if ndim > _MAX_DIMS:  # the leading dims here; the rest compare through the CRC
             shape = (*shape[: _MAX_DIMS - 1], -1)
-        sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), call, len(shape), numel]
-        return sig + list(shape) + [0] * (_MAX_DIMS - len(shape))
+        sig = [_OPS[op], _DTYPES[dtype], _crc(codec.key), _crc(rounding), call, ndim, numel]
+        return sig + list(shape) + [0] * (_MAX_DIMS - len(shape)) + [whole]
 
     def _should_validate(self, key):
         if self.control_group is None:
@@ -723,19 +734,15 @@ def _check_transport(transport, device):
         )
 
 
-def _check_timeout(timeout_s):
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s: expected seconds as a number, got {type(timeout_s).__name__}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s: {timeout_s} is not a positive finite number of seconds")
-
-
 def _describe(rows):
     names = {v: k for k, v in _DTYPES.items()}
     lines = []
     for r, sig in enumerate(rows):
         ndim = sig[_CALL + 1]
-        shape = tuple(sig[_CALL + 3 : _CALL + 3 + ndim])
+        shape = tuple(sig[_CALL + 3 : _CALL + 3 + min(ndim, _MAX_DIMS)])
+        if ndim > _MAX_DIMS:
+            dims = ", ".join(map(str, shape[:-1]))
+            shape = f"({dims}, ...) of {ndim} dims (CRC of the whole shape {sig[-1]:#x})"
         call = f", call #{sig[_CALL]}" if sig[_CALL] >= 0 else ""
         lines.append(
             f"  rank {r}: shape {shape}, dtype {names.get(sig[1])}, codec id {sig[2]:#x}, "

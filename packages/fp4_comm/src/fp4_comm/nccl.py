@@ -18,7 +18,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ._transport import CommConnectionError, CommTimeoutError, Transport, reraise_peer_error
+from ._transport import (
+    CommConnectionError,
+    CommTimeoutError,
+    Transport,
+    check_timeout,
+    reraise_peer_error,
+)
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
@@ -70,6 +76,8 @@ class NcclTransport(Transport):
     broadcast_rows = True
 
     def __init__(self, control_group, device, timeout_s=300.0, watchdog=True):
+        if timeout_s is not None:  # None: no watchdog (synchronize() then needs a timeout)
+            check_timeout(timeout_s)
         nccl = _nccl()
         self._nccl = nccl
         self.device = torch.device(device)
@@ -254,7 +262,7 @@ class NcclTransport(Transport):
     def synchronize(self, timeout_s=None):
         """Wait for the current stream; on timeout abort the communicator (so no later call can
         hang on it either) and raise CommTimeoutError."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         if self._failed is not None:
             raise self._failure(self._failed)
         event = torch.cuda.Event()

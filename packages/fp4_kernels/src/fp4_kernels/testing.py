@@ -7,11 +7,18 @@ barrier, read the source lane's value, barrier.  That matches hardware semantics
 contract our kernels keep anyway: every thread of the block executes the same sequence of
 shuffles (loops are block-uniform; out-of-range lanes run on dummy data).  A kernel that breaks
 that contract deadlocks or errors in the simulator instead of silently passing.
+
+``load_test_profile()`` and ``random_seed(name)`` make the three packages' test suites draw
+the same inputs on every run (the "ci" profile, the default) or fresh ones ("explore",
+``FP4_TEST_PROFILE=explore``, as ``nox -s tests_explore`` sets it).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import threading
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsFloat
 
@@ -197,3 +204,75 @@ def missing_annotations(fn: Callable[..., Any]) -> list[str]:
         missing.append("return")
     typing.get_type_hints(fn)
     return missing
+
+
+# ---------------------------------------------------------------------- test randomness
+
+#: The environment variable that picks the test profile: "ci" (unset) or "explore".
+TEST_PROFILE_ENV = "FP4_TEST_PROFILE"
+TEST_PROFILES = ("ci", "explore")
+
+
+def current_test_profile() -> str:
+    """The test profile that ``FP4_TEST_PROFILE`` names ("ci" where it is unset); ValueError
+    for another value."""
+    name = os.environ.get(TEST_PROFILE_ENV, "ci")
+    if name not in TEST_PROFILES:
+        raise ValueError(f"{TEST_PROFILE_ENV}={name!r} is not one of {TEST_PROFILES}")
+    return name
+
+
+def load_test_profile() -> str:
+    """Register the hypothesis profiles of the test suites and load the current one; returns
+    its name.  Every package's ``tests/conftest.py`` calls it.
+
+    - "ci" (the default): derandomized (each test draws the examples its own code fixes) and
+      no example database, so a run never depends on an earlier one: a failure found once
+      does not replay in every later run, and a green run stays green.
+    - "explore": random seeds and the example database in ``.hypothesis/``, which replays the
+      failures it found until they pass (``nox -s tests_explore``).
+
+    A failure worth keeping goes into its test as an ``@example``.  pytest's
+    ``--hypothesis-profile`` still overrides the profile for hypothesis alone.  Without
+    hypothesis installed there is nothing to register.
+    """
+    name = current_test_profile()
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return name
+    settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+    settings.register_profile("explore", derandomize=False, print_blob=True)
+    settings.load_profile(name)
+    return name
+
+
+def random_seed(name: str) -> int:
+    """The seed of a test's random inputs: under the "ci" profile fixed by ``name`` (a test's
+    node id: CRC-32), under "explore" fresh from the OS.  Print it, so that a failure can be
+    rerun with the same inputs."""
+    if current_test_profile() == "explore":
+        return int.from_bytes(os.urandom(4), "little")
+    return zlib.crc32(name.encode())
+
+
+# Randomness that would escape the test profile: the OS's, an unseeded generator (numpy's
+# global one is seeded from the OS), hypothesis settings of a test's own.
+_UNPROFILED = re.compile(
+    r"urandom\(|default_rng\(\)|np\.random\.(?!default_rng|Generator|SeedSequence|PCG64|Philox)\w+\(|"
+    r"\brandom\.(seed|random|randint|choice|shuffle)\(|torch\.seed\(\)|@seed\(|"
+    r"derandomize\s*=|database\s*="
+)
+
+
+def unprofiled_randomness(folder: str | os.PathLike[str]) -> list[str]:
+    """The lines of the Python files under ``folder`` (a package's tests) that draw randomness
+    the test profile does not control, as "path:line: text"; empty where there is none."""
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(folder).rglob("*.py")):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if _UNPROFILED.search(line):
+                found.append(f"{path}:{n}: {line.strip()}")
+    return found

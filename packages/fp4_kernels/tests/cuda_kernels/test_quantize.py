@@ -11,7 +11,7 @@ from conftest import REAL_GPU
 
 import fp4_kernels as fk
 from fp4_kernels.cuda import launch
-from fp4_kernels.testing import adversarial_blocks, reference_quantization, same_bits
+from fp4_kernels.testing import adversarial_blocks, random_seed, reference_quantization, same_bits
 
 KINDS = available_kinds(REAL_GPU)
 
@@ -102,7 +102,7 @@ def test_nonfinite_blocks_and_amax(kernels):
     assert np.all(y[0, 16:] == 0) and np.all(y[1, :16] == 0)
 
 
-_FULL_SEED = int.from_bytes(__import__("os").urandom(4), "little")
+_FULL_SEED = random_seed("test_full_size_bit_exact")
 
 
 @functools.cache

@@ -48,6 +48,25 @@ def check_step(step: Any, name: str = "step") -> int:
     return v
 
 
+def check_storage(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` with its values in memory: a nested, sparse or meta tensor raises (TypeError /
+    ValueError naming ``name``); a negative view (``torch._neg_view``, a lazy negation) is
+    resolved, so the FP4 kernels read the values it stands for."""
+    if t.is_nested:
+        raise TypeError(
+            f"{name}: a nested tensor; pass its tensors one by one (t.unbind()) or padded "
+            "(torch.nested.to_padded_tensor)"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: layout {t.layout}; pass a dense tensor (t.to_dense())")
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name}: a meta tensor (a shape without data); allocate it on a device and fill "
+            "it first (module.to_empty(device=...) and an initialization, or a checkpoint)"
+        )
+    return t.resolve_neg()
+
+
 def _index(value, name):
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an integer, got bool")
@@ -71,6 +90,7 @@ _REAL_FLOATS = ("float64", "float32", "bfloat16", "float16")
 
 def _check_input(x, name="x"):
     if isinstance(x, torch.Tensor):
+        check_storage(x, name)
         dt = str(x.dtype).replace("torch.", "")
     elif isinstance(x, np.ndarray):
         dt = x.dtype.name
@@ -85,7 +105,7 @@ def _check_input(x, name="x"):
 
 def _as_float32(x):
     if _is_torch(x):
-        return x.detach().float().contiguous()
+        return x.detach().resolve_neg().float().contiguous()
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
@@ -179,12 +199,17 @@ class ErrorFeedback:
             v = v + r
         if step is None:
             step = self._steps.get(name, 0)
-        # the implicit counter wraps after 2**32 calls, as the 32-bit Philox counter would
-        self._steps[name] = (step + 1) % STEP_LIMIT
         kw = {"fmt": self.fmt, "rounding": self.rounding, "step": step}
         if self.rounding == "stochastic":
             kw["seed"] = philox_key(self.seed, name)
         return v, kw
+
+    def _done(self, name, residual, step):
+        """After a quantization of ``name`` that succeeded: its residual, and its step count
+        (a failed call changes neither).  The implicit counter wraps after 2**32 calls, as
+        the 32-bit Philox counter would."""
+        self._residuals[name] = _finite_or_zero(residual)
+        self._steps[name] = (step + 1) % STEP_LIMIT
 
     def qdq(self, name: str, x: Array, step: int | None = None) -> Array:
         """Quantize-dequantize ``x + residual[name]``; store the new residual.
@@ -196,14 +221,14 @@ class ErrorFeedback:
         """
         v, kw = self._input(name, x, step)
         y = _cast_like(fp4_kernels.quantize_dequantize(v, **kw), x)
-        self._residuals[name] = _finite_or_zero(v - _as_float32(y))
+        self._done(name, v - _as_float32(y), kw["step"])
         return y
 
     def quantize(self, name: str, x: Array, step: int | None = None) -> fp4_kernels.QuantizedTensor:
         """Like ``qdq``, but return the packed ``QuantizedTensor`` (dequantizes to float32)."""
         v, kw = self._input(name, x, step)
         q = fp4_kernels.quantize(v, **kw)
-        self._residuals[name] = _finite_or_zero(v - fp4_kernels.dequantize(q))
+        self._done(name, v - fp4_kernels.dequantize(q), kw["step"])
         return q
 
     def reset(self, name: str | None = None) -> None:
@@ -229,7 +254,14 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict``; ValueError if it was saved with another format or rounding,
-        or is not an ``ErrorFeedback.state_dict()``."""
+        or is not an ``ErrorFeedback.state_dict()`` (nothing changes then)."""
+        self._assign(self._checked_state(state))
+
+    def _assign(self, checked):
+        self.seed, self._residuals, self._steps = checked
+
+    def _checked_state(self, state):
+        """(seed, residuals, steps) of ``state``, checked and copied; this object unchanged."""
         _require_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
         for key in ("fmt", "rounding"):
             if state[key] != getattr(self, key):
@@ -245,7 +277,7 @@ class ErrorFeedback:
         steps = {
             k: check_step(v, f"state['steps'][{k!r}]") for k, v in state.get("steps", {}).items()
         }
-        self.seed, self._residuals, self._steps = seed, residuals, steps
+        return seed, residuals, steps
 
 
 def _require_keys(state, keys, what):

@@ -28,7 +28,7 @@ import torch
 import fp4_kernels
 from fp4_kernels.formats import e2m1
 
-from .error_feedback import STEP_LIMIT, check_seed, check_step, philox_key
+from .error_feedback import STEP_LIMIT, _index, check_seed, check_step, check_storage, philox_key
 from .gemm import fp4_gemm
 
 BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
@@ -112,6 +112,9 @@ def _check(x, weight, bias):
                 "(torch.from_numpy converts a numpy array)"
             )
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_storage(t, f"fp4_linear: {name}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
                 f"fp4_linear: {name} has dtype {t.dtype}; use float32, bfloat16 or float16"
@@ -187,6 +190,9 @@ def fp4_linear(
             raise TypeError(f"fp4_linear: {name} is True or False, got {flag!r}")
     seed = check_seed(seed, "fp4_linear: seed")
     step = check_step(step, "fp4_linear: step")
+    # negative views (lazy negations) as the values they stand for; autograd goes through
+    x, weight = x.resolve_neg(), weight.resolve_neg()
+    bias = None if bias is None else bias.resolve_neg()
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     options = (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step)
@@ -198,13 +204,20 @@ class FP4Linear(torch.nn.Module):
     """``torch.nn.Linear`` with NVFP4 GEMMs (``fp4_linear``) and full-precision master weights.
 
     Args:
-        in_features, out_features: multiples of 16.
+        in_features, out_features: positive multiples of 16 (ints, or integers such as
+            ``numpy.int64``; not bool or float).
         bias: add a learnable bias.
         rounding, grad_rounding, quantize_backward, hadamard_wgrad: as in ``fp4_linear``.
         seed: stochastic rounding's seed, an int in [0, 2**64); the counter is the number of
             training-mode forward calls so far (``self.step``, saved in the state dict) modulo
             2**32.
         device, dtype: of the master weights (float32 by default; bfloat16 or float16).
+
+    Checkpoints: the state dict is ``torch.nn.Linear``'s (``weight``, ``bias``) plus
+    ``_extra_state`` (the step counter and the seed).  A ``torch.nn.Linear`` state dict loads
+    into an FP4Linear (strict; the counter and the seed stay as they are).  The other way,
+    ``torch.nn.Linear`` does not know ``_extra_state``: load with ``strict=False``, or drop the
+    keys that end in ``_extra_state`` first.
     """
 
     def __init__(
@@ -222,11 +235,13 @@ class FP4Linear(torch.nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        features = []
         for name, n in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(n, bool) or not isinstance(n, int):
-                raise TypeError(f"FP4Linear: {name} must be an int, got {type(n).__name__}")
+            n = _index(n, f"FP4Linear: {name}")
             if n <= 0 or n % BLOCK:
                 raise ValueError(f"FP4Linear: {name}={n} is not a positive multiple of {BLOCK}")
+            features.append(n)
+        in_features, out_features = features
         for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
             if value not in ROUNDINGS:
                 raise ValueError(f"FP4Linear: {name}={value!r} is not one of {ROUNDINGS}")
@@ -282,6 +297,17 @@ class FP4Linear(torch.nn.Module):
         if self.training:
             self.step += 1
         return y
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:
+            # a torch.nn.Linear checkpoint: weight and bias only; the counters stay
+            missing_keys.remove(key)
 
     def get_extra_state(self) -> dict[str, int]:
         """The step counter and the seed (saved in ``state_dict()``)."""

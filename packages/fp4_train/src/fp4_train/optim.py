@@ -35,7 +35,14 @@ import torch
 import fp4_kernels
 from fp4_kernels.formats import e2m1
 
-from .error_feedback import ErrorFeedback, _require_keys, check_seed, philox_key
+from .error_feedback import (
+    ErrorFeedback,
+    _index,
+    _require_keys,
+    check_seed,
+    check_storage,
+    philox_key,
+)
 
 ROUNDINGS = e2m1.ROUNDINGS + ("error_feedback",)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -58,6 +65,8 @@ class FP4StoredWeights:
             Philox key, with the step count modulo 2**32 as counter).
         release: free each parameter's full-precision storage after every step (the memory
             saving); ``materialize()`` decodes it again.  With False the decoded copy is kept.
+            A released parameter is an empty tensor: an operation on it that fails (a forward
+            through a model not passed to ``attach``) raises an error that says so.
 
     Each parameter is flattened (row-major) and zero-padded to whole blocks, so any shape can be
     stored; a weight matrix whose rows are a multiple of the block size gets one set of blocks
@@ -94,6 +103,7 @@ class FP4StoredWeights:
         self.release_after_step = release
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         for i, p in enumerate(self.params):
+            check_storage(p, f"parameter {i}")
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
                     f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; FP4 storage "
@@ -120,7 +130,7 @@ class FP4StoredWeights:
     def _store(self, i, w):
         """The packed FP4 form of ``w`` (any shape): flattened, padded to whole blocks."""
         block = fp4_kernels.FORMATS[self.fmt]
-        flat = w.reshape(-1).float()
+        flat = w.reshape(-1).resolve_neg().float()
         pad = -flat.numel() % block
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -148,13 +158,18 @@ class FP4StoredWeights:
     def _materialize(self, indices, force=False):
         for i in indices:
             if force or self._released[i]:
+                p = self.params[i]
+                if self._released[i]:
+                    _mark_released(p, False)
                 self._released[i] = False
-                self.params[i].data = self._decoded(i)
+                p.data = self._decoded(i)
 
     def _release(self, indices):
         for i in indices:
             p = self.params[i]
             p.data = torch.empty(0, dtype=self.dtypes[i], device=p.device)
+            if not self._released[i]:
+                _mark_released(p, True)
             self._released[i] = True
 
     def materialize(self) -> None:
@@ -294,7 +309,8 @@ class FP4StoredWeights:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The packed weights, error feedback's residuals and the wrapped optimizer's state."""
+        """The packed weights, error feedback's residuals and the wrapped optimizer's state
+        (and its class name, which ``load_state_dict`` compares)."""
         return {
             "rounding": self.rounding,
             "fmt": self.fmt,
@@ -314,11 +330,50 @@ class FP4StoredWeights:
             if self._error_feedback is None
             else self._error_feedback.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
         }
 
+    def _load_optimizer_state(self, saved, saved_class):
+        """The wrapped optimizer's ``load_state_dict(saved)``, refused (ValueError, the
+        optimizer unchanged) for the state of another kind of optimizer: its parameter groups
+        would lack the hyperparameters that this one's step() reads."""
+        opt = self.optimizer
+        here = type(opt).__name__
+        if saved_class is not None and saved_class != here:
+            raise ValueError(
+                f"state['optimizer'] was saved by an optimizer of class {saved_class}, but this "
+                f"FP4StoredWeights wraps one of class {here}: wrap the same kind to resume"
+            )
+        if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+            raise ValueError(
+                "state['optimizer']: expected the dict that torch.optim.Optimizer.state_dict() "
+                f"returns, got {type(saved).__name__}"
+            )
+        before = opt.state_dict()
+        try:
+            opt.load_state_dict(saved)
+        except Exception:
+            opt.load_state_dict(before)  # whatever torch had replaced before it raised
+            raise
+        # torch's load keeps the saved groups' hyperparameters (filling only those its
+        # version added), so a group of another optimizer would fail at the next step()
+        missing = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
+        if missing:
+            opt.load_state_dict(before)
+            raise ValueError(
+                f"state['optimizer'] has parameter groups without {', '.join(map(repr, missing))}, "
+                f"which {here}.step() needs: it is the state of another kind of optimizer "
+                "(its groups have "
+                f"{', '.join(map(repr, sorted(set().union(*saved['param_groups']) - {'params'})))})"
+                "; wrap the same kind of optimizer to resume"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()``; ValueError if it belongs to parameters of other shapes, to
-        another rounding or format, or is not an ``FP4StoredWeights.state_dict()``."""
+        """Restore ``state_dict()``; ValueError / TypeError if it belongs to parameters of
+        other shapes, to another rounding or format, to another kind of optimizer (SGD's state
+        into an AdamW), has a step count that is not an int >= 0, or is not an
+        ``FP4StoredWeights.state_dict()``.  Everything is checked before anything is replaced:
+        after an error this object is as it was."""
         keys = ("rounding", "fmt", "seed", "step_count", "shapes", "packed", "optimizer")
         _require_keys(state, keys, "FP4StoredWeights")
         shapes = [tuple(s) for s in state["shapes"]]
@@ -365,15 +420,76 @@ class FP4StoredWeights:
             fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
             packed.append(q)
         seed = check_seed(state["seed"], "state['seed']")
+        step_count = _index(state["step_count"], "state['step_count']")
+        if step_count < 0:
+            raise ValueError(f"state['step_count']: {step_count} is negative")
+        residuals = None
         if self._error_feedback is not None:
             if state.get("error_feedback") is None:
                 raise ValueError("state: no 'error_feedback' entry for rounding='error_feedback'")
-            self._error_feedback.load_state_dict(state["error_feedback"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.seed, self.step_count, self.packed = seed, int(state["step_count"]), packed
+            residuals = self._error_feedback._checked_state(state["error_feedback"])
+        # Everything is checked; the optimizer's state is the last part that can fail, and a
+        # failed load leaves it as it was.  Nothing after it raises: no half-loaded object.
+        self._load_optimizer_state(state["optimizer"], state.get("optimizer_class"))
+        if residuals is not None:
+            self._error_feedback._assign(residuals)
+        self.seed, self.step_count, self.packed = seed, step_count, packed
         self._decode_all()
         if self.release_after_step:
             self.release()
+
+
+_RELEASED_MESSAGE = (
+    "a parameter that FP4StoredWeights released was used: between steps it is stored only in "
+    "packed FP4 and its full-precision storage is freed (an empty tensor). Call "
+    "FP4StoredWeights.attach(model) once, so that every forward decodes the weights first, or "
+    "materialize() before using them; update them with FP4StoredWeights.step(), not the "
+    "wrapped optimizer's own step()"
+)
+
+
+def _released_torch_function(cls, func, types, args=(), kwargs=None):
+    """Run ``func`` as on a plain parameter; an error it raises gets the reason in front (a
+    released parameter is an empty tensor, whose shape errors would not say why)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return func(*args, **(kwargs or {}))
+        except (RuntimeError, IndexError, ValueError) as err:
+            raise type(err)(f"{_RELEASED_MESSAGE}. {type(err).__name__}: {err}") from err
+
+
+class _ReleasedParameter(torch.nn.Parameter):
+    """The class of a released ``torch.nn.Parameter`` (``FP4StoredWeights.release``), swapped
+    back on ``materialize``, as torch's lazy modules swap ``UninitializedParameter``: an
+    operation on it that fails (a forward through an unattached model) says what is missing.
+    Everything else behaves as on the parameter itself, results are plain tensors."""
+
+    __torch_function__ = classmethod(_released_torch_function)
+
+    def __repr__(self) -> str:
+        return "Parameter released by FP4StoredWeights (stored in packed FP4; materialize())"
+
+
+class _ReleasedTensor(torch.Tensor):
+    """``_ReleasedParameter`` for an optimizer parameter that is a plain leaf tensor."""
+
+    __torch_function__ = classmethod(_released_torch_function)
+
+    def __repr__(self) -> str:
+        return "tensor released by FP4StoredWeights (stored in packed FP4; materialize())"
+
+
+_RELEASED_CLASS = {torch.nn.Parameter: _ReleasedParameter, torch.Tensor: _ReleasedTensor}
+_PLAIN_CLASS = {v: k for k, v in _RELEASED_CLASS.items()}
+
+
+def _mark_released(p, released):
+    """Swap ``p``'s class to its released form (``released``) or back.  Parameters of other
+    classes (subclasses of the user's) keep theirs."""
+    table = _RELEASED_CLASS if released else _PLAIN_CLASS
+    cls = table.get(type(p))
+    if cls is not None:
+        p.__class__ = cls
 
 
 def _state_dict_post_hook(module, hook):

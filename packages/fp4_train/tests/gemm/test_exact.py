@@ -99,6 +99,54 @@ def test_tensor_scale_is_applied_once_to_the_result():
     assert np.all(np.abs(got - expected) <= gemm_bound(dequantize_f64(a), dequantize_f64(b), 32))
 
 
+def _far_from_one(rng, magnitude):
+    """Operands whose tensor amaxes multiply to a number float32 cannot hold (above FLT_MAX,
+    or in its subnormal range), while every element of a @ b^T is a normal float32."""
+    if magnitude > 1:  # amax 1e23 each: gs_a * gs_b ~ 1.4e39 > FLT_MAX
+        # the amax blocks of a and b never meet, an all-zero row, and rows of 1e18 whose
+        # products (1e36 * K) float32 holds
+        a = np.zeros((5, 64), np.float32)
+        b = np.zeros((3, 64), np.float32)
+        a[0, :16] = rng.standard_normal(16) * magnitude
+        a[0, 0] = magnitude
+        a[2:, 32:] = rng.standard_normal((3, 32)) * 1e18
+        a[4, 32:] = -np.abs(a[4, 32:])  # a row of one sign: a result near -1.8e37
+        b[0, 16:32] = rng.standard_normal(16) * magnitude
+        b[0, 16] = magnitude
+        b[1:, 32:] = np.abs(rng.standard_normal((2, 32))) * 1e18
+        return a, b
+    # amax 3e-19 each: gs_a * gs_b ~ 1e-44, a float32 subnormal of a few significant bits,
+    # while every product of two elements (~1e-37) and their sum is normal
+    a = (rng.standard_normal((5, 64)) * magnitude).astype(np.float32)
+    b = (rng.standard_normal((3, 64)) * magnitude).astype(np.float32)
+    return a, b
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("magnitude", [1e23, 3e-19], ids=["product-overflows", "subnormal"])
+def test_tensor_scales_whose_product_float32_cannot_hold(lib, magnitude):
+    # multiplying the two float32 tensor scales first gave inf (an all-zero row NaN, the
+    # others +-inf) or a subnormal alpha (errors of ~1 %); each is applied in float64 instead
+    x, y = _far_from_one(np.random.default_rng(13), magnitude)
+    wrap = torch.from_numpy if lib == "torch" else np.asarray
+    a, b = fp4_kernels.quantize(wrap(x)), fp4_kernels.quantize(wrap(y))
+    alpha = float(a.global_scale[0]) * float(b.global_scale[0])  # float64: exact
+    f32 = np.finfo(np.float32)
+    assert not float(f32.tiny) <= alpha <= float(f32.max)  # the premise
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    exact = a64 @ b64.T
+    nonzero = exact[exact != 0]
+    assert nonzero.size >= 6 and np.all(np.abs(nonzero) > np.finfo(np.float32).tiny)
+    assert np.all(np.abs(exact) < np.finfo(np.float32).max)
+    out = fp4_gemm(a, b)
+    out = out.numpy() if lib == "torch" else out
+    assert np.all(np.isfinite(out))
+    assert np.all(np.abs(out.astype(np.float64) - exact) <= gemm_bound(a64, b64, 64))
+    if lib == "torch":
+        bf16 = fp4_gemm(a, b, out_dtype="bfloat16")
+        assert torch.equal(bf16, torch.from_numpy(out).to(torch.bfloat16))
+
+
 def _cuda_capability():
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
@@ -124,6 +172,21 @@ def test_cuda_exact_gemm_within_float32_accumulation_bound(fmt, m, n, k):
     assert np.all(err <= gemm_bound(a64, b64, k))
     out_bf16 = fp4_gemm(to_cuda(a), to_cuda(b), out_dtype="bfloat16")
     assert torch.equal(out_bf16, out.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("magnitude", [1e23, 3e-19], ids=["product-overflows", "subnormal"])
+def test_cuda_tensor_scales_whose_product_float32_cannot_hold(magnitude):
+    x, y = _far_from_one(np.random.default_rng(13), magnitude)
+    a = fp4_kernels.quantize(torch.from_numpy(x).cuda())
+    b = fp4_kernels.quantize(torch.from_numpy(y).cuda())
+    out = fp4_gemm(a, b, backend="exact")
+    a64, b64 = dequantize_f64(a), dequantize_f64(b)
+    err = np.abs(out.cpu().double().numpy() - a64 @ b64.T)
+    assert np.all(err <= gemm_bound(a64, b64, 64))
+    bf16 = fp4_gemm(a, b, out_dtype="bfloat16", backend="exact")
+    assert torch.equal(bf16, out.to(torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -6,11 +6,14 @@ Two paths compute it:
   which is exact in bfloat16 (an e2m1 value times an e4m3 or e8m0 scale has at most 6
   significant bits, see ``_exact``), the decoded operands are multiplied with float32
   accumulation, and the two tensor scales are applied to the float32 result as one factor
-  ``alpha``.  The result equals the float64 product of the dequantized operands up to float32
-  accumulation error.
+  ``alpha``, formed and applied in float64 (so it neither overflows nor underflows where the
+  result is a normal float32).  The result equals the float64 product of the dequantized
+  operands up to float32 accumulation error.
 - **native** (compute capability >= 10.0): cuBLASLt's block-scaled FP4 GEMM (``CUDA_R_4F_E2M1``
   operands, ``VEC16_UE4M3`` / ``VEC32_UE8M0`` scales in the swizzled layout, ``alpha`` the
-  product of the tensor scales), through nvmath-python's bindings (``_cublaslt``).
+  product of the tensor scales, a float32 as cuBLASLt takes it: tensor amaxes whose product
+  is above about 2.5e45 or below about 8e-32 put it out of float32's range, where
+  ``backend="exact"`` is right), through nvmath-python's bindings (``_cublaslt``).
 """
 
 from __future__ import annotations

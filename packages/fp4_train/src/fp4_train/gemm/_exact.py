@@ -8,9 +8,12 @@ overflows (6 x 2^127): such a block overflows the float32 dequantization as well
 tensor scale (an arbitrary float32) is what would make the decoded values inexact, so it is
 left out of the operands and applied once to the float32 result: ``alpha = gs_a * gs_b``.
 
-Every product of two decoded elements (at most 12 significant bits) is then exact in float32,
-and the only rounding left is the float32 accumulation over K, plus the two roundings of alpha
-and of ``alpha * acc``.
+alpha is formed in float64, where the product of two float32 numbers is exact (48 significant
+bits) and cannot overflow or underflow: in float32 it would be inf for amax_a * amax_b above
+about 2.5e45, and a subnormal (a few significant bits) below about 8e-32, while ``alpha * acc``
+may lie well inside float32's range.  ``alpha * acc`` is computed in float64 too and rounded
+once to float32.  Every product of two decoded elements (at most 12 significant bits) is exact
+in float32, so the only roundings are the float32 accumulation over K and that last one.
 """
 
 from __future__ import annotations
@@ -54,13 +57,28 @@ def exact_gemm(a, b, out_dtype):
     except TypeError:  # a torch without mm's out_dtype (before 2.8): a float32 GEMM of the
         # same decoded values, exact in float32 and in TF32 (11 significant bits >= 6) alike
         acc = torch.mm(a1.float(), b1.float().t())
-    if a.fmt != "nvfp4":  # MXFP4: no tensor scales
-        return acc if out_dtype == "float32" else acc.to(torch.bfloat16)
-    alpha = a.global_scale * b.global_scale  # on the device: no host synchronization
-    if out_dtype == "float32":
-        return acc.mul_(alpha)
-    # one pass reading float32 and writing bfloat16: a single rounding of alpha * acc
-    return torch.mul(acc, alpha, out=torch.empty_like(acc, dtype=torch.bfloat16))
+    if a.fmt == "nvfp4":
+        _scale(acc, a, b)
+    return acc if out_dtype == "float32" else acc.to(torch.bfloat16)
+
+
+def _alpha64(a, b):
+    """gs_a * gs_b in float64 (exact; see the module docstring), where the scales live: a
+    one-element tensor on the device (no host synchronization) or a numpy float64."""
+    if isinstance(a.global_scale, np.ndarray):
+        return np.float64(a.global_scale[0]) * np.float64(b.global_scale[0])
+    return a.global_scale.double().mul_(b.global_scale)
+
+
+def _scale(acc, a, b):
+    """acc *= gs_a * gs_b in place, computed in float64 and rounded once to float32."""
+    alpha = _alpha64(a, b)
+    if isinstance(acc, np.ndarray):
+        np.multiply(acc, alpha, out=acc, casting="same_kind")  # float64 loop, float32 out
+    else:
+        # a float32 (M, N) tensor times a float64 one-element (not 0-d) tensor: torch's type
+        # promotion computes in float64 and casts the result to acc's float32
+        acc.mul_(alpha)
 
 
 def _exact_torch_cpu(a, b, out_dtype):
@@ -72,7 +90,7 @@ def _exact_torch_cpu(a, b, out_dtype):
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "torch"), dtype=torch.float32)
     out = a1 @ b1.t()
     if a.fmt == "nvfp4":
-        out.mul_(a.global_scale * b.global_scale)
+        _scale(out, a, b)
     return out if out_dtype == "float32" else out.to(torch.bfloat16)
 
 
@@ -81,5 +99,5 @@ def _exact_numpy(a, b):
     b1 = fp4_kernels.dequantize(_without_tensor_scale(b, "numpy"), dtype=np.float32)
     out = a1 @ b1.T
     if a.fmt == "nvfp4":
-        out *= np.float32(a.global_scale[0]) * np.float32(b.global_scale[0])
+        _scale(out, a, b)
     return out

@@ -40,6 +40,12 @@ def _kind_of_array(x, name):
         return OperandKind("numpy", False, None)
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
+        if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
+            what = "a nested" if x.is_nested else f"a {x.device.type} {x.layout}"
+            raise TypeError(
+                f"{name}: {what} tensor; fp4_gemm reads the operands' fields as dense arrays "
+                "in memory (as quantize() returns them)"
+            )
         return OperandKind("torch", x.is_cuda, x.device)
     raise TypeError(
         f"{name}: fp4_gemm takes operands held by torch tensors (CPU or CUDA) or numpy arrays, "
