@@ -622,7 +622,10 @@ _BY_NAME = {"nvfp4": NVFP4Codec, "mxfp4": MXFP4Codec, "none": NoneCodec}
 _NONE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 #: The codec names that ``get_codec`` takes ("none" is "none-bfloat16").
 CODEC_NAMES = (
-    *_BY_NAME, *(f"none-{name}" for name in _NONE_DTYPES), "tahquant-h<C>", "tahquant-grad"
+    *_BY_NAME,
+    *(f"none-{name}" for name in _NONE_DTYPES),
+    "tahquant-h<C>",
+    "tahquant-grad",
 )
 
 
