@@ -53,6 +53,7 @@ from .stats import HopStats
 DEFAULT_TIMEOUT_S = 300.0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POLL_S = 0.01  # a receiver looks this often whether a failed sender will never send
+_JOIN_S = 10.0  # how long a stopping group waits for a rank's thread to finish its task
 
 
 class _Exchange:
@@ -181,7 +182,7 @@ class _RankThreads:
         ]
         for t in self._threads:
             t.start()
-        weakref.finalize(self, _stop, self._tasks)
+        weakref.finalize(self, _stop, self._tasks, self._threads)
 
     def run(self, tasks: Sequence[Callable[[Transport], Any] | None]) -> list[Any]:
         """``tasks[r](transport_r)`` on rank r's thread (None: rank r idles); the results."""
@@ -232,9 +233,14 @@ def _serve(tasks, done):
             done.put((rank, False, err))
 
 
-def _stop(task_queues):
+def _stop(task_queues, threads):
+    # Stopped and joined before the interpreter finalizes (weakref.finalize runs at exit): a
+    # daemon thread still alive then is ended inside torch's C++ code, which aborts the process.
     for q in task_queues:
         q.put(None)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=_JOIN_S)
 
 
 _POOLS: dict[tuple[int, str], _RankThreads] = {}
