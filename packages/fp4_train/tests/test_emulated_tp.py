@@ -66,21 +66,50 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().copy()
 
 
-def _steps(runner, args):
-    """STEPS training steps with an evaluation after the first: each step's per-rank losses,
-    the evaluation's, and the weights."""
+def _steps(runner, args, steps=STEPS):
+    """``steps`` training steps with an evaluation after the first: each step's per-rank
+    losses, the evaluation's, and the weights."""
     from fp4_train.experiments import tp_train
     from fp4_train.experiments.corpus import train_batch, val_batches
 
     train_tokens, val_tokens, _ = tp_train.load_data(args)
     val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
+        x, y = x.to(runner.device), y.to(runner.device)
         losses.append(runner.rank_values(runner.step(x, y, log_stats=True)))
         if step == 0:
             losses.append(["eval", runner.evaluate(val)])
-    return losses, {k: _bits(v) for k, v in runner.model.state_dict().items()}
+    return losses, {k: _bits(v.cpu()) for k, v in runner.model.state_dict().items()}
+
+
+def _spawn(world, target, *args, minutes=10):
+    """``target(rank, port, *args, conn)`` in ``world`` spawned processes; their results."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    conns, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(rank, port, *args, child))
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    try:
+        results = []
+        for c in conns:
+            if not c.poll(datetime.timedelta(minutes=minutes).total_seconds()):
+                raise TimeoutError(f"a test worker did not finish in {minutes} minutes")
+            status, value = c.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            results.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
 
 
 def _worker(rank, port, corpus, conn):
@@ -135,41 +164,19 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def real(corpus):
     """The gloo processes' results, by rank."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    conns, procs = [], []
-    for rank in range(WORLD):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(rank, port, corpus, child))
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    try:
-        results = []
-        for c in conns:
-            if not c.poll(datetime.timedelta(minutes=10).total_seconds()):
-                raise TimeoutError("an emulated_tp test worker did not finish in 10 minutes")
-            status, value = c.recv()
-            if status != "ok":
-                raise RuntimeError(value)
-            results.append(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
+    return _spawn(WORLD, _worker, corpus)
 
 
-def _emulated(name, corpus):
+def _emulated(name, corpus, configs=CONFIGS, device="cpu", world=None, steps=STEPS):
     from fp4_train.experiments import emulated_tp, tp_train
 
-    _, world, argv = next(c for c in CONFIGS if c[0] == name)
-    args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
+    config = next(c for c in configs if c[0] == name)
+    world = config[1] if world is None else world
+    args = tp_train.parse_args([*BASE, *config[-1], "--data", str(corpus)])
     # as tp_train.train sets it (and the workers): CPU kernels may split sums by thread
     torch.set_num_threads(args.threads)
-    runner = emulated_tp.EmulatedRunner(args, torch.device("cpu"), 256, world)
-    return world, args, _steps(runner, args)
+    runner = emulated_tp.EmulatedRunner(args, torch.device(device), 256, world)
+    return world, args, _steps(runner, args, steps)
 
 
 def _rank_state(emulated_state, rank, pp):
@@ -194,7 +201,11 @@ def _rank_state(emulated_state, rank, pp):
 
 @pytest.mark.parametrize("name", EXACT)
 def test_emulated_training_equals_the_processes(real, corpus, name):
-    world, args, (losses, state) = _emulated(name, corpus)
+    _assert_equal(real, name, *_emulated(name, corpus))
+
+
+def _assert_equal(real, name, world, args, emulated):
+    losses, state = emulated
     pp = args.parallel == "pp"
     for r in range(world):
         real_losses, real_state = real[r][name]
@@ -264,3 +275,127 @@ def test_the_driver_end_to_end(real, corpus, tmp_path):
     # a second call skips the run whose summary exists
     assert emulated_tp.main([*BASE, *argv, "--data", str(corpus), "--tp", "2", "--out",
                              str(out)]) == []  # fmt: skip
+
+
+# ------------------------------------------------------------------ NCCL, ranks on one GPU
+
+QWEN_GPU = ["--model", "qwen", "--layers", "2", "--d-model", "64", "--heads", "8",
+            "--kv-heads", "4", "--ffn", "128"]  # fmt: skip
+GPU_CONFIGS = [
+    ("gpu-tp-nvfp4-sr-ef", [*QWEN_GPU, *NVFP4_SR_EF]),
+    ("gpu-tp-g64-fwd", [*QWEN_GPU, "--codec", "fp4quant-g64", "--grad-codec", "none"]),
+    ("gpu-tp-mxfp4", [*QWEN_GPU, "--codec", "mxfp4"]),  # the fused sum's kernel
+    ("gpu-sp-g64", [*QWEN_GPU, "--codec", "fp4quant-g64", "--sequence-parallel"]),
+    ("gpu-pp-nvfp4", [*QWEN_GPU, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+]
+NATIVE_STEPS = 20
+GPU_NATIVE = ("gpu-tp-native", [*QWEN_GPU, "--codec", "native"])
+NCCL_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+            # cuBLAS picks reproducible reductions with a fixed workspace
+            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # fmt: skip
+
+
+def _gpu_world():
+    return int(os.environ.get("FP4_COMM_TEST_RANKS", "2"))
+
+
+def _gpu_configs(world):
+    return [c for c in GPU_CONFIGS if "--parallel" not in c[1] or world == 2]
+
+
+def _deterministic():
+    """Deterministic kernels and the math attention (its backward has no atomics), in the
+    processes and in the emulation alike: bit-identity needs the same arithmetic run twice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _native_sums(world, seed=0):
+    """bfloat16 tensors of the ranks, for NCCL's own all-reduce."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(37, 64, generator=g) * 4).to(torch.bfloat16) for _ in range(world)]
+
+
+def _gpu_worker(rank, port, world, corpus, conn):
+    try:
+        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_PORT": port}
+        os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+        import torch.distributed as dist
+
+        import fp4_comm
+        from fp4_train.experiments import tp_train
+
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        comm = fp4_comm.Communicator.from_process_group(None, device, 300.0, "first")
+        res = {}
+        with _deterministic():
+            for name, argv in [*_gpu_configs(world), GPU_NATIVE]:
+                comm.error_feedback.reset()
+                comm._calls = comm._sends = 0
+                args = tp_train.parse_args([*BASE, *argv, "--device", "cuda", "--data",
+                                            str(corpus)])  # fmt: skip
+                runner = tp_train.Runner(args, comm, device, 256)
+                steps = NATIVE_STEPS if name == GPU_NATIVE[0] else STEPS
+                res[name] = _steps(runner, args, steps)
+            # NCCL's own all-reduce of bf16 values (the native group the last run made)
+            y = _native_sums(world)[rank].to(device)
+            dist.all_reduce(y, group=runner.par.native_group)
+            res["native_sum"] = y.float().cpu()
+        comm.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        conn.send(("ok", res))
+    except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def real_gpu(corpus):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    for k, v in NCCL_ENV.items():
+        os.environ.setdefault(k, v)
+    return _spawn(_gpu_world(), _gpu_worker, _gpu_world(), corpus, minutes=15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [c[0] for c in GPU_CONFIGS])
+def test_emulated_training_equals_nccl_ranks_on_one_gpu(real_gpu, corpus, name):
+    """FP4_COMM_TEST_RANKS NCCL ranks (default 2; 4 too) sharing the GPU against the emulation
+    on the same GPU: every loss and weight, bit for bit (the pipeline: with 2 ranks)."""
+    world = _gpu_world()
+    if name not in dict(_gpu_configs(world)):
+        pytest.skip("the pipeline has two stages: FP4_COMM_TEST_RANKS=2")
+    with _deterministic():
+        emulated = _emulated(name, corpus, GPU_CONFIGS, "cuda", world)
+    _assert_equal(real_gpu, name, *emulated)
+
+
+@pytest.mark.gpu
+def test_bf16_baseline_tracks_nccl_native(real_gpu, corpus):
+    """NCCL's own bf16 all-reduce against the emulated baseline, a float32 sum in rank order
+    rounded to bf16.  One all-reduce: every element within the bound of any summation order
+    that rounds each partial sum to bf16 (k - 1 roundings, each at most 2^-8 of the sum of the
+    magnitudes S, and ours one: k 2^-8 S).  Training: NATIVE_STEPS steps of the tiny model,
+    each loss within 1 % of NCCL's (the differences are bf16 roundings carried along)."""
+    from fp4_comm import reference
+
+    world = _gpu_world()
+    xs = _native_sums(world)
+    ours = reference.all_reduce([x.cuda() for x in xs], codec="none-float32")[0].float().cpu()
+    bound = world * 2.0**-8 * sum(x.float().abs() for x in xs)
+    for r in range(world):
+        assert torch.all((real_gpu[r]["native_sum"] - ours).abs() <= bound)
+    with _deterministic():
+        _, _, (losses, _) = _emulated(GPU_NATIVE[0], corpus, [GPU_NATIVE], "cuda", world,
+                                      NATIVE_STEPS)  # fmt: skip
+    nccl = real_gpu[0][GPU_NATIVE[0]][0]
+    rel = [abs(a[-1] - b[-1]) / abs(a[-1]) for a, b in zip(nccl, losses, strict=True)]
+    print(f"native vs emulated bf16 baseline, {world} ranks: largest relative loss difference "
+          f"over {NATIVE_STEPS} steps {max(rel):.2e}")  # fmt: skip
+    assert max(rel) < 1e-2

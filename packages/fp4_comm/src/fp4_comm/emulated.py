@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .codecs import CodecSpec, Rounding
 from .parallel_group import TensorParallelGroup, WirePolicy, check_native
 from .reference import EmulatedRanks
 from .tensor_parallel import (
@@ -187,17 +188,17 @@ def _inputs(x, k, what):
 
 
 def copy_to_tensor_parallel(
-    x,
+    x: torch.Tensor | Sequence[torch.Tensor],
     ranks: EmulatedRanks,
-    codec="nvfp4",
-    rounding="nearest",
-    seed=0,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
     *,
-    grad_codec=None,
-    grad_rounding=None,
-    error_feedback=None,
-    grad_error_feedback=None,
-    stats=None,
+    grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding | None = None,
+    error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> PerRank:
     """``tensor_parallel.copy_to_tensor_parallel`` of every rank: ``x`` replicated (one
     tensor, every rank's) or per rank; returns every rank's view; backward all-reduces."""
@@ -211,14 +212,14 @@ def copy_to_tensor_parallel(
 
 
 def reduce_from_tensor_parallel(
-    xs,
+    xs: Sequence[torch.Tensor],
     ranks: EmulatedRanks,
-    codec="nvfp4",
-    rounding="nearest",
-    seed=0,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
     *,
-    error_feedback=None,
-    stats=None,
+    error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """``tensor_parallel.reduce_from_tensor_parallel`` of every rank: the ranks' partial
     outputs -> their all-reduced sum (the same on every rank: one tensor)."""
@@ -228,18 +229,18 @@ def reduce_from_tensor_parallel(
 
 
 def gather_from_sequence_parallel(
-    xs,
+    xs: Sequence[torch.Tensor],
     ranks: EmulatedRanks,
-    codec="nvfp4",
-    rounding="nearest",
-    seed=0,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
     *,
-    grad_codec=None,
-    grad_rounding=None,
-    error_feedback=None,
-    grad_error_feedback=None,
-    total_dim0=None,
-    stats=None,
+    grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding | None = None,
+    error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    total_dim0: int | None = None,
+    stats: list[WireStats] | None = None,
 ) -> PerRank:
     """``tensor_parallel.gather_from_sequence_parallel`` of every rank: the ranks' shards ->
     every rank's gathered tensor; backward reduce-scatters the gradients."""
@@ -252,17 +253,17 @@ def gather_from_sequence_parallel(
 
 
 def reduce_scatter_to_sequence_parallel(
-    xs,
+    xs: Sequence[torch.Tensor],
     ranks: EmulatedRanks,
-    codec="nvfp4",
-    rounding="nearest",
-    seed=0,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
     *,
-    grad_codec=None,
-    grad_rounding=RESIDUAL_GRAD_ROUNDING,
-    error_feedback=None,
-    grad_error_feedback=None,
-    stats=None,
+    grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding = RESIDUAL_GRAD_ROUNDING,
+    error_feedback: str | None = None,
+    grad_error_feedback: str | None = None,
+    stats: list[WireStats] | None = None,
 ) -> PerRank:
     """``tensor_parallel.reduce_scatter_to_sequence_parallel`` of every rank: the ranks'
     partial outputs -> each rank's rows of the sum; backward all-gathers the gradients."""
@@ -282,17 +283,17 @@ def _need_per_rank(xs, ranks, what):
 
 
 def pipeline_boundary(
-    x,
+    x: torch.Tensor,
     ranks: EmulatedRanks,
     src: int = 0,
     dst: int = 1,
-    codec="nvfp4",
-    rounding="nearest",
-    seed=0,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
     *,
-    grad_codec=None,
-    grad_rounding=RESIDUAL_GRAD_ROUNDING,
-    stats=None,
+    grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding = RESIDUAL_GRAD_ROUNDING,
+    stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """``pipeline.send_forward`` on rank ``src`` and ``recv_forward`` on rank ``dst``, in one:
     the activation as ``dst`` receives it; backward, its gradient as ``src`` receives it.

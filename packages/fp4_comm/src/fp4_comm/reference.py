@@ -113,7 +113,7 @@ class EmulatedTransport(Transport):
         if any(s != sizes[0] for s in sizes):
             raise ValueError(f"{op}: the emulated ranks' sections differ: {sizes}")
 
-    def all_to_all(self, pairs):
+    def all_to_all(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         ex = self.exchange
         self._post_and_check("all_to_all", pairs)
         for i, (_, recv) in enumerate(pairs):
@@ -123,7 +123,7 @@ class EmulatedTransport(Transport):
         # its copies; on a GPU they are all on the one stream, before anything queued later.
         ex.wait("all_to_all", self.rank)
 
-    def all_gather(self, pairs):
+    def all_gather(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         ex = self.exchange
         self._post_and_check("all_gather", pairs)
         for i, (_, recv) in enumerate(pairs):
@@ -131,12 +131,12 @@ class EmulatedTransport(Transport):
             torch.cat(rows, out=recv)
         ex.wait("all_gather", self.rank)
 
-    def send(self, tensors, peer):
+    def send(self, tensors: Sequence[torch.Tensor], peer: int) -> None:
         # A copy: the receiver may come later than the sender frees its buffers.
         box = self.exchange.mailboxes[(self.rank, peer)]
         box.put([t.clone() for t in tensors])
 
-    def recv(self, tensors, peer):
+    def recv(self, tensors: Sequence[torch.Tensor], peer: int) -> None:
         ex = self.exchange
         box = ex.mailboxes[(peer, self.rank)]
         deadline = time.monotonic() + ex.timeout_s
@@ -156,6 +156,9 @@ class EmulatedTransport(Transport):
                              f"{[tuple(t.shape) for t in tensors]}")  # fmt: skip
         for t, s in zip(tensors, sent, strict=True):
             t.copy_(s)
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Nothing to wait for: an exchange is queued on every rank when it returns."""
 
 
 class _RankThreads:
@@ -278,7 +281,7 @@ def _check_peers(src, dst, world_size):
         raise ValueError(f"send_recv: src and dst are both {src}; a rank sends to another one")
 
 
-def check_rank_tensors(op: str, xs: Sequence[torch.Tensor], same_shape: bool = True):
+def check_rank_tensors(op: str, xs: Sequence[torch.Tensor], same_shape: bool = True) -> None:
     """The k ranks' inputs: a list of torch tensors of one dtype (float32, bfloat16, float16)
     on one device, not 0-d, and (``same_shape``) of one shape; ValueError / TypeError naming
     the rank otherwise."""

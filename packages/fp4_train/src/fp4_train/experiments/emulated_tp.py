@@ -115,7 +115,9 @@ class EmulatedRunner(tp_train.Runner):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], add_help=False, allow_abbrev=False
+    )  # --seed is tp_train's, not --seeds
     ap.add_argument("--tp", type=int, default=4, help="emulated tensor-parallel ranks")
     ap.add_argument("--tokens-per-step", type=int, default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
