@@ -21,7 +21,7 @@ import fp4_kernels
 from fp4_comm import TensorParallelGroup, WirePolicy, emulated, pipeline
 from fp4_comm.reference import EmulatedRanks
 
-D, HIDDEN, SEQ, BATCH = 32, 64, 8, 3
+D, HIDDEN, SEQ, BATCH = 32, 64, 12, 3
 
 
 def _policy(codec, rounding=None, ef=False):

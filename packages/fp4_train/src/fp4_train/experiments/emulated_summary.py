@@ -174,12 +174,15 @@ def markdown(table):
 
 
 def timing_markdown(summaries):
-    head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "runs sharing the GPU"]
+    head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
+            "runs sharing the GPU"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in sorted(summaries, key=lambda s: s["name"]):
         tflops = "–" if s.get("tflops") is None else f"{s['tflops']:.1f}"
-        lines.append(f"| {s['name']} | {s['step_ms']:.1f} | {s['tokens_per_s']:.0f} | {tflops} "
-                     f"| {s['wall_s']:.0f} | {s.get('concurrent_runs', 1)} |")  # fmt: skip
+        memory = "–" if s.get("max_memory_gb") is None else f"{s['max_memory_gb']:.1f}"
+        cells = [s["name"], f"{s['step_ms']:.1f}", f"{s['tokens_per_s']:.0f}", tflops,
+                 f"{s['wall_s']:.0f}", memory, str(s.get("concurrent_runs", 1))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     devices = sorted({s.get("meta", {}).get("device", "?") for s in summaries})
     commits = sorted({s.get("meta", {}).get("commit", "?") for s in summaries})
     return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; commits {', '.join(commits)}.\n"

@@ -24,8 +24,9 @@ check the losses and weights against gloo processes, bit for bit.
 
 Output: ``<out>/<name>.json``, a compact summary (a few kB): final validation loss, the
 evaluations, the training-loss curve as at most ``--curve-points`` window means, tokens/s,
-wall seconds of the run, the payloads' RMS and SQNR per site over the last half of training,
-device, commit and date.  ``emulated_summary`` builds the table from a folder of them.
+wall seconds of the run, the GPU memory it took at most, the payloads' RMS and SQNR per site
+over the last half of training, device, commit and date.  ``emulated_summary`` builds the
+table from a folder of them.
 """
 
 from __future__ import annotations
@@ -241,11 +242,17 @@ def run(args, tp, curve_points=CURVE_POINTS):
     """One run: its compact summary."""
     device = _device(args)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     record = tp_train.train(args, None, device, make_runner(tp))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     summary = summarize(record, args, tp, time.perf_counter() - start, curve_points)
+    # what a run holds of the GPU at most: how many fit on it at once
+    summary["max_memory_gb"] = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    )
     summary["meta"] = metadata(str(device))
     return summary
 
