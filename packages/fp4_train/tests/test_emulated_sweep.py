@@ -12,17 +12,8 @@ import pytest
 
 pytest.importorskip("fp4_comm")
 
-import fp4_comm  # noqa: E402
 from fp4_train.experiments import emulated_summary, emulated_sweep  # noqa: E402
 from fp4_train.experiments.boundary_study import t_quantile  # noqa: E402
-
-
-def _tah_known():
-    try:
-        fp4_comm.get_codec(emulated_sweep.TAH)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("preset", sorted(emulated_sweep.PRESETS))
@@ -30,12 +21,23 @@ def test_presets_list_their_runs(preset, tmp_path, capsys):
     assert emulated_sweep.main(["--preset", preset, "--out", str(tmp_path), "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     listed = [line.split()[0] for line in lines if "-m fp4_train.experiments.emulated_tp" in line]
-    unavailable = [line.split(":")[0] for line in lines if "unavailable" in line]
     p = emulated_sweep.PRESETS[preset]
-    expected = len(p["configs"]) * len(p["seeds"])
-    assert len(set(listed)) == len(listed) and len(listed) + len(unavailable) == expected
-    assert bool(unavailable) == (not _tah_known() and
-                                 any(c[0] == emulated_sweep.TAH for c in p["configs"]))  # fmt: skip
+    assert len(set(listed)) == len(listed) == len(p["configs"]) * len(p["seeds"])
+    if any(name == emulated_sweep.TAH for name, _ in p["configs"]):
+        # TAH-Quant's activation codec on tokens of the model's width, its gradient codec back
+        tah = [line for line in lines if "tahquant" in line]
+        assert tah and all("--grad-codec tahquant-grad" in line for line in tah)
+
+
+def test_a_codec_fp4_comm_does_not_know_is_listed_as_unavailable(tmp_path, monkeypatch, capsys):
+    preset = {"args": ["--model", "qwen-tiny"], "seeds": [0, 1],
+              "configs": [("bf16", ["--codec", "none"]),
+                          ("tahquant", ["--codec", "tahquant-hx"])]}  # fmt: skip
+    monkeypatch.setitem(emulated_sweep.PRESETS, "odd", preset)
+    assert emulated_sweep.main(["--preset", "odd", "--out", str(tmp_path), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "tahquant s0: unavailable" in out and "tahquant s1: unavailable" in out
+    assert out.count("-m fp4_train.experiments.emulated_tp") == 2
 
 
 TINY = ["--model", "byte", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len",
@@ -87,6 +89,8 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     g64 = [3.05, 3.12, 3.01]
     runs = [_summary("tp4", "bf16", "bf16", s, v) for s, v in enumerate(bf16)]
     runs += [_summary("tp4", "fp4quant-g64", "fp4quant-g64", s, v) for s, v in enumerate(g64)]
+    runs += [_summary("tp4", "tahquant-h768_grad-tahquant-grad-rn", "tahquant-h768", 0, 3.2,
+                      grad_codec="tahquant-grad")]  # fmt: skip
     runs += [_summary("pp2", "bf16", "bf16", 0, 3.0),
              _summary("pp2", "fp4quant-g64_grad-fp4quant-g64-sr", "fp4quant-g64", 0, 3.01,
                       grad_rounding="stochastic")]  # fmt: skip
@@ -108,6 +112,7 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert row["preprint_loss"] == 2.2306
     assert row["preprint_gap_pct"] == pytest.approx(100 * (2.2306 - 2.1505) / 2.1505)
     assert by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]["preprint_loss"] == 2.1525
+    assert by[("tp4", "tahquant-h768_grad-tahquant-grad-rn")]["preprint_loss"] == 3.48
     pp = by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]
     assert pp["delta_mean"] == pytest.approx(0.01) and pp["delta_ci"] is None  # one seed
     text = (tmp_path / "table" / "table.md").read_text()

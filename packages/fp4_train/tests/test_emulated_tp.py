@@ -29,6 +29,8 @@ import torch
 
 pytest.importorskip("fp4_comm")
 
+from fp4_train.experiments.corpus import CI_SLICE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[3]
 WORLD = 3
 STEPS = 3
@@ -51,8 +53,10 @@ CONFIGS = [
     ("tp3-native", 3, [*QWEN, "--codec", "native"]),
 ]
 EXACT = [c[0] for c in CONFIGS if c[0] != "tp3-native"]
-# the driver end to end: tp_train.train against emulated_tp.run
-END_TO_END = ("tp2-e2e", 2, [*QWEN, *NVFP4_SR_EF, "--eval-every", "2"])
+# the driver end to end: tp_train.train against emulated_tp.run, on the BPE corpus's CI slice
+# (a 16 384-token vocabulary)
+TOKENS = ["--data-format", "tokens", "--data", str(CI_SLICE)]
+END_TO_END = ("tp2-e2e", 2, [*QWEN, *NVFP4_SR_EF, "--eval-every", "2", *TOKENS])
 
 
 def _free_port():
@@ -141,7 +145,7 @@ def _worker(rank, port, corpus, conn):
         if rank < world:
             comms[world].error_feedback.reset()
             comms[world]._calls = comms[world]._sends = 0
-            args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
+            args = tp_train.parse_args([*BASE, *argv])
             record = tp_train.train(args, comms[world])
             res[name] = {"losses": [s["loss"] for s in record["steps"]],
                          "evals": record["evals"],
@@ -235,27 +239,16 @@ def test_native_with_three_ranks_is_within_float32_rounding(real, corpus):
         assert abs(va - vb) <= 1e-4 * abs(va), (a, b)
 
 
-def test_the_driver_end_to_end(real, corpus, tmp_path):
-    """``emulated_tp.main`` against ``tp_train.train`` on 2 processes: the same per-step
-    losses, evaluations (every 2 steps and after the last) and final evaluations with an exact
-    forward wire; the compact summary has what the table needs and is small."""
+def test_the_driver_end_to_end(real, tmp_path):
+    """``emulated_tp.main`` against ``tp_train.train`` on 2 processes, on BPE tokens: the same
+    per-step losses, evaluations (every 2 steps and after the last) and final evaluations with
+    an exact forward wire; the compact summary has what the table needs and is small."""
     from fp4_train.experiments import emulated_tp
 
     _, world, argv = END_TO_END
     out = tmp_path / "runs"
     (summary,) = emulated_tp.main(
-        [
-            *BASE,
-            *argv,
-            "--data",
-            str(corpus),
-            "--tp",
-            str(world),
-            "--out",
-            str(out),
-            "--curve-points",
-            "2",
-        ]  # fmt: skip
+        [*BASE, *argv, "--tp", str(world), "--out", str(out), "--curve-points", "2"]
     )
     mine = real[0][END_TO_END[0]]
     assert [loss for _, loss in summary["train_loss_curve"]] == pytest.approx(
@@ -268,13 +261,12 @@ def test_the_driver_end_to_end(real, corpus, tmp_path):
     assert summary["name"] == path.stem and path.stat().st_size < 20_000
     saved = json.loads(path.read_text())
     assert saved["kind"] == "emulated_tp_summary" and saved["layout"] == "tp2"
-    assert saved["tokens_per_s"] > 0 and saved["wall_s"] > 0
+    assert saved["tokens_per_s"] > 0 and saved["wall_s"] > 0 and saved["vocab"] == 16384
     assert {(w["site"], w["direction"]) for w in saved["wire"]} == {
         ("enter", "backward"), ("exit", "forward")}  # fmt: skip
     assert all(math.isfinite(w["sqnr_db"]) for w in saved["wire"])
     # a second call skips the run whose summary exists
-    assert emulated_tp.main([*BASE, *argv, "--data", str(corpus), "--tp", "2", "--out",
-                             str(out)]) == []  # fmt: skip
+    assert emulated_tp.main([*BASE, *argv, "--tp", "2", "--out", str(out)]) == []
 
 
 # ------------------------------------------------------------------ NCCL, ranks on one GPU

@@ -68,14 +68,17 @@ def policy(summary):
 
 def quoted(summary):
     """The preprint's loss for this row, or None: its TP rows are 4-way, nearest rounding and
-    no error feedback, the same codec forward and backward; its PP row FP4Quant g = 64."""
+    no error feedback, the same codec forward and backward (TAH-Quant: its activation codec
+    forward and its gradient codec backward); its PP row FP4Quant g = 64."""
     c = summary["config"]
     if c.get("error_feedback") or c.get("rounding") != "nearest":
         return None
     codec = summary["codec"]
-    if codec.startswith("tah"):
+    if codec.startswith("tahquant"):  # its own gradient codec backward
+        if not summary["grad_codec"].startswith("tahquant"):
+            return None
         codec = "tahquant"
-    if summary["grad_codec"] != summary["codec"]:
+    elif summary["grad_codec"] != codec:
         return None
     if summary["layout"] == "tp4" and summary["grad_rounding"] != "nearest":
         return None

@@ -17,9 +17,10 @@ Presets, in the order the study takes them: ``tp4`` (TP = 4, every codec and pol
 ``tp8`` (TP = 8: bf16, FP4Quant g = 64 and 256, TAH-Quant), ``pp2`` and ``sp4`` (the pipeline
 boundary and SP with TP = 4, the policies of the CPU study), ``600m`` (the 0.6 B model, one
 seed), ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and
-the plain model; synthetic tokens of a 32 k vocabulary).  A configuration whose codec fp4_comm
-does not know (TAH-Quant before its codec is registered with ``fp4_comm.get_codec``) is listed
-as unavailable and left out.
+the plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
+activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
+(``tahquant-grad``); a configuration whose codec fp4_comm does not know is listed as
+unavailable and left out.
 """
 
 from __future__ import annotations
@@ -38,12 +39,21 @@ from . import emulated_tp
 
 MODULE = "fp4_train.experiments.emulated_tp"
 # What every run of the study shares: the 125 M model, 16 k tokens a step (16 sequences of
-# 1024), 2000 steps (33 M tokens), AdamW at GPT-3 small's learning rate.
-STUDY = ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "2000", "--lr", "6e-4"]
+# 1024), 2000 steps (33 M tokens), AdamW at GPT-3 small's learning rate, the BPE corpus
+# (build_corpus's folder: --data, by default .data/corpus).
+STUDY = ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "2000", "--lr", "6e-4",
+         "--data-format", "tokens"]  # fmt: skip
 G64, G256 = "fp4quant-g64", "fp4quant-g256"
 SR = ["--rounding", "stochastic"]
 EF = ["--error-feedback"]
 TAH = "tahquant"
+
+
+def tah(width):
+    """TAH-Quant: its activation codec on tokens of the model's width forward, its 6-bit
+    gradient codec backward (both round to nearest: its only rounding)."""
+    return (TAH, ["--codec", f"tahquant-h{width}", "--grad-codec", "tahquant-grad"])
+
 
 TP4 = [
     ("bf16", ["--codec", "none"]),
@@ -59,7 +69,7 @@ TP4 = [
     ("mxfp4-sr", ["--codec", "mxfp4", *SR]),
     ("mxfp4-ef", ["--codec", "mxfp4", *EF]),
     ("mxfp4-sr-ef", ["--codec", "mxfp4", *SR, *EF]),
-    (TAH, ["--codec", TAH]),
+    tah(768),  # qwen-125m's width
 ]
 TP8 = [c for c in TP4 if c[0] in ("bf16", G64, G256, TAH)]
 # The pipeline boundary: the residual stream forward (nearest) and its gradient backward
@@ -79,9 +89,9 @@ PRESETS = {
     "sp4": {"args": [*STUDY, "--tp", "4", "--sequence-parallel"], "configs": SP4,
             "seeds": [0, 1, 2]},
     "600m": {"args": [*STUDY, "--model", "qwen-600m", "--tokens-per-step", "8192", "--tp", "4"],
-             "configs": [c for c in TP4 if c[0] in ("bf16", G64, TAH)], "seeds": [0]},
+             "configs": [c for c in TP4 if c[0] in ("bf16", G64)] + [tah(1536)], "seeds": [0]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
-                        "--data-format", "random", "--vocab", "32000", "--eval-every", "0",
+                        "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],
                "configs": [("tp4-bf16", ["--tp", "4", "--codec", "none"]),
                            ("tp4-g64", ["--tp", "4", "--codec", G64]),
@@ -114,7 +124,7 @@ def available(argv):
     """Whether every codec the arguments name is one fp4_comm (or tp_train) knows."""
     specs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--codec", "--grad-codec")]
     for spec in specs:
-        if spec == TAH:
+        if spec.startswith(TAH):
             try:
                 fp4_comm.get_codec(spec)
             except ValueError:

@@ -18,10 +18,10 @@ Megatron scale them; biases 0, norms 1) and then sliced, so one process, any num
 tensor-parallel ranks, the emulated ranks and the pipeline stages all start from the same
 model.  Written against the parallel-group interface, as ``transformer.Transformer``.
 
-Sizes (``SIZES``; parameters with a 32 k vocabulary): ``125m`` (12 layers, d = 768, 16 heads of
-48, 8 key/value heads, SwiGLU width 2048: 78 M in the blocks, 127 M in all), ``600m`` (20
-layers, d = 1536, 24 heads of 64, 8 key/value heads, width 4096: 504 M + 98 M = 602 M), and
-``tiny`` for tests.  Head counts divide by 8, so TP = 2, 4 and 8 all split them.
+Sizes (``SIZES``; parameters with the BPE corpus's vocabulary of 16 384): ``125m`` (12 layers,
+d = 768, 16 heads of 48, 8 key/value heads, SwiGLU width 2048: 78 M in the blocks, 103 M in
+all), ``600m`` (22 layers, d = 1536, 24 heads of 64, 8 key/value heads, width 4096: 555 M + 50 M
+= 605 M), and ``tiny`` for tests.  Head counts divide by 8, so TP = 2, 4 and 8 all split them.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class QwenConfig:
 SIZES = {
     "tiny": (2, 64, 4, 2, 128),
     "125m": (12, 768, 16, 8, 2048),
-    "600m": (20, 1536, 24, 8, 4096),
+    "600m": (22, 1536, 24, 8, 4096),
 }
 
 

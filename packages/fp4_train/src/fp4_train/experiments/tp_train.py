@@ -29,7 +29,8 @@ pipeline boundary and SP's all-gather carry), ``--grad-error-feedback`` (default
 ``--error-feedback``).  Error feedback applies where the collective is a sum.
 
 Data: ``--data`` (one or more files; default the Jargon File) read as ``--data-format``
-(``DATA_FORMATS``; ``bytes``: ``corpus.load_corpus``, vocabulary 256); the seed fixes
+(``DATA_FORMATS``; ``bytes``: ``corpus.load_corpus``, vocabulary 256; ``tokens``: the BPE
+corpus folder that ``build_corpus`` writes, ``corpus.load_tokens``); the seed fixes
 initialization, batch order and the rounding words, whatever the codec.
 
 Per step it records loss, step time, time inside fp4_comm calls (``TimedCommunicator``), tokens/s
@@ -58,7 +59,16 @@ from fp4_comm.codecs import ROUNDINGS
 from fp4_comm.tensor_parallel import RESIDUAL_GRAD_ROUNDING
 
 from . import qwen
-from .corpus import DEFAULT_CORPUS, VOCAB, load_corpus, split, train_batch, val_batches
+from .corpus import (
+    DEFAULT_CORPUS,
+    DEFAULT_TOKENS,
+    VOCAB,
+    load_corpus,
+    load_tokens,
+    split,
+    train_batch,
+    val_batches,
+)
 from .records import finite_or_none, metadata, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
@@ -110,8 +120,9 @@ def parse_args(argv=None):
       help="text files (.gz read as gzip), concatenated")
     a("--data-format", choices=sorted(DATA_FORMATS), default="bytes",
       help="how --data becomes tokens (DATA_FORMATS): bytes = byte-level, vocabulary 256; "
+           "tokens = a build_corpus folder (BPE; default .data/corpus), split by document; "
            "random = uniform ids of --vocab, for timing (nothing to learn)")
-    a("--vocab", type=int, default=32000, help="--data-format random: the vocabulary")
+    a("--vocab", type=int, default=16384, help="--data-format random: the vocabulary")
     a("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     a("--val-fraction", type=float, default=0.1)
     a("--eval-every", type=int, default=50)
@@ -233,10 +244,17 @@ def _random_splits(args):
     return train_tokens, val_tokens, args.vocab
 
 
+def _token_splits(args):
+    # build_corpus's folder (--data; by default corpus.DEFAULT_TOKENS): split by document
+    folder = DEFAULT_TOKENS if list(args.data) == [DEFAULT_CORPUS] else args.data[0]
+    tokens = load_tokens(folder)
+    return tokens.train, tokens.val, tokens.vocab_size
+
+
 #: ``--data-format`` -> loader(args) -> (train token ids, validation token ids, vocabulary
 #: size): 1-d int64 tensors (ids < vocabulary size) from ``args.data`` (and ``max_bytes``,
 #: ``val_fraction``).  A tokenized corpus plugs in as one more entry.
-DATA_FORMATS = {"bytes": _byte_splits, "random": _random_splits}
+DATA_FORMATS = {"bytes": _byte_splits, "random": _random_splits, "tokens": _token_splits}
 
 
 def load_data(args):
