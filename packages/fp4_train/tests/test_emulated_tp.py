@@ -5,8 +5,9 @@ and under SP its replicas), with an evaluation between steps (its collectives co
 the stochastic-rounding steps too).  Tensor parallelism with 2 and 3 ranks, the Qwen2-style
 decoder (grouped-query attention with 12 query and 6 key/value heads, so both split) and the
 byte-level transformer, NVFP4 with stochastic rounding and error feedback both ways, FP4Quant
-forward with a bf16 gradient, MXFP4 (fused sum) under bfloat16 autocast, sequence parallelism
-(the residual stream's gradient stochastic) and the pipeline with two micro-batches.  Codec
+forward with a bf16 gradient, TAH-Quant (its activation and gradient codecs), MXFP4 (fused
+sum) under bfloat16 autocast, sequence parallelism (the residual stream's gradient
+stochastic) and the pipeline with two micro-batches.  Codec
 "native": with 2 ranks and float32 one add, so the same bits; with 3 ranks gloo's own order,
 within float32 rounding.  Then the driver end to end (``tp_train.train`` against
 ``emulated_tp.run``) and its compact summary.
@@ -49,6 +50,29 @@ CONFIGS = [
     ("sp3-g64", 3, [*QWEN, "--codec", "fp4quant-g64", "--sequence-parallel"]),
     ("pp-nvfp4", 2, [*QWEN, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
     ("byte-tp2-nvfp4", 2, ["--layers", "2", "--d-model", "32", "--heads", "2", *NVFP4_SR_EF]),
+    # TAH-Quant: tokens of the model's width (128, two tiles of 64), its gradient codec back
+    (
+        "tp2-tahquant",
+        2,
+        [
+            "--model",
+            "qwen",
+            "--layers",
+            "2",
+            "--d-model",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "128",
+            "--codec",
+            "tahquant-h128",
+            "--grad-codec",
+            "tahquant-grad",
+        ],
+    ),
     ("tp2-native", 2, [*QWEN, "--codec", "native"]),
     ("tp3-native", 3, [*QWEN, "--codec", "native"]),
 ]
