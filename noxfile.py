@@ -40,7 +40,9 @@ COMM_TESTS = "packages/fp4_comm/tests"
 TRAIN_TESTS = "packages/fp4_train/tests"
 # fp4_comm's GPU tests: every `gpu`-marked test of the package (NCCL, its faults, p2p)
 COMM_GPU_ARGS = ("packages/fp4_comm/tests", "-m", "gpu")
-TRAIN_GPU_TESTS = "packages/fp4_train/tests/test_tp_train_gpu.py"
+# fp4_train's multi-rank GPU tests: tp_train over NCCL, and the emulated ranks against it
+TRAIN_GPU_TESTS = ("packages/fp4_train/tests/test_tp_train_gpu.py",
+                   "packages/fp4_train/tests/test_emulated_tp.py")  # fmt: skip
 
 # The torch the tests run against, as its CPU build (no GPU is wanted there): PyTorch's CPU-only
 # wheel index has it for every platform. PyPI's `torch` for Linux is the CUDA build, a 500 MB
@@ -258,7 +260,7 @@ def gpu_multirank(session: nox.Session) -> None:
         session.log(f"== {n} ranks")
         # the one-process tests (world size 1) once, with the first rank count
         only = () if i == 0 else ("-k", "not single_gpu")
-        session.run(*pytest, *COMM_GPU_ARGS, TRAIN_GPU_TESTS, *only, *args,
+        session.run(*pytest, *COMM_GPU_ARGS, *TRAIN_GPU_TESTS, *only, *args,
                     env={**env, "FP4_COMM_TEST_RANKS": n}, external=True)  # fmt: skip
 
 

@@ -11,13 +11,16 @@ group for CPU tensors.  Codecs: ``fp4_comm.codecs``; torch integration: ``fp4_co
 communication hook) and ``fp4_comm.tensor_parallel`` (autograd functions), both imported with
 the package; ``TensorParallelGroup`` (a block's tensor-parallel collectives, with forward and
 gradient policies), ``fp4_comm.pipeline`` (stage boundaries) and ``TimedCommunicator`` (time
-spent communicating).  A peer that is gone raises ``CommPeerError`` (``CommTimeoutError``: it did
-not come in time; ``CommConnectionError``: its connection closed).
+spent communicating).  ``fp4_comm.reference`` runs the k ranks of a collective in one process
+(the same algorithms, bit for bit), and ``fp4_comm.emulated`` a tensor-, sequence- or
+pipeline-parallel model of k ranks on one device.  A peer that is gone raises
+``CommPeerError`` (``CommTimeoutError``: it did not come in time; ``CommConnectionError``: its
+connection closed).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from . import ddp, tensor_parallel
+from . import ddp, emulated, reference, tensor_parallel
 from ._transport import CommConnectionError, CommPeerError, CommTimeoutError
 from .codecs import Codec, FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec, get_codec
 from .collectives import shard_rows
@@ -52,6 +55,8 @@ __all__ = [
     "WirePolicy",
     "shard_rows",
     "ddp",
+    "emulated",
+    "reference",
     "tensor_parallel",
     "__version__",
 ]

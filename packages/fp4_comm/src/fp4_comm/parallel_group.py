@@ -18,7 +18,7 @@ GPUs (a group that every rank of the default group makes with the TensorParallel
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,21 @@ class WirePolicy:
     codec: object = "nvfp4"
     rounding: str | None = None
     error_feedback: bool = False
+
+
+def check_native(forward: WirePolicy, backward: WirePolicy, sequence_parallel: bool) -> bool:
+    """Whether the policies ask for torch.distributed's own all-reduce (codec "native");
+    ValueError where they ask for it in a way it cannot serve."""
+    native = [p.codec == "native" for p in (forward, backward)]
+    if not any(native):
+        return False
+    if not all(native):
+        raise ValueError("codec 'native' is torch.distributed's all-reduce for the "
+                         "forward values and their gradients both")  # fmt: skip
+    if sequence_parallel or forward.error_feedback or backward.error_feedback:
+        raise ValueError("codec 'native' is tensor parallelism without sequence "
+                         "parallelism or error feedback")  # fmt: skip
+    return True
 
 
 class _NativeAllReduce(torch.autograd.Function):
@@ -86,14 +101,7 @@ class TensorParallelGroup:
         self.sequence_parallel = sequence_parallel and self.size > 1
         self.stats = None
         self.native_group = None
-        native = [p.codec == "native" for p in (forward, backward)]
-        if any(native):
-            if not all(native):
-                raise ValueError("codec 'native' is torch.distributed's all-reduce for the "
-                                 "forward values and their gradients both")  # fmt: skip
-            if sequence_parallel or forward.error_feedback or backward.error_feedback:
-                raise ValueError("codec 'native' is tensor parallelism without sequence "
-                                 "parallelism or error feedback")  # fmt: skip
+        if check_native(forward, backward, sequence_parallel):
             if self.size > 1:
                 self.native_group = comm.control_group  # gloo, over the communicator's ranks
                 if comm.device.type == "cuda":
@@ -170,6 +178,28 @@ class TensorParallelGroup:
             return w.narrow(dim, 0, 0).clone()
         return pieces[self.rank].clone()
 
+    # The model's side.  A model written against these methods is one definition for one
+    # rank's share (this class: a method is the plain operation) and for all k ranks of an
+    # emulated group in one process (``fp4_comm.emulated.EmulatedTensorParallelGroup``, where
+    # a per-rank value holds every rank's tensor and ``each`` runs once per rank).
+
+    def each(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``: this rank's computation on its values (shards, replicated tensors)."""
+        return fn(*args)
+
+    def sharded_parameter(self, value: torch.Tensor) -> torch.nn.Parameter:
+        """The parameter of this rank's shard (``value``: from ``shard``)."""
+        return torch.nn.Parameter(value)
+
+    def replicated_parameter(self, value: torch.Tensor) -> torch.nn.Parameter:
+        """A parameter every rank holds whole (norms, embedding, head)."""
+        return torch.nn.Parameter(value)
+
+    def backpropagate(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Backpropagate ``loss * scale`` (with SP: this rank's loss over its part of the
+        sequence, ``scale`` = 1 / size, whose backward collectives sum over the ranks)."""
+        (loss * scale).backward()
+
     def sum_partial_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """With SP, the gradients of the parameters every rank holds whole (LayerNorms,
         embedding, head) are partial over the sequence shards: sum them over the ranks, in
@@ -185,4 +215,4 @@ class TensorParallelGroup:
             off += g.numel()
 
 
-__all__ = ["TensorParallelGroup", "WirePolicy"]
+__all__ = ["TensorParallelGroup", "WirePolicy", "check_native"]

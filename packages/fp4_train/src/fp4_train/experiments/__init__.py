@@ -10,7 +10,11 @@ with a command line (``python -m fp4_train.experiments.<module> --help``).
   confidence intervals;
 - ``build_corpus``: the BPE corpus (60 MB of English from Debian's documentation packages, a
   16 384-id vocabulary, uint16 token files; docs/tp_training.md, Data);
-- ``corpus``, ``transformer``, ``records``: the data, the model and the result files they share.
+- ``emulated_tp``: the same training with the k ranks (or the two pipeline stages) emulated in
+  one process on one device, bit for bit the k-process run; ``emulated_sweep`` runs its presets
+  several processes at a time, ``emulated_summary`` builds the table;
+- ``corpus``, ``transformer``, ``qwen``, ``records``: the data, the models (byte-level, and a
+  Qwen2-style decoder) and the result files they share.
 
 They need fp4-comm and the ``examples`` extra (matplotlib, scipy) beside fp4-train.
 """

@@ -4,7 +4,9 @@ and activation gradients cross ranks through fp4_comm (FP4 or bf16 on the wire).
     torchrun --standalone --nproc-per-node 2 -m fp4_train.experiments.tp_train \\
         --codec fp4quant --group-size 64 --steps 2000 --out docs/results/tp_runs
 
-Model: ``transformer.Transformer`` (``--layers`` blocks of width ``--d-model``).  Parallelism
+Model (``--model``): ``transformer.Transformer`` (byte-level, ``--layers`` blocks of width
+``--d-model``), or ``qwen.Qwen``, a Qwen2-style decoder (``qwen`` of those dimensions and
+``--kv-heads``, ``--ffn``; ``qwen-125m``, ``qwen-600m``: presets).  Parallelism
 (one process per rank, ``--parallel``):
 
 - ``tp`` (default): Megatron tensor parallelism over all ranks through a
@@ -19,14 +21,17 @@ Model: ``transformer.Transformer`` (``--layers`` blocks of width ``--d-model``).
 Communication.  The forward values: ``--codec`` (``none``: bfloat16 values, the baseline;
 ``none-float32``; ``nvfp4``; ``mxfp4``; ``fp4quant`` with ``--group-size`` and
 ``--no-hadamard``, or spelled ``fp4quant-g16``, ``fp4quant-g64-nohad``; ``native``:
-torch.distributed's own all-reduce, TP only), ``--rounding``, ``--error-feedback``.  The
+torch.distributed's own all-reduce, TP only; any other name ``fp4_comm.get_codec`` knows),
+``--rounding``, ``--error-feedback``.  The
 gradients: ``--grad-codec`` (default: ``--codec``), ``--grad-rounding`` (default: ``--rounding``
 for the summed gradients of TP; stochastic for the residual stream's gradient, which the
 pipeline boundary and SP's all-gather carry), ``--grad-error-feedback`` (default:
 ``--error-feedback``).  Error feedback applies where the collective is a sum.
 
-Data: ``corpus.load_corpus`` of ``--data`` (one or more files; default the Jargon File); the
-seed fixes initialization, batch order and the rounding words, whatever the codec.
+Data: ``--data`` (one or more files; default the Jargon File) read as ``--data-format``
+(``DATA_FORMATS``; ``bytes``: ``corpus.load_corpus``, vocabulary 256; ``tokens``: the BPE
+corpus folder that ``build_corpus`` writes, ``corpus.load_tokens``); the seed fixes
+initialization, batch order and the rounding words, whatever the codec.
 
 Per step it records loss, step time, time inside fp4_comm calls (``TimedCommunicator``), tokens/s
 per rank and model TFLOP/s per rank; every ``--stats-every`` steps the RMS and SQNR of every
@@ -53,11 +58,22 @@ from fp4_comm import TensorParallelGroup, TimedCommunicator, WirePolicy, pipelin
 from fp4_comm.codecs import ROUNDINGS
 from fp4_comm.tensor_parallel import RESIDUAL_GRAD_ROUNDING
 
-from .corpus import DEFAULT_CORPUS, load_corpus, split, train_batch, val_batches
+from . import qwen
+from .corpus import (
+    DEFAULT_CORPUS,
+    DEFAULT_TOKENS,
+    VOCAB,
+    load_corpus,
+    load_tokens,
+    split,
+    train_batch,
+    val_batches,
+)
 from .records import finite_or_none, metadata, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
 CODECS = ("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native")
+MODELS = ("byte", "qwen", *(f"qwen-{size}" for size in qwen.SIZES))
 # dense bf16 peak of the GPUs the studies ran on, TFLOP/s (NVIDIA's data sheets), for MFU
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
 GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's default 5)
@@ -73,7 +89,8 @@ def parse_args(argv=None):
     a("--parallel", choices=("tp", "pp"), default="tp")
     a("--sequence-parallel", action="store_true", help="TP with the sequence split (Megatron SP)")
     a("--codec", default="none", type=_codec_spec,
-      help=f"forward values: one of {', '.join(CODECS)}, or fp4quant-g<G>[-nohad]")
+      help=f"forward values: one of {', '.join(CODECS)}, fp4quant-g<G>[-nohad], or a name "
+           "fp4_comm.get_codec knows")
     a("--group-size", type=int, default=64, help="FP4Quant group size g (--codec fp4quant)")
     a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
     a("--rounding", choices=ROUNDINGS, default="nearest", help="forward values")
@@ -83,9 +100,14 @@ def parse_args(argv=None):
       help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
     a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
       help="residual per gradient sum (TP; default: --error-feedback)")
+    a("--model", choices=MODELS, default="byte",
+      help="byte: transformer.Transformer (LayerNorm, GELU, no positions); qwen: qwen.Qwen of "
+           "--layers/--d-model/--heads/--kv-heads/--ffn; qwen-<size>: a qwen.SIZES preset")
     a("--layers", type=int, default=4)
     a("--d-model", type=int, default=256)
     a("--heads", type=int, default=4)
+    a("--kv-heads", type=int, default=None, help="qwen: key/value heads (default: --heads)")
+    a("--ffn", type=int, default=None, help="qwen: SwiGLU width (default: 8/3 d, to 64)")
     a("--seq-len", type=int, default=256)
     a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
     a("--microbatches", type=int, default=2, help="pipeline micro-batches per step")
@@ -96,6 +118,11 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="initialization, batch order and rounding words")
     a("--data", type=Path, nargs="+", default=[DEFAULT_CORPUS],
       help="text files (.gz read as gzip), concatenated")
+    a("--data-format", choices=sorted(DATA_FORMATS), default="bytes",
+      help="how --data becomes tokens (DATA_FORMATS): bytes = byte-level, vocabulary 256; "
+           "tokens = a build_corpus folder (BPE; default .data/corpus), split by document; "
+           "random = uniform ids of --vocab, for timing (nothing to learn)")
+    a("--vocab", type=int, default=16384, help="--data-format random: the vocabulary")
     a("--max-bytes", type=int, default=None, help="use only the first N bytes of the corpus")
     a("--val-fraction", type=float, default=0.1)
     a("--eval-every", type=int, default=50)
@@ -123,7 +150,10 @@ def _codec_spec(spec):
     if spec in CODECS:
         return spec
     try:
-        parse_fp4quant(spec)
+        if spec.startswith("fp4quant"):
+            parse_fp4quant(spec)
+        else:
+            fp4_comm.get_codec(spec)  # any codec fp4_comm knows by name
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return spec
@@ -194,6 +224,79 @@ def run_name(args):
     return "_".join(parts + [f"s{args.seed}"])
 
 
+# --------------------------------------------------------------------------- data and model
+
+
+def _byte_splits(args):
+    tokens = load_corpus(args.data, args.max_bytes)
+    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    return train_tokens, val_tokens, VOCAB
+
+
+RANDOM_TOKENS = 2**20
+
+
+def _random_splits(args):
+    # Uniform token ids of --vocab: nothing to learn, for timing a model of that vocabulary.
+    g = torch.Generator().manual_seed(12345)
+    tokens = torch.randint(0, args.vocab, (RANDOM_TOKENS,), generator=g)
+    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    return train_tokens, val_tokens, args.vocab
+
+
+def _token_splits(args):
+    # build_corpus's folder (--data; by default corpus.DEFAULT_TOKENS): split by document
+    folder = DEFAULT_TOKENS if list(args.data) == [DEFAULT_CORPUS] else args.data[0]
+    tokens = load_tokens(folder)
+    return tokens.train, tokens.val, tokens.vocab_size
+
+
+#: ``--data-format`` -> loader(args) -> (train token ids, validation token ids, vocabulary
+#: size): 1-d int64 tensors (ids < vocabulary size) from ``args.data`` (and ``max_bytes``,
+#: ``val_fraction``).  A tokenized corpus plugs in as one more entry.
+DATA_FORMATS = {"bytes": _byte_splits, "random": _random_splits, "tokens": _token_splits}
+
+
+def load_data(args):
+    """(train tokens, validation tokens, vocabulary size) of ``--data`` in ``--data-format``."""
+    return DATA_FORMATS[args.data_format](args)
+
+
+def qwen_config(args, vocab):
+    """The ``qwen.QwenConfig`` of ``--model qwen[-size]`` and a vocabulary of ``vocab``."""
+    if args.model.startswith("qwen-"):
+        return qwen.config(args.model[len("qwen-") :], vocab)
+    ffn = args.ffn or -(-8 * args.d_model // 3 // 64) * 64
+    return qwen.QwenConfig(args.layers, args.d_model, args.heads, args.kv_heads or args.heads,
+                           ffn, vocab)  # fmt: skip
+
+
+def model_layers(args, vocab=VOCAB):
+    return qwen_config(args, vocab).layers if args.model != "byte" else args.layers
+
+
+def model_width(args, vocab=VOCAB):
+    return qwen_config(args, vocab).d_model if args.model != "byte" else args.d_model
+
+
+def build_model(args, par, vocab, layers=None, first=True, last=True):
+    """``--model`` over the parallel group ``par`` (``layers``, ``first``, ``last``: a
+    pipeline stage's part)."""
+    if args.model == "byte":
+        if vocab != VOCAB:
+            raise ValueError(f"--model byte has a byte vocabulary ({VOCAB}); the data has {vocab}")
+        return Transformer(args.layers, args.d_model, args.heads, args.seed, par, layers,
+                           first=first, last=last)  # fmt: skip
+    return qwen.Qwen(qwen_config(args, vocab), args.seed, par, layers, first=first, last=last)
+
+
+def flops_per_token(args, vocab):
+    """Model FLOPs of one training step per token (``training_flops``' convention)."""
+    if args.model == "byte":
+        return training_flops(args.layers, args.d_model, args.seq_len, 1)
+    return qwen_config(args, vocab).flops_per_token(args.seq_len)
+
+
 # ----------------------------------------------------------------------------------- training
 
 
@@ -227,32 +330,16 @@ def check_graph_args(args, device):
 class Runner:
     """One training run on this rank: model, optimizer, one step, one evaluation."""
 
-    def __init__(self, args, comm, device):
-        self.args, self.device = args, device
+    def __init__(self, args, comm, device, vocab=VOCAB):
+        self.args, self.device, self.vocab = args, device, vocab
         self.timed = TimedCommunicator(comm) if comm is not None else None
+        self.world_size = 1 if comm is None else comm.world_size
         self.forward, self.backward = policies(args)
         self.pp = args.parallel == "pp"
         self.stats = None  # per-step WireStats, on the steps that log them
         if self.pp:
-            if comm is None or comm.world_size != 2:
-                raise ValueError("--parallel pp runs on exactly 2 ranks")
-            if "native" in (self.forward.codec, self.backward.codec):
-                raise ValueError("--codec native is implemented for --parallel tp only")
-            if self.forward.error_feedback or self.backward.error_feedback:
-                raise ValueError("--error-feedback / --grad-error-feedback correct sums (TP); "
-                                 "the pipeline's sends have none")  # fmt: skip
-            self.stage = comm.rank
-            half = args.layers // 2
-            layers = range(half) if self.stage == 0 else range(half, args.layers)
-            par = TensorParallelGroup(None)
-            first, last = self.stage == 0, self.stage == 1
-            self.model = Transformer(args.layers, args.d_model, args.heads, args.seed, par,
-                                     layers, first=first, last=last)  # fmt: skip
-        else:
-            par = TensorParallelGroup(self.timed, self.forward, self.backward, seed=args.seed,
-                                      sequence_parallel=args.sequence_parallel)  # fmt: skip
-            self.model = Transformer(args.layers, args.d_model, args.heads, args.seed, par)
-        self.par = par
+            self._check_pipeline()
+        self.build(comm)
         self.model.to(device)
         params = list(self.model.parameters())
         self.graphed = args.cuda_graph
@@ -276,6 +363,34 @@ class Runner:
         self.autocast = dtype == "bfloat16"
         self.graph, self.steps_done = None, 0
 
+    def _check_pipeline(self):
+        if "native" in (self.forward.codec, self.backward.codec):
+            raise ValueError("--codec native is implemented for --parallel tp only")
+        if self.forward.error_feedback or self.backward.error_feedback:
+            raise ValueError("--error-feedback / --grad-error-feedback correct sums (TP); "
+                             "the pipeline's sends have none")  # fmt: skip
+
+    def stage_layers(self, stage):
+        """The blocks of pipeline stage 0 or 1: the first and the second half."""
+        n = model_layers(self.args, self.vocab)
+        return range(n // 2) if stage == 0 else range(n // 2, n)
+
+    def build(self, comm):
+        """This rank's parallel group (``self.par``) and model."""
+        args = self.args
+        if self.pp:
+            if comm is None or comm.world_size != 2:
+                raise ValueError("--parallel pp runs on exactly 2 ranks")
+            self.stage = comm.rank
+            self.par = TensorParallelGroup(None)
+            self.model = build_model(args, self.par, self.vocab, self.stage_layers(self.stage),
+                                     first=self.stage == 0, last=self.stage == 1)  # fmt: skip
+        else:
+            self.par = TensorParallelGroup(self.timed, self.forward, self.backward,
+                                           seed=args.seed,
+                                           sequence_parallel=args.sequence_parallel)  # fmt: skip
+            self.model = build_model(args, self.par, self.vocab)
+
     def _ctx(self):
         # autocast's cast cache must be off in a graph capture (its casts are captured too)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast,
@@ -295,9 +410,9 @@ class Runner:
         # loss their mean; the backward collectives already sum over the ranks, so each rank
         # backpropagates its loss / W.
         scale = 1.0 / self.par.size if self.par.sequence_parallel else 1.0
-        (loss * scale).backward()
+        self.par.backpropagate(loss, scale)
         self.par.sum_partial_grads(self.model.replicated_parameters())
-        return loss.detach()
+        return self.par.each(torch.Tensor.detach, loss)
 
     # --- two pipeline stages, GPipe order: all forwards, then all backwards
     def _pp_step(self, inputs, targets, train=True, codec=None):
@@ -316,7 +431,7 @@ class Runner:
                 handles.append(pipeline.send_forward(h, self.timed, 1, codec, fwd.rounding or
                                                      "nearest", **kw))  # fmt: skip
             else:
-                shape = (x.shape[0], x.shape[1], self.args.d_model)
+                shape = (x.shape[0], x.shape[1], model_width(self.args, self.vocab))
                 if bwd.rounding is not None:
                     kw["grad_rounding"] = bwd.rounding
                 h = pipeline.recv_forward(shape, wire_dtype, self.timed, 0, codec, **kw)
@@ -417,23 +532,33 @@ class Runner:
         saved = self.par.forward
         if codec is not None and not self.pp:
             self.par.forward = WirePolicy(codec, saved.rounding, saved.error_feedback)
-        total = 0.0
+        totals = None
         try:
             for x, y in batches:
                 x, y = x.to(self.device), y.to(self.device)
                 if self.pp:
-                    total += float(self._pp_step(x, y, train=False, codec=codec))
+                    loss = self._pp_step(x, y, train=False, codec=codec)
                 else:
                     with self._ctx():
-                        total += float(lm_loss(self.model(x), y, self.par))
+                        loss = lm_loss(self.model(x), y, self.par)
+                values = self.rank_values(loss)
+                if totals is None:
+                    totals = values
+                else:
+                    totals = [a + b for a, b in zip(totals, values, strict=True)]
         finally:
             self.par.forward = saved
             self.model.train()
-        return self.mean_over_ranks(total / len(batches))
+        return self.mean_over_ranks([t / len(batches) for t in totals])
 
-    def mean_over_ranks(self, value):
-        """The loss every rank reports: under SP each rank has its shard's mean; in the
-        pipeline only the last stage has one."""
+    def rank_values(self, loss):
+        """The loss of each rank this process runs, as floats (here: this rank's)."""
+        return [float(loss)]
+
+    def mean_over_ranks(self, values):
+        """The loss every rank reports (``values``: ``rank_values``' list): under SP each rank
+        has its shard's mean; in the pipeline only the last stage has one."""
+        (value,) = values
         if self.timed is None or not (self.par.sequence_parallel or self.pp):
             return value
         t = torch.tensor([value], dtype=torch.float64)
@@ -458,22 +583,25 @@ def _peak_tflops(device):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def train(args, comm, device=None):
-    """Run one configuration on this rank (every rank of ``comm`` calls it); the record."""
+def train(args, comm, device=None, make_runner=None):
+    """Run one configuration on this rank (every rank of ``comm`` calls it); the record.
+    ``make_runner(args, device, vocab)``: the runner (default: ``Runner`` over ``comm``)."""
     device = device or (comm.device if comm is not None else torch.device("cpu"))
     if comm is not None:
         comm.error_feedback.reset()  # a run starts without residuals left by an earlier one
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    tokens = load_corpus(args.data, args.max_bytes)
-    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    train_tokens, val_tokens, vocab = load_data(args)
     val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
-    runner = Runner(args, comm, device)
+    if make_runner is None:
+        runner = Runner(args, comm, device, vocab)
+    else:
+        runner = make_runner(args, device, vocab)
     rank = 0 if comm is None else comm.rank
-    world = 1 if comm is None else comm.world_size
+    world = runner.world_size
     steps, evals, wire = [], [], []
     tokens_per_step = args.batch * args.seq_len  # the model replica's, over all its ranks
-    flops = training_flops(args.layers, args.d_model, args.seq_len, tokens_per_step)
+    flops = flops_per_token(args, vocab) * tokens_per_step
     for step in range(args.steps):
         x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
         x, y = x.to(device), y.to(device)
@@ -487,7 +615,7 @@ def train(args, comm, device=None):
         step_ms = 1e3 * (time.perf_counter() - t0)
         replayed = runner.graph is not None
         comm_ms = runner.timed.take_ms(replayed) if runner.timed is not None else 0.0
-        loss = runner.mean_over_ranks(float(loss))
+        loss = runner.mean_over_ranks(runner.rank_values(loss))
         steps.append({
             "step": step, "loss": loss, "lr": lr,
             "step_ms": step_ms, "comm_ms": comm_ms,
@@ -523,7 +651,8 @@ def train(args, comm, device=None):
         "grad_codec": codec_label(args.grad_codec or args.codec, args),
         "grad_rounding": grad_rounding(args, args.parallel == "pp" or args.sequence_parallel),
         "world_size": world,
-        "corpus_bytes": len(tokens),
+        "corpus_tokens": len(train_tokens) + len(val_tokens),
+        "vocab": vocab,
         "summary": {
             "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
             "step_ms": step_ms,

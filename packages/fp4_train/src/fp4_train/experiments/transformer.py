@@ -7,6 +7,11 @@ hidden units split), attention-out and MLP-down row-parallel; embedding, LayerNo
 are replicated (a 256-token vocabulary needs no vocabulary-parallel embedding).  The full
 weights are drawn from the seed first and then sliced, so one process, any number of tensor-
 parallel ranks and the pipeline stages all start from the same model.
+
+The model is written against the parallel-group interface (``par.each``, ``shard``,
+``sharded_parameter``, ``replicated_parameter``, ``enter``, ``exit``): with a
+``fp4_comm.TensorParallelGroup`` it is one rank's share, with an
+``fp4_comm.emulated.EmulatedTensorParallelGroup`` all k ranks' in one process.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ def _normal(g, *shape, std=INIT_STD):
     return torch.randn(*shape, generator=g) * std
 
 
+def _cat(*ws):
+    return torch.cat(ws)
+
+
 class Block(nn.Module):
-    """Pre-LN attention + MLP; the linears split over ``par`` (a TensorParallelGroup)."""
+    """Pre-LN attention + MLP; the linears split over ``par`` (a TensorParallelGroup, or an
+    emulated one: ``fp4_comm.emulated``)."""
 
     def __init__(self, i, d, heads, n_layers, par, g):
         super().__init__()
@@ -39,26 +49,48 @@ class Block(nn.Module):
         wo = _normal(g, d, d, std=out_std)
         w_up = _normal(g, 4 * d, d)
         w_down = _normal(g, d, 4 * d, std=out_std)
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ln1_w, self.ln1_b = _layer_norm_parameters(par, d)
+        self.ln2_w, self.ln2_b = _layer_norm_parameters(par, d)
         # column-parallel: this rank's heads' rows of Q, K and V; row-parallel: their columns
-        self.w_qkv = nn.Parameter(torch.cat([par.shard(w) for w in (wq, wk, wv)]))
-        self.w_o = nn.Parameter(par.shard(wo, dim=1))
-        self.w_up = nn.Parameter(par.shard(w_up))
-        self.w_down = nn.Parameter(par.shard(w_down, dim=1))
+        self.w_qkv = par.sharded_parameter(par.each(_cat, *(par.shard(w) for w in (wq, wk, wv))))
+        self.w_o = par.sharded_parameter(par.shard(wo, dim=1))
+        self.w_up = par.sharded_parameter(par.shard(w_up))
+        self.w_down = par.sharded_parameter(par.shard(w_down, dim=1))
 
     def forward(self, x):  # x: [s, b, d] (with SP: this rank's part of s)
-        site = f"L{self.i}"
-        h = self.par.enter(self.ln1(x), f"{site}.attn")
+        p, site = self.par, f"L{self.i}"
+        h = p.enter(p.each(_layer_norm, x, self.ln1_w, self.ln1_b), f"{site}.attn")
+        a = p.each(self._attention, h, self.w_qkv, self.w_o)
+        x = p.each(torch.add, x, p.exit(a, f"{site}.attn"))
+        h = p.enter(p.each(_layer_norm, x, self.ln2_w, self.ln2_b), f"{site}.mlp")
+        m = p.each(_mlp, h, self.w_up, self.w_down)
+        return p.each(torch.add, x, p.exit(m, f"{site}.mlp"))
+
+    def _attention(self, h, w_qkv, w_o):
+        """This rank's heads: their Q, K, V, attention, and the partial output projection."""
         s, b, _ = h.shape
-        q, k, v = F.linear(h, self.w_qkv).chunk(3, dim=-1)
+        q, k, v = F.linear(h, w_qkv).chunk(3, dim=-1)
         q, k, v = (t.reshape(s, b, self.heads_local, self.d_head).permute(1, 2, 0, 3)
                    for t in (q, k, v))  # fmt: skip
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         a = a.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.d_head)
-        x = x + self.par.exit(F.linear(a, self.w_o), f"{site}.attn")
-        h = self.par.enter(self.ln2(x), f"{site}.mlp")
-        h = F.gelu(F.linear(h, self.w_up))
-        return x + self.par.exit(F.linear(h, self.w_down), f"{site}.mlp")
+        return F.linear(a, w_o)
+
+    def replicated_parameters(self):
+        return [self.ln1_w, self.ln1_b, self.ln2_w, self.ln2_b]
+
+
+def _layer_norm_parameters(par, d):
+    # nn.LayerNorm(d)'s weight and bias
+    return par.replicated_parameter(torch.ones(d)), par.replicated_parameter(torch.zeros(d))
+
+
+def _layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def _mlp(h, w_up, w_down):
+    return F.linear(F.gelu(F.linear(h, w_up)), w_down)
 
 
 class Transformer(nn.Module):
@@ -73,34 +105,47 @@ class Transformer(nn.Module):
         head = _normal(g, VOCAB, d)
         keep = range(n_layers) if layers is None else layers
         self.first, self.last = first, last
-        self.embedding = nn.Parameter(embedding) if first else None
+        self.embedding = par.replicated_parameter(embedding) if first else None
         self.blocks = nn.ModuleList(blocks[i] for i in keep)
-        self.ln_f = nn.LayerNorm(d) if last else None
-        self.head = nn.Parameter(head) if last else None
+        self.ln_f_w, self.ln_f_b = _layer_norm_parameters(par, d) if last else (None, None)
+        self.head = par.replicated_parameter(head) if last else None
         self.par = par
 
     def forward(self, x):
         """Token ids [s, b] (first stage) or hidden states -> hidden states or logits."""
+        p = self.par
         if self.first:
-            x = F.embedding(x, self.embedding)
-            if self.par.sequence_parallel:
-                x = self.par.shard(x)  # this rank's part of the sequence
+            x = p.each(F.embedding, x, self.embedding)
+            if p.sequence_parallel:
+                x = p.shard(x)  # this rank's part of the sequence
         for block in self.blocks:
             x = block(x)
         if self.last:
-            x = F.linear(self.ln_f(x), self.head)
+            x = p.each(_logits, x, self.ln_f_w, self.ln_f_b, self.head)
         return x
 
     def replicated_parameters(self):
         """Parameters every TP rank holds whole (their gradients are partial under SP)."""
-        sharded = {id(p) for b in self.blocks for p in (b.w_qkv, b.w_o, b.w_up, b.w_down)}
-        return [p for p in self.parameters() if id(p) not in sharded]
+        params = [self.embedding] + [p for b in self.blocks for p in b.replicated_parameters()]
+        params += [self.ln_f_w, self.ln_f_b, self.head]
+        return [p for p in params if p is not None]
+
+
+def _logits(x, w, b, head):
+    return F.linear(_layer_norm(x, w, b), head)
 
 
 def lm_loss(logits, targets, par):
+    """Mean cross-entropy of next-token ``logits`` [s, b, vocab] (float32) against
+    ``targets`` [s, b]; under SP each rank's over its part of the sequence (per rank, in an
+    emulated group)."""
     if par.sequence_parallel:
         targets = par.shard(targets)
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+    return par.each(_cross_entropy, logits, targets)
+
+
+def _cross_entropy(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def training_flops(n_layers, d, seq_len, tokens):

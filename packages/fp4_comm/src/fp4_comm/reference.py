@@ -1,0 +1,555 @@
+"""Reference collectives: the k ranks of a group emulated in one process, running the very
+algorithms of ``collectives.py``, so that their results are the multi-process results bit for
+bit.
+
+    ys = reference.all_reduce([x0, x1, x2, x3], codec="fp4quant-g64")   # every rank's result
+    ys = reference.reduce_scatter(xs, codec="nvfp4", rounding="stochastic", seed=1, step=7)
+    y = reference.send_recv(x, src=0, dst=1, world_size=2, codec="mxfp4")
+
+How: each rank is a thread of its own that runs the collective's own code
+(``collectives.all_reduce`` and the others, unchanged) over an ``EmulatedTransport``, which moves
+the encoded bytes between the threads in memory where gloo or NCCL move them between processes.
+So there is one algorithm: the same codec objects and fp4_kernels kernels, the same padding and
+``shard_rows`` split, the same rank-order float32 sum (or MXFP4's fused ``requantized_sum``), the
+same stochastic-rounding keys (``collectives.rank_seed`` of each rank and hop), each rank's own
+error-feedback residuals.  Threads, not a loop over ranks, because a rank's collective waits in
+the middle for the others' bytes; the threads meet at a barrier for every exchange.  The CPU
+path of fp4_kernels releases the GIL (``nogil``), so CPU ranks run in parallel; on a GPU every
+rank queues its kernels on the caller's current stream, in an order the barriers fix, so a
+rank's kernels see the bytes the others' kernels wrote.
+
+``EmulatedRanks`` keeps k ``Communicator`` objects over such transports for as long as a model
+trains: each rank then has its own call count (the default stochastic-rounding ``step``) and its
+own ``ErrorFeedback``, as in a multi-process run; ``fp4_comm.emulated`` builds the tensor-,
+sequence- and pipeline-parallel layers on it.  The functions of this module take ``step``
+explicitly and error-feedback state from the caller (``residuals``, one ``ErrorFeedback`` per
+rank): pure functions of their arguments, apart from the residuals they update.
+
+Where ranks would disagree (shapes, dtypes, a shard of the wrong length), ValueError names them
+before any byte moves, as ``Communicator``'s argument check does between processes.  A rank that
+raises stops the others at their next exchange; the error is raised in the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import collectives
+from ._transport import CommTimeoutError, Transport
+from .codecs import CodecSpec, Rounding, check_int, get_codec
+from .communicator import Communicator, check_options
+from .error_feedback import ErrorFeedback
+from .stats import HopStats
+
+#: How long a rank waits for the others at an exchange before CommTimeoutError (a rank that
+#: raised ends the wait at once; this bounds a collective that some rank never calls).
+DEFAULT_TIMEOUT_S = 300.0
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_POLL_S = 0.01  # a receiver looks this often whether a failed sender will never send
+_JOIN_S = 10.0  # how long a stopping group waits for a rank's thread to finish its task
+
+
+class _Exchange:
+    """What the transports of one emulated group share: a barrier and the posted tensors."""
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.barrier = threading.Barrier(world_size)
+        self.failed = threading.Event()  # a rank raised: the others stop waiting
+        self.posted: list[Any] = [None] * world_size
+        self.mailboxes: dict[tuple[int, int], queue.SimpleQueue] = {
+            (s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)
+        }
+
+    def wait(self, op: str, rank: int) -> None:
+        try:
+            self.barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            raise CommTimeoutError(
+                f"{op} on emulated rank {rank} of {self.world_size}: another rank failed or did "
+                f"not take part within {self.timeout_s} s",
+                op=op, rank=rank, peers=[r for r in range(self.world_size) if r != rank],
+            ) from None  # fmt: skip
+
+    def abort(self) -> None:
+        self.failed.set()
+        self.barrier.abort()
+
+    def reset(self) -> None:
+        """After a failed call: a fresh barrier, nothing posted, empty mailboxes."""
+        self.barrier = threading.Barrier(self.world_size)
+        self.failed.clear()
+        self.posted = [None] * self.world_size
+        for box in self.mailboxes.values():
+            while not box.empty():
+                box.get_nowait()
+
+
+class EmulatedTransport(Transport):
+    """Moves the encoded sections between the threads of an emulated group (one transport per
+    rank, all sharing one ``_Exchange``).  Same contract as ``GlooTransport``: all_to_all sends
+    row p of every section to rank p; all_gather gives every rank all ranks' rows."""
+
+    def __init__(self, rank: int, exchange: _Exchange, device: torch.device) -> None:
+        self.rank = rank
+        self.world_size = exchange.world_size
+        self.device = torch.device(device)
+        self.exchange = exchange
+
+    def _post_and_check(self, op, pairs):
+        ex = self.exchange
+        ex.posted[self.rank] = pairs
+        ex.wait(op, self.rank)
+        # Every rank compares every rank's sizes, so all reach the same verdict.
+        sizes = [[tuple(s.shape) for s, _ in posted] for posted in ex.posted]
+        if any(s != sizes[0] for s in sizes):
+            raise ValueError(f"{op}: the emulated ranks' sections differ: {sizes}")
+
+    def all_to_all(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        ex = self.exchange
+        self._post_and_check("all_to_all", pairs)
+        for i, (_, recv) in enumerate(pairs):
+            rows = [ex.posted[p][i][0][self.rank : self.rank + 1] for p in range(self.world_size)]
+            torch.cat(rows, out=recv)
+        # Nobody returns (and frees or reuses its send buffers) before every rank has queued
+        # its copies; on a GPU they are all on the one stream, before anything queued later.
+        ex.wait("all_to_all", self.rank)
+
+    def all_gather(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        ex = self.exchange
+        self._post_and_check("all_gather", pairs)
+        for i, (_, recv) in enumerate(pairs):
+            rows = [ex.posted[p][i][0].reshape(1, -1) for p in range(self.world_size)]
+            torch.cat(rows, out=recv)
+        ex.wait("all_gather", self.rank)
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int) -> None:
+        # A copy: the receiver may come later than the sender frees its buffers.
+        box = self.exchange.mailboxes[(self.rank, peer)]
+        box.put([t.clone() for t in tensors])
+
+    def recv(self, tensors: Sequence[torch.Tensor], peer: int) -> None:
+        ex = self.exchange
+        box = ex.mailboxes[(peer, self.rank)]
+        deadline = time.monotonic() + ex.timeout_s
+        while True:
+            try:
+                sent = box.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if ex.failed.is_set() or time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"recv on emulated rank {self.rank}: rank {peer} failed or sent nothing "
+                        f"within {ex.timeout_s} s", op="recv", rank=self.rank, peers=[peer],
+                    ) from None  # fmt: skip
+        if [tuple(t.shape) for t in sent] != [tuple(t.shape) for t in tensors]:
+            raise ValueError(f"recv on emulated rank {self.rank}: rank {peer} sent sections of "
+                             f"{[tuple(t.shape) for t in sent]}, expected "
+                             f"{[tuple(t.shape) for t in tensors]}")  # fmt: skip
+        for t, s in zip(tensors, sent, strict=True):
+            t.copy_(s)
+
+    def synchronize(self, timeout_s: float | None = None) -> None:
+        """Nothing to wait for: an exchange is queued on every rank when it returns."""
+
+
+class _RankThreads:
+    """k daemon threads, one per rank; ``run`` hands rank r its task and waits for all."""
+
+    def __init__(self, world_size: int, device: torch.device, timeout_s: float) -> None:
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.exchange = _Exchange(world_size, timeout_s)
+        self.transports = [
+            EmulatedTransport(r, self.exchange, self.device) for r in range(world_size)
+        ]
+        self._tasks = [queue.SimpleQueue() for _ in range(world_size)]
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # one run at a time
+        self._threads = [
+            threading.Thread(
+                target=_serve,
+                args=(self._tasks[r], self._done),
+                daemon=True,
+                name=f"fp4_comm-emulated-rank-{r}",
+            )  # fmt: skip
+            for r in range(world_size)
+        ]
+        for t in self._threads:
+            t.start()
+        weakref.finalize(self, _stop, self._tasks, self._threads)
+
+    def run(self, tasks: Sequence[Callable[[Transport], Any] | None]) -> list[Any]:
+        """``tasks[r](transport_r)`` on rank r's thread (None: rank r idles); the results."""
+        stream = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+        with self._lock:
+            started = 0
+            for r, task in enumerate(tasks):
+                if task is not None:
+                    self._tasks[r].put((r, task, self.transports[r], stream, self.exchange))
+                    started += 1
+            results: list[Any] = [None] * self.world_size
+            errors = []
+            for _ in range(started):
+                r, ok, value = self._done.get()
+                if ok:
+                    results[r] = value
+                else:
+                    errors.append((r, value))
+            if errors:
+                self.exchange.reset()
+                # The first rank's own error, not the others' "a rank failed" that it caused.
+                errors.sort(key=lambda e: (isinstance(e[1], CommTimeoutError), e[0]))
+                raise errors[0][1]
+            return results
+
+
+def _serve(tasks, done):
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        rank, task, transport, stream, exchange = item
+        try:
+            # Grad mode and the current stream are per thread: a rank computes what the caller
+            # would (no autograd graph; its kernels on the caller's stream).
+            with torch.no_grad():
+                if stream is not None:
+                    torch.cuda.set_device(stream.device)
+                    with torch.cuda.stream(stream):
+                        value = task(transport)
+                else:
+                    value = task(transport)
+            done.put((rank, True, value))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, which raises it
+            exchange.abort()  # the ranks waiting for this one stop waiting
+            done.put((rank, False, err))
+
+
+def _stop(task_queues, threads):
+    # Stopped and joined before the interpreter finalizes (weakref.finalize runs at exit): a
+    # daemon thread still alive then is ended inside torch's C++ code, which aborts the process.
+    for q in task_queues:
+        q.put(None)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=_JOIN_S)
+
+
+_POOLS: dict[tuple[int, str], _RankThreads] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(world_size: int, device: torch.device) -> _RankThreads:
+    key = (world_size, str(device))
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = _RankThreads(world_size, device, DEFAULT_TIMEOUT_S)
+        return pool
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _check_world_size(world_size, what="world_size"):
+    if isinstance(world_size, bool):
+        raise TypeError(f"{what}: expected an int, got bool")
+    k = check_int(world_size, what, 2**31)
+    if k < 1:
+        raise ValueError(f"{what} is {k}; it must be >= 1")
+    return k
+
+
+def _check_peers(src, dst, world_size):
+    for what, r in (("src", src), ("dst", dst)):
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"send_recv: {what}: expected a rank (an int), got {type(r).__name__}")
+        if not 0 <= r < world_size:
+            raise ValueError(f"send_recv: {what} = {r} is not a rank of 0..{world_size - 1}")
+    if src == dst:
+        raise ValueError(f"send_recv: src and dst are both {src}; a rank sends to another one")
+
+
+def check_rank_tensors(op: str, xs: Sequence[torch.Tensor], same_shape: bool = True) -> None:
+    """The k ranks' inputs: a list of torch tensors of one dtype (float32, bfloat16, float16)
+    on one device, not 0-d, and (``same_shape``) of one shape; ValueError / TypeError naming
+    the rank otherwise."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+        kind = "a tensor" if isinstance(xs, torch.Tensor) else type(xs).__name__
+        raise TypeError(f"{op}: expected a list of the ranks' tensors (one per rank), got {kind}")
+    for r, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: rank {r}'s input is {type(x).__name__}, not a torch tensor")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{op}: rank {r}'s dtype {x.dtype} is not supported; use float32, "
+                            "bfloat16, float16")  # fmt: skip
+        if x.dim() == 0:
+            raise ValueError(f"{op}: rank {r}'s input is 0-d; reshape to (1,)")
+    first = xs[0]
+    for r, x in enumerate(xs[1:], 1):
+        if x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(f"{op}: the ranks disagree: rank 0 has {first.dtype} on "
+                             f"{first.device}, rank {r} {x.dtype} on {x.device}")  # fmt: skip
+        if same_shape and x.shape != first.shape:
+            raise ValueError(f"{op}: the ranks disagree: rank 0 has shape {tuple(first.shape)}, "
+                             f"rank {r} {tuple(x.shape)}")  # fmt: skip
+
+
+def check_gather_shards(xs: Sequence[torch.Tensor], total_dim0: int | None) -> int | None:
+    """all_gather's shards: equal shapes, or with ``total_dim0`` rank r's d_r = shard_rows
+    rows and equal trailing dims."""
+    check_rank_tensors("all_gather", xs, same_shape=total_dim0 is None)
+    if total_dim0 is None:
+        return None
+    total_dim0 = check_int(total_dim0, "all_gather: total_dim0", 2**63)
+    rows = collectives.shard_rows(total_dim0, len(xs))
+    for r, x in enumerate(xs):
+        if x.shape[0] != rows[r] or x.shape[1:] != xs[0].shape[1:]:
+            raise ValueError(f"all_gather: rank {r} holds shape {tuple(x.shape)}; of "
+                             f"total_dim0 = {total_dim0} rows on {len(xs)} ranks it should hold "
+                             f"{rows[r]} rows (fp4_comm.shard_rows) and rank 0's trailing dims "
+                             f"{tuple(xs[0].shape[1:])}")  # fmt: skip
+    return total_dim0
+
+
+def _options(codec, rounding, seed, step, error_feedback, residuals, world_size, stats):
+    check_options(rounding, seed, step, error_feedback)
+    codec = get_codec(codec)
+    if error_feedback is not None:
+        if residuals is None or len(residuals) != world_size:
+            raise ValueError(
+                f"residuals: error_feedback={error_feedback!r} needs one ErrorFeedback per rank "
+                f"({world_size}), got {None if residuals is None else len(residuals)}"
+            )
+        if not all(isinstance(e, ErrorFeedback) for e in residuals):
+            raise TypeError("residuals: expected fp4_comm.ErrorFeedback objects, one per rank")
+    elif residuals is not None:
+        raise ValueError("residuals are given but no error_feedback buffer name")
+    return [
+        collectives.Options(
+            codec,
+            rounding,
+            int(seed),
+            int(step),
+            None if error_feedback is None else residuals[r],
+            error_feedback,
+            stats,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+
+
+def _result(opts, out, stats):
+    if not stats:
+        return out
+    return out, [collectives.collected_stats(o) for o in opts]
+
+
+# ------------------------------------------------------------------------ pure functions
+
+
+def all_reduce(
+    xs: Sequence[torch.Tensor],
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    error_feedback: str | None = None,
+    residuals: Sequence[ErrorFeedback] | None = None,
+    stats: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[dict[str, HopStats]]]:
+    """Every rank's result of ``Communicator.all_reduce`` when rank r passes ``xs[r]`` (same
+    options as there; ``step`` explicit; ``error_feedback``: a buffer name, whose residuals are
+    ``residuals[r]`` on rank r).  ``stats``: also each rank's {hop: HopStats}."""
+    check_rank_tensors("all_reduce", xs)
+    opts = _options(codec, rounding, seed, step, error_feedback, residuals, len(xs), stats)
+    pool = _pool(len(xs), xs[0].device)
+    out = pool.run([_bind(collectives.all_reduce, x, o) for x, o in zip(xs, opts, strict=True)])
+    return _result(opts, out, stats)
+
+
+def reduce_scatter(
+    xs: Sequence[torch.Tensor],
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    error_feedback: str | None = None,
+    residuals: Sequence[ErrorFeedback] | None = None,
+    stats: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[dict[str, HopStats]]]:
+    """Every rank's result of ``Communicator.reduce_scatter``: rank r gets its
+    ``shard_rows(d0, k)[r]`` rows of the sum."""
+    check_rank_tensors("reduce_scatter", xs)
+    opts = _options(codec, rounding, seed, step, error_feedback, residuals, len(xs), stats)
+    pool = _pool(len(xs), xs[0].device)
+    out = pool.run([_bind(collectives.reduce_scatter, x, o) for x, o in zip(xs, opts, strict=True)])
+    return _result(opts, out, stats)
+
+
+def all_gather(
+    xs: Sequence[torch.Tensor],
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    stats: bool = False,
+    total_dim0: int | None = None,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[dict[str, HopStats]]]:
+    """Every rank's result of ``Communicator.all_gather`` (``total_dim0``: rank r holds
+    ``shard_rows(total_dim0, k)[r]`` rows)."""
+    total_dim0 = check_gather_shards(xs, total_dim0)
+    opts = _options(codec, rounding, seed, step, None, None, len(xs), stats)
+    pool = _pool(len(xs), xs[0].device)
+    out = pool.run([_bind(collectives.all_gather, x, o, total_dim0)
+                    for x, o in zip(xs, opts, strict=True)])  # fmt: skip
+    return _result(opts, out, stats)
+
+
+def send_recv(
+    x: torch.Tensor,
+    src: int = 0,
+    dst: int = 1,
+    world_size: int = 2,
+    codec: CodecSpec = "nvfp4",
+    rounding: Rounding = "nearest",
+    seed: int = 0,
+    step: int = 0,
+    stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, HopStats]]:
+    """What rank ``dst`` receives when rank ``src`` of ``world_size`` sends ``x``
+    (``Communicator.send`` / ``recv``; the rounding key is the sender's).  ``stats``: also the
+    sender's {hop: HopStats}."""
+    world_size = _check_world_size(world_size)
+    _check_peers(src, dst, world_size)
+    check_rank_tensors("send", [x])
+    (opts,) = _options(codec, rounding, seed, step, None, None, 1, stats)
+    tasks: list[Any] = [None] * world_size
+    tasks[src] = lambda t: collectives.send(t, x, dst, opts)
+    tasks[dst] = lambda t: collectives.recv(t, tuple(x.shape), x.dtype, src, opts)
+    y = _pool(world_size, x.device).run(tasks)[dst]
+    return (y, collectives.collected_stats(opts)) if stats else y
+
+
+def _bind(fn, *args):
+    return lambda transport: fn(transport, *args)
+
+
+# ----------------------------------------------------------------------- stateful group
+
+
+class EmulatedRanks:
+    """k ranks in this process, each with a ``Communicator`` over an ``EmulatedTransport``:
+    call counts (the default stochastic-rounding ``step``), error-feedback residuals and
+    send counts per rank, as k processes would have them.
+
+    Every method takes the ranks' inputs as a list (rank order) and the options a
+    ``Communicator`` call takes, the same for every rank; it returns every rank's result (with
+    ``stats=True``, every rank's ``(result, {hop: HopStats})``).  ``comms[r]`` is rank r's
+    communicator (``comms[r].error_feedback``, ``state_dict``)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        device: torch.device | str = "cpu",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.world_size = _check_world_size(world_size)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._threads = _RankThreads(self.world_size, self.device, timeout_s)
+        # No control group: the ranks' agreement is checked here, in one process.
+        self.comms = [Communicator(t, None, "never") for t in self._threads.transports]
+
+    def _check_device(self, op, xs):
+        if xs[0].device != self.device:
+            raise ValueError(f"{op}: the tensors are on {xs[0].device}, the emulated ranks on "
+                             f"{self.device}")  # fmt: skip
+
+    def _run(self, op, xs, kwargs, extra=None):
+        self._check_device(op, xs)
+        extra = extra or {}
+        return self._threads.run(
+            [_method(c, op, x, kwargs, extra) for c, x in zip(self.comms, xs, strict=True)]
+        )
+
+    def _check(self, xs):
+        if len(xs) != self.world_size:
+            raise ValueError(f"expected one tensor per rank ({self.world_size}), got {len(xs)}")
+
+    def all_reduce(self, xs: Sequence[torch.Tensor], **kwargs: Any) -> list[Any]:
+        """Every rank's ``Communicator.all_reduce(xs[r], **kwargs)``."""
+        check_rank_tensors("all_reduce", xs)
+        self._check(xs)
+        return self._run("all_reduce", xs, kwargs)
+
+    def reduce_scatter(self, xs: Sequence[torch.Tensor], **kwargs: Any) -> list[Any]:
+        """Every rank's ``Communicator.reduce_scatter(xs[r], **kwargs)``."""
+        check_rank_tensors("reduce_scatter", xs)
+        self._check(xs)
+        return self._run("reduce_scatter", xs, kwargs)
+
+    def all_gather(
+        self, xs: Sequence[torch.Tensor], total_dim0: int | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Every rank's ``Communicator.all_gather(xs[r], total_dim0=total_dim0, **kwargs)``."""
+        total_dim0 = check_gather_shards(xs, total_dim0)
+        self._check(xs)
+        return self._run("all_gather", xs, kwargs, {"total_dim0": total_dim0})
+
+    def send_recv(
+        self,
+        x: torch.Tensor,
+        src: int,
+        dst: int,
+        codec: CodecSpec = "nvfp4",
+        rounding: Rounding = "nearest",
+        seed: int = 0,
+        step: int | None = None,
+        stats: bool = False,
+    ) -> Any:
+        """Rank ``src``'s ``send(x, dst, ...)`` and rank ``dst``'s ``recv``: what ``dst``
+        receives (with ``stats``: and the sender's {hop: HopStats}).  ``step`` None: the
+        sender's count of sends, as ``Communicator.send`` says."""
+        check_rank_tensors("send", [x])
+        self._check_device("send", [x])
+        _check_peers(src, dst, self.world_size)
+        tasks: list[Any] = [None] * self.world_size
+        send_kw = {"codec": codec, "rounding": rounding, "seed": seed, "step": step,
+                   "stats": stats}  # fmt: skip
+        tasks[src] = lambda _: self.comms[src].send(x, dst, **send_kw)
+        tasks[dst] = lambda _: self.comms[dst].recv(tuple(x.shape), x.dtype, src, codec=codec)
+        out = self._threads.run(tasks)
+        if stats:
+            return out[dst], out[src][1]
+        return out[dst]
+
+
+def _method(comm, op, x, kwargs, extra):
+    fn = getattr(comm, op)
+    return lambda _: fn(x, **kwargs, **extra)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "EmulatedRanks",
+    "EmulatedTransport",
+    "all_gather",
+    "all_reduce",
+    "check_gather_shards",
+    "check_rank_tensors",
+    "reduce_scatter",
+    "send_recv",
+]

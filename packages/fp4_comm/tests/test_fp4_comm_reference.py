@@ -1,0 +1,356 @@
+"""fp4_comm.reference: k ranks in one process, equal bit for bit to the k-process run.
+
+Every collective (all_reduce, reduce_scatter, all_gather with equal and with shard_rows
+shards, send/recv) with every codec (bf16 and float32 values, NVFP4, MXFP4 including its fused
+requantized sum, FP4Quant at g = 16, 64 and 256, with and without the transform), nearest and
+stochastic rounding, with and without error feedback (two calls, so that the residual of the
+first one is in the second), float32 and bfloat16 inputs of ragged sizes: the gloo run on 2, 3
+and 4 processes against ``reference`` in this process, every rank's result and statistics.
+Then what the emulation adds: ``EmulatedRanks``' per-rank call counts and residuals, the
+argument checks, and a rank that fails stopping the others instead of hanging them.  Marked
+``gpu``: the same against NCCL with 2 or 4 ranks on one GPU (multi-rank mode).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fp4_kernels
+from fp4_comm import CommTimeoutError, ErrorFeedback, reference
+from fp4_comm.collectives import shard_rows
+
+SEED, STEP = 11, 5
+CODECS = ["none", "none-float32", "nvfp4", "mxfp4", "fp4quant-g64", "fp4quant-g16-nohad",
+          "fp4quant-g256"]  # fmt: skip
+ROUNDINGS = ["nearest", "stochastic"]
+
+
+def _codec(spec):
+    """A codec as the collectives take it (FP4Quant as an fp4_kernels.FP4Quant)."""
+    if spec.startswith("fp4quant-g"):
+        g, *rest = spec[len("fp4quant-g") :].split("-")
+        return fp4_kernels.FP4Quant(int(g), hadamard=rest != ["nohad"])
+    return spec
+
+
+def _cases():
+    """(op, codec, rounding, error_feedback, dtype name, shape, total_dim0)."""
+    cases = []
+    for codec in CODECS:
+        for rounding in ROUNDINGS:
+            dtype = "bfloat16" if rounding == "stochastic" else "float32"
+            for ef in (False, True):
+                cases.append(("all_reduce", codec, rounding, ef, dtype, (37, 40), None))
+                cases.append(("reduce_scatter", codec, rounding, ef, dtype, (13, 24), None))
+            cases.append(("all_gather", codec, rounding, False, dtype, (3, 40), None))
+            cases.append(("all_gather", codec, rounding, False, dtype, (None, 24), 7))
+            cases.append(("send", codec, rounding, False, dtype, (5, 33), None))
+    return cases
+
+
+CASES = _cases()
+
+
+def _input(case_index, call, rank, world, case):
+    _, _, _, _, dtype, shape, total = case
+    if total is not None:
+        shape = (shard_rows(total, world)[rank], *shape[1:])
+    g = torch.Generator().manual_seed(1000 * case_index + 100 * call + rank)
+    x = torch.randn(shape, generator=g) * 10.0 ** torch.randint(-3, 4, shape, generator=g)
+    return x.to(getattr(torch, dtype))
+
+
+def _bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
+
+
+def _stats(hops):
+    return {hop: s.as_floats() for hop, s in sorted(hops.items())}
+
+
+def _calls(case):
+    return 2 if case[3] else 1  # error feedback: a second call that uses the first residual
+
+
+def _run_cases(comms, world, cases, device="cpu"):
+    """Every case on this rank of ``comms[world]`` (or the NCCL communicator)."""
+    comm = comms[world] if device == "cpu" else comms["cuda"]
+    if comm is None:
+        return None
+    r = comm.rank
+    out = []
+    for i, case in enumerate(cases):
+        op, codec, rounding, ef, *_ = case
+        kw = {"codec": _codec(codec), "rounding": rounding, "seed": SEED}
+        results = []
+        for call in range(_calls(case)):
+            x = _input(i, call, r, world, case).to(comm.device)
+            step = STEP + call
+            if op == "send":
+                if r == 0:
+                    hops = comm.send(x, world - 1, **kw, step=step, stats=True)[1]
+                    results.append((None, _stats(hops)))
+                elif r == world - 1:
+                    y = comm.recv(tuple(x.shape), x.dtype, 0, codec=kw["codec"])
+                    results.append((_bits(y), None))
+                continue
+            extra = {}
+            if op in ("all_reduce", "reduce_scatter") and ef:
+                extra["error_feedback"] = f"case{i}"
+            if op == "all_gather" and case[6] is not None:
+                extra["total_dim0"] = case[6]
+            # statistics with error feedback only: they turn off MXFP4's fused sum
+            y = getattr(comm, op)(x, **kw, step=step, stats=ef, **extra)
+            if ef:
+                y, hops = y
+                results.append((_bits(y), _stats(hops)))
+            else:
+                results.append((_bits(y), None))
+        out.append(results)
+    comm.error_feedback.reset()
+    return out
+
+
+def _reference_cases(world, cases, device="cpu"):
+    """The same cases through ``reference``: every rank's results, by rank."""
+    out = [[] for _ in range(world)]
+    for i, case in enumerate(cases):
+        op, codec, rounding, ef, *_ = case
+        kw = {"codec": _codec(codec), "rounding": rounding, "seed": SEED}
+        residuals = [ErrorFeedback() for _ in range(world)]
+        per_rank = [[] for _ in range(world)]
+        for call in range(_calls(case)):
+            xs = [_input(i, call, r, world, case).to(device) for r in range(world)]
+            step = STEP + call
+            if op == "send":
+                y, hops = reference.send_recv(xs[0], 0, world - 1, world, **kw, step=step,
+                                              stats=True)  # fmt: skip
+                per_rank[0].append((None, _stats(hops)))
+                per_rank[world - 1].append((_bits(y), None))
+                continue
+            extra = {}
+            if op in ("all_reduce", "reduce_scatter") and ef:
+                extra = {"error_feedback": "x", "residuals": residuals}
+            if op == "all_gather" and case[6] is not None:
+                extra["total_dim0"] = case[6]
+            ys = getattr(reference, op)(xs, **kw, step=step, stats=ef, **extra)
+            if ef:
+                ys, hops = ys
+                for r in range(world):
+                    per_rank[r].append((_bits(ys[r]), _stats(hops[r])))
+            else:
+                for r in range(world):
+                    per_rank[r].append((_bits(ys[r]), None))
+        for r in range(world):
+            out[r].append(per_rank[r])
+    return out
+
+
+def _assert_same(real, emulated, cases):
+    for r, (mine, ref) in enumerate(zip(real, emulated, strict=True)):
+        for case, a, b in zip(cases, mine, ref, strict=True):
+            assert len(a) == len(b), (r, case)
+            for call, ((bits_a, stats_a), (bits_b, stats_b)) in enumerate(zip(a, b, strict=True)):
+                where = f"rank {r}, call {call}, {case}"
+                if bits_a is None:
+                    assert bits_b is None, where
+                else:
+                    assert bits_a.shape == bits_b.shape and np.array_equal(bits_a, bits_b), where
+                np.testing.assert_equal(stats_a, stats_b, err_msg=where)  # NaN == NaN here
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_collective_equals_the_gloo_run(cluster, world):
+    real = cluster.run(_run_cases, world, CASES)[:world]
+    _assert_same(real, _reference_cases(world, CASES), CASES)
+
+
+def test_the_cases_reach_every_path():
+    """The cases are what the docstring says: every op x codec x rounding, error feedback
+    on the sums, uneven all_gather shards."""
+    ops = {(c[0], c[1], c[2], c[3]) for c in CASES}
+    for codec in CODECS:
+        for rounding in ROUNDINGS:
+            for op in ("all_reduce", "reduce_scatter"):
+                assert {(op, codec, rounding, ef) for ef in (False, True)} <= ops
+            assert ("send", codec, rounding, False) in ops
+    assert any(c[0] == "all_gather" and c[6] for c in CASES)
+    # the fused MXFP4 sum: nearest, no error feedback, no statistics
+    assert ("all_reduce", "mxfp4", "nearest", False) in ops
+
+
+# ------------------------------------------------------------------ the stateful group
+
+
+def _run_defaults(comms, world):
+    """Calls that leave step, residuals and send counts to the communicator."""
+    comm = comms[world]
+    if comm is None:
+        return None
+    r = comm.rank
+    # counted from 0, as a new communicator (the emulated ranks') counts
+    saved, comm._calls, comm._sends = (comm._calls, comm._sends), 0, 0
+    out = []
+    for i in range(3):
+        x = _input(i, 0, r, world, CASES[0])
+        y = comm.all_reduce(x, codec="nvfp4", rounding="stochastic", error_feedback="d")
+        out.append(_bits(y))
+        y = comm.reduce_scatter(x, codec=_codec("fp4quant-g64"), rounding="stochastic")
+        out.append(_bits(y))
+        if r == 0:
+            comm.send(x, world - 1, codec="mxfp4", rounding="stochastic")
+        elif r == world - 1:
+            out.append(_bits(comm.recv(tuple(x.shape), x.dtype, 0, codec="mxfp4")))
+    comm.error_feedback.reset()
+    comm._calls, comm._sends = saved
+    return out
+
+
+def test_emulated_ranks_count_calls_and_keep_residuals_per_rank(cluster):
+    """EmulatedRanks: the default step (each rank's call count, or count of sends) and each
+    rank's error-feedback residuals, as the processes have them."""
+    world = 3
+    real = cluster.run(_run_defaults, world)[:world]
+    ranks = reference.EmulatedRanks(world)
+    emulated = [[] for _ in range(world)]
+    for i in range(3):
+        xs = [_input(i, 0, r, world, CASES[0]) for r in range(world)]
+        ys = ranks.all_reduce(xs, codec="nvfp4", rounding="stochastic", error_feedback="d")
+        zs = ranks.reduce_scatter(xs, codec=_codec("fp4quant-g64"), rounding="stochastic")
+        for r in range(world):
+            emulated[r] += [_bits(ys[r]), _bits(zs[r])]
+        y = ranks.send_recv(xs[0], 0, world - 1, codec="mxfp4", rounding="stochastic")
+        emulated[world - 1].append(_bits(y))
+    for r in range(world):
+        assert len(real[r]) == len(emulated[r])
+        for a, b in zip(real[r], emulated[r], strict=True):
+            assert np.array_equal(a, b), r
+    assert [c._calls for c in ranks.comms] == [6] * world
+    assert [c._sends for c in ranks.comms] == [3] + [0] * (world - 1)
+    res = [c.error_feedback.residual("d") for c in ranks.comms]
+    assert not torch.equal(res[0], res[1])  # each rank's own
+
+
+# ------------------------------------------------------------------ checks and failures
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: reference.all_reduce(torch.ones(4)), TypeError, "list of the ranks' tensors"),
+        (lambda: reference.all_reduce([torch.ones(4), torch.ones(5)]), ValueError,
+         r"rank 0 has shape \(4,\), rank 1 \(5,\)"),
+        (lambda: reference.all_reduce([torch.ones(4), torch.ones(4, dtype=torch.bfloat16)]),
+         ValueError, "ranks disagree"),
+        (lambda: reference.all_reduce([torch.ones(4), torch.ones(4, dtype=torch.int32)]),
+         TypeError, "rank 1's dtype"),
+        (lambda: reference.all_reduce([torch.ones(()), torch.ones(())]), ValueError, "0-d"),
+        (lambda: reference.all_reduce([torch.ones(4)] * 2, codec="fp5"), ValueError, "codec"),
+        (lambda: reference.all_reduce([torch.ones(4)] * 2, rounding="up"), ValueError,
+         "rounding"),
+        (lambda: reference.all_reduce([torch.ones(4)] * 2, error_feedback="e"), ValueError,
+         "one ErrorFeedback per rank"),
+        (lambda: reference.all_reduce([torch.ones(4)] * 2, residuals=[ErrorFeedback()] * 2),
+         ValueError, "no error_feedback buffer name"),
+        (lambda: reference.all_gather([torch.ones(2, 3), torch.ones(2, 3)], total_dim0=3),
+         ValueError, r"rank 1 holds shape \(2, 3\).*1 rows"),
+        (lambda: reference.send_recv(torch.ones(4), 0, 0), ValueError, "both 0"),
+        (lambda: reference.send_recv(torch.ones(4), 0, 2, 2), ValueError, "dst = 2"),
+        (lambda: reference.EmulatedRanks(0), ValueError, "world_size is 0"),
+        (lambda: reference.EmulatedRanks(2).all_reduce([torch.ones(4)] * 3), ValueError,
+         "one tensor per rank"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_name_what_is_wrong(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_failing_rank_stops_the_others_and_the_group_goes_on():
+    """Rank 1 raises before the exchange: rank 0, waiting at the exchange, stops at once
+    (not after the timeout), the caller gets rank 1's error, and the next call works."""
+    world = 2
+    pool = reference._RankThreads(world, torch.device("cpu"), timeout_s=60.0)
+
+    def exchange(t):
+        recv = torch.empty(world, 4, dtype=torch.uint8)
+        t.all_gather([(torch.full((1, 4), t.rank, dtype=torch.uint8), recv)])
+        return recv
+
+    def fail(t):
+        raise RuntimeError("rank 1 failed")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        pool.run([exchange, fail])
+    assert time.monotonic() - start < 30
+    out = pool.run([exchange, exchange])
+    assert [o[:, 0].tolist() for o in out] == [[0, 1], [0, 1]]
+
+
+def test_a_receiver_whose_sender_fails_stops():
+    pool = reference._RankThreads(2, torch.device("cpu"), timeout_s=60.0)
+
+    def receive(t):
+        t.recv([torch.empty(4, dtype=torch.uint8)], 0)
+
+    def fail(t):
+        raise ValueError("no send")
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no send"):
+        pool.run([fail, receive])
+    assert time.monotonic() - start < 30
+
+
+def test_a_collective_one_rank_never_calls_times_out():
+    pool = reference._RankThreads(2, torch.device("cpu"), timeout_s=0.5)
+
+    def exchange(t):
+        t.all_gather([(torch.zeros(1, 4, dtype=torch.uint8),
+                       torch.empty(2, 4, dtype=torch.uint8))])  # fmt: skip
+
+    with pytest.raises(CommTimeoutError, match="did not take part"):
+        pool.run([exchange, None])
+
+
+# ------------------------------------------------------------------ NCCL, one GPU
+
+
+def _gpu_world():
+    return int(os.environ.get("FP4_COMM_TEST_RANKS", "2"))
+
+
+@pytest.fixture(scope="module")
+def nccl_cluster():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from fp4_comm_cluster import Cluster
+
+    # several ranks on one GPU: NCCL's multi-rank mode; NVLink multicast off
+    for k, v in {
+        "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }.items():
+        os.environ.setdefault(k, v)  # fmt: skip
+    c = Cluster(_gpu_world(), timeout_s=60.0, gpu=True)
+    yield c
+    c.close()
+
+
+@pytest.mark.gpu
+def test_every_collective_equals_the_nccl_run(nccl_cluster):
+    """NCCL with FP4_COMM_TEST_RANKS ranks (default 2; 4 too) against the reference on the
+    GPU: the same bits (the CUDA kernels equal the CPU path bit for bit, and the sums are
+    plain float32 adds in rank order)."""
+    world = _gpu_world()
+    real = nccl_cluster.run(_run_cases, world, CASES, "cuda")
+    _assert_same(real, _reference_cases(world, CASES, "cuda"), CASES)

@@ -1,0 +1,265 @@
+"""The table of the emulated study: every configuration paired with bf16 of the same model,
+layout and seed, with the preprint's figures beside it.
+
+    python -m fp4_train.experiments.emulated_summary docs/results/emulated_runs \\
+        --out docs/results/emulated_study
+
+Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
+table), ``table.json`` (the same rows, each seed's numbers too), ``timing.md`` (step time,
+tokens/s and wall minutes of every run) and ``curves.png`` (the final-loss gaps with their
+intervals, and the paired training-loss gap over training at TP = 4).
+
+Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
+and seed (the same initialization, batches and rounding keys); the table gives the mean over
+seeds and its 95 % interval (Student's t, n - 1 degrees of freedom: the seeds are the only
+replication), and the mean Δ as a percentage of the bf16 loss.  The bf16 row gives the spread
+of the seeds themselves (their standard deviation): a gap inside it is no gap these runs can
+resolve.
+
+The preprint's figures (FP4Quant, 4-way TP of a 7B Qwen model, its data and schedule) are
+quoted beside the rows they correspond to, marked as quoted: bf16 2.1505, FP4Quant g = 64
+2.2306, g = 256 3.0616, TAH-Quant 3.48 (4-way TP), the pipeline boundary with g = 64 2.1525.
+Its model and data differ from these runs: compare the gaps (quoted as a percentage of its
+bf16 loss), not the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+from .boundary_study import mean_ci
+from .emulated_tp import SUMMARY_KIND
+from .records import pyplot, write_json
+
+_SEED = re.compile(r"_s(\d+)$")
+BASELINE = "bf16"
+# The preprint's final losses (quoted): 4-way TP of Qwen 7B, and a PP boundary.
+PREPRINT_BF16 = 2.1505
+PREPRINT = {
+    ("tp4", "bf16"): PREPRINT_BF16,
+    ("tp4", "fp4quant-g64"): 2.2306,
+    ("tp4", "fp4quant-g256"): 3.0616,
+    ("tp4", "tahquant"): 3.48,
+    ("pp2", "bf16"): PREPRINT_BF16,
+    ("pp2", "fp4quant-g64"): 2.1525,
+}
+
+
+def load(folders):
+    """The ``emulated_tp`` summaries in ``folders``."""
+    out = []
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.json")):
+            record = json.loads(path.read_text())
+            if isinstance(record, dict) and record.get("kind") == SUMMARY_KIND:
+                out.append(record)
+    return out
+
+
+def policy(summary):
+    """The wire policy part of the run name: 'bf16', 'fp4quant-g64_sr', ..."""
+    stem = _SEED.sub("", summary["name"])
+    return stem[len(f"{summary['model']}_{summary['layout']}_") :]
+
+
+def quoted(summary):
+    """The preprint's loss for this row, or None: its TP rows are 4-way, nearest rounding and
+    no error feedback, the same codec forward and backward (TAH-Quant: its activation codec
+    forward and its gradient codec backward); its PP row FP4Quant g = 64."""
+    c = summary["config"]
+    if c.get("error_feedback") or c.get("rounding") != "nearest":
+        return None
+    codec = summary["codec"]
+    if codec.startswith("tahquant"):  # its own gradient codec backward
+        if not summary["grad_codec"].startswith("tahquant"):
+            return None
+        codec = "tahquant"
+    elif summary["grad_codec"] != codec:
+        return None
+    if summary["layout"] == "tp4" and summary["grad_rounding"] != "nearest":
+        return None
+    return PREPRINT.get((summary["layout"], codec))
+
+
+def rows(summaries):
+    """One row per (model, layout, policy), paired with bf16 of the same seeds."""
+    groups = {}
+    for s in summaries:
+        groups.setdefault((s["model"], s["layout"], policy(s)), {})[s["seed"]] = s
+    out = []
+    for (model, lay, pol), by_seed in sorted(groups.items(), key=_order):
+        base = groups.get((model, lay, BASELINE), {})
+        seeds = sorted(by_seed)
+        losses = [by_seed[k]["final_val_loss"] for k in seeds]
+        paired = [k for k in seeds if k in base]
+        deltas = [by_seed[k]["final_val_loss"] - base[k]["final_val_loss"] for k in paired]
+        base_losses = [base[k]["final_val_loss"] for k in paired]
+        first = by_seed[seeds[0]]
+        row = {
+            "model": model, "layout": lay, "policy": pol, "codec": first["codec"],
+            "grad_codec": first["grad_codec"], "grad_rounding": first["grad_rounding"],
+            "seeds": seeds, "val_loss": losses,
+            "val_loss_mean": sum(losses) / len(losses),
+            "val_loss_sd": _sd(losses),
+            "paired_seeds": paired, "delta": deltas,
+            "wall_min": sum(by_seed[k]["wall_s"] for k in seeds) / len(seeds) / 60,
+            "concurrent_runs": max(by_seed[k].get("concurrent_runs", 1) for k in seeds),
+            "tokens_per_s": sum(by_seed[k]["tokens_per_s"] for k in seeds) / len(seeds),
+            "steps": first["config"]["steps"], "tokens_per_step": first["tokens_per_step"],
+        }  # fmt: skip
+        if deltas and pol != BASELINE:
+            mean, half, n = mean_ci(deltas)
+            base_mean = sum(base_losses) / len(base_losses)
+            row.update(delta_mean=mean, delta_ci=half, gap_pct=100 * mean / base_mean,
+                       gap_ci_pct=None if half is None else 100 * half / base_mean)  # fmt: skip
+        q = quoted(first)
+        if q is not None:
+            row.update(preprint_loss=q, preprint_gap_pct=100 * (q - PREPRINT_BF16) / PREPRINT_BF16)
+        out.append(row)
+    return out
+
+
+def _order(item):
+    (model, lay, pol), _ = item
+    layouts = ("tp4", "tp8", "pp2", "tp4-sp", "tp1")
+    rank = layouts.index(lay) if lay in layouts else len(layouts)
+    return (model, rank, lay, pol != BASELINE, pol)
+
+
+def _sd(values):
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def _fmt(v, digits=4, sign=False):
+    if v is None:
+        return "–"
+    return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
+
+
+def markdown(table):
+    head = ["model", "layout", "wire (forward; gradient)", "seeds", "val loss",
+            "Δ vs bf16 (95 % CI)", "gap % of bf16 (95 % CI)",
+            "preprint, quoted: loss (gap %)", "min / run"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        if r["policy"] == BASELINE:
+            sd = r["val_loss_sd"]
+            delta = "seeds' sd " + _fmt(sd) if sd is not None else "–"
+            gap = "–"
+        else:
+            ci = r.get("delta_ci")
+            delta = _fmt(r.get("delta_mean"), sign=True) + (f" ± {ci:.4f}" if ci else "")
+            gci = r.get("gap_ci_pct")
+            gap = _fmt(r.get("gap_pct"), 2, sign=True) + (f" ± {gci:.2f}" if gci else "")
+        q = r.get("preprint_loss")
+        quote = "–" if q is None else f"{q:.4f} ({r['preprint_gap_pct']:+.1f} %)"
+        wire = f"{r['codec']}; {r['grad_codec']} ({r['grad_rounding']})"
+        lines.append("| " + " | ".join([
+            r["model"], r["layout"], f"{r['policy']}: {wire}", str(len(r["seeds"])),
+            _fmt(r["val_loss_mean"]), delta, gap, quote, f"{r['wall_min']:.1f}",
+        ]) + " |")  # fmt: skip
+    lines += [
+        "",
+        "Δ: final validation loss minus bf16's of the same model, layout and seed, mean over "
+        "the paired seeds ± the half-width of its 95 % t interval.  Preprint figures are "
+        "quoted from the FP4Quant preprint (Qwen 7B, its data and schedule): compare its gaps "
+        "with ours, not its losses.  min / run: wall minutes of one run, with the number of "
+        "runs that shared the GPU in table.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def timing_markdown(summaries):
+    head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
+            "runs sharing the GPU"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in sorted(summaries, key=lambda s: s["name"]):
+        tflops = "–" if s.get("tflops") is None else f"{s['tflops']:.1f}"
+        memory = "–" if s.get("max_memory_gb") is None else f"{s['max_memory_gb']:.1f}"
+        cells = [s["name"], f"{s['step_ms']:.1f}", f"{s['tokens_per_s']:.0f}", tflops,
+                 f"{s['wall_s']:.0f}", memory, str(s.get("concurrent_runs", 1))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    devices = sorted({s.get("meta", {}).get("device", "?") for s in summaries})
+    commits = sorted({s.get("meta", {}).get("commit", "?") for s in summaries})
+    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; commits {', '.join(commits)}.\n"
+
+
+def plot(table, summaries, path):
+    plt = pyplot()
+    fig, (ax_gap, ax_curve) = plt.subplots(1, 2, figsize=(13, 5))
+    shown = [r for r in table if r["policy"] != BASELINE and r.get("delta_mean") is not None]
+    labels = [f"{r['model']} {r['layout']} {r['policy']}" for r in shown]
+    y = range(len(shown))
+    ax_gap.errorbar([r["gap_pct"] for r in shown], list(y),
+                    xerr=[r.get("gap_ci_pct") or 0 for r in shown], fmt="o", capsize=3)  # fmt: skip
+    quotes = [(i, r["preprint_gap_pct"]) for i, r in enumerate(shown) if "preprint_gap_pct" in r]
+    if quotes:
+        ax_gap.plot([q for _, q in quotes], [i for i, _ in quotes], "x", color="gray",
+                    label="preprint (quoted)")  # fmt: skip
+        ax_gap.legend(fontsize=8)
+    ax_gap.axvline(0, color="black", lw=0.8)
+    ax_gap.set_yticks(list(y), labels, fontsize=7)
+    ax_gap.set(xlabel="final validation loss gap to bf16, % (95 % CI)", xscale="symlog")
+    ax_gap.grid(alpha=0.3)
+    by = {}
+    for s in summaries:
+        by.setdefault((s["model"], s["layout"], policy(s)), {})[s["seed"]] = s
+    for (model, lay, pol), seeds in sorted(by.items()):
+        base = by.get((model, lay, BASELINE), {})
+        if lay != "tp4" or pol == BASELINE:
+            continue
+        curves = []
+        for k, s in seeds.items():
+            if k in base:
+                b = base[k]["train_loss_curve"]
+                curves.append([(p[0], p[1] - q[1]) for p, q in zip(s["train_loss_curve"], b,
+                                                                     strict=False)])  # fmt: skip
+        if curves:
+            n = min(len(c) for c in curves)
+            xs = [curves[0][i][0] for i in range(n)]
+            ys = [sum(c[i][1] for c in curves) / len(curves) for i in range(n)]
+            ax_curve.plot(xs, ys, lw=1.2, label=f"{model} {pol}")
+    ax_curve.axhline(0, color="black", lw=0.8)
+    ax_curve.set(xlabel="step", ylabel="training loss minus bf16's (paired, mean over seeds)",
+                 title="TP = 4")  # fmt: skip
+    ax_curve.grid(alpha=0.3)
+    if ax_curve.lines:
+        ax_curve.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folders", type=Path, nargs="+", help="folders of emulated_tp summaries")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    summaries = load(args.folders)
+    if not summaries:
+        raise SystemExit(f"no emulated_tp summaries in {', '.join(map(str, args.folders))}")
+    table = rows(summaries)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table.md").write_text(markdown(table))
+    (args.out / "timing.md").write_text(timing_markdown(summaries))
+    preprint = {
+        "source": "FP4Quant preprint (quoted; Qwen 7B, 4-way TP, its data)",
+        "bf16": PREPRINT_BF16,
+        "rows": {f"{k[0]} {k[1]}": v for k, v in PREPRINT.items()},
+    }
+    write_json(args.out / "table.json", {"rows": table, "preprint": preprint})
+    if not args.no_plot:
+        plot(table, summaries, args.out / "curves.png")
+    print((args.out / "table.md").read_text())
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""fp4_train.experiments.emulated_sweep: the presets' runs and names, runs started as several
+processes at a time, skipped once their summary exists, and left out past the budget; and
+emulated_summary's table from run summaries: the pairing with bf16 by seed, the intervals, the
+preprint's figures beside the rows they belong to."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("fp4_comm")
+
+from fp4_train.experiments import emulated_summary, emulated_sweep  # noqa: E402
+from fp4_train.experiments.boundary_study import t_quantile  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", sorted(emulated_sweep.PRESETS))
+def test_presets_list_their_runs(preset, tmp_path, capsys):
+    assert emulated_sweep.main(["--preset", preset, "--out", str(tmp_path), "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = [line.split()[0] for line in lines if "-m fp4_train.experiments.emulated_tp" in line]
+    p = emulated_sweep.PRESETS[preset]
+    assert len(set(listed)) == len(listed) == len(p["configs"]) * len(p["seeds"])
+    if any(name == emulated_sweep.TAH for name, _ in p["configs"]):
+        # TAH-Quant's activation codec on tokens of the model's width, its gradient codec back
+        tah = [line for line in lines if "tahquant" in line]
+        assert tah and all("--grad-codec tahquant-grad" in line for line in tah)
+
+
+def test_a_codec_fp4_comm_does_not_know_is_listed_as_unavailable(tmp_path, monkeypatch, capsys):
+    preset = {"args": ["--model", "qwen-tiny"], "seeds": [0, 1],
+              "configs": [("bf16", ["--codec", "none"]),
+                          ("tahquant", ["--codec", "tahquant-hx"])]}  # fmt: skip
+    monkeypatch.setitem(emulated_sweep.PRESETS, "odd", preset)
+    assert emulated_sweep.main(["--preset", "odd", "--out", str(tmp_path), "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "tahquant s0: unavailable" in out and "tahquant s1: unavailable" in out
+    assert out.count("-m fp4_train.experiments.emulated_tp") == 2
+
+
+TINY = ["--model", "byte", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len",
+        "16", "--batch", "2", "--steps", "2", "--eval-every", "0", "--eval-batches", "1",
+        "--stats-every", "0", "--timing-warmup", "0", "--device", "cpu", "--tp", "2"]  # fmt: skip
+
+
+def test_runs_start_as_processes_and_are_skipped_once_done(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    configs = [("bf16", ["--codec", "none"]), ("nvfp4", ["--codec", "nvfp4"])]
+    preset = {"args": [*TINY, "--data", str(corpus)], "seeds": [0], "configs": configs}
+    monkeypatch.setitem(emulated_sweep.PRESETS, "cpu-tiny", preset)
+    out = tmp_path / "runs"
+    base = ["--preset", "cpu-tiny", "--out", str(out)]
+    # nothing fits a budget of 0 s once a run is estimated at 1 s
+    assert emulated_sweep.main([*base, "--budget-s", "0", "--estimate-s", "1"]) == 0
+    assert not list(out.glob("*.json"))
+    assert emulated_sweep.main([*base, "--jobs", "2"]) == 0
+    names = sorted(p.stem for p in out.glob("*.json"))
+    assert names == ["byte_tp2_bf16_s0", "byte_tp2_nvfp4_s0"]
+    for name in names:
+        summary = json.loads((out / f"{name}.json").read_text())
+        assert summary["concurrent_runs"] == 2 and math.isfinite(summary["final_val_loss"])
+        assert (out / "logs" / f"{name}.log").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    assert emulated_sweep.main([*base, "--jobs", "2"]) == 0  # both exist: nothing runs
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*.json")} == stamps
+
+
+# ------------------------------------------------------------------ the table
+
+
+def _summary(layout, policy, codec, seed, loss, grad_codec=None, grad_rounding="nearest"):
+    """A run summary with what the table reads (the inputs of the table's arithmetic)."""
+    return {
+        "kind": "emulated_tp_summary", "name": f"qwen-125m_{layout}_{policy}_s{seed}",
+        "model": "qwen-125m", "layout": layout, "codec": codec,
+        "grad_codec": grad_codec or codec, "grad_rounding": grad_rounding, "seed": seed,
+        "config": {"rounding": "nearest", "error_feedback": False, "steps": 100},
+        "tokens_per_step": 16384, "final_val_loss": loss, "wall_s": 120.0,
+        "tokens_per_s": 1e5, "step_ms": 160.0, "tflops": None, "concurrent_runs": 4,
+        "train_loss_curve": [[0, 10.0 + loss], [50, 5.0 + loss], [99, loss]],
+    }  # fmt: skip
+
+
+def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
+    bf16 = [3.0, 3.1, 2.95]
+    g64 = [3.05, 3.12, 3.01]
+    runs = [_summary("tp4", "bf16", "bf16", s, v) for s, v in enumerate(bf16)]
+    runs += [_summary("tp4", "fp4quant-g64", "fp4quant-g64", s, v) for s, v in enumerate(g64)]
+    runs += [_summary("tp4", "tahquant-h768_grad-tahquant-grad-rn", "tahquant-h768", 0, 3.2,
+                      grad_codec="tahquant-grad")]  # fmt: skip
+    runs += [_summary("pp2", "bf16", "bf16", 0, 3.0),
+             _summary("pp2", "fp4quant-g64_grad-fp4quant-g64-sr", "fp4quant-g64", 0, 3.01,
+                      grad_rounding="stochastic")]  # fmt: skip
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for r in runs:
+        (folder / f"{r['name']}.json").write_text(json.dumps(r))
+    (folder / "other.json").write_text(json.dumps({"name": "a tp_train record"}))
+    table = emulated_summary.main([str(folder), "--out", str(tmp_path / "table")])
+    by = {(r["layout"], r["policy"]): r for r in table}
+    assert list(by)[:2] == [("tp4", "bf16"), ("tp4", "fp4quant-g64")]
+    row = by[("tp4", "fp4quant-g64")]
+    deltas = [a - b for a, b in zip(g64, bf16, strict=True)]
+    mean = sum(deltas) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / 2)
+    assert row["delta_mean"] == pytest.approx(mean, rel=1e-12)
+    assert row["delta_ci"] == pytest.approx(t_quantile(0.975, 2) * sd / math.sqrt(3), rel=1e-12)
+    assert row["gap_pct"] == pytest.approx(100 * mean / (sum(bf16) / 3), rel=1e-12)
+    assert row["preprint_loss"] == 2.2306
+    assert row["preprint_gap_pct"] == pytest.approx(100 * (2.2306 - 2.1505) / 2.1505)
+    assert by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]["preprint_loss"] == 2.1525
+    assert by[("tp4", "tahquant-h768_grad-tahquant-grad-rn")]["preprint_loss"] == 3.48
+    pp = by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]
+    assert pp["delta_mean"] == pytest.approx(0.01) and pp["delta_ci"] is None  # one seed
+    text = (tmp_path / "table" / "table.md").read_text()
+    assert "preprint, quoted" in text and "2.2306 (+3.7 %)" in text
+    assert (tmp_path / "table" / "curves.png").stat().st_size > 10_000
+    assert "qwen-125m_tp4_bf16_s0 | 160.0" in (tmp_path / "table" / "timing.md").read_text()
