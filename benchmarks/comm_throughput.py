@@ -111,6 +111,7 @@ def host_profile(fn, args_list, path, calls=HOST_PROFILE_CALLS):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     if prof is not None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # before the first table
         with open(path, "w") as fh:
             fh.write(f"{calls} queued calls\n")
             pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(40)

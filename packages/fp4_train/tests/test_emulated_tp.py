@@ -361,7 +361,9 @@ def _gpu_worker(rank, port, world, corpus, conn):
             # NCCL's own all-reduce of bf16 values (the native group the last run made)
             y = _native_sums(world)[rank].to(device)
             dist.all_reduce(y, group=runner.par.native_group)
-            res["native_sum"] = y.float().cpu()
+            # numpy, not a tensor: a CPU tensor crosses the pipe as a handle to this process's
+            # memory, which is gone once it exits
+            res["native_sum"] = y.float().cpu().numpy()
         comm.close()
         dist.barrier()
         dist.destroy_process_group()
@@ -406,7 +408,7 @@ def test_bf16_baseline_tracks_nccl_native(real_gpu, corpus):
     ours = reference.all_reduce([x.cuda() for x in xs], codec="none-float32")[0].float().cpu()
     bound = world * 2.0**-8 * sum(x.float().abs() for x in xs)
     for r in range(world):
-        assert torch.all((real_gpu[r]["native_sum"] - ours).abs() <= bound)
+        assert torch.all((torch.from_numpy(real_gpu[r]["native_sum"]) - ours).abs() <= bound)
     with _deterministic():
         _, _, (losses, _) = _emulated(GPU_NATIVE[0], corpus, [GPU_NATIVE], "cuda", world,
                                       NATIVE_STEPS)  # fmt: skip
