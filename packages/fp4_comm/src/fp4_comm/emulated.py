@@ -23,12 +23,12 @@ The collectives are autograd functions over all k ranks (k inputs and/or k outpu
 they run the reference collective of ``fp4_comm.reference`` on the ranks' tensors, backward the
 matching one on the ranks' gradients, which autograd hands over together once every rank's is
 there.  They mirror ``fp4_comm.tensor_parallel`` and ``fp4_comm.pipeline`` one for one: the
-same option handling (``direction_options``: forward and gradient codec, rounding, error
-feedback, the residual stream's gradient stochastic by default), the same collective in each
-direction, each rank's step from its communicator's call count (``EmulatedRanks``) and each
-rank's own error-feedback residuals.  One process, one autograd graph, in which a collective is
-one node: the order of the collectives is the order of their data dependencies, the order in
-which every rank runs them.
+same option handling (``tensor_parallel.function_options``: forward and gradient codec,
+rounding, error feedback, the residual stream's gradient stochastic by default), the same
+collective in each direction, each rank's step from its communicator's call count
+(``EmulatedRanks``) and each rank's own error-feedback residuals.  One process, one autograd
+graph, in which a collective is one node: the order of the collectives is the order of their
+data dependencies, the order in which every rank runs them.
 
 Codec "native" (torch.distributed's own all-reduce, whose summation order the library picks)
 is emulated as a float32 sum in rank order rounded to the input's dtype (the "none-float32"
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .codecs import CodecSpec, Rounding
-from .parallel_group import TensorParallelGroup, WirePolicy, check_native
+from .parallel_group import TensorParallelGroup, WirePolicy
 from .reference import EmulatedRanks
 from .tensor_parallel import (
     BACKWARD,
@@ -52,6 +52,7 @@ from .tensor_parallel import (
     RESIDUAL_GRAD_ROUNDING,
     WireStats,
     direction_options,
+    function_options,
 )
 
 _DEFAULT_POLICY = WirePolicy()
@@ -202,9 +203,9 @@ def copy_to_tensor_parallel(
 ) -> PerRank:
     """``tensor_parallel.copy_to_tensor_parallel`` of every rank: ``x`` replicated (one
     tensor, every rank's) or per rank; returns every rank's view; backward all-reduces."""
-    direction_options(codec, rounding, seed, error_feedback, FORWARD, "no collective")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
-                                  grad_error_feedback, BACKWARD, "all-reduce")  # fmt: skip
+    _, grad_opts = function_options("copy_to_tensor_parallel", codec, rounding, seed,
+                                    error_feedback, grad_codec, grad_rounding or rounding,
+                                    grad_error_feedback)  # fmt: skip
     xs = _inputs(x, ranks.world_size, "copy_to_tensor_parallel")
     shared = xs is None
     return PerRank(_CopyToTensorParallel.apply(ranks, grad_opts, stats, shared,
@@ -223,7 +224,8 @@ def reduce_from_tensor_parallel(
 ) -> torch.Tensor:
     """``tensor_parallel.reduce_from_tensor_parallel`` of every rank: the ranks' partial
     outputs -> their all-reduced sum (the same on every rank: one tensor)."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-reduce")
+    opts, _ = function_options("reduce_from_tensor_parallel", codec, rounding, seed,
+                               error_feedback)  # fmt: skip
     xs = _need_per_rank(xs, ranks, "reduce_from_tensor_parallel")
     return _ReduceFromTensorParallel.apply(ranks, opts, stats, *xs)
 
@@ -244,9 +246,9 @@ def gather_from_sequence_parallel(
 ) -> PerRank:
     """``tensor_parallel.gather_from_sequence_parallel`` of every rank: the ranks' shards ->
     every rank's gathered tensor; backward reduce-scatters the gradients."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-gather")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
-                                  grad_error_feedback, BACKWARD, "reduce-scatter")  # fmt: skip
+    opts, grad_opts = function_options("gather_from_sequence_parallel", codec, rounding, seed,
+                                       error_feedback, grad_codec, grad_rounding or rounding,
+                                       grad_error_feedback)  # fmt: skip
     xs = _need_per_rank(xs, ranks, "gather_from_sequence_parallel")
     return PerRank(_GatherFromSequenceParallel.apply(ranks, opts, grad_opts, total_dim0, stats,
                                                      *xs))  # fmt: skip
@@ -267,9 +269,9 @@ def reduce_scatter_to_sequence_parallel(
 ) -> PerRank:
     """``tensor_parallel.reduce_scatter_to_sequence_parallel`` of every rank: the ranks'
     partial outputs -> each rank's rows of the sum; backward all-gathers the gradients."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "reduce-scatter")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, grad_error_feedback,
-                                  BACKWARD, "all-gather")  # fmt: skip
+    opts, grad_opts = function_options("reduce_scatter_to_sequence_parallel", codec, rounding,
+                                       seed, error_feedback, grad_codec, grad_rounding,
+                                       grad_error_feedback)  # fmt: skip
     xs = _need_per_rank(xs, ranks, "reduce_scatter_to_sequence_parallel")
     return PerRank(_ReduceScatterToSequenceParallel.apply(ranks, opts, grad_opts, stats, *xs))
 
@@ -327,16 +329,11 @@ class EmulatedTensorParallelGroup(TensorParallelGroup):
         if not isinstance(ranks, EmulatedRanks):
             raise TypeError(f"ranks: expected fp4_comm.reference.EmulatedRanks, got "
                             f"{type(ranks).__name__}")  # fmt: skip
-        backward = forward if backward is None else backward
         self.ranks = ranks
         self.comm = None
-        self.size = ranks.world_size
         self.rank = None  # every rank
-        self.forward, self.backward, self.seed = forward, backward, seed
-        self.sequence_parallel = sequence_parallel and self.size > 1
-        self.stats = None
+        self._set_policies(ranks.world_size, forward, backward, seed, sequence_parallel)
         self.native_group = None
-        self.native = check_native(forward, backward, sequence_parallel) and self.size > 1
 
     # --- the model's side
 
@@ -405,37 +402,34 @@ class EmulatedTensorParallelGroup(TensorParallelGroup):
 
     # --- the collectives
 
-    def _native_kwargs(self):
-        return {"codec": NATIVE_EMULATION, "rounding": "nearest", "seed": self.seed}
+    # ``enter`` and ``exit`` are TensorParallelGroup's: their collectives are this module's
+    # functions over every rank
 
-    def enter(self, x: Any, site: str) -> Any:
-        if self.size == 1:
-            return x
-        if self.native:
-            return copy_to_tensor_parallel(x, self.ranks, **self._native_kwargs())
-        kw = self._kwargs(site, "enter")
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel(x, self.ranks, **kw)
+    def _collective(self, function, x, kw):
+        return _FUNCTIONS[function](x, self.ranks, **kw)
+
+    def _native(self, x, forward):
+        kw = {"codec": NATIVE_EMULATION, "rounding": "nearest", "seed": self.seed}
+        if forward:
+            return reduce_from_tensor_parallel(x, self.ranks, **kw)
         return copy_to_tensor_parallel(x, self.ranks, **kw)
-
-    def exit(self, x: Any, site: str) -> Any:
-        if self.size == 1:
-            return x
-        if self.native:
-            return reduce_from_tensor_parallel(x, self.ranks, **self._native_kwargs())
-        kw = self._kwargs(site, "exit")
-        if self.sequence_parallel:
-            kw["grad_codec"] = self.backward.codec
-            if self.backward.rounding is not None:
-                kw["grad_rounding"] = self.backward.rounding
-            return reduce_scatter_to_sequence_parallel(x, self.ranks, **kw)
-        return reduce_from_tensor_parallel(x, self.ranks, **kw)
 
     def native_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(
             "an emulated group has no torch.distributed group; it runs 'native' as a float32 "
             "sum in rank order (enter / exit)"
         )
+
+
+_FUNCTIONS = {
+    f.__name__: f
+    for f in (
+        copy_to_tensor_parallel,
+        reduce_from_tensor_parallel,
+        gather_from_sequence_parallel,
+        reduce_scatter_to_sequence_parallel,
+    )
+}
 
 
 def _piece(w, dim, rank, size):

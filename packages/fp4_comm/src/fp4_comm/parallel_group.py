@@ -93,24 +93,31 @@ class TensorParallelGroup:
         seed: int = 0,
         sequence_parallel: bool = False,
     ) -> None:
-        backward = forward if backward is None else backward
         self.comm = comm
-        self.size = 1 if comm is None else comm.world_size
         self.rank = 0 if comm is None else comm.rank
-        self.forward, self.backward, self.seed = forward, backward, seed
-        self.sequence_parallel = sequence_parallel and self.size > 1
-        self.stats = None
+        self._set_policies(1 if comm is None else comm.world_size, forward, backward, seed,
+                           sequence_parallel)  # fmt: skip
         self.native_group = None
-        if check_native(forward, backward, sequence_parallel):
-            if self.size > 1:
-                self.native_group = comm.control_group  # gloo, over the communicator's ranks
-                if comm.device.type == "cuda":
-                    # NCCL over the same ranks.  Not locally synchronized: torch names such a
-                    # group after the number of groups each rank has made, which differs
-                    # between ranks that made other subgroups; so every rank of the default
-                    # group makes it (with a communicator over the default group, all do).
-                    ranks = dist.get_process_group_ranks(comm.control_group)
-                    self.native_group = dist.new_group(ranks, backend="nccl")
+        if self.native:
+            self.native_group = comm.control_group  # gloo, over the communicator's ranks
+            if comm.device.type == "cuda":
+                # NCCL over the same ranks.  Not locally synchronized: torch names such a
+                # group after the number of groups each rank has made, which differs
+                # between ranks that made other subgroups; so every rank of the default
+                # group makes it (with a communicator over the default group, all do).
+                ranks = dist.get_process_group_ranks(comm.control_group)
+                self.native_group = dist.new_group(ranks, backend="nccl")
+
+    def _set_policies(self, size, forward, backward, seed, sequence_parallel):
+        # What a group of ``size`` ranks (this one, or the emulated one of all of them) keeps
+        # of its arguments; ``native``: codec "native" with more than one rank.
+        self.size = size
+        self.forward = forward
+        self.backward = forward if backward is None else backward
+        self.seed = seed
+        self.sequence_parallel = sequence_parallel and size > 1
+        self.stats = None
+        self.native = check_native(forward, self.backward, sequence_parallel) and size > 1
 
     def native_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """torch.distributed's all-reduce of ``x`` in its dtype (timed where ``comm`` is a
@@ -148,27 +155,36 @@ class TensorParallelGroup:
         linear.  ``site``: a name unique to the call site (error-feedback buffers)."""
         if self.size == 1:
             return x
-        if self.native_group is not None:
-            return _NativeAllReduce.apply(x, self, False)
+        if self.native:
+            return self._native(x, False)
         kw = self._kwargs(site, "enter")
         if self.sequence_parallel:
-            return tp.gather_from_sequence_parallel(x, self.comm, **kw)
-        return tp.copy_to_tensor_parallel(x, self.comm, **kw)
+            return self._collective("gather_from_sequence_parallel", x, kw)
+        return self._collective("copy_to_tensor_parallel", x, kw)
 
     def exit(self, x: torch.Tensor, site: str) -> torch.Tensor:
         """A row-parallel linear's partial output, summed over the ranks (with SP: and
         scattered along the sequence)."""
         if self.size == 1:
             return x
-        if self.native_group is not None:
-            return _NativeAllReduce.apply(x, self, True)
+        if self.native:
+            return self._native(x, True)
         kw = self._kwargs(site, "exit")
         if self.sequence_parallel:
             kw["grad_codec"] = self.backward.codec
             if self.backward.rounding is not None:
                 kw["grad_rounding"] = self.backward.rounding
-            return tp.reduce_scatter_to_sequence_parallel(x, self.comm, **kw)
-        return tp.reduce_from_tensor_parallel(x, self.comm, **kw)
+            return self._collective("reduce_scatter_to_sequence_parallel", x, kw)
+        return self._collective("reduce_from_tensor_parallel", x, kw)
+
+    def _collective(self, function, x, kw):
+        # ``function`` of ``fp4_comm.tensor_parallel`` over this rank's communicator (the
+        # emulated group: of ``fp4_comm.emulated``, over every rank)
+        return getattr(tp, function)(x, self.comm, **kw)
+
+    def _native(self, x, forward):
+        # Megatron's reduce_from (``forward``) or copy_to through torch.distributed's all-reduce
+        return _NativeAllReduce.apply(x, self, forward)
 
     def shard(self, w: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's slice of a full tensor along ``dim`` (a weight, or with SP the

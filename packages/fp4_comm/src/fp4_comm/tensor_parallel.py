@@ -92,6 +92,40 @@ def direction_options(
     return opts
 
 
+#: The collective each function runs forward and backward (``direction_options``' ``runs``).
+RUNS = {
+    "copy_to_tensor_parallel": ("no collective", "all-reduce"),
+    "reduce_from_tensor_parallel": ("all-reduce", None),
+    "gather_from_sequence_parallel": ("all-gather", "reduce-scatter"),
+    "reduce_scatter_to_sequence_parallel": ("reduce-scatter", "all-gather"),
+}
+
+
+def function_options(
+    function: str,
+    codec: CodecSpec,
+    rounding: Rounding,
+    seed: int,
+    error_feedback: str | None = None,
+    grad_codec: CodecSpec | None = None,
+    grad_rounding: Rounding | None = None,
+    grad_error_feedback: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The checked keyword arguments of the forward and the backward collective of
+    ``function`` (a key of ``RUNS``; this module's functions and ``fp4_comm.emulated``'s take
+    the same options): ``direction_options`` of each direction, the gradient's codec
+    defaulting to ``codec``; None for a backward without a collective.  ``grad_rounding``
+    arrives with the function's own default applied (the forward's rounding for a summed
+    gradient, ``RESIDUAL_GRAD_ROUNDING`` for the residual stream's)."""
+    runs, grad_runs = RUNS[function]
+    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, runs)
+    if grad_runs is None:
+        return opts, None
+    grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, grad_error_feedback,
+                                  BACKWARD, grad_runs)  # fmt: skip
+    return opts, grad_opts
+
+
 def run_collective(
     comm: Communicator,
     op: str,
@@ -180,9 +214,9 @@ def copy_to_tensor_parallel(
     The forward runs no collective: ``codec`` and ``rounding`` only give the gradient's
     defaults, and ``error_feedback`` must be None (the gradient's sum takes
     ``grad_error_feedback``)."""
-    direction_options(codec, rounding, seed, error_feedback, FORWARD, "no collective")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
-                                  grad_error_feedback, BACKWARD, "all-reduce")  # fmt: skip
+    _, grad_opts = function_options("copy_to_tensor_parallel", codec, rounding, seed,
+                                    error_feedback, grad_codec, grad_rounding or rounding,
+                                    grad_error_feedback)  # fmt: skip
     return _CopyToTensorParallel.apply(x, comm, grad_opts, stats)
 
 
@@ -197,7 +231,8 @@ def reduce_from_tensor_parallel(
     stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-reduce")
+    opts, _ = function_options("reduce_from_tensor_parallel", codec, rounding, seed,
+                               error_feedback)  # fmt: skip
     return _ReduceFromTensorParallel.apply(x, comm, opts, stats)
 
 
@@ -217,9 +252,9 @@ def gather_from_sequence_parallel(
 ) -> torch.Tensor:
     """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
     ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "all-gather")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding or rounding, seed,
-                                  grad_error_feedback, BACKWARD, "reduce-scatter")  # fmt: skip
+    opts, grad_opts = function_options("gather_from_sequence_parallel", codec, rounding, seed,
+                                       error_feedback, grad_codec, grad_rounding or rounding,
+                                       grad_error_feedback)  # fmt: skip
     return _GatherFromSequenceParallel.apply(x, comm, opts, grad_opts, total_dim0, stats)
 
 
@@ -239,7 +274,7 @@ def reduce_scatter_to_sequence_parallel(
     """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
     gradient back to x's length backward, stochastically rounded unless ``grad_rounding``
     says otherwise (the residual stream's gradient: see the module docstring)."""
-    opts = direction_options(codec, rounding, seed, error_feedback, FORWARD, "reduce-scatter")
-    grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, grad_error_feedback,
-                                  BACKWARD, "all-gather")  # fmt: skip
+    opts, grad_opts = function_options("reduce_scatter_to_sequence_parallel", codec, rounding,
+                                       seed, error_feedback, grad_codec, grad_rounding,
+                                       grad_error_feedback)  # fmt: skip
     return _ReduceScatterToSequenceParallel.apply(x, comm, opts, grad_opts, stats)
