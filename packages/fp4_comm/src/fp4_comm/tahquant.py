@@ -84,6 +84,7 @@ from .codecs import (
     _check_n,
     _decode_args,
     _encode_args,
+    _hadamard_f64,
 )
 
 TILE_SIZE = 64  # channels of a tile (forward)
@@ -276,12 +277,16 @@ def _nan_fp16(like):
     return torch.full_like(like, FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
 
 
-def _check_nearest(codec, rounding):
+def _nearest_encode_args(codec, x, rounding, seed, step):
+    """``encode``'s checks (``codecs._encode_args``: the empty sections where ``x`` has no
+    element, else None), then TAH-Quant's own: nearest rounding only."""
+    empty = _encode_args(codec, x, rounding, seed, step)
     if rounding != "nearest":
         raise ValueError(
             f"{type(codec).__name__}.encode: rounding {rounding!r}: TAH-Quant rounds to "
             "nearest even only (the paper's algorithm); pass rounding='nearest'"
         )
+    return empty
 
 
 class TAHQuantCodec(Codec):
@@ -330,8 +335,7 @@ class TAHQuantCodec(Codec):
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
-        _check_nearest(self, rounding)
+        empty = _nearest_encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
         R, n = x.shape
@@ -491,8 +495,7 @@ class TAHQuantGradCodec(Codec):
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
-        _check_nearest(self, rounding)
+        empty = _nearest_encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
         R, n = x.shape
@@ -543,16 +546,3 @@ class TAHQuantGradCodec(Codec):
 
     def __repr__(self) -> str:
         return "TAHQuantGradCodec()"
-
-
-def _hadamard_f64(rows):
-    t = rows.copy()
-    g = t.shape[1]
-    h = 1
-    while h < g:
-        t = t.reshape(-1, g // (2 * h), 2, h)
-        a, b = t[:, :, 0, :].copy(), t[:, :, 1, :].copy()
-        t[:, :, 0, :], t[:, :, 1, :] = a + b, a - b
-        t = t.reshape(-1, g)
-        h *= 2
-    return t
