@@ -350,7 +350,11 @@ def _options(codec, rounding, seed, step, error_feedback, residuals, world_size,
     ]
 
 
-def _result(opts, out, stats):
+def _run_ranks(collective, xs, opts, stats, *extra):
+    """``collective(transport_r, xs[r], opts[r], *extra)`` on every rank's thread: the ranks'
+    results (``stats``: and each rank's {hop: HopStats})."""
+    pool = _pool(len(xs), xs[0].device)
+    out = pool.run([_bind(collective, x, o, *extra) for x, o in zip(xs, opts, strict=True)])
     if not stats:
         return out
     return out, [collectives.collected_stats(o) for o in opts]
@@ -374,9 +378,7 @@ def all_reduce(
     ``residuals[r]`` on rank r).  ``stats``: also each rank's {hop: HopStats}."""
     check_rank_tensors("all_reduce", xs)
     opts = _options(codec, rounding, seed, step, error_feedback, residuals, len(xs), stats)
-    pool = _pool(len(xs), xs[0].device)
-    out = pool.run([_bind(collectives.all_reduce, x, o) for x, o in zip(xs, opts, strict=True)])
-    return _result(opts, out, stats)
+    return _run_ranks(collectives.all_reduce, xs, opts, stats)
 
 
 def reduce_scatter(
@@ -393,9 +395,7 @@ def reduce_scatter(
     ``shard_rows(d0, k)[r]`` rows of the sum."""
     check_rank_tensors("reduce_scatter", xs)
     opts = _options(codec, rounding, seed, step, error_feedback, residuals, len(xs), stats)
-    pool = _pool(len(xs), xs[0].device)
-    out = pool.run([_bind(collectives.reduce_scatter, x, o) for x, o in zip(xs, opts, strict=True)])
-    return _result(opts, out, stats)
+    return _run_ranks(collectives.reduce_scatter, xs, opts, stats)
 
 
 def all_gather(
@@ -411,10 +411,7 @@ def all_gather(
     ``shard_rows(total_dim0, k)[r]`` rows)."""
     total_dim0 = check_gather_shards(xs, total_dim0)
     opts = _options(codec, rounding, seed, step, None, None, len(xs), stats)
-    pool = _pool(len(xs), xs[0].device)
-    out = pool.run([_bind(collectives.all_gather, x, o, total_dim0)
-                    for x, o in zip(xs, opts, strict=True)])  # fmt: skip
-    return _result(opts, out, stats)
+    return _run_ranks(collectives.all_gather, xs, opts, stats, total_dim0)
 
 
 def send_recv(
@@ -479,26 +476,23 @@ class EmulatedRanks:
                              f"{self.device}")  # fmt: skip
 
     def _run(self, op, xs, kwargs, extra=None):
+        # the ranks' inputs already checked (check_rank_tensors / check_gather_shards)
+        if len(xs) != self.world_size:
+            raise ValueError(f"expected one tensor per rank ({self.world_size}), got {len(xs)}")
         self._check_device(op, xs)
         extra = extra or {}
         return self._threads.run(
             [_method(c, op, x, kwargs, extra) for c, x in zip(self.comms, xs, strict=True)]
         )
 
-    def _check(self, xs):
-        if len(xs) != self.world_size:
-            raise ValueError(f"expected one tensor per rank ({self.world_size}), got {len(xs)}")
-
     def all_reduce(self, xs: Sequence[torch.Tensor], **kwargs: Any) -> list[Any]:
         """Every rank's ``Communicator.all_reduce(xs[r], **kwargs)``."""
         check_rank_tensors("all_reduce", xs)
-        self._check(xs)
         return self._run("all_reduce", xs, kwargs)
 
     def reduce_scatter(self, xs: Sequence[torch.Tensor], **kwargs: Any) -> list[Any]:
         """Every rank's ``Communicator.reduce_scatter(xs[r], **kwargs)``."""
         check_rank_tensors("reduce_scatter", xs)
-        self._check(xs)
         return self._run("reduce_scatter", xs, kwargs)
 
     def all_gather(
@@ -506,7 +500,6 @@ class EmulatedRanks:
     ) -> list[Any]:
         """Every rank's ``Communicator.all_gather(xs[r], total_dim0=total_dim0, **kwargs)``."""
         total_dim0 = check_gather_shards(xs, total_dim0)
-        self._check(xs)
         return self._run("all_gather", xs, kwargs, {"total_dim0": total_dim0})
 
     def send_recv(
