@@ -185,7 +185,7 @@ def main():
 
     # LOCAL_RANK modulo the GPUs: ranks share a GPU where there are more ranks than GPUs (NCCL's
     # multi-rank mode, NCCL_MULTI_RANK_GPU_ENABLE=1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    device = fp4_comm.local_device()
     torch.cuda.set_device(device)
     comm = fp4_comm.Communicator.from_env(device=device, validate="first")
     world, rank = comm.world_size, comm.rank

@@ -140,10 +140,11 @@ def main():
 
     import torch
 
+    import fp4_comm
     import fp4_kernels
     from fp4_comm.p2p import P2PTransport
 
-    dev = torch.device("cuda", 0)
+    dev = fp4_comm.local_device()
     torch.cuda.set_device(dev)
     rows, host_rows = [], []
     for world in args.ranks:

@@ -48,10 +48,11 @@ def _payload(torch, world, rank, call, n, dev):
 def loopback(timeout_s):
     import torch
 
+    import fp4_comm
     from fp4_comm import _p2p_kernels as K
     from fp4_comm.p2p import P2PTransport, _launcher
 
-    dev = torch.device("cuda", 0)
+    dev = fp4_comm.local_device()
     stage = "compile and load the exchange kernel"
     try:
         start = time.monotonic()
@@ -104,7 +105,8 @@ def distributed(timeout_s):
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    # LOCAL_RANK's GPU; without a launcher's LOCAL_RANK, the rank's
+    dev = fp4_comm.local_device(fp4_comm.devices.local_rank(default=rank))
     torch.cuda.set_device(dev)
     transports = []
     stage = "make the p2p communicator (CUDA IPC handles, kernel compile)"

@@ -55,10 +55,6 @@ def _missing():
     return None
 
 
-def _device(rank):
-    return torch.device("cuda", rank % torch.cuda.device_count())
-
-
 def _bits(t):
     t = t.detach().contiguous()
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).cpu().numpy()
@@ -86,7 +82,7 @@ def test_loopback_moves_every_byte(world):
         pytest.skip(reason)
     from fp4_comm.p2p import P2PTransport
 
-    dev = _device(0)
+    dev = fp4_comm.local_device(0)
     ts = P2PTransport.loopback(world, dev, timeout_s=30.0, buffer_bytes=16 << 20)
     streams = [torch.cuda.Stream(dev) for _ in range(world)]
     call = 0
@@ -123,7 +119,7 @@ def test_loopback_moves_every_byte(world):
 
 
 def _setup(comms, rank, world, timeout_s):
-    dev = _device(rank)
+    dev = fp4_comm.local_device(rank)
     torch.cuda.set_device(dev)
     comms["p2p"] = fp4_comm.Communicator.from_process_group(
         None, dev, TIMEOUT_S, validate="first", transport="p2p"
@@ -437,7 +433,7 @@ def test_p2p_a_rank_that_skips_a_call_ends_in_timeout_naming_it(cluster):
 
 
 def _killed(comms, victim):
-    dev = _device(torch.distributed.get_rank())
+    dev = fp4_comm.local_device(torch.distributed.get_rank())
     torch.cuda.set_device(dev)
     comm = fp4_comm.Communicator.from_process_group(
         None, dev, FAULT_TIMEOUT_S, validate="never", transport="p2p"
