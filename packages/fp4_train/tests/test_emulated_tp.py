@@ -18,21 +18,18 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
-import socket
 import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _processes import set_rank_environment, spawn, write_corpus
 
 pytest.importorskip("fp4_comm")
 
 from fp4_train.experiments.corpus import CI_SLICE  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[3]
 WORLD = 3
 STEPS = 3
 QWEN = ["--model", "qwen", "--layers", "2", "--d-model", "96", "--heads", "12",
@@ -83,12 +80,6 @@ TOKENS = ["--data-format", "tokens", "--data", str(CI_SLICE)]
 END_TO_END = ("tp2-e2e", 2, [*QWEN, *NVFP4_SR_EF, "--eval-every", "2", *TOKENS])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bits(t):
     t = t.detach().contiguous()
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().copy()
@@ -112,38 +103,9 @@ def _steps(runner, args, steps=STEPS):
     return losses, {k: _bits(v.cpu()) for k, v in runner.model.state_dict().items()}
 
 
-def _spawn(world, target, *args, minutes=10):
-    """``target(rank, port, *args, conn)`` in ``world`` spawned processes; their results."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    conns, procs = [], []
-    for rank in range(world):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(rank, port, *args, child))
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    try:
-        results = []
-        for c in conns:
-            if not c.poll(datetime.timedelta(minutes=minutes).total_seconds()):
-                raise TimeoutError(f"a test worker did not finish in {minutes} minutes")
-            status, value = c.recv()
-            if status != "ok":
-                raise RuntimeError(value)
-            results.append(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
-
-
 def _worker(rank, port, corpus, conn):
     try:
-        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "MASTER_PORT": port}
-        os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+        set_rank_environment(rank, WORLD, port)
         import torch.distributed as dist
 
         import fp4_comm
@@ -183,16 +145,13 @@ def _worker(rank, port, corpus, conn):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("emulated_tp") / "corpus.txt"
-    texts = sorted(ROOT.glob("docs/*.md")) + sorted(ROOT.glob("packages/*/README.md"))
-    path.write_text("\n\n".join(p.read_text() for p in texts))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("emulated_tp") / "corpus.txt")
 
 
 @pytest.fixture(scope="module")
 def real(corpus):
     """The gloo processes' results, by rank."""
-    return _spawn(WORLD, _worker, corpus)
+    return spawn(WORLD, _worker, corpus)
 
 
 def _emulated(name, corpus, configs=CONFIGS, device="cpu", world=None, steps=STEPS):
@@ -337,14 +296,13 @@ def _native_sums(world, seed=0):
 
 def _gpu_worker(rank, port, world, corpus, conn):
     try:
-        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_PORT": port}
-        os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+        set_rank_environment(rank, world, port)
         import torch.distributed as dist
 
         import fp4_comm
         from fp4_train.experiments import tp_train
 
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = fp4_comm.local_device(rank)
         torch.cuda.set_device(device)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         comm = fp4_comm.Communicator.from_process_group(None, device, 300.0, "first")
@@ -378,7 +336,7 @@ def real_gpu(corpus):
         pytest.skip("no CUDA GPU")
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)
-    return _spawn(_gpu_world(), _gpu_worker, _gpu_world(), corpus, minutes=15)
+    return spawn(_gpu_world(), _gpu_worker, _gpu_world(), corpus, minutes=15)
 
 
 @pytest.mark.gpu

@@ -11,22 +11,17 @@ English text that is always there), so CI needs no Debian package.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import multiprocessing as mp
-import os
-import socket
 import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
+from _processes import ROOT, set_rank_environment, spawn, write_corpus
 
 pytest.importorskip("fp4_comm")  # nox -s tests installs it; tests_train does not
 
-ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "packages" / "fp4_train" / "examples"
 WORLD = 2
 STEPS = 20
@@ -41,20 +36,13 @@ TINY = ["--device", "cpu", "--layers", str(LAYERS), "--d-model", str(D_MODEL), "
 U32 = 2.0**-24
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(record):
     return [s["loss"] for s in record["steps"]]
 
 
 def _worker(rank, port, corpus, out, conn):
     try:
-        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "MASTER_PORT": port}
-        os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+        set_rank_environment(rank, WORLD, port)
         import torch.distributed as dist
 
         import fp4_comm
@@ -114,33 +102,8 @@ def _worker(rank, port, corpus, out, conn):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_train")
-    corpus = tmp / "corpus.txt"
-    texts = sorted(ROOT.glob("docs/*.md")) + sorted(ROOT.glob("packages/*/README.md"))
-    corpus.write_text("\n\n".join(p.read_text() for p in texts))
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    conns, procs = [], []
-    for rank in range(WORLD):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(rank, port, corpus, tmp / "out", child))
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    try:
-        results = []
-        for c in conns:
-            if not c.poll(datetime.timedelta(minutes=15).total_seconds()):
-                raise TimeoutError("a tp_train worker did not finish in 15 minutes")
-            status, value = c.recv()
-            if status != "ok":
-                raise RuntimeError(value)
-            results.append(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results, tmp / "out"
+    corpus = write_corpus(tmp / "corpus.txt")
+    return spawn(WORLD, _worker, corpus, tmp / "out", minutes=15), tmp / "out"
 
 
 @pytest.mark.parametrize("config", ["bf16", "nvfp4"])

@@ -14,16 +14,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _processes import write_corpus
 
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("fp4_comm")
 
-ROOT = Path(__file__).resolve().parents[3]
 STEPS = 20
 EXACT_STEPS = 4
 LAYERS, D_MODEL = 2, 64
@@ -53,10 +52,7 @@ def corpus(tmp_path_factory):
     if ranks > gpus and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         pytest.skip(f"{ranks} ranks on {gpus} GPU(s): needs NCCL >= 2.30 with "
                     "NCCL_MULTI_RANK_GPU_ENABLE=1 (nox -s gpu_multirank)")  # fmt: skip
-    path = tmp_path_factory.mktemp("tp_gpu") / "corpus.txt"
-    texts = sorted(ROOT.glob("docs/*.md")) + sorted(ROOT.glob("packages/*/README.md"))
-    path.write_text("\n\n".join(p.read_text() for p in texts))
-    return path
+    return write_corpus(tmp_path_factory.mktemp("tp_gpu") / "corpus.txt")
 
 
 def _torchrun(corpus, out, ranks, *extra):

@@ -1,0 +1,65 @@
+"""Shared harness of the multi-process fp4_train tests (importable as ``_processes``): ranks
+as spawned processes that hand their results back through a pipe, and the text they train on."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (the rendezvous' MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_rank_environment(rank: int, world: int, port: int) -> None:
+    """The environment ``torch.distributed.init_process_group`` reads, for rank ``rank`` of
+    ``world`` on this host (LOCAL_RANK = RANK)."""
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+
+
+def write_corpus(path: Path) -> Path:
+    """The repository's own Markdown (docs/*.md, the packages' READMEs) at ``path``: real
+    English text that is always there, so CI needs no Debian package."""
+    texts = sorted(ROOT.glob("docs/*.md")) + sorted(ROOT.glob("packages/*/README.md"))
+    path.write_text("\n\n".join(p.read_text() for p in texts))
+    return path
+
+
+def spawn(world: int, target, *args, minutes: float = 10) -> list:
+    """``target(rank, port, *args, conn)`` in ``world`` spawned processes; their results, by
+    rank.  Each worker sends ``("ok", value)`` or ``("error", traceback text)`` on ``conn``;
+    RuntimeError with the text of the first that failed, TimeoutError where one sends nothing
+    within ``minutes``.  The processes are joined (killed after 10 s) in any case."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    conns, procs = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(rank, port, *args, child))
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    try:
+        results = []
+        for c in conns:
+            if not c.poll(datetime.timedelta(minutes=minutes).total_seconds()):
+                raise TimeoutError(f"a test worker did not finish in {minutes} minutes")
+            status, value = c.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            results.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
