@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .transformer import DecoderStack
+
 INIT_STD = 0.02  # Qwen2's initializer_range
 
 
@@ -194,7 +196,7 @@ def _swiglu(h, w_gate_up, w_down):
     return F.linear(F.silu(gate) * up, w_down)
 
 
-class Qwen(nn.Module):
+class Qwen(DecoderStack):
     """Embedding, blocks, final RMSNorm, LM head.  ``layers`` picks the blocks this rank holds
     (pipeline stages); the embedding / norm and head are kept only where ``first`` / ``last``."""
 
@@ -212,23 +214,8 @@ class Qwen(nn.Module):
         self.norm_f = par.replicated_parameter(torch.ones(cfg.d_model)) if last else None
         self.head = par.replicated_parameter(head) if last else None
 
-    def forward(self, x):
-        """Token ids [s, b] (first stage) or hidden states -> hidden states or logits."""
-        p = self.par
-        if self.first:
-            x = p.each(F.embedding, x, self.embedding)
-            if p.sequence_parallel:
-                x = p.shard(x)  # this rank's part of the sequence
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = p.each(self._logits, x, self.norm_f, self.head)
-        return x
+    def _final_parameters(self):
+        return [self.norm_f, self.head]
 
     def _logits(self, x, norm, head):
         return F.linear(F.rms_norm(x, (x.shape[-1],), norm, self.cfg.norm_eps), head)
-
-    def replicated_parameters(self):
-        """Parameters every TP rank holds whole (their gradients are partial under SP)."""
-        params = [self.embedding] + [p for b in self.blocks for p in b.replicated_parameters()]
-        return [p for p in [*params, self.norm_f, self.head] if p is not None]

@@ -93,7 +93,40 @@ def _mlp(h, w_up, w_down):
     return F.linear(F.gelu(F.linear(h, w_up)), w_down)
 
 
-class Transformer(nn.Module):
+class DecoderStack(nn.Module):
+    """What a decoder-only model of these experiments does with its parts (``Transformer``,
+    ``qwen.Qwen``): the embedding on the first stage (under SP, then this rank's part of the
+    sequence), the blocks, the final norm and LM head on the last.  A subclass sets ``par``,
+    ``first``, ``last``, ``embedding`` and ``blocks`` and says what its final norm's
+    parameters and logits are (``_final_parameters``, ``_logits``)."""
+
+    def forward(self, x):
+        """Token ids [s, b] (first stage) or hidden states -> hidden states or logits."""
+        p = self.par
+        if self.first:
+            x = p.each(F.embedding, x, self.embedding)
+            if p.sequence_parallel:
+                x = p.shard(x)  # this rank's part of the sequence
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = p.each(self._logits, x, *self._final_parameters())
+        return x
+
+    def replicated_parameters(self):
+        """Parameters every TP rank holds whole (their gradients are partial under SP)."""
+        params = [self.embedding] + [p for b in self.blocks for p in b.replicated_parameters()]
+        return [p for p in [*params, *self._final_parameters()] if p is not None]
+
+    def _final_parameters(self):
+        """The final norm's parameters, then the head (None off the last stage)."""
+        raise NotImplementedError
+
+    def _logits(self, x, *final_parameters):
+        raise NotImplementedError
+
+
+class Transformer(DecoderStack):
     """Embedding, blocks, final LayerNorm, LM head.  ``layers`` picks the blocks this rank
     holds (pipeline stages); embedding / head are kept only where ``first`` / ``last``."""
 
@@ -111,28 +144,12 @@ class Transformer(nn.Module):
         self.head = par.replicated_parameter(head) if last else None
         self.par = par
 
-    def forward(self, x):
-        """Token ids [s, b] (first stage) or hidden states -> hidden states or logits."""
-        p = self.par
-        if self.first:
-            x = p.each(F.embedding, x, self.embedding)
-            if p.sequence_parallel:
-                x = p.shard(x)  # this rank's part of the sequence
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = p.each(_logits, x, self.ln_f_w, self.ln_f_b, self.head)
-        return x
+    def _final_parameters(self):
+        return [self.ln_f_w, self.ln_f_b, self.head]
 
-    def replicated_parameters(self):
-        """Parameters every TP rank holds whole (their gradients are partial under SP)."""
-        params = [self.embedding] + [p for b in self.blocks for p in b.replicated_parameters()]
-        params += [self.ln_f_w, self.ln_f_b, self.head]
-        return [p for p in params if p is not None]
-
-
-def _logits(x, w, b, head):
-    return F.linear(_layer_norm(x, w, b), head)
+    @staticmethod
+    def _logits(x, w, b, head):
+        return F.linear(_layer_norm(x, w, b), head)
 
 
 def lm_loss(logits, targets, par):
