@@ -7,6 +7,7 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,16 +36,17 @@ def write_corpus(path: Path) -> Path:
 
 
 def spawn(world: int, target, *args, minutes: float = 10) -> list:
-    """``target(rank, port, *args, conn)`` in ``world`` spawned processes; their results, by
-    rank.  Each worker sends ``("ok", value)`` or ``("error", traceback text)`` on ``conn``;
-    RuntimeError with the text of the first that failed, TimeoutError where one sends nothing
-    within ``minutes``.  The processes are joined (killed after 10 s) in any case."""
+    """``target(rank, *args)`` (a module-level function) in ``world`` spawned processes, each
+    with the environment of its rank (``set_rank_environment``); their return values, by
+    rank.  RuntimeError with the traceback of the first rank that raised, TimeoutError where
+    one has not finished within ``minutes``.  The processes are joined (killed after 10 s) in
+    any case."""
     ctx = mp.get_context("spawn")
     port = free_port()
     conns, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(rank, port, *args, child))
+        p = ctx.Process(target=_rank_main, args=(target, rank, world, port, args, child))
         p.start()
         conns.append(parent)
         procs.append(p)
@@ -63,3 +65,12 @@ def spawn(world: int, target, *args, minutes: float = 10) -> list:
             if p.is_alive():
                 p.kill()
     return results
+
+
+def _rank_main(target, rank, world, port, args, conn):
+    # a spawned rank: its result, or the traceback of what it raised, back through the pipe
+    try:
+        set_rank_environment(rank, world, port)
+        conn.send(("ok", target(rank, *args)))
+    except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
+        conn.send(("error", traceback.format_exc()))

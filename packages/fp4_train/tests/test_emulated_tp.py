@@ -19,12 +19,11 @@ import datetime
 import json
 import math
 import os
-import traceback
 
 import numpy as np
 import pytest
 import torch
-from _processes import set_rank_environment, spawn, write_corpus
+from _processes import spawn, write_corpus
 
 pytest.importorskip("fp4_comm")
 
@@ -103,44 +102,40 @@ def _steps(runner, args, steps=STEPS):
     return losses, {k: _bits(v.cpu()) for k, v in runner.model.state_dict().items()}
 
 
-def _worker(rank, port, corpus, conn):
-    try:
-        set_rank_environment(rank, WORLD, port)
-        import torch.distributed as dist
+def _worker(rank, corpus):
+    import torch.distributed as dist
 
-        import fp4_comm
-        from fp4_train.experiments import tp_train
+    import fp4_comm
+    from fp4_train.experiments import tp_train
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        comms = {3: fp4_comm.Communicator.from_process_group(None, "cpu", 120.0, "first")}
-        pair = dist.new_group([0, 1])  # every rank takes part in making it
-        comms[2] = (fp4_comm.Communicator.from_process_group(pair, "cpu", 120.0, "first")
-                    if rank < 2 else None)  # fmt: skip
-        res = {}
-        for name, world, argv in CONFIGS:
-            comm = comms[world]
-            if comm is None:
-                continue
-            comm.error_feedback.reset()
-            comm._calls = comm._sends = 0  # each run as a fresh communicator counts
-            args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
-            runner = tp_train.Runner(args, comm, torch.device("cpu"), 256)
-            res[name] = _steps(runner, args)
-        name, world, argv = END_TO_END
-        if rank < world:
-            comms[world].error_feedback.reset()
-            comms[world]._calls = comms[world]._sends = 0
-            args = tp_train.parse_args([*BASE, *argv])
-            record = tp_train.train(args, comms[world])
-            res[name] = {"losses": [s["loss"] for s in record["steps"]],
-                         "evals": record["evals"],
-                         "final_evals": record["summary"]["final_evals"]}  # fmt: skip
-        dist.barrier()
-        dist.destroy_process_group()
-        conn.send(("ok", res))
-    except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
-        conn.send(("error", traceback.format_exc()))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    comms = {3: fp4_comm.Communicator.from_process_group(None, "cpu", 120.0, "first")}
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    comms[2] = (fp4_comm.Communicator.from_process_group(pair, "cpu", 120.0, "first")
+                if rank < 2 else None)  # fmt: skip
+    res = {}
+    for name, world, argv in CONFIGS:
+        comm = comms[world]
+        if comm is None:
+            continue
+        comm.error_feedback.reset()
+        comm._calls = comm._sends = 0  # each run as a fresh communicator counts
+        args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
+        runner = tp_train.Runner(args, comm, torch.device("cpu"), 256)
+        res[name] = _steps(runner, args)
+    name, world, argv = END_TO_END
+    if rank < world:
+        comms[world].error_feedback.reset()
+        comms[world]._calls = comms[world]._sends = 0
+        args = tp_train.parse_args([*BASE, *argv])
+        record = tp_train.train(args, comms[world])
+        res[name] = {"losses": [s["loss"] for s in record["steps"]],
+                     "evals": record["evals"],
+                     "final_evals": record["summary"]["final_evals"]}  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -294,40 +289,36 @@ def _native_sums(world, seed=0):
     return [(torch.randn(37, 64, generator=g) * 4).to(torch.bfloat16) for _ in range(world)]
 
 
-def _gpu_worker(rank, port, world, corpus, conn):
-    try:
-        set_rank_environment(rank, world, port)
-        import torch.distributed as dist
+def _gpu_worker(rank, world, corpus):
+    import torch.distributed as dist
 
-        import fp4_comm
-        from fp4_train.experiments import tp_train
+    import fp4_comm
+    from fp4_train.experiments import tp_train
 
-        device = fp4_comm.local_device(rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        comm = fp4_comm.Communicator.from_process_group(None, device, 300.0, "first")
-        res = {}
-        with _deterministic():
-            for name, argv in [*_gpu_configs(world), GPU_NATIVE]:
-                comm.error_feedback.reset()
-                comm._calls = comm._sends = 0
-                args = tp_train.parse_args([*BASE, *argv, "--device", "cuda", "--data",
-                                            str(corpus)])  # fmt: skip
-                runner = tp_train.Runner(args, comm, device, 256)
-                steps = NATIVE_STEPS if name == GPU_NATIVE[0] else STEPS
-                res[name] = _steps(runner, args, steps)
-            # NCCL's own all-reduce of bf16 values (the native group the last run made)
-            y = _native_sums(world)[rank].to(device)
-            dist.all_reduce(y, group=runner.par.native_group)
-            # numpy, not a tensor: a CPU tensor crosses the pipe as a handle to this process's
-            # memory, which is gone once it exits
-            res["native_sum"] = y.float().cpu().numpy()
-        comm.close()
-        dist.barrier()
-        dist.destroy_process_group()
-        conn.send(("ok", res))
-    except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
-        conn.send(("error", traceback.format_exc()))
+    device = fp4_comm.local_device(rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    comm = fp4_comm.Communicator.from_process_group(None, device, 300.0, "first")
+    res = {}
+    with _deterministic():
+        for name, argv in [*_gpu_configs(world), GPU_NATIVE]:
+            comm.error_feedback.reset()
+            comm._calls = comm._sends = 0
+            args = tp_train.parse_args([*BASE, *argv, "--device", "cuda", "--data",
+                                        str(corpus)])  # fmt: skip
+            runner = tp_train.Runner(args, comm, device, 256)
+            steps = NATIVE_STEPS if name == GPU_NATIVE[0] else STEPS
+            res[name] = _steps(runner, args, steps)
+        # NCCL's own all-reduce of bf16 values (the native group the last run made)
+        y = _native_sums(world)[rank].to(device)
+        dist.all_reduce(y, group=runner.par.native_group)
+        # numpy, not a tensor: a CPU tensor crosses the pipe as a handle to this process's
+        # memory, which is gone once it exits
+        res["native_sum"] = y.float().cpu().numpy()
+    comm.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import json
 import math
 import subprocess
 import sys
-import traceback
 
 import pytest
-from _processes import ROOT, set_rank_environment, spawn, write_corpus
+from _processes import ROOT, spawn, write_corpus
 
 pytest.importorskip("fp4_comm")  # nox -s tests installs it; tests_train does not
 
@@ -40,63 +39,59 @@ def _losses(record):
     return [s["loss"] for s in record["steps"]]
 
 
-def _worker(rank, port, corpus, out, conn):
-    try:
-        set_rank_environment(rank, WORLD, port)
-        import torch.distributed as dist
+def _worker(rank, corpus, out):
+    import torch.distributed as dist
 
-        import fp4_comm
-        from fp4_train.experiments import tp_train
+    import fp4_comm
+    from fp4_train.experiments import tp_train
 
-        base = [*TINY, "--data", str(corpus)]
-        res = {}
-        # the entry point, as torchrun runs it (initializes gloo from the environment)
-        res["bf16"] = _losses(tp_train.main([*base, "--steps", str(STEPS), "--out", str(out)]))
-        comm = fp4_comm.Communicator.from_process_group(None, "cpu", 60.0, "first")
-        solo = dist.new_group([0])  # every rank takes part in making it
-        comm1 = fp4_comm.Communicator.from_process_group(solo, "cpu") if rank == 0 else None
+    base = [*TINY, "--data", str(corpus)]
+    res = {}
+    # the entry point, as torchrun runs it (initializes gloo from the environment)
+    res["bf16"] = _losses(tp_train.main([*base, "--steps", str(STEPS), "--out", str(out)]))
+    comm = fp4_comm.Communicator.from_process_group(None, "cpu", 60.0, "first")
+    solo = dist.new_group([0])  # every rank takes part in making it
+    comm1 = fp4_comm.Communicator.from_process_group(solo, "cpu") if rank == 0 else None
 
-        def run(*extra, record=None):
-            args = tp_train.parse_args([*base, *extra])
-            out = tp_train.train(args, comm)
-            if record is not None:
-                res[record] = {k: out[k] for k in ("name", "wire", "summary", "grad_rounding")}
-            return _losses(out)
+    def run(*extra, record=None):
+        args = tp_train.parse_args([*base, *extra])
+        out = tp_train.train(args, comm)
+        if record is not None:
+            res[record] = {k: out[k] for k in ("name", "wire", "summary", "grad_rounding")}
+        return _losses(out)
 
-        res["nvfp4"] = run("--steps", str(STEPS), "--codec", "nvfp4", "--rounding", "stochastic")
-        exact = ["--steps", str(EXACT_STEPS), "--codec", "none-float32"]
-        res["tp_fp32"] = run(*exact)
-        res["sp_fp32"] = run(*exact, "--sequence-parallel")
-        res["native"] = run("--steps", str(EXACT_STEPS), "--codec", "native")
-        res["pp_fp32"] = run(*exact, "--parallel", "pp", "--microbatches", "2")
-        res["pp_fp4"] = run(
-            "--steps", "3", "--parallel", "pp", "--codec", "nvfp4", record="pp_fp4_record"
-        )
-        # forward only: the gradient crosses in bf16, so the boundary's backward SQNR is bf16's
-        run(
-            "--steps",
-            "2",
-            "--parallel",
-            "pp",
-            "--codec",
-            "fp4quant-g64",
-            "--grad-codec",
-            "none",
-            record="pp_fwd_record",
-        )
-        run("--steps", "2", "--sequence-parallel", "--codec", "nvfp4", record="sp_record")
-        ef = ("--steps", "3", "--codec", "nvfp4", "--error-feedback")
-        res["tp_ef"] = run(*ef)
-        res["sp_ef"] = run(*ef, "--sequence-parallel")
-        res["ef_buffers"] = sorted(comm.error_feedback.names())
-        if rank == 0:
-            args = tp_train.parse_args([*base, *exact])
-            res["single"] = _losses(tp_train.train(args, comm1))
-        dist.barrier()
-        dist.destroy_process_group()
-        conn.send(("ok", res))
-    except BaseException:  # noqa: BLE001 - handed to the test, which fails with it
-        conn.send(("error", traceback.format_exc()))
+    res["nvfp4"] = run("--steps", str(STEPS), "--codec", "nvfp4", "--rounding", "stochastic")
+    exact = ["--steps", str(EXACT_STEPS), "--codec", "none-float32"]
+    res["tp_fp32"] = run(*exact)
+    res["sp_fp32"] = run(*exact, "--sequence-parallel")
+    res["native"] = run("--steps", str(EXACT_STEPS), "--codec", "native")
+    res["pp_fp32"] = run(*exact, "--parallel", "pp", "--microbatches", "2")
+    res["pp_fp4"] = run(
+        "--steps", "3", "--parallel", "pp", "--codec", "nvfp4", record="pp_fp4_record"
+    )
+    # forward only: the gradient crosses in bf16, so the boundary's backward SQNR is bf16's
+    run(
+        "--steps",
+        "2",
+        "--parallel",
+        "pp",
+        "--codec",
+        "fp4quant-g64",
+        "--grad-codec",
+        "none",
+        record="pp_fwd_record",
+    )
+    run("--steps", "2", "--sequence-parallel", "--codec", "nvfp4", record="sp_record")
+    ef = ("--steps", "3", "--codec", "nvfp4", "--error-feedback")
+    res["tp_ef"] = run(*ef)
+    res["sp_ef"] = run(*ef, "--sequence-parallel")
+    res["ef_buffers"] = sorted(comm.error_feedback.names())
+    if rank == 0:
+        args = tp_train.parse_args([*base, *exact])
+        res["single"] = _losses(tp_train.train(args, comm1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")
