@@ -80,7 +80,7 @@ import numpy as np
 import fp4_kernels as fk
 from fp4_kernels.cpu import codec
 fk.quantize(np.ones((2, 32), np.float32), fmt="mxfp4")
-stats = codec.quantize.stats
+stats = codec.quantize_blocks.stats
 print(sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
 """
 

@@ -15,8 +15,8 @@ from . import _arrays as arrays, _autograd, _plans
 from ._devices import fill_one, on_device, to_numpy
 from ._fp4quant import dequantize_fp4quant, quantize_fp4quant, run_encode_plan
 from ._quantized import (
-    FORMATS,
     SCALE_LAYOUTS,
+    SPECS,
     Array,
     DType,
     Format,
@@ -33,8 +33,6 @@ from ._quantized import (
 )
 from .formats.e2m1 import ROUNDINGS
 
-_FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
-
 
 def _validate_input(x, fmt):
     backend = arrays.backend_of(x, "x")
@@ -46,7 +44,7 @@ def _validate_input(x, fmt):
     if isinstance(fmt, FP4Quant):
         block, what = fmt.group_size, "FP4Quant group size"
     else:
-        block, what = FORMATS[fmt], f"{fmt.upper()} block size"
+        block, what = SPECS[fmt].block_size, f"{fmt.upper()} block size"
     k = shape[-1]
     if k % block != 0:
         raise ValueError(
@@ -187,9 +185,10 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         stochastic = rounding == "stochastic"
         q = quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step, key)
         return dequantize(q) if fused else q
+    spec = SPECS[fmt]
     amax_value, amax_array = -1.0, None
     if global_amax is not None:
-        if fmt != "nvfp4":
+        if not spec.tensor_scale:
             raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
         if isinstance(global_amax, (int, float, np.floating, np.integer)) and not isinstance(
             global_amax, bool
@@ -197,16 +196,16 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
             amax_value = _checked_amax(global_amax)
         else:
             amax_array = _checked_amax_array(global_amax, backend)
-    geo = _geometry(shape, fmt, scale_layout)
+    geo = _geometry(shape, spec, scale_layout)
     stochastic = rounding == "stochastic"
     if backend.gpu:
         if key is not None and geo.n:
             plan = _plans.get(key)
             if plan is None:
-                plan = _plans.put(key, _quantize_plan(x, amax_array, dt, fmt, geo, key, fused))
+                plan = _plans.put(key, _quantize_plan(x, amax_array, dt, spec, geo, key, fused))
             return _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value)
         return _quantize_gpu(
-            x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused
+            x, backend, dt, spec, geo, stochastic, seed, step, amax_value, amax_array, fused
         )
     if amax_array is not None:  # on the CPU the array can be read and checked like a float
         amax_value = _checked_amax(np.asarray(to_numpy(amax_array), np.float32).reshape(-1)[0])
@@ -216,11 +215,11 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     packed = np.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
     scales = (np.zeros if geo.pad else np.empty)(geo.scale_shape, np.uint8)
     out_bits = np.empty(geo.n if fused else 0, bits.dtype)
-    s_dec = codec.quantize(
+    s_dec = codec.quantize_blocks(
         bits,
         arrays.KIND_OF_DTYPE[dt],
-        fmt == "nvfp4",
-        FORMATS[fmt],
+        spec.tensor_scale,
+        spec.block_size,
         stochastic,
         geo.swizzled,
         geo.kb,
@@ -297,25 +296,25 @@ def _checked_amax_array(a, backend):
     return a
 
 
-def _quantize_gpu(x, backend, dt, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused):
+def _quantize_gpu(x, backend, dt, spec, geo, stochastic, seed, step, amax_value, amax_array, fused):
     from .cuda import quantize as op
 
     ctx = arrays.GpuContext(x, backend)
     with on_device(ctx):
         data, scales, gs, out = op.quantize(
-            ctx, x, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[fmt], geo, stochastic, seed, step,
+            ctx, x, arrays.KIND_OF_DTYPE[dt], spec, geo, stochastic, seed, step,
             amax_value, amax_array, fused,
         )  # fmt: skip
     if fused:
         return out
     layout = "swizzled" if geo.swizzled else "linear"
     return QuantizedTensor(
-        data=data, scales=scales, global_scale=gs, fmt=fmt, shape=geo.shape, dtype=dt,
+        data=data, scales=scales, global_scale=gs, fmt=spec.name, shape=geo.shape, dtype=dt,
         scale_layout=layout,
     )  # fmt: skip
 
 
-def _quantize_plan(x, amax_array, dt, fmt, geo, key, fused):
+def _quantize_plan(x, amax_array, dt, spec, geo, key, fused):
     """Record the launches of a checked NVFP4 / MXFP4 call (see ``_plans``)."""
     from .cuda import quantize as op
 
@@ -325,7 +324,7 @@ def _quantize_plan(x, amax_array, dt, fmt, geo, key, fused):
     stochastic = key[3] == "stochastic"
     with on_device(tracer):  # the kernels compile for the input's device
         result = op.quantize(
-            tracer, vx, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[fmt], geo, stochastic,
+            tracer, vx, arrays.KIND_OF_DTYPE[dt], spec, geo, stochastic,
             _plans.PROBE_SEED, _plans.PROBE_STEP, amax_value, va, fused,
         )  # fmt: skip
     plan = tracer.plan(result, (0, 1, 2, 3) if key[5] == "number" else (0, 1, 2))
@@ -389,12 +388,13 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     dt = arrays.normalize_dtype(q.dtype if dtype is None else dtype)
     if isinstance(q.fmt, FP4Quant):
         return dequantize_fp4quant(q, dt, backend, key)
-    geo = _geometry(q.shape, q.fmt, q.scale_layout)
+    spec = SPECS[q.fmt]
+    geo = _geometry(q.shape, spec, q.scale_layout)
     n = geo.n
     if backend.gpu and key is not None and n:
         plan = _plans.get(key)
         if plan is None:
-            plan = _plans.put(key, _dequantize_plan(q, dt, geo, backend))
+            plan = _plans.put(key, _dequantize_plan(q, dt, spec, geo, backend))
         return plan(_dequantize_inputs(q))[0]
     if backend.gpu:
         from .cuda import dequantize as op
@@ -404,7 +404,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
             out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
             op.dequantize(
                 ctx, q.data, q.scales, _global_scale_or_one(q, ctx), out,
-                arrays.KIND_OF_DTYPE[dt], _FMT_CODE[q.fmt], geo,
+                arrays.KIND_OF_DTYPE[dt], spec, geo,
             )  # fmt: skip
         return out
     from .cpu import codec
@@ -415,12 +415,12 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     if q.global_scale is not None:
         gs = np.float32(np.asarray(to_numpy(q.global_scale), np.float32).reshape(-1)[0])
     out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
-    codec.dequantize(
+    codec.dequantize_blocks(
         packed,
         scales,
         gs,
-        q.fmt == "nvfp4",
-        FORMATS[q.fmt],
+        spec.tensor_scale,
+        spec.block_size,
         geo.swizzled,
         geo.kb,
         geo.padded_kb,
@@ -430,7 +430,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)
 
 
-def _dequantize_plan(q, dt, geo, backend):
+def _dequantize_plan(q, dt, spec, geo, backend):
     """Record the launch of a checked NVFP4 / MXFP4 ``dequantize`` (see ``_plans``)."""
     from .cuda import dequantize as op
 
@@ -442,9 +442,7 @@ def _dequantize_plan(q, dt, geo, backend):
         else:
             gs = tracer.input(q.global_scale)
         out = tracer.empty(q.shape, None, like_dtype=tracer.float_dtype(dt))
-        op.dequantize(
-            tracer, data, scales, gs, out, arrays.KIND_OF_DTYPE[dt], _FMT_CODE[q.fmt], geo
-        )
+        op.dequantize(tracer, data, scales, gs, out, arrays.KIND_OF_DTYPE[dt], spec, geo)
     return tracer.plan((out,))
 
 

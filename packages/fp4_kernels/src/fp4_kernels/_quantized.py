@@ -14,8 +14,10 @@ import numpy as np
 
 from . import _arrays as arrays
 from ._devices import to_numpy
+from .formats import mxfp4, nvfp4
 
-FORMATS = {"nvfp4": 16, "mxfp4": 32}  # format -> block size (elements per scale)
+SPECS = {spec.name: spec for spec in (nvfp4.SPEC, mxfp4.SPEC)}  # fmt= string -> FormatSpec
+FORMATS = {name: spec.block_size for name, spec in SPECS.items()}  # format -> block size
 SCALE_LAYOUTS = ("linear", "swizzled")
 
 #: A numpy array, a torch tensor (CPU or CUDA), a CuPy array or a numba device array; results
@@ -175,7 +177,7 @@ class QuantizedTensor:
     @property
     def block_size(self) -> int:
         """Elements per scale: 16 (NVFP4), 32 (MXFP4) or the FP4Quant group size."""
-        return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else FORMATS[self.fmt]
+        return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else SPECS[self.fmt].block_size
 
     @property
     def rows(self) -> int:
@@ -191,7 +193,8 @@ class QuantizedTensor:
         """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 has none)."""
         if self.payload is not None:
             return int(_nbytes(self.payload))
-        return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if self.fmt == "nvfp4" else 0))
+        tensor_scale = SPECS[self.fmt].tensor_scale
+        return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if tensor_scale else 0))
 
     def typed_scales(self) -> Array:
         """The scales viewed as what they are, without a copy: ``float8_e4m3fn`` (NVFP4),
@@ -205,7 +208,7 @@ class QuantizedTensor:
         if isinstance(self.fmt, FP4Quant):
             name = "bfloat16"
         else:
-            name = {"nvfp4": "float8_e4m3fn", "mxfp4": "float8_e8m0fnu"}[self.fmt]
+            name = SPECS[self.fmt].scale_dtype
         if backend.lib == "torch":
             return self.scales.view(getattr(sys.modules["torch"], name))
         if backend.lib == "numpy":
@@ -436,9 +439,9 @@ class _Geometry(NamedTuple):
     swizzled: bool
 
 
-def _geometry(shape, fmt, layout):
+def _geometry(shape, spec, layout):
     rows = math.prod(shape[:-1])
-    kb = shape[-1] // FORMATS[fmt]
+    kb = shape[-1] // spec.block_size
     n = rows * shape[-1]
     if layout == "swizzled":
         pr, pk = swizzled_scale_shape(rows, kb)
@@ -452,7 +455,7 @@ def _check_fmt(fmt, name="fmt"):
             raise TypeError(
                 f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
             )
-        _check_choice(fmt, name, tuple(FORMATS))
+        _check_choice(fmt, name, tuple(SPECS))
 
 
 def check_quantized(q, name="q"):
@@ -491,9 +494,10 @@ def check_quantized(q, name="q"):
     if fp4quant:
         scale_shape, scale_dtype = shape[:-1] + (shape[-1] // block,), "uint16"
     else:
-        scale_shape, scale_dtype = _geometry(shape, q.fmt, q.scale_layout).scale_shape, "uint8"
+        geo = _geometry(shape, SPECS[q.fmt], q.scale_layout)
+        scale_shape, scale_dtype = geo.scale_shape, "uint8"
     _check_field(q.scales, backend, f"{name}.scales", scale_dtype, scale_shape)
-    if q.fmt == "nvfp4" or (q.fmt == "mxfp4" and q.global_scale is not None):
+    if not fp4quant and (SPECS[q.fmt].tensor_scale or q.global_scale is not None):
         gs = q.global_scale
         if gs is None:
             raise ValueError(

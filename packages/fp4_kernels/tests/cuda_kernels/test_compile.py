@@ -24,7 +24,9 @@ from fp4_kernels.cuda.hadamard import (
     layouts,
     smem_hadamard_kernel,
 )
-from fp4_kernels.cuda.quantize import BLOCK_SIZES, FMT_MXFP4, FMT_NVFP4, quantize_kernel
+from fp4_kernels.cuda.quantize import quantize_kernel
+from fp4_kernels.formats.mxfp4 import SPEC as FMT_MXFP4
+from fp4_kernels.formats.nvfp4 import SPEC as FMT_NVFP4
 from fp4_kernels.testing import compile_ptx
 
 pytestmark = pytest.mark.compile_check
@@ -111,7 +113,7 @@ def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
     assert "fma.rn.sat.f32" in ptx and "mul.rn.sat.f32" in ptx
     if stochastic:
         assert "prmt.b32" in ptx
-        assert ptx.count("mul.wide.u32") == 20 * BLOCK_SIZES[fmt] // 8  # a thread a block
+        assert ptx.count("mul.wide.u32") == 20 * fmt.block_size // 8  # a thread a block
     if kind != 0:
         assert "prmt.b32" in ptx  # sign bits by byte permute
         assert "max.u16x2" in ptx  # block amax on packed 16-bit halves

@@ -74,10 +74,10 @@ scale_offset = OPS.scale_offset
 
 
 @cpu_jit
-def quantize(
+def quantize_blocks(
     bits,
     kind,
-    nvfp4,
+    tensor_scale,
     block,
     stochastic,
     swizzled,
@@ -92,7 +92,8 @@ def quantize(
     fused,
     out_bits,
 ):
-    """Quantize flat ``bits`` into ``packed`` (n/2 bytes) and ``scales``; returns 1/S.
+    """Quantize flat ``bits`` into ``packed`` (n/2 bytes) and ``scales`` in blocks of ``block``
+    elements, under a tensor scale (NVFP4) or not (MXFP4); returns 1/S.
 
     ``amax`` < 0 means: compute the tensor amax here.  With ``fused`` the reconstruction is also
     written to ``out_bits`` in the input's kind.  Operation order: see ``cuda.quantize``.
@@ -100,7 +101,7 @@ def quantize(
     n = bits.size
     s6 = F32_ZERO
     s_dec = F32_ONE
-    if nvfp4:
+    if tensor_scale:
         if amax < F32_ZERO:
             amax = tensor_amax(bits, kind)
         big_s = _nvfp4_encode_scale(amax)
@@ -121,7 +122,7 @@ def quantize(
         finite = bmax < F32_INF
         # the block arithmetic the GPU kernels share (_scalar): scale code, decoded scale,
         # element multiplier; a non-finite block gets the NaN code and multiplier 0
-        if nvfp4:
+        if tensor_scale:
             scode, s, mult = _nvfp4_block_scale(f32_as_u32(bmax), s6, s_dec)
         else:
             scode, s, mult = _mxfp4_block_scale(f32_as_u32(bmax))
@@ -148,7 +149,7 @@ def quantize(
         for j in range(0, block, 2):
             packed[(base + j) >> 1] = codes[j] | (codes[j + 1] << 4)
         if fused:
-            if nvfp4:
+            if tensor_scale:
                 for j in range(block):
                     store(out_bits, base + j, kind, (_e2m1_decode(codes[j]) * s) * s_dec)
             else:  # s = 2^e: exact
@@ -158,13 +159,14 @@ def quantize(
 
 
 @cpu_jit
-def dequantize(packed, scales, s_dec, nvfp4, block, swizzled, kb, padded_kb, out_bits, kind):
+def dequantize_blocks(packed, scales, s_dec, tensor_scale, block, swizzled, kb, padded_kb,
+                      out_bits, kind):  # fmt: skip
     """Decode ``packed`` codes with their block scales into ``out_bits`` (raw bits of ``kind``)."""
     n = packed.size * 2
     for b in range(n // block):
         base = b * block
         scode = scales[scale_offset(b, kb, padded_kb, swizzled)]
-        if nvfp4:
+        if tensor_scale:
             s = _e4m3_decode(scode)
             for j in range(0, block, 2):
                 p = packed[(base + j) >> 1]

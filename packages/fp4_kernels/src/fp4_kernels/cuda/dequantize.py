@@ -20,7 +20,7 @@ from .._scalar import KIND_F32
 from . import launch
 from ._primitives import OPS, device_jit
 from ._words import U32, U64, make_words_io
-from .quantize import BLOCK_SIZES, FMT_NVFP4, e2m1_values4
+from .quantize import e2m1_values4
 
 THREADS = 256  # the launch table's row (cuda/launch.py)
 UNROLL = 4  # items per thread per pass: their loads are all in flight before the first decode
@@ -28,13 +28,14 @@ UNROLL = 4  # items per thread per pass: their loads are all in flight before th
 
 @functools.cache
 def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
-    """Arguments: codes (uint32 words for 16-bit outputs, uint16 for float32 ones; uint8 bytes
-    when not aligned to that size), scales (uint8), global_scale (float32, 1 element), out
+    """The decoder of the format ``fmt`` (a ``FormatSpec``).  Arguments: codes (uint32 words
+    for 16-bit outputs, uint16 for float32 ones; uint8 bytes when not aligned to that size),
+    scales (uint8), global_scale (float32, 1 element), out
     (uint32 words), n_items (16-byte output items), kb, padded_kb."""
-    block = BLOCK_SIZES[fmt]
+    block = fmt.block_size
     per_item = 4 if out_kind == KIND_F32 else 8  # elements in 16 bytes of output
     store = make_words_io(out_kind, 4)[4]
-    nvfp4 = fmt == FMT_NVFP4
+    nvfp4 = fmt.tensor_scale  # NVFP4: (value * e4m3 scale) * tensor scale
     e4m3_decode = OPS.e4m3_decode
     e8m0_decode = OPS.e8m0_decode
     scale_offset = OPS.scale_offset
@@ -92,7 +93,7 @@ def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
     return kernel
 
 
-def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt_code, geo):
+def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt, geo):
     """Queue the decoding of ``data`` / ``scales`` (validated by the caller) into ``out`` (an
     array of the caller's kind) on the caller's stream."""
     per_item = 4 if out_kind == KIND_F32 else 8
@@ -104,7 +105,7 @@ def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt_code, geo):
         codes = ctx.view(data, np.uint16)  # 4 codes an item
     threads = launch.threads_for(THREADS)
     launch.launch(
-        dequantize_kernel(out_kind, fmt_code, geo.swizzled, aligned),
+        dequantize_kernel(out_kind, fmt, geo.swizzled, aligned),
         launch.grid_for(n_items, threads * UNROLL),
         threads,
         ctx,

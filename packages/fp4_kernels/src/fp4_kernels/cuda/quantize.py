@@ -43,9 +43,6 @@ from ._primitives import (
 )
 from ._words import U32, U64, make_words_io, store_v4, words_per
 
-FMT_NVFP4 = 0
-FMT_MXFP4 = 1
-BLOCK_SIZES = {FMT_NVFP4: 16, FMT_MXFP4: 32}
 THREADS = 256  # the launch table's row (cuda/launch.py)
 
 # Horner packing adds the float bits 2^23 + code of 8 elements as p = 16 p + bits; modulo 2^32
@@ -213,15 +210,20 @@ def make_block_codec(kind, part):
 # served by L1; sharing a block repeats the scale arithmetic in every lane of it, which costs
 # issue slots: 0.98x vs 0.65x copy for NVFP4); for fake quantization 8 elements per thread, so
 # that the 16-byte stores of the reconstruction are contiguous across a warp.
-LANES_PER_BLOCK = {FMT_NVFP4: 1, FMT_MXFP4: 1}
-FUSED_LANES_PER_BLOCK = {FMT_NVFP4: 2, FMT_MXFP4: 4}
+FUSED_ELEMENTS_PER_THREAD = 8
+
+
+def lanes_per_block(spec, fused):
+    """The threads that share one of ``spec``'s blocks by default."""
+    return spec.block_size // FUSED_ELEMENTS_PER_THREAD if fused else 1
 
 
 @functools.cache
-def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=None):
-    """Build (once per configuration) the quantize kernel; ``fused`` also writes x_hat.
+def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=1):
+    """Build (once per configuration) the quantize kernel of the format ``fmt`` (a
+    ``FormatSpec``); ``fused`` also writes x_hat.
 
-    ``lanes`` consecutive threads share a block (default ``LANES_PER_BLOCK``), each loading,
+    ``lanes`` consecutive threads share a block, each loading,
     encoding and storing block / lanes consecutive elements, so that every load and store of a
     warp is contiguous; the block amax is a butterfly over those lanes and each computes the
     scale.  Arguments: x (uint32 words; the element array itself when not ``aligned`` to 16
@@ -230,14 +232,12 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
     n_parts, amax_value (float32; < 0: reduce the partials), global_scale (float32, 1 element,
     written by thread 0), seed_lo, seed_hi, step (uint32).
     """
-    block = BLOCK_SIZES[fmt]
-    lanes = LANES_PER_BLOCK[fmt] if lanes is None else lanes
-    part = block // lanes  # elements a thread takes
+    part = fmt.block_size // lanes  # elements a thread takes
     n_words = words_per(kind, part)
     groups = part // 8  # packed code words a thread stores
     load, _, amax_bits, _, store = make_words_io(kind, n_words, aligned)
     _, encode8, encode8_sr = make_block_codec(kind, part)
-    nvfp4 = fmt == FMT_NVFP4
+    nvfp4 = fmt.tensor_scale  # NVFP4: e4m3 block scales under a float32 tensor scale
     nvfp4_block_scale = OPS.nvfp4_block_scale
     mxfp4_block_scale = OPS.mxfp4_block_scale
     nvfp4_encode_scale = OPS.nvfp4_encode_scale
@@ -336,18 +336,18 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
 # ---------------------------------------------------------------------- host side
 
 
-def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value, amax_array, fused):
+def quantize(ctx, x, dt_kind, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused):
     """Queue the quantization of the GPU array ``x`` (validated by the caller) on the caller's
     stream; returns (data, scales, global_scale, out) arrays of the caller's kind (out is None
     unless ``fused``).  ``ctx`` is the caller's ``_arrays.GpuContext``."""
     from . import amax as amax_op
 
     shape = geo.shape
-    block = BLOCK_SIZES[fmt_code]
+    block = fmt.block_size
     n_blocks = geo.n // block
     data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
     scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
-    compute_amax = fmt_code == FMT_NVFP4 and amax_value < 0 and amax_array is None
+    compute_amax = fmt.tensor_scale and amax_value < 0 and amax_array is None
     # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
     n_partials = amax_op.max_partials(ctx.device_id) if compute_amax else 0
     scratch = ctx.empty((1 + n_partials,), np.float32)
@@ -364,11 +364,10 @@ def quantize(ctx, x, dt_kind, fmt_code, geo, stochastic, seed, step, amax_value,
         n_parts = amax_op.amax_partials(ctx, xw, aligned, dt_kind, geo.n, parts)
     else:
         parts, n_parts = ctx.view(gs), 0
-    default = (FUSED_LANES_PER_BLOCK if fused else LANES_PER_BLOCK)[fmt_code]
-    lanes = launch.current_policy().lanes_per_block or default
+    lanes = launch.current_policy().lanes_per_block or lanes_per_block(fmt, fused)
     if block % (8 * lanes):
         raise ValueError(f"lanes_per_block: {lanes} threads cannot share a {block}-element block")
-    kern = quantize_kernel(dt_kind, fmt_code, stochastic, geo.swizzled, fused, aligned, lanes)
+    kern = quantize_kernel(dt_kind, fmt, stochastic, geo.swizzled, fused, aligned, lanes)
     threads = launch.threads_for(THREADS)
     codes = ctx.view(data, np.uint32)
     n_items = n_blocks * lanes

@@ -26,12 +26,13 @@ import numpy as np
 from numba import cuda
 
 from .._scalar import F32_ONE, KIND_F32
+from ..formats.mxfp4 import SPEC as MXFP4
 from . import launch
 from ._primitives import OPS, device_jit, f32_as_u32, load_v4, mul_rn_f32, store_v4
 from ._words import U32, U64, make_words_io
 from .quantize import THREADS, e2m1_values4, make_block_codec
 
-BLOCK = 32  # elements of an MXFP4 block: 16 bytes of codes, 4 packed words
+BLOCK = MXFP4.block_size  # 32 elements: 16 bytes of codes, 4 packed words
 
 
 @functools.cache

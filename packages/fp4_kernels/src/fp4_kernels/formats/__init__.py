@@ -11,6 +11,7 @@ oracle that the CPU and CUDA kernels are tested against bit for bit:
   computes it.
 - ``mxfp4``: MXFP4 (32-element blocks, e8m0 scales) per OCP MX v1.0.
 - ``scale_layout``: the 128x4-tile swizzled block-scale layout read by cuBLASLt.
+- ``spec``: ``FormatSpec``, what a block-scaled format is (``nvfp4.SPEC``, ``mxfp4.SPEC``).
 
 Nothing is imported here so that importing the package stays cheap; import the submodules.
 """

@@ -14,8 +14,18 @@ import numpy.typing as npt
 from .e2m1 import ROUNDINGS, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .e8m0 import E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
 from .philox import stochastic_bits16
+from .spec import FormatSpec
 
 BLOCK_SIZE = 32  # elements per E8M0 scale (MX v1.0 k = 32)
+SPEC = FormatSpec(
+    name="mxfp4",
+    code=1,
+    block_size=BLOCK_SIZE,
+    element="e2m1",
+    scale="e8m0",
+    scale_dtype="float8_e8m0fnu",
+    tensor_scale=False,
+)
 E2M1_EMAX = 2  # exponent of the largest normal E2M1 power of two (4 = 2**2); MX v1.0 Table 2
 
 ROUNDING_MODES = ROUNDINGS

@@ -28,8 +28,18 @@ from .e2m1 import (
 )
 from .e4m3 import E4M3_MAX, E4M3_NAN, decode_e4m3, encode_e4m3
 from .philox import stochastic_bits16
+from .spec import FormatSpec
 
 BLOCK_SIZE = 16  # elements per E4M3 scale
+SPEC = FormatSpec(
+    name="nvfp4",
+    code=0,
+    block_size=BLOCK_SIZE,
+    element="e2m1",
+    scale="e4m3",
+    scale_dtype="float8_e4m3fn",
+    tensor_scale=True,
+)
 FP32_MAX = np.finfo(np.float32).max  # TE's TypeExtrema<float>::max
 NVFP4_GLOBAL_AMAX_TARGET = np.float32(E4M3_MAX * E2M1_MAX)  # 448 * 6 = 2688, exact in float32
 
