@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from fp4_kernels import _api, _arrays, _devices, _hadamard, _numba_abi as abi, _plans
+from fp4_kernels import _arrays, _numba_abi as abi, _plans
 from fp4_kernels.cuda import launch
 
 CUDA0 = torch.device("cuda", 0)
@@ -108,13 +108,17 @@ def fake_cuda(recorder=None):
         saved.append((obj, name, vars(obj).get(name, _MISSING)))
         setattr(obj, name, value)
 
-    real_empty, real_zeros, real_to = torch.empty, torch.zeros, torch.Tensor.to
+    real_empty, real_zeros, real_full = torch.empty, torch.zeros, torch.full
+    real_to = torch.Tensor.to
 
     def empty(*shape, device=None, **kw):
         return real_empty(*shape, **kw)
 
     def zeros(*shape, device=None, **kw):
         return real_zeros(*shape, **kw)
+
+    def full(*args, device=None, **kw):
+        return real_full(*args, **kw)
 
     def to(self, *a, **kw):
         if a and isinstance(a[0], torch.device) and a[0].type == "cuda":
@@ -126,6 +130,7 @@ def fake_cuda(recorder=None):
     patch(torch.Tensor, "to", to)
     patch(torch, "empty", empty)
     patch(torch, "zeros", zeros)
+    patch(torch, "full", full)
     patch(torch._C, "_cuda_getCurrentRawStream", recorder.stream)
     patch(abi, "compile_kernel", recorder.compile)
     patch(abi, "set_carveout", recorder.set_carveout)
@@ -138,16 +143,16 @@ def fake_cuda(recorder=None):
     # machine the real ones hold real launchers and device pointers, restored afterwards)
     caches = [
         (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"), (launch, "_carveout"),
-        (_api, "_ONES"), (_hadamard, "_SIGN_CACHE"), (_plans, "_PLANS"),
+        (_arrays, "CONSTANTS"), (_plans, "_PLANS"),
     ]  # fmt: skip
     saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]
     for obj, name, value in saved_caches:
         setattr(obj, name, type(value)())
     launch._sm_count.update({None: SM_COUNT, 0: SM_COUNT, 1: SM_COUNT})
-    saved_gpu_count = list(_devices._GPU_COUNT)
-    saved_bound = getattr(_devices._THREAD, "bound", None)
-    _devices._GPU_COUNT[:] = [1]
-    _devices._THREAD.bound = {0, 1}
+    saved_gpu_count = list(_plans._GPU_COUNT)
+    saved_bound = getattr(_plans._THREAD, "bound", None)
+    _plans._GPU_COUNT[:] = [1]
+    _plans._THREAD.bound = {0, 1}
     _arrays.init_torch_tables()
     try:
         yield recorder
@@ -159,11 +164,37 @@ def fake_cuda(recorder=None):
                 setattr(obj, name, value)
         for obj, name, value in saved_caches:
             setattr(obj, name, value)
-        _devices._GPU_COUNT[:] = saved_gpu_count
+        _plans._GPU_COUNT[:] = saved_gpu_count
         if saved_bound is None:
-            del _devices._THREAD.bound
+            del _plans._THREAD.bound
         else:
-            _devices._THREAD.bound = saved_bound
+            _plans._THREAD.bound = saved_bound
 
 
 _MISSING = object()
+
+
+def call_path(f):
+    """(Python function calls, the package's source files) of one call of ``f`` (a function of
+    no arguments that makes the call): what runs on the host between the public function and
+    ``cuLaunchKernel``, counted by cProfile, builtins and C methods and the fake's own functions
+    left out."""
+    import cProfile
+    import os
+    import pstats
+
+    import fp4_kernels
+
+    root = os.path.dirname(os.path.abspath(fp4_kernels.__file__)) + os.sep
+    prof = cProfile.Profile()
+    prof.enable()
+    f()
+    prof.disable()
+    calls, files = 0, set()
+    for (file, _, _), (_, ncalls, *_) in pstats.Stats(prof).stats.items():
+        if file == "~" or file == __file__:
+            continue
+        calls += ncalls
+        if os.path.abspath(file).startswith(root):
+            files.add(os.path.relpath(file, root).replace(os.sep, "/"))
+    return calls - 1, sorted(files)  # f itself aside

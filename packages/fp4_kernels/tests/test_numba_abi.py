@@ -67,9 +67,11 @@ def test_packed_layout_matches_the_compiled_kernel_parameters():
     assert [_PTX_SIZES[p] for p in params] == [size for _, size in layout]
     assert len(params) == 2 * len(abi.ARRAY_FIELDS) + 3
     # the values in ABI order: meminfo, parent, nitems, itemsize, data, shape, strides
-    values = abi._values(args)
+    values, positions = abi.launch_values(args)
     assert values[:7] == [0, 0, 4, 4, 0x1000, 4, 4]
     assert values[-7:] == [0, 0, 8, 1, 0x2000, 8, 1]
+    # each argument's own value: the data pointer of a buffer, a scalar itself
+    assert [values[p] for p in positions] == [0x1000, 3, 5, 1.5, 0x2000]
     import struct
 
     assert struct.calcsize(fmt) == layout[-1][0] + layout[-1][1]

@@ -355,7 +355,7 @@ def test_the_cache_is_bounded_and_keeps_the_recent_plans(fake, monkeypatch):
     fk.quantize(xs[2])  # used again: the most recent
     fk.quantize(_x((16, 64 * 9)))
     assert len(_plans._PLANS) == 3
-    shapes = [key[1][2][1] for key in _plans._PLANS]
+    shapes = [key.x[2][1] for key in _plans._PLANS]
     assert shapes == [64 * 5, 64 * 3, 64 * 9]
 
 
@@ -433,14 +433,16 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
 def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch):
     # the per-call scalars are found in the recorded arguments by their probe values; a host
     # function passing a function of the seed would leave the probe in every later call
+    import dataclasses
+
     from fp4_kernels.cuda import quantize as op
 
-    real = op.quantize
+    real = op.run
 
-    def seed_plus_one(ctx, x, kind, fmt, geo, stochastic, seed, step, *rest):
-        return real(ctx, x, kind, fmt, geo, stochastic, seed + 1, step, *rest)
+    def seed_plus_one(ctx, call):
+        return real(ctx, dataclasses.replace(call, seed=call.seed + 1))
 
-    monkeypatch.setattr(op, "quantize", seed_plus_one)
+    monkeypatch.setattr(op, "run", seed_plus_one)
     with pytest.raises(RuntimeError, match="probe scalars"):
         fk.quantize(_x(), rounding="stochastic", seed=3)
     assert not _plans._PLANS

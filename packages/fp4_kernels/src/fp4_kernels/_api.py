@@ -1,22 +1,28 @@
 """Public entry points: ``quantize``, ``dequantize``, ``quantize_dequantize``.
 
-Validate -> allocate (through the caller's own array library) -> dispatch to the CUDA kernels
-(GPU arrays) or the numba CPU path (numpy arrays, torch CPU tensors).  Both give bit-identical
-codes and scales.
+A call is checked once and described by a frozen descriptor (``_calls``), then runs where its
+arrays live: on the CPU (``cpu.codec``, ``cpu.fp4quant``) or on the GPU through the plan cache
+(``_plans``), which runs the op's host function (``cuda.<op>.run``) against the caller's
+context or records it into a plan.  Both give bit-identical codes and scales.  A torch CUDA call
+of a kind seen before takes none of that: its plan key (the static part of its descriptor, as
+the caller gave it) finds the plan, the per-call scalars are checked, the plan launches.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from . import _arrays as arrays, _autograd, _plans
-from ._devices import fill_one, on_device, to_numpy
-from ._fp4quant import dequantize_fp4quant, quantize_fp4quant, run_encode_plan
+from . import _arrays as arrays, _autograd, _checks as checks, _plans
+from ._calls import (
+    AMAX_NUMBER,
+    DequantizeCall,
+    DequantizeKey,
+    Geometry,
+    QuantizeCall,
+    QuantizeKey,
+)
 from ._quantized import (
     SCALE_LAYOUTS,
-    SPECS,
     Array,
     DType,
     Format,
@@ -24,39 +30,11 @@ from ._quantized import (
     QuantizedTensor,
     Rounding,
     ScaleLayout,
-    _check_choice,
-    _check_field,
-    _check_fmt,
-    _check_int,
-    _geometry,
     check_quantized,
+    format_spec,
+    payload_views,
 )
 from .formats.e2m1 import ROUNDINGS
-
-
-def _validate_input(x, fmt):
-    backend = arrays.backend_of(x, "x")
-    arrays.check_has_values(x, backend, "x")
-    dt = arrays.dtype_name(x, backend, "x")
-    shape = tuple(int(s) for s in x.shape)
-    if len(shape) == 0:
-        raise ValueError("x: a 0-d array has no last dimension to quantize; reshape to (1, K)")
-    if isinstance(fmt, FP4Quant):
-        block, what = fmt.group_size, "FP4Quant group size"
-    else:
-        block, what = SPECS[fmt].block_size, f"{fmt.upper()} block size"
-    k = shape[-1]
-    if k % block != 0:
-        raise ValueError(
-            f"x: last dimension K={k} is not a multiple of the {what} {block}; "
-            f"pad K to a multiple of {block}"
-        )
-    if not arrays.is_c_contiguous(x, backend):
-        raise ValueError(
-            "x: must be contiguous (the last dimension and the rows in row-major order); "
-            "call .contiguous() (torch) or np.ascontiguousarray / cupy.ascontiguousarray first"
-        )
-    return backend, dt, shape
 
 
 def quantize(
@@ -104,7 +82,7 @@ def quantize(
     ``dequantize(q)``; ``quantize_dequantize`` is the differentiable route (straight-through
     gradient).
     """
-    return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused=False)
+    return _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, False)
 
 
 def quantize_dequantize(
@@ -127,231 +105,164 @@ def quantize_dequantize(
     if _autograd.requires_autograd(x):
 
         def qdq(t):
-            return _quantize(t, fmt, rounding, seed, step, global_amax, "linear", fused=True)
+            return _quantize(t, fmt, rounding, seed, step, global_amax, "linear", True)
 
         return _autograd.fake_quantize(x, qdq)
-    return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", fused=True)
-
-
-def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
-    """The plan key of a torch CUDA call (``_plans``), or None."""
-    if not _plans.enabled():
-        return None
-    xk = _plans.tensor_key(x)
-    if xk is None:
-        return None
-    if global_amax is None:
-        ak = None
-    elif type(global_amax) is float or (
-        isinstance(global_amax, (int, np.floating, np.integer)) and type(global_amax) is not bool
-    ):
-        ak = "number"
-    else:
-        ak = _plans.tensor_key(global_amax)
-        if ak is None:
-            return None
-    return ("quantize", xk, fmt, rounding, scale_layout, ak, fused, _plans.policy())
+    return _quantize(x, fmt, rounding, seed, step, global_amax, "linear", True)
 
 
 def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     key = _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused)
-    if key is not None:
-        plan = _plans.get(key)
-        if (
-            plan is not None
-            and type(seed) is int
-            and 0 <= seed < 2**64
-            and type(step) is int
-            and 0 <= step < 2**32
-        ):
-            if type(fmt) is FP4Quant:
-                q = run_encode_plan(plan, x, fmt, seed, step)
-                return dequantize(q) if fused else q
-            # a float amax the full check would refuse takes the unplanned path, which names it
-            amax_value = -1.0 if key[5] != "number" else _plannable_amax(global_amax)
-            if amax_value is not None:
-                return _run_quantize_plan(plan, x, fmt, seed, step, global_amax, amax_value)
-    _check_fmt(fmt)
-    _check_choice(rounding, "rounding", ROUNDINGS)
-    _check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
-    seed = _check_int(seed, "seed", 0, 2**64)
-    step = _check_int(step, "step", 0, 2**32)
-    backend, dt, shape = _validate_input(x, fmt)
-    if isinstance(fmt, FP4Quant):
+    plan = _plans.get(key)
+    # (a value the full checks would refuse, a float amax beyond float32's range among them,
+    # takes the checked path below, which names it)
+    if (
+        plan is not None
+        and type(seed) is int
+        and 0 <= seed < 2**64
+        and type(step) is int
+        and 0 <= step < 2**32
+        and (
+            key.amax != AMAX_NUMBER
+            or (type(global_amax) is float and 0 <= global_amax < checks.AMAX_F32_OVERFLOW)
+        )
+    ):
+        return _run_quantize_plan(plan, key, x, seed, step, global_amax)
+    call = _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fused, key)
+    if not call.backend.gpu:
+        return _quantize_result(call, _quantize_cpu(call))
+    if isinstance(call.fmt, FP4Quant):
+        from .cuda.fp4quant import run_encode as host
+    else:
+        from .cuda.quantize import run as host
+    if call.key is None or call.geometry.n == 0:
+        return _quantize_result(call, _plans.run_unplanned(call, host))
+    amax = call.amax_value if call.key.amax == AMAX_NUMBER else call.amax_array
+    return _run_quantize_plan(_plans.plan_for(call, host), key, x, call.seed, call.step, amax)
+
+
+def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
+    """The plan key of a torch CUDA call (``_plans``), or None."""
+    policy = _plans.plan_policy()
+    xk = _plans.tensor_key(x)
+    if xk is None or policy is _plans.NO_PLAN:
+        return None
+    if global_amax is None or checks.is_number(global_amax):
+        ak = None if global_amax is None else AMAX_NUMBER
+    else:
+        ak = _plans.tensor_key(global_amax)
+        if ak is None:
+            return None
+    return QuantizeKey(xk, fmt, rounding, scale_layout, ak, fused, policy)
+
+
+def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fused, key):
+    """The descriptor of a quantize call, every argument checked."""
+    spec = format_spec(fmt)
+    checks.check_choice(rounding, "rounding", ROUNDINGS)
+    checks.check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
+    seed = checks.check_int(seed, "seed", 0, 2**64)
+    step = checks.check_int(step, "step", 0, 2**32)
+    if isinstance(spec, FP4Quant):
+        block, what = spec.group_size, "FP4Quant group size"
+    else:
+        block, what = spec.block_size, f"{spec.name.upper()} block size"
+    backend, dt, shape = checks.check_input(x, block, what)
+    amax_value, amax_array = -1.0, None
+    if isinstance(spec, FP4Quant):
         if global_amax is not None:
             raise ValueError("global_amax: FP4Quant has no tensor scale; leave it None")
         if scale_layout != "linear":
             raise ValueError("scale_layout: FP4Quant stores its scales linearly (after the codes)")
-        stochastic = rounding == "stochastic"
-        q = quantize_fp4quant(x, backend, dt, shape, fmt, stochastic, seed, step, key)
-        return dequantize(q) if fused else q
-    spec = SPECS[fmt]
-    amax_value, amax_array = -1.0, None
-    if global_amax is not None:
+    elif global_amax is not None:
         if not spec.tensor_scale:
             raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
-        if isinstance(global_amax, (int, float, np.floating, np.integer)) and not isinstance(
-            global_amax, bool
-        ):
-            amax_value = _checked_amax(global_amax)
-        else:
-            amax_array = _checked_amax_array(global_amax, backend)
-    geo = _geometry(shape, spec, scale_layout)
-    stochastic = rounding == "stochastic"
-    if backend.gpu:
-        if key is not None and geo.n:
-            plan = _plans.get(key)
-            if plan is None:
-                plan = _plans.put(key, _quantize_plan(x, amax_array, dt, spec, geo, key, fused))
-            return _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value)
-        return _quantize_gpu(
-            x, backend, dt, spec, geo, stochastic, seed, step, amax_value, amax_array, fused
-        )
-    if amax_array is not None:  # on the CPU the array can be read and checked like a float
-        amax_value = _checked_amax(np.asarray(to_numpy(amax_array), np.float32).reshape(-1)[0])
-    from .cpu import codec
+        if checks.is_number(global_amax):
+            amax_value = checks.checked_amax(global_amax)
+        elif backend.gpu:
+            amax_array = checks.checked_amax_array(global_amax, backend)
+        else:  # on the CPU the array can be read and checked like a float
+            checks.checked_amax_array(global_amax, backend)
+            host = np.asarray(arrays.to_numpy(global_amax), np.float32).reshape(-1)[0]
+            amax_value = checks.checked_amax(host)
+    return QuantizeCall(
+        x=x, backend=backend, dtype=dt, fmt=spec, geometry=Geometry.of(shape, block, scale_layout),
+        stochastic=rounding == "stochastic", seed=seed, step=step, amax_value=amax_value,
+        amax_array=amax_array, fused=fused, key=key,
+    )  # fmt: skip
 
-    bits = arrays.cpu_bits(x, dt)
-    packed = np.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
-    scales = (np.zeros if geo.pad else np.empty)(geo.scale_shape, np.uint8)
-    out_bits = np.empty(geo.n if fused else 0, bits.dtype)
-    s_dec = codec.quantize_blocks(
-        bits,
-        arrays.KIND_OF_DTYPE[dt],
-        spec.tensor_scale,
-        spec.block_size,
-        stochastic,
-        geo.swizzled,
-        geo.kb,
-        geo.padded_kb,
-        np.float32(amax_value),
-        np.uint32(seed & 0xFFFFFFFF),
-        np.uint32(seed >> 32),
-        np.uint32(step),
-        packed.reshape(-1),
-        scales.reshape(-1),
-        fused,
-        out_bits,
+
+def _run_quantize_plan(plan, key, x, seed, step, global_amax):
+    """One planned quantize; ``global_amax`` as its key says (None, a float or an array)."""
+    number = key.amax == AMAX_NUMBER
+    inputs = (x,) if key.amax is None or number else (x, global_amax)
+    outputs = plan(
+        inputs, (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(global_amax) if number else 0.0)
     )
-    if fused:
-        return arrays.cpu_from_bits(out_bits, dt, shape, backend)
+    if type(key.fmt) is FP4Quant:
+        payload, codes, scales = outputs
+        q = planned_tensor(codes, scales, None, key.fmt, tuple(x.shape), x.dtype, "linear", payload)
+        return dequantize(q) if key.fused else q
+    data, scales, gs, out = outputs
+    if key.fused:
+        return out
+    return planned_tensor(data, scales, gs, key.fmt, tuple(x.shape), x.dtype, key.scale_layout)
+
+
+def planned_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, payload=None):
+    """A QuantizedTensor of fields a plan guarantees: the dtype already that of data's library,
+    nothing to convert or check (the constructor's work skipped)."""
+    q = QuantizedTensor.__new__(QuantizedTensor)
+    q.__dict__.update(
+        data=data, scales=scales, global_scale=global_scale, fmt=fmt, shape=shape, dtype=dtype,
+        scale_layout=scale_layout, payload=payload,
+    )  # fmt: skip
+    return q
+
+
+def _quantize_cpu(call):
+    """The outputs of a CPU quantize as arrays of the caller's kind: (payload, codes, scales)
+    for FP4Quant, else (data, scales, global_scale, out)."""
+    from .cpu import codec, fp4quant
+
+    backend, geo = call.backend, call.geometry
+    if isinstance(call.fmt, FP4Quant):
+        payload, codes, scales = fp4quant.run_encode(call)
+        if backend.lib == "torch":
+            payload = arrays.wrap_cpu(payload, backend)
+            codes, scales = payload_views(payload, geo.shape, geo.n, call.fmt.group_size, "torch")
+        return payload, codes, scales
+    packed, scales, s_dec, out_bits = codec.quantize(call)
+    out = arrays.cpu_from_bits(out_bits, call.dtype, geo.shape, backend) if call.fused else None
     gs = np.array([s_dec], np.float32)
-    return QuantizedTensor(
-        data=arrays.wrap_cpu(packed, backend),
-        scales=arrays.wrap_cpu(scales, backend),
-        global_scale=arrays.wrap_cpu(gs, backend),
-        fmt=fmt,
-        shape=shape,
-        dtype=dt,
-        scale_layout=scale_layout,
-    )
+    return tuple(arrays.wrap_cpu(a, backend) for a in (packed, scales, gs)) + (out,)
 
 
-# The tensor scale is computed from float32(global_amax): a float from 2^128 - 2^103 up (half
-# an ulp above FLT_MAX = 2^128 - 2^104) rounds to inf there, and S would silently become 1.
-_AMAX_F32_OVERFLOW = 2.0**128 - 2.0**103
-
-
-def _plannable_amax(value):
-    """``float(value)`` when the full check (``_checked_amax``) accepts it, else None."""
-    try:
-        v = float(value)
-    except OverflowError:  # an int beyond float64's range
-        return None
-    return v if 0.0 <= v < _AMAX_F32_OVERFLOW else None
-
-
-def _checked_amax(value):
-    """``global_amax`` as a float, or ValueError unless it is finite, >= 0 and within float32's
-    range."""
-    try:
-        v, shown = float(value), repr(value)
-    except OverflowError:  # an int beyond float64's range (its repr may be too long to print)
-        v = _AMAX_F32_OVERFLOW if value > 0 else -math.inf
-        shown = f"an integer of {value.bit_length()} bits"
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"global_amax: must be finite and >= 0, got {shown}")
-    if v >= _AMAX_F32_OVERFLOW:
-        raise ValueError(
-            f"global_amax: {shown} is beyond float32's range (largest finite value "
-            f"{float(np.finfo(np.float32).max)!r}), in which the tensor scale is computed; "
-            "pass at most that (the amax of a float32, bfloat16 or float16 tensor always is)"
-        )
-    return v
-
-
-def _checked_amax_array(a, backend):
-    """``global_amax`` given as an array: one float32 element where ``x`` lives."""
-    try:
-        b = arrays.backend_of(a, "global_amax")
-    except TypeError:
-        if arrays.is_torch_tensor(a):
-            raise  # a torch tensor of a kind the kernels cannot read: the message says which
-        raise TypeError(
-            "global_amax: expected a non-negative finite float or a one-element float32 array "
-            f"where x lives, got {type(a).__name__}"
-        ) from None
-    arrays.same_place(a, backend, "global_amax", "x")
-    _check_field(a, b, "global_amax", "float32", None, size=1)
-    return a
-
-
-def _quantize_gpu(x, backend, dt, spec, geo, stochastic, seed, step, amax_value, amax_array, fused):
-    from .cuda import quantize as op
-
-    ctx = arrays.GpuContext(x, backend)
-    with on_device(ctx):
-        data, scales, gs, out = op.quantize(
-            ctx, x, arrays.KIND_OF_DTYPE[dt], spec, geo, stochastic, seed, step,
-            amax_value, amax_array, fused,
+def _quantize_result(call, outputs):
+    """What quantize / quantize_dequantize return for ``call``'s outputs (``_quantize_cpu``'s or
+    a host function's, of the caller's kind)."""
+    geo = call.geometry
+    if isinstance(call.fmt, FP4Quant):
+        payload, codes, scales = outputs
+        q = QuantizedTensor(
+            data=codes, scales=scales, global_scale=None, fmt=call.fmt, shape=geo.shape,
+            dtype=call.dtype, scale_layout="linear", payload=payload,
         )  # fmt: skip
-    if fused:
+        return dequantize(q) if call.fused else q
+    data, scales, gs, out = outputs
+    if call.fused:
         return out
-    layout = "swizzled" if geo.swizzled else "linear"
     return QuantizedTensor(
-        data=data, scales=scales, global_scale=gs, fmt=spec.name, shape=geo.shape, dtype=dt,
-        scale_layout=layout,
+        data=data, scales=scales, global_scale=gs, fmt=call.fmt.name, shape=geo.shape,
+        dtype=call.dtype, scale_layout="swizzled" if geo.swizzled else "linear",
     )  # fmt: skip
 
 
-def _quantize_plan(x, amax_array, dt, spec, geo, key, fused):
-    """Record the launches of a checked NVFP4 / MXFP4 call (see ``_plans``)."""
-    from .cuda import quantize as op
-
-    tracer = _plans.Tracer(x.device.index)
-    vx, va = tracer.input(x), tracer.input(amax_array)
-    amax_value = _plans.PROBE_AMAX if key[5] == "number" else -1.0
-    stochastic = key[3] == "stochastic"
-    with on_device(tracer):  # the kernels compile for the input's device
-        result = op.quantize(
-            tracer, vx, arrays.KIND_OF_DTYPE[dt], spec, geo, stochastic,
-            _plans.PROBE_SEED, _plans.PROBE_STEP, amax_value, va, fused,
-        )  # fmt: skip
-    plan = tracer.plan(result, (0, 1, 2, 3) if key[5] == "number" else (0, 1, 2))
-    plan.shape = geo.shape
-    plan.scale_layout = "swizzled" if geo.swizzled else "linear"
-    plan.fused = fused
-    return plan
-
-
-def _run_quantize_plan(plan, x, fmt, seed, step, amax_array, amax_value):
-    """One planned NVFP4 / MXFP4 call; ``amax_array`` is ``global_amax`` when it is a tensor."""
-    inputs = (x, amax_array) if plan.n_inputs == 2 else (x,)
-    amax32 = np.float32(amax_value) if amax_value >= 0 else 0.0  # a probe slot only if >= 0
-    scalars = (seed & 0xFFFFFFFF, seed >> 32, step, amax32)
-    data, scales, gs, out = plan(inputs, scalars)
-    if plan.fused:
-        return out
-    return QuantizedTensor._from_checked(
-        {"data": data, "scales": scales, "global_scale": gs, "fmt": fmt, "shape": plan.shape,
-         "dtype": x.dtype, "scale_layout": plan.scale_layout, "payload": None}
-    )  # fmt: skip
-
-
-def _dequantize_key(q, dtype, op="dequantize"):
-    """The plan key of a torch CUDA ``dequantize`` (or another ``op`` reading a quantized
-    tensor) (``_plans``), or None."""
-    if type(q) is not QuantizedTensor or not _plans.enabled():
+def quantized_key(q, out_dtype, op):
+    """The plan key (``_plans``) of a torch CUDA ``op`` (dequantize, requantized_sum) reading
+    the QuantizedTensor ``q``, or None."""
+    policy = _plans.plan_policy()
+    if type(q) is not QuantizedTensor or policy is _plans.NO_PLAN:
         return None
     dk, sk = _plans.tensor_key(q.data), _plans.tensor_key(q.scales)
     if dk is None or sk is None:
@@ -361,15 +272,9 @@ def _dequantize_key(q, dtype, op="dequantize"):
         gk = _plans.tensor_key(q.global_scale)
         if gk is None:
             return None
-    # repr: a shape of bools or floats equals one of ints, and check_quantized refuses it
-    shape = repr(q.shape)
-    return (op, q.fmt, shape, q.dtype, q.scale_layout, dk, sk, gk, dtype, _plans.policy())
-
-
-def _dequantize_inputs(q):
-    if q.global_scale is None:
-        return (q.data, q.scales)
-    return (q.data, q.scales, q.global_scale)
+    return DequantizeKey(
+        op, q.fmt, repr(q.shape), q.dtype, q.scale_layout, dk, sk, gk, out_dtype, policy
+    )
 
 
 def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
@@ -379,83 +284,34 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
     The result does not require grad (``quantize`` is not differentiable).
     """
-    key = _dequantize_key(q, dtype)
-    if key is not None:
-        plan = _plans.get(key)
-        if plan is not None:
-            return plan(_dequantize_inputs(q))[0]
+    key = quantized_key(q, dtype, "dequantize")
+    plan = _plans.get(key)
+    if plan is None:
+        call = _dequantize_call(q, dtype, key)
+        if not call.backend.gpu:
+            from .cpu import codec, fp4quant
+
+            cpu = fp4quant.run_decode if isinstance(call.fmt, FP4Quant) else codec.dequantize
+            return arrays.cpu_from_bits(cpu(call), call.dtype, q.shape, call.backend)
+        if isinstance(call.fmt, FP4Quant):
+            from .cuda.fp4quant import run_decode as host
+        else:
+            from .cuda.dequantize import run as host
+        if call.key is None or call.geometry.n == 0:
+            return _plans.run_unplanned(call, host)[0]
+        plan = _plans.plan_for(call, host)
+    if q.global_scale is None:
+        return plan((q.data, q.scales))[0]
+    return plan((q.data, q.scales, q.global_scale))[0]
+
+
+def _dequantize_call(q, dtype, key):
+    """The descriptor of a dequantize call, ``q`` checked in full."""
     backend = check_quantized(q)
     dt = arrays.normalize_dtype(q.dtype if dtype is None else dtype)
-    if isinstance(q.fmt, FP4Quant):
-        return dequantize_fp4quant(q, dt, backend, key)
-    spec = SPECS[q.fmt]
-    geo = _geometry(q.shape, spec, q.scale_layout)
-    n = geo.n
-    if backend.gpu and key is not None and n:
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _plans.put(key, _dequantize_plan(q, dt, spec, geo, backend))
-        return plan(_dequantize_inputs(q))[0]
-    if backend.gpu:
-        from .cuda import dequantize as op
-
-        ctx = arrays.GpuContext(q.data, backend)
-        with on_device(ctx):
-            out = ctx.empty(q.shape, None, like_dtype=ctx.float_dtype(dt))
-            op.dequantize(
-                ctx, q.data, q.scales, _global_scale_or_one(q, ctx), out,
-                arrays.KIND_OF_DTYPE[dt], spec, geo,
-            )  # fmt: skip
-        return out
-    from .cpu import codec
-
-    packed = np.ascontiguousarray(to_numpy(q.data)).reshape(-1)
-    scales = np.ascontiguousarray(to_numpy(q.scales)).reshape(-1)
-    gs = np.float32(1.0)
-    if q.global_scale is not None:
-        gs = np.float32(np.asarray(to_numpy(q.global_scale), np.float32).reshape(-1)[0])
-    out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
-    codec.dequantize_blocks(
-        packed,
-        scales,
-        gs,
-        spec.tensor_scale,
-        spec.block_size,
-        geo.swizzled,
-        geo.kb,
-        geo.padded_kb,
-        out_bits,
-        arrays.KIND_OF_DTYPE[dt],
-    )
-    return arrays.cpu_from_bits(out_bits, dt, q.shape, backend)
-
-
-def _dequantize_plan(q, dt, spec, geo, backend):
-    """Record the launch of a checked NVFP4 / MXFP4 ``dequantize`` (see ``_plans``)."""
-    from .cuda import dequantize as op
-
-    tracer = _plans.Tracer(q.data.device.index)
-    data, scales = tracer.input(q.data), tracer.input(q.scales)
-    with on_device(tracer):
-        if q.global_scale is None:
-            gs = _global_scale_or_one(q, arrays.GpuContext(q.data, backend))
-        else:
-            gs = tracer.input(q.global_scale)
-        out = tracer.empty(q.shape, None, like_dtype=tracer.float_dtype(dt))
-        op.dequantize(tracer, data, scales, gs, out, arrays.KIND_OF_DTYPE[dt], spec, geo)
-    return tracer.plan((out,))
-
-
-def _global_scale_or_one(q, ctx):
-    """The tensor decode scale the dequantize kernel reads (MXFP4 has none: a cached 1.0)."""
-    if q.global_scale is not None:
-        return q.global_scale
-    key = (ctx.backend.lib, ctx.device_id)
-    one = _ONES.get(key)
-    if one is None:
-        one = _ONES[key] = ctx.empty((1,), np.float32)
-        fill_one(one, ctx)
-    return one
-
-
-_ONES = {}
+    fmt = format_spec(q.fmt)
+    block = fmt.group_size if isinstance(fmt, FP4Quant) else fmt.block_size
+    return DequantizeCall(
+        data=q.data, scales=q.scales, global_scale=q.global_scale, backend=backend, dtype=dt,
+        fmt=fmt, geometry=Geometry.of(q.shape, block, q.scale_layout), key=key,
+    )  # fmt: skip

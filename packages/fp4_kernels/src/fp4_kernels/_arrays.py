@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _numba_abi as abi
 from ._scalar import KIND_BF16, KIND_F16, KIND_F32
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -181,6 +182,13 @@ def is_c_contiguous(x, backend):
 # ---------------------------------------------------------------------- CPU side
 
 
+def to_numpy(a):
+    """A numpy array of a torch tensor (copied to the host if it is on a GPU) or ``a`` itself."""
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy()
+    return a
+
+
 def cpu_bits(x, dt):
     """Flat numpy view of the raw bits of a numpy array or torch CPU tensor (no copy)."""
     torch = _torch()
@@ -227,9 +235,6 @@ class GpuContext:
         from numba import config
 
         init_torch_tables()
-        from . import _numba_abi as abi
-
-        self._abi = abi
         self.backend = backend
         self.simulator = bool(config.ENABLE_CUDASIM)
         if backend.lib == "torch":
@@ -262,7 +267,7 @@ class GpuContext:
         if lib == "torch":
             ptr = arr.data_ptr()
             nbytes = arr.numel() * arr.element_size()
-            own = _TORCH_NP.get(arr.dtype)
+            own = TORCH_NP.get(arr.dtype)
         elif lib == "cupy":
             ptr = arr.data.ptr
             nbytes = arr.nbytes
@@ -272,7 +277,7 @@ class GpuContext:
             nbytes = arr.nbytes
             own = arr.dtype
         dt = np.dtype(np_dtype if np_dtype is not None else own)
-        return self._abi.DeviceBuffer(ptr, nbytes // dt.itemsize, dt)
+        return abi.DeviceBuffer(ptr, nbytes // dt.itemsize, dt)
 
     def words_view(self, x, kind):
         """(view, aligned): ``x`` as uint32 words when its address is 16-byte aligned (the
@@ -304,7 +309,7 @@ class GpuContext:
         lib = self.backend.lib
         if lib == "torch":
             torch = _torch()
-            tdt = like_dtype if like_dtype is not None else _TORCH_OF_NP[np.dtype(np_dtype).name]
+            tdt = like_dtype if like_dtype is not None else TORCH_OF_NP[np.dtype(np_dtype).name]
             f = torch.zeros if zero else torch.empty
             return f(shape, dtype=tdt, device=_torch_device(torch, self.device_id))
         if lib == "cupy":
@@ -318,6 +323,40 @@ class GpuContext:
         if zero:
             _numba_zero(d)
         return d
+
+    def constant(self, values):
+        """A device array of the caller's kind on its device holding ``values`` (a 1-D numpy
+        array of 4-byte elements), made once and kept: what a kernel reads as a constant
+        argument (the transform's sign words, MXFP4's tensor scale 1.0).  One value repeated
+        is filled where it lives (on the caller's stream, no copy from the host)."""
+        key = (self.backend.lib, self.device_id, values.dtype.str, values.tobytes())
+        arr = CONSTANTS.get(key)
+        if arr is None:
+            arr = CONSTANTS[key] = self._to_device(values)
+        return arr
+
+    def _to_device(self, values):
+        lib = self.backend.lib
+        if self.simulator or lib == "numba":
+            from numba import cuda
+
+            return cuda.to_device(values)
+        one = bool(np.all(values == values[0]))
+        if lib == "cupy":
+            import cupy
+
+            return cupy.full(values.shape, values[0], values.dtype) if one else cupy.asarray(values)
+        torch = _torch()
+        device = _torch_device(torch, self.device_id)
+        dtype = TORCH_OF_NP[values.dtype.name]
+        bits = values.view(TORCH_NP[dtype])  # the same bits as torch's dtype holds them
+        if one:
+            return torch.full(values.shape, bits[0].item(), dtype=dtype, device=device)
+        return torch.from_numpy(bits.copy()).to(device)
+
+    def submit(self, launcher, blocks, threads, args):
+        """Queue a compiled launch (``launch.launch``) on the caller's stream."""
+        launcher(self.stream.ptr, blocks, threads, args)
 
     def float_dtype_of_kind(self, kind):
         return self.float_dtype(DTYPES[kind])
@@ -365,30 +404,33 @@ def _address(arr, simulator):
     return arr.device_ctypes_pointer.value or 0
 
 
-_TORCH_OF_NP = {}
-_TORCH_NP = {}
+CONSTANTS = {}  # (array kind, device, dtype, bytes) -> ``GpuContext.constant``'s arrays
+TORCH_OF_NP = {}  # numpy dtype name -> the torch dtype of a GPU buffer of those bits
+TORCH_NP = {}  # torch dtype -> the numpy dtype a view of it has
 
 
 def init_torch_tables():
     """dtype maps between torch and numpy, filled once torch has been imported by the caller."""
     torch = _torch()
-    if torch is None or _TORCH_OF_NP:
+    if torch is None or TORCH_OF_NP:
         return
-    _TORCH_OF_NP.update(
+    TORCH_OF_NP.update(
         {
             "uint8": torch.uint8,
             "float32": torch.float32,
             "uint16": torch.int16,
+            "uint32": torch.int32,
             "uint64": torch.int64,
         }
     )
-    _TORCH_NP.update(
+    TORCH_NP.update(
         {
             torch.uint8: np.dtype(np.uint8),
             torch.float32: np.dtype(np.float32),
             torch.float16: np.dtype(np.float16),
             torch.bfloat16: np.dtype(np.uint16),
             torch.int16: np.dtype(np.int16),
+            torch.int32: np.dtype(np.int32),
             torch.int64: np.dtype(np.int64),
         }
     )

@@ -1,19 +1,17 @@
-"""Public ``hadamard``: validate -> allocate -> GPU kernel (``cuda.hadamard``) or CPU path."""
+"""Public ``hadamard``: checked into a ``_calls.HadamardCall``, then the GPU kernels
+(``cuda.hadamard``, through the plan cache ``_plans``) or the CPU path (``cpu.fp4quant``)."""
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from . import _arrays as arrays, _autograd, _plans
-from ._devices import on_device, to_numpy
+from ._calls import HadamardCall, HadamardKey
 from ._quantized import Array
 from .formats import hadamard as spec
-
-_SIGN_CACHE = {}  # (array kind, device, g, sign words) -> the words on that device
 
 
 def hadamard(
@@ -53,12 +51,13 @@ def hadamard(
             ``fp4_kernels.formats.hadamard.hadamard_signs(g, seed)``, the same on every rank
             and backend), or a ±1 vector of length g (numpy, list or torch CPU).
     """
-    if signs is not None and _autograd.requires_autograd(signs):
+    # (requires_grad read here first: a tensor without it takes no call into _autograd)
+    if getattr(signs, "requires_grad", False) and _autograd.requires_autograd(signs):
         raise ValueError(
             "signs: a ±1 vector that requires grad; the transform is not differentiated with "
             "respect to its signs (they are constants of the transform): pass signs.detach()"
         )
-    if _autograd.requires_autograd(x):
+    if getattr(x, "requires_grad", False) and _autograd.requires_autograd(x):
         # x @ (D H / sqrt(g)) has the adjoint (H D / sqrt(g)), the inverse with the same signs
         # (H is symmetric), and the inverse's adjoint is the forward transform
         return _autograd.linear_transform(
@@ -67,10 +66,37 @@ def hadamard(
             lambda g: hadamard(g, group_size=group_size, inverse=not inverse, signs=signs),
         )
     key = _hadamard_key(x, group_size, inverse, signs)
-    if key is not None:
-        plan = _plans.get(key)
-        if plan is not None:
-            return plan((x,))[0]
+    plan = _plans.get(key)
+    if plan is None:
+        call = _hadamard_call(x, group_size, inverse, signs, key)
+        if not call.backend.gpu:
+            from .cpu import fp4quant
+
+            out_bits = fp4quant.run_hadamard(call)
+            return arrays.cpu_from_bits(out_bits, call.dtype, tuple(x.shape), call.backend)
+        from .cuda.hadamard import run as host
+
+        if call.key is None or call.n == 0:
+            return _plans.run_unplanned(call, host)[0]
+        plan = _plans.plan_for(call, host)
+    return plan((x,))[0]
+
+
+def _hadamard_key(x, group_size, inverse, signs):
+    """The plan key of a torch CUDA call (``_plans``), or None (signs given as a vector)."""
+    if type(group_size) is not int or type(inverse) is not bool:
+        return None
+    if signs is not None and type(signs) is not int:
+        return None
+    policy = _plans.plan_policy()
+    xk = _plans.tensor_key(x)
+    if xk is None or policy is _plans.NO_PLAN:
+        return None
+    return HadamardKey(xk, group_size, inverse, signs, policy)
+
+
+def _hadamard_call(x, group_size, inverse, signs, key):
+    """The descriptor of a transform, every argument checked."""
     g = spec.check_group_size(group_size)
     if not isinstance(inverse, bool):
         raise TypeError(f"inverse: expected True or False, got {inverse!r}")
@@ -85,70 +111,10 @@ def hadamard(
         )
     if not arrays.is_c_contiguous(x, backend):
         raise ValueError("x: must be C-contiguous; call .contiguous() / np.ascontiguousarray")
-    words = _sign_words(signs, g)
-    n = math.prod(shape)
-    kind = arrays.KIND_OF_DTYPE[dt]
-    if backend.gpu and key is not None and n:
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _plans.put(key, _hadamard_plan(x, backend, dt, shape, g, inverse, words))
-        return plan((x,))[0]
-    if backend.gpu:
-        from .cuda import hadamard as op
-
-        ctx = arrays.GpuContext(x, backend)
-        with on_device(ctx):
-            out = ctx.empty(shape, None, like_dtype=ctx.float_dtype(dt))
-            if n:
-                dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
-                op.hadamard(ctx, x, out, n, dev_words, kind, g, inverse, words is not None)
-        return out
-    from .cpu import fp4quant as cpu
-
-    mask = np.zeros(0, np.uint8)
-    if words is not None:
-        mask = (spec.sign_bits_to_values(words, g) < 0).astype(np.uint8)
-    out_bits = np.empty(n, arrays.BITS_DTYPE[dt])
-    cpu.hadamard(
-        arrays.cpu_bits(x, dt),
-        kind,
-        g,
-        cpu.stage_strides(g),
-        spec.inv_sqrt_group_size(g),
-        inverse,
-        mask,
-        out_bits,
-    )
-    return arrays.cpu_from_bits(out_bits, dt, shape, backend)
-
-
-def _hadamard_key(x, group_size, inverse, signs):
-    """The plan key of a torch CUDA call (``_plans``), or None (signs given as a vector)."""
-    if not _plans.enabled() or type(group_size) is not int or type(inverse) is not bool:
-        return None
-    if signs is not None and type(signs) is not int:
-        return None
-    xk = _plans.tensor_key(x)
-    if xk is None:
-        return None
-    return ("hadamard", xk, group_size, inverse, signs, _plans.policy())
-
-
-def _hadamard_plan(x, backend, dt, shape, g, inverse, words):
-    """Record the launch of a checked torch CUDA transform (see ``_plans``)."""
-    from .cuda import hadamard as op
-
-    tracer = _plans.Tracer(x.device.index)
-    vx = tracer.input(x)
-    with on_device(tracer):
-        out = tracer.empty(shape, None, like_dtype=tracer.float_dtype(dt))
-        ctx = arrays.GpuContext(x, backend)
-        dev_words = _device_words(ctx, words if words is not None else np.zeros(1, "u4"))
-        op.hadamard(
-            tracer, vx, out, math.prod(shape), dev_words, arrays.KIND_OF_DTYPE[dt], g, inverse,
-            words is not None,
-        )  # fmt: skip
-    return tracer.plan((out,))
+    return HadamardCall(
+        x=x, backend=backend, dtype=dt, group_size=g, inverse=inverse,
+        sign_words=_sign_words(signs, g), key=key,
+    )  # fmt: skip
 
 
 def _sign_words(signs, g):
@@ -170,33 +136,9 @@ def _sign_words(signs, g):
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
     if backend is not None:
         arrays.check_has_values(signs, backend, "signs")
-    s = np.asarray(to_numpy(signs) if backend is not None else signs, dtype=np.float64)
+    s = np.asarray(arrays.to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")
     if not np.all(np.abs(s) == 1):
         raise ValueError("signs: every entry must be +1 or -1")
     return spec.sign_values_to_words(s)
-
-
-def _device_words(ctx, words):
-    """The sign words on the caller's device, copied once per (device, words) and cached."""
-    key = (ctx.backend.lib, ctx.device_id, words.tobytes())
-    dev = _SIGN_CACHE.get(key)
-    if dev is None:
-        lib = ctx.backend.lib
-        if lib == "torch" and not ctx.simulator:
-            import torch
-
-            dev = torch.from_numpy(words.view(np.int32).copy()).to(
-                torch.device("cuda", ctx.device_id)
-            )
-        elif lib == "cupy" and not ctx.simulator:
-            import cupy
-
-            dev = cupy.asarray(words)
-        else:
-            from numba import cuda
-
-            dev = cuda.to_device(words)
-        _SIGN_CACHE[key] = dev
-    return ctx.view(dev, np.uint32)

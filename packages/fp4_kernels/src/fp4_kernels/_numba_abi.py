@@ -221,15 +221,24 @@ def parameter_layout(args):
     return fmt, params
 
 
-def _values(args):
-    out = []
+_DATA_FIELD = ARRAY_FIELDS.index("data")
+
+
+def launch_values(args):
+    """(values, positions): the kernel parameters of ``args`` in numba's ABI, one value per
+    field (a DeviceBuffer is its ARRAY_FIELDS: meminfo and parent 0, its length as nitems and
+    shape, its itemsize as itemsize and stride), and where each argument's own value is in them
+    (a DeviceBuffer's data pointer, a scalar itself): what a launch plan patches per call."""
+    values, positions = [], []
     for a in args:
         if isinstance(a, DeviceBuffer):
             size = a.dtype.itemsize
-            out += (0, 0, a.n, size, a.ptr, a.n, size)
+            positions.append(len(values) + _DATA_FIELD)
+            values += (0, 0, a.n, size, a.ptr, a.n, size)
         else:
-            out.append(a)
-    return out
+            positions.append(len(values))
+            values.append(a)
+    return values, positions
 
 
 _libcuda = None
@@ -268,17 +277,17 @@ class PackedLauncher:
         base = ctypes.addressof(self.buffer)
         self.pointers = (ctypes.c_void_p * len(params))(*[base + o for o, _ in params])
         self.function = int(cu_kernel.handle)
+        self.cu_launch_kernel = _cu_launch_kernel()
         self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
 
     def __call__(self, stream_ptr, blocks, threads, args):
-        self.launch_values(stream_ptr, blocks, threads, _values(args))
+        self.launch_values(stream_ptr, blocks, threads, launch_values(args)[0])
 
     def launch_values(self, stream_ptr, blocks, threads, values):
-        """Launch with the parameter values already laid out (``_values`` of the arguments)."""
-        launch = _cu_launch_kernel()
+        """Launch with the parameter values already laid out (``launch_values(args)[0]``)."""
         with self.lock:
             self.struct.pack_into(self.buffer, 0, *values)
-            rc = launch(
+            rc = self.cu_launch_kernel(
                 self.function, blocks, 1, 1, threads, 1, 1, 0, stream_ptr, self.pointers, None
             )
         if rc:

@@ -1,21 +1,26 @@
 """Launch plans: the host work of a torch CUDA call done once per kind of call.
 
-The first call of a kind (op, options, the input's type, dtype, shape, strides, device and
-16-byte alignment, the launch policy) is checked in full, then its op's host function (the one
-in ``cuda/<op>.py`` that chooses kernels and grids) runs once against a ``Tracer``: placeholder
-arrays whose addresses are tagged symbols, and a stream that records each launch instead of
-queuing it.  The recording is the plan: the compiled kernels, grids, the packed argument values
-with the places where a call's pointers (inputs, outputs) and scalars (seed, step, a float
-``global_amax``) go, and the output layout.  Every later call of the same kind allocates its
-outputs (one ``torch.empty`` for all byte outputs: codes, scales, tensor scale and scratch,
-each 256-byte aligned in it; a float result is a tensor of its own), writes its pointers and
-scalars into the recorded arguments and launches on torch's current stream; no check is
-repeated, because everything a check reads is in the key.
+Every GPU call arrives here as a call descriptor (``_calls``) with the host function of its op
+(``cuda.<op>.run(ctx, call)``, which chooses kernels and grids).  A call whose ``key`` is set
+(a torch CUDA tensor, plans enabled: the static part of the call, its input's type, dtype,
+shape, strides, device and 16-byte alignment and the launch policy) is planned: the first call
+of a key, checked in full by the API, runs its host function once against a ``Tracer``:
+placeholder arrays whose addresses are tagged symbols, and a context that records each launch
+instead of queuing it.  The recording is the plan: the launchers, grids, the packed argument
+values (``_numba_abi.launch_values``) with the places where a call's pointers (inputs, outputs)
+and scalars (seed, step, a float ``global_amax``) go, and the output layout.  Every later call of
+the same key allocates its outputs (one ``torch.empty`` for all byte outputs: codes, scales,
+tensor scale and scratch, each 256-byte aligned in it; a float result is a tensor of its own),
+writes its pointers and scalars into the recorded arguments and launches on torch's current
+stream; no check is repeated, because everything a check reads is in the key.
 
-Calls that are not of that form (numpy, CuPy, numba arrays, the simulator, empty tensors,
-signs given as a vector) take the unplanned path.  The cache is bounded: ``PLAN_CACHE_SIZE``
-plans, least recently used evicted first; ``clear()`` empties it and ``disabled()`` turns it
-off for the calls inside it (the unplanned path then runs for torch tensors too).
+Calls without a key (numpy, CuPy, numba arrays, the simulator, signs given as a vector) and
+empty tensors run their host function against the caller's context (``run_unplanned``).  The
+cache is bounded: ``PLAN_CACHE_SIZE`` plans, least recently used evicted first; ``clear()``
+empties it and ``disabled()`` turns it off for the calls inside it (the unplanned path then runs
+for torch tensors too).
+
+``on_device`` makes the input's GPU numba's current device for the duration of a call.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays as arrays, _devices
-from ._numba_abi import DeviceBuffer
+from . import _arrays as arrays, _numba_abi as abi
+from .cuda.launch_table import POLICY
 
 PLAN_CACHE_SIZE = 256
 
@@ -45,7 +50,8 @@ _SOURCE_SHIFT = 40
 _ALIGN = 16  # the largest alignment a host function tests (16-byte vector loads)
 SECTION_ALIGN = 256  # each byte output's offset in the shared allocation
 
-# Probe scalars: distinctive values passed while recording, found again in the arguments.
+# Probe scalars: distinctive values passed while recording, found again in the arguments, in
+# the order a planned call passes its scalars (seed low and high words, step, amax).
 PROBE_SEED = (0x5EED_0001 << 32) | 0x5EED_0002
 PROBE_STEP = 0x57E9_0003
 PROBE_AMAX = 1234.567
@@ -55,6 +61,8 @@ _PROBES = (
     (np.dtype(np.uint32), PROBE_STEP),
     (np.dtype(np.float32), float(np.float32(PROBE_AMAX))),
 )
+SEED_STEP_PROBES = (0, 1, 2)
+AMAX_PROBE = 3
 
 
 def clear() -> None:
@@ -83,24 +91,17 @@ def tensor_key(t):
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % _ALIGN)
 
 
-_POLICY = []  # launch's ContextVar of the launch policy, once cuda.launch is imported
+NO_PLAN = object()  # ``plan_policy()`` inside ``disabled()``
 
 
-def policy():
-    """The launch policy in force (a plan depends on it)."""
-    if not _POLICY:
-        from .cuda import launch
-
-        _POLICY.append(launch._POLICY)
-    return _POLICY[0].get()
-
-
-def enabled() -> bool:
-    return not _DISABLED.get()
+def plan_policy():
+    """What every plan key ends with: the launch policy in force (a plan depends on it), or
+    ``NO_PLAN`` inside ``disabled()``, where no plan is used or made."""
+    return NO_PLAN if _DISABLED.get() else POLICY.get()
 
 
 def get(key):
-    """The plan of ``key``, or None (also for a key that cannot be hashed)."""
+    """The plan of ``key``, or None (also for None and for a key that cannot be hashed)."""
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable argument: the unplanned path checks it
@@ -123,6 +124,80 @@ def put(key, plan):
         while len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return plan
+
+
+def plan_for(call, host):
+    """The plan of the checked GPU ``call`` (its key set, its tensors not empty), recorded from
+    ``host(tracer, call)`` at the first call of its key."""
+    plan = get(call.key)
+    if plan is None:
+        plan = put(call.key, record(call, host))
+    return plan
+
+
+def record(call, host):
+    """The plan of ``call``: ``host`` run once against a ``Tracer`` (see the module doc)."""
+    tracer = Tracer(call.anchor.device.index)
+    traced, probes = call.traced(tracer)
+    with on_device(tracer):  # the kernels compile for the input's device
+        outputs = host(tracer, traced)
+    return tracer.plan(outputs, probes)
+
+
+def run_unplanned(call, host):
+    """``host(ctx, call)`` against the caller's context: its device, stream and allocator."""
+    ctx = arrays.GpuContext(call.anchor, call.backend)
+    with on_device(ctx):
+        return host(ctx, call)
+
+
+# ---------------------------------------------------------------------- the device of a call
+
+_GPU_COUNT = []
+_THREAD = threading.local()  # .bound: the devices whose context this thread has made current
+
+
+def needs_scope(device_id):
+    """Whether a call on ``device_id`` must enter ``on_device`` (the first call on a thread, or
+    a process with several GPUs)."""
+    return not _GPU_COUNT or _GPU_COUNT[0] > 1 or device_id not in getattr(_THREAD, "bound", ())
+
+
+class on_device:
+    """Make the input's GPU numba's current device for the duration of the call (a no-op on a
+    one-GPU process, which skips the context query on the hot path).
+
+    The first call on a thread binds the device's primary context (the one torch, CuPy and
+    numba share) to that thread: a thread that only ever used the runtime API through torch,
+    such as the autograd engine's backward thread, may have none, and the kernels launch
+    through the driver API."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.cm = None
+
+    def __enter__(self):
+        if self.ctx.device_id is None or self.ctx.simulator:
+            return
+        from numba import cuda
+
+        bound = getattr(_THREAD, "bound", None)
+        if bound is None:
+            bound = _THREAD.bound = set()
+        if self.ctx.device_id not in bound:
+            from cuda.core import Device
+
+            Device(self.ctx.device_id).set_current()
+            bound.add(self.ctx.device_id)
+        if not _GPU_COUNT:
+            _GPU_COUNT.append(len(cuda.gpus))
+        if _GPU_COUNT[0] > 1 and cuda.get_current_device().id != self.ctx.device_id:
+            self.cm = cuda.gpus[self.ctx.device_id]
+            self.cm.__enter__()
+
+    def __exit__(self, *exc):
+        if self.cm is not None:
+            self.cm.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------- recording
@@ -180,24 +255,22 @@ def _torch_itemsize(dtype):
 
 
 class Tracer(arrays.GpuContext):
-    """The ``GpuContext`` a host function runs against while its plan is recorded."""
+    """The ``GpuContext`` a host function runs against while its plan is recorded: it hands out
+    placeholders for the call's arrays and records each launch instead of queuing it."""
 
     def __init__(self, device_id):
-        from . import _numba_abi as abi
-
         arrays.init_torch_tables()
-        self._abi = abi
         self.backend = arrays.Backend("torch", True, None)
         self.simulator = False
         self.device_id = device_id
-        self.stream = self
-        self.sources = []  # ("input", tensor) | ("alloc", shape, torch dtype, packed, zero)
+        self.stream = None  # nothing is queued while recording
+        self.sources = []  # ("input",) | ("alloc", shape, torch dtype, packed, zero)
         self.launches = []
         self.keep = []  # constant device arrays the recorded arguments point into
         self._misaligns = {}
 
     def input(self, t):
-        """A placeholder for the input tensor ``t`` (its misalignment kept)."""
+        """A placeholder for the input tensor ``t`` (its misalignment kept); None for None."""
         if t is None:
             return None
         self.sources.append(("input",))
@@ -210,7 +283,7 @@ class Tracer(arrays.GpuContext):
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         # a float result (like_dtype) is a tensor of its own; byte outputs share one buffer
         packed = like_dtype is None
-        dtype = arrays._TORCH_OF_NP[np.dtype(np_dtype).name] if packed else like_dtype
+        dtype = arrays.TORCH_OF_NP[np.dtype(np_dtype).name] if packed else like_dtype
         shape = tuple(shape)
         self.sources.append(("alloc", shape, dtype, packed, zero))
         return VirtualArray(len(self.sources) - 1, 0, shape, dtype, _torch_itemsize(dtype), 0)
@@ -223,38 +296,30 @@ class Tracer(arrays.GpuContext):
             self.keep.append(arr)  # a cached constant (sign words, the MXFP4 scale 1.0)
         return super().view(arr, np_dtype)
 
-    # the recording stream (``launch.launch`` calls it instead of queuing)
-    def record(self, launcher, blocks, threads, args):
-        from ._numba_abi import _values
-
-        values = _values(args)
+    def submit(self, launcher, blocks, threads, args):
+        """Record the launch: its values, with the positions a call patches (the pointers into
+        its inputs and outputs, the probe scalars)."""
+        values, positions = abi.launch_values(args)
         pointers, scalars = [], []
-        pos = 0
-        for a in args:
-            if isinstance(a, DeviceBuffer):
-                ptr_pos = pos + 4  # ARRAY_FIELDS: meminfo, parent, nitems, itemsize, data, ...
+        for a, pos in zip(args, positions, strict=True):
+            if isinstance(a, abi.DeviceBuffer):
                 if a.ptr & _TAG == _TAG:
                     source = (a.ptr >> _SOURCE_SHIFT) & 0xFFFF
-                    rel = (a.ptr & ((1 << _SOURCE_SHIFT) - 1)) - self._misalign(source)
-                    pointers.append((ptr_pos, source, rel))
-                pos += 7
-            else:
-                for i, (dt, probe) in enumerate(_PROBES):
-                    if a.dtype == dt and a == probe:
-                        scalars.append((pos, i))
-                        break
-                pos += 1
+                    rel = (a.ptr & ((1 << _SOURCE_SHIFT) - 1)) - self._misaligns.get(source, 0)
+                    pointers.append((pos, source, rel))
+                continue
+            for i, (dt, probe) in enumerate(_PROBES):
+                if a.dtype == dt and a == probe:
+                    scalars.append((pos, i))
+                    break
         self.launches.append((launcher, blocks, threads, values, pointers, scalars))
-
-    def _misalign(self, source):
-        return self._misaligns.get(source, 0)
 
     def plan(self, result, scalars=()):
         """The plan of what was recorded; ``result``: the placeholders (or None) the call
         returns, in the order the plan returns them; ``scalars``: the probes (indices into
         seed low, seed high, step, amax) the call must find in the arguments, or a per-call
         value would silently be the probe's."""
-        found = {k for launch in self.launches for _, k in launch[5]}
+        found = {k for *_, probes in self.launches for _, k in probes}
         missing = set(scalars) - found
         if missing:
             raise RuntimeError(f"probe scalars {sorted(missing)} not found in the launches")
@@ -268,7 +333,7 @@ class Plan:
     shared buffer's sections, the own tensors, then the scalars; each launch's template gets
     ``slots[slot] + rel`` at the positions recorded for it."""
 
-    simulator = False  # (read by ``_devices.on_device``)
+    simulator = False  # (read by ``on_device``)
 
     def __init__(self, tracer, result):
         torch = sys.modules["torch"]
@@ -279,15 +344,30 @@ class Plan:
             lambda device: torch.cuda.current_stream(device).cuda_stream
         )
         self.keep = tracer.keep
-        inputs, sections, own = [], [], []  # source indices of each kind
+        inputs, sections, own = self._allocations(tracer.sources)
+        order = inputs + sections + own
+        slot = {source: k for k, source in enumerate(order)}
+        self.launches = [
+            (
+                launcher, blocks, threads, values,
+                tuple((pos, slot[source], rel) for pos, source, rel in pointers)
+                + tuple((pos, len(order) + k, 0) for pos, k in scalars),
+            )
+            for launcher, blocks, threads, values, pointers, scalars in tracer.launches
+        ]  # fmt: skip
+        self.result = self._result_views(result, sections, own, torch.uint8)
+
+    def _allocations(self, sources):
+        """Lay the byte outputs out in one buffer; (input, section, own tensor) source indices."""
+        inputs, sections, own = [], [], []
         self.zero = []  # (byte offset, bytes) of the shared buffer to clear
         self.section_offsets = []
         packed = 0
-        for i, s in enumerate(tracer.sources):
-            if s[0] == "input":
+        for i, source in enumerate(sources):
+            if source[0] == "input":
                 inputs.append(i)
                 continue
-            _, shape, dtype, is_packed, is_zero = s
+            _, shape, dtype, is_packed, is_zero = source
             if not is_packed:
                 own.append(i)
                 continue
@@ -298,95 +378,89 @@ class Plan:
                 self.zero.append((packed, nbytes))
             packed += -(-nbytes // SECTION_ALIGN) * SECTION_ALIGN
         self.packed_bytes = packed
-        self.n_inputs = len(inputs)
-        self.own = [tracer.sources[i][1:3] for i in own]  # (shape, dtype)
-        order = inputs + sections + own
-        slot = {source: k for k, source in enumerate(order)}
-        n_slots = len(order)
-        self.launches = [
-            (
-                launcher, blocks, threads, values,
-                tuple((pos, slot[source], rel) for pos, source, rel in pointers)
-                + tuple((pos, n_slots + k, 0) for pos, k in scalars),
-            )
-            for launcher, blocks, threads, values, pointers, scalars in tracer.launches
-        ]  # fmt: skip
-        # results: views of the shared buffer (as uint8 or another dtype) or own tensors
-        self.view_dtypes = []
-        specs = []
+        self.own = [sources[i][1:3] for i in own]  # (shape, dtype)
+        return inputs, sections, own
+
+    def _result_views(self, result, sections, own, uint8):
+        """(base, shape, stride, offset, whole) of each result: a view of the shared buffer (as
+        uint8 or another dtype) or an own tensor; bases of a call are [buffer, the buffer viewed
+        as each of view_dtypes..., own tensors...]."""
+        self.view_dtypes = [
+            v.dtype for v in result if v is not None and v.source in sections and v.dtype != uint8
+        ]
+        self.view_dtypes = list(dict.fromkeys(self.view_dtypes))
+        n_views = 1 + len(self.view_dtypes)
+        views = []
         for v in result:
             if v is None:
-                specs.append(None)
+                views.append(None)
                 continue
             if v.offset % v.itemsize:
                 raise ValueError("a result view must start on a whole element")
-            stride, step = [], 1
-            for d in reversed(v.shape):
-                stride.insert(0, step)
-                step *= max(d, 1)
+            dims = [max(d, 1) for d in v.shape]
+            stride = tuple(math.prod(dims[i + 1 :]) for i in range(len(dims)))
             if v.source in own:
                 k = own.index(v.source)
-                specs.append(["own", k, v.shape, tuple(stride), v.offset // v.itemsize])
+                offset = v.offset // v.itemsize
+                whole = offset == 0 and tuple(self.own[k][0]) == v.shape
+                views.append((n_views + k, v.shape, stride, offset, whole))
                 continue
-            offset = self.section_offsets[sections.index(v.source)] + v.offset
-            if v.dtype != torch.uint8 and v.dtype not in self.view_dtypes:
-                self.view_dtypes.append(v.dtype)
-            specs.append(["packed", v.dtype, v.shape, tuple(stride), offset // v.itemsize])
-        # bases of a call: [buffer, buffer viewed as each of view_dtypes..., own tensors...]
-        n_views = 1 + len(self.view_dtypes)
-        self.result = []
-        for spec in specs:
-            if spec is None:
-                self.result.append(None)
-            elif spec[0] == "own":
-                _, k, shape, stride, offset = spec
-                whole = offset == 0 and tuple(self.own[k][0]) == shape
-                self.result.append((n_views + k, shape, stride, offset, whole))
-            else:
-                _, dtype, shape, stride, offset = spec
-                base = 0 if dtype == torch.uint8 else 1 + self.view_dtypes.index(dtype)
-                self.result.append((base, shape, stride, offset, False))
+            offset = (self.section_offsets[sections.index(v.source)] + v.offset) // v.itemsize
+            base = 0 if v.dtype == uint8 else 1 + self.view_dtypes.index(v.dtype)
+            views.append((base, v.shape, stride, offset, False))
+        return views
 
     def __call__(self, inputs, scalars=()):
         """Queue the plan's launches for ``inputs`` (the tensors, in the recorded order) and
-        ``scalars`` (seed low and high words, step, amax as float32); returns the result."""
-        if _devices.needs_scope(self.device_id):
-            with _devices.on_device(self):
-                return self._run(inputs, scalars)
-        return self._run(inputs, scalars)
+        ``scalars`` (seed low and high words, step, amax as float32); returns the result.
 
-    def _run(self, inputs, scalars):
-        torch = sys.modules["torch"]
-        slots = [t.data_ptr() for t in inputs]
-        bases = []
-        if self.packed_bytes:
-            buf = torch.empty(self.packed_bytes, dtype=torch.uint8, device=self.device)
-            p = buf.data_ptr()
-            if p % _ALIGN:
-                raise RuntimeError(f"the allocator returned an address {p:#x} not 16-byte aligned")
-            for off, nbytes in self.zero:
-                buf[off : off + nbytes].zero_()
-            slots += [p + off for off in self.section_offsets]
-            bases.append(buf)
-            bases += [buf.view(dt) for dt in self.view_dtypes]
-        else:
-            bases.append(None)
-        for shape, dtype in self.own:
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            slots.append(t.data_ptr())
-            bases.append(t)
-        slots += scalars
-        stream = self.current_stream(self.device_id)
-        for launcher, blocks, threads, template, patches in self.launches:
-            values = template.copy()
-            for pos, slot, rel in patches:
-                values[pos] = slots[slot] + rel
-            launcher.launch_values(stream, blocks, threads, values)
-        return [
-            None
-            if spec is None
-            else bases[spec[0]]
-            if spec[4]
-            else bases[spec[0]].as_strided(spec[1], spec[2], spec[3])
-            for spec in self.result
-        ]
+        Every planned call's hot path: it calls no function of this package but the
+        launcher's (``needs_scope`` written out, no comprehensions)."""
+        scope = None
+        if (
+            not _GPU_COUNT
+            or _GPU_COUNT[0] > 1
+            or self.device_id not in getattr(_THREAD, "bound", ())
+        ):
+            scope = on_device(self)
+            scope.__enter__()
+        try:
+            torch = sys.modules["torch"]
+            slots = []
+            for t in inputs:
+                slots.append(t.data_ptr())
+            bases = [None]
+            if self.packed_bytes:
+                buf = torch.empty(self.packed_bytes, dtype=torch.uint8, device=self.device)
+                p = buf.data_ptr()
+                if p % _ALIGN:
+                    raise RuntimeError(f"the allocator returned {p:#x}, not 16-byte aligned")
+                for off, nbytes in self.zero:
+                    buf[off : off + nbytes].zero_()
+                for off in self.section_offsets:
+                    slots.append(p + off)
+                bases[0] = buf
+                for dt in self.view_dtypes:
+                    bases.append(buf.view(dt))
+            for shape, dtype in self.own:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                slots.append(t.data_ptr())
+                bases.append(t)
+            slots += scalars
+            stream = self.current_stream(self.device_id)
+            for launcher, blocks, threads, template, patches in self.launches:
+                values = template.copy()
+                for pos, slot, rel in patches:
+                    values[pos] = slots[slot] + rel
+                launcher.launch_values(stream, blocks, threads, values)
+            out = []
+            for view in self.result:
+                if view is None:
+                    out.append(None)
+                    continue
+                base, shape, stride, offset, whole = view
+                out.append(bases[base] if whole else bases[base].as_strided(shape, stride, offset))
+            return out
+        finally:
+            if scope is not None:
+                scope.__exit__(None, None, None)

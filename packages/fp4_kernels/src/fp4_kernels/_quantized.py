@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -13,7 +12,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
-from ._devices import to_numpy
+from ._calls import Geometry
+from ._checks import check_choice, check_field, check_int
 from .formats import mxfp4, nvfp4
 
 SPECS = {spec.name: spec for spec in (nvfp4.SPEC, mxfp4.SPEC)}  # fmt= string -> FormatSpec
@@ -161,14 +161,6 @@ class QuantizedTensor:
         else:
             self.dtype = arrays.numpy_dtype(name)
 
-    @classmethod
-    def _from_checked(cls, fields):
-        """A tensor of ``fields`` (all eight) that a plan guarantees: ``dtype`` already that
-        of data's library, nothing to convert or check."""
-        q = cls.__new__(cls)
-        q.__dict__.update(fields)
-        return q
-
     @property
     def dtype_name(self) -> str:
         """The name of ``dtype``: "float32", "bfloat16" or "float16"."""
@@ -311,7 +303,9 @@ def _unpickle(fields):
         fields["data"], fields["scales"] = payload_views(
             payload, shape, math.prod(shape), fmt.group_size, lib
         )
-    return QuantizedTensor._from_checked(fields)
+    q = QuantizedTensor.__new__(QuantizedTensor)  # the fields as they were: nothing converted
+    q.__dict__.update(fields)
+    return q
 
 
 def _are_payload_views(q):
@@ -407,55 +401,22 @@ def _nbytes(a):
 
 def swizzled_scale_shape(rows: int, blocks_per_row: int) -> tuple[int, int]:
     """(padded_rows, padded_cols) of the 128x4-tile scale layout."""
-    rows = _check_int(rows, "rows", 0, 2**63)
-    blocks_per_row = _check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
+    rows = check_int(rows, "rows", 0, 2**63)
+    blocks_per_row = check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
     return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
 
 
-def _check_choice(value, name, choices):
-    if value not in choices:
-        raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-def _check_int(value, name, lo, hi):
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
-    if not lo <= v < hi:
-        raise ValueError(f"{name}: {v} is outside [{lo}, {hi})")
-    return v
-
-
-class _Geometry(NamedTuple):
-    """Sizes every path derives from (shape, format, scale layout)."""
-
-    shape: tuple
-    n: int  # elements
-    kb: int  # blocks per row
-    padded_kb: int  # blocks per row including the swizzled layout's column padding
-    scale_shape: tuple
-    pad: bool  # the swizzled layout has padding bytes (which must be zero)
-    swizzled: bool
-
-
-def _geometry(shape, spec, layout):
-    rows = math.prod(shape[:-1])
-    kb = shape[-1] // spec.block_size
-    n = rows * shape[-1]
-    if layout == "swizzled":
-        pr, pk = swizzled_scale_shape(rows, kb)
-        return _Geometry(shape, n, kb, pk, (pr * pk,), pr * pk != rows * kb, True)
-    return _Geometry(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
-
-
-def _check_fmt(fmt, name="fmt"):
-    if not isinstance(fmt, FP4Quant):
-        if not isinstance(fmt, str):
-            raise TypeError(
-                f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
-            )
-        _check_choice(fmt, name, tuple(SPECS))
+def format_spec(fmt, name="fmt"):
+    """The ``FormatSpec`` of "nvfp4" / "mxfp4", or the ``FP4Quant`` itself; TypeError /
+    ValueError naming ``name`` for anything else."""
+    if isinstance(fmt, FP4Quant):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(
+            f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
+        )
+    check_choice(fmt, name, tuple(SPECS))
+    return SPECS[fmt]
 
 
 def check_quantized(q, name="q"):
@@ -469,7 +430,7 @@ def check_quantized(q, name="q"):
         raise TypeError(
             f"{name}: expected a QuantizedTensor from quantize(), got {type(q).__name__}"
         )
-    _check_fmt(q.fmt, f"{name}.fmt")
+    fmt = format_spec(q.fmt, f"{name}.fmt")
     shape = q.shape
     if not isinstance(shape, tuple) or not all(
         isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -483,21 +444,19 @@ def check_quantized(q, name="q"):
             f"{name}.shape: last dimension {shape[-1]} is not a multiple of the block size {block}"
         )
     arrays.normalize_dtype(q.dtype, f"{name}.dtype")
-    fp4quant = isinstance(q.fmt, FP4Quant)
-    _check_choice(
-        q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS
-    )
+    fp4quant = isinstance(fmt, FP4Quant)
+    check_choice(q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS)
     backend = arrays.backend_of(q.data, f"{name}.data")
     arrays.check_has_values(q.data, backend, f"{name}.data")
-    _check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
+    check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
     arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
     if fp4quant:
         scale_shape, scale_dtype = shape[:-1] + (shape[-1] // block,), "uint16"
     else:
-        geo = _geometry(shape, SPECS[q.fmt], q.scale_layout)
+        geo = Geometry.of(shape, block, q.scale_layout)
         scale_shape, scale_dtype = geo.scale_shape, "uint8"
-    _check_field(q.scales, backend, f"{name}.scales", scale_dtype, scale_shape)
-    if not fp4quant and (SPECS[q.fmt].tensor_scale or q.global_scale is not None):
+    check_field(q.scales, backend, f"{name}.scales", scale_dtype, scale_shape)
+    if not fp4quant and (fmt.tensor_scale or q.global_scale is not None):
         gs = q.global_scale
         if gs is None:
             raise ValueError(
@@ -513,30 +472,18 @@ def check_quantized(q, name="q"):
                 f"{name}.data lives, got {type(gs).__name__}"
             )
         arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
-        _check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
-        if q.fmt == "mxfp4" and not backend.gpu:  # (a GPU value is not read: no host sync)
-            value = float(np.asarray(to_numpy(gs)).reshape(-1)[0])
+        check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
+        if not fmt.tensor_scale and not backend.gpu:  # (a GPU value is not read: no sync)
+            value = float(np.asarray(arrays.to_numpy(gs)).reshape(-1)[0])
             if value != 1.0:
                 raise ValueError(
-                    f"{name}.global_scale: MXFP4 has no tensor scale (its decode reads only the "
+                    f"{name}.global_scale: {fmt.name.upper()} has no tensor scale (its decode "
+                    "reads only the "
                     f"power-of-two block scales), so it must be None or [1.0] as quantize() "
                     f"returns it; got [{value!r}] (scale the decoded values instead, or use "
                     "NVFP4)"
                 )
     return backend
-
-
-def _check_field(a, backend, name, dtype, shape, size=None):
-    dt = arrays.element_dtype(a, backend)
-    if dt != dtype:
-        raise TypeError(f"{name}: dtype {dt}, expected {dtype}")
-    got = tuple(int(d) for d in a.shape)
-    if shape is not None and got != shape:
-        raise ValueError(f"{name}: shape {got} != expected {shape}")
-    if size is not None and math.prod(got) != size:
-        raise ValueError(f"{name}: {math.prod(got)} elements, expected {size}")
-    if not arrays.is_c_contiguous(a, backend):
-        raise ValueError(f"{name}: must be C-contiguous (the kernels read it as a flat buffer)")
 
 
 def payload_views(payload, shape, n, g, lib):

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from . import _arrays as arrays, _plans
-from ._api import _dequantize_key, dequantize, quantize
-from ._devices import fill_one, on_device
+from ._api import dequantize, planned_tensor, quantize, quantized_key
+from ._calls import SumCall
 from ._quantized import FP4Quant, QuantizedTensor, check_quantized
 
 
@@ -58,57 +56,24 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     writes the encoded sum (no float32 intermediate); every other case runs the composition.
     A block whose sum is not finite (a NaN-scale row block, or an overflow) gets the NaN scale.
     """
-    key = _dequantize_key(q, None, op="requantized_sum")
-    if key is not None:
-        plan = _plans.get(key)
-        if plan is not None:
-            return _run_sum_plan(plan, q)
-    rows, n = _rows_and_n(q)
-    backend = arrays.backend_of(q.data, "q.data")
-    if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
-        return requantized_sum_reference(q)
-    if key is not None and n:
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _plans.put(key, _sum_plan(q, rows, n))
-        return _run_sum_plan(plan, q)
-    ctx = arrays.GpuContext(q.data, backend)
-    with on_device(ctx):
-        codes = ctx.empty((1, n // 2), np.uint8)
-        scales = ctx.empty((1, n // 32), np.uint8)
-        gs = ctx.empty((1,), np.float32)
-        if n == 0:
-            fill_one(gs, ctx)
-        else:
-            from .cuda import reduce as op
+    key = quantized_key(q, None, "requantized_sum")
+    plan = _plans.get(key)
+    if plan is None:
+        rows, n = _rows_and_n(q)
+        backend = arrays.backend_of(q.data, "q.data")
+        if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
+            return requantized_sum_reference(q)
+        from .cuda.reduce import run as host
 
-            op.requantized_sum_mxfp4(ctx, q.data, q.scales, rows, codes, scales, gs, n)
-    return QuantizedTensor(
-        data=codes, scales=scales, global_scale=gs, fmt="mxfp4", shape=(1, n), dtype="float32",
-        scale_layout="linear",
-    )  # fmt: skip
-
-
-def _sum_plan(q, rows, n):
-    """Record the launch of a checked one-kernel MXFP4 sum (see ``_plans``)."""
-    from .cuda import reduce as op
-
-    tracer = _plans.Tracer(q.data.device.index)
-    data, scales = tracer.input(q.data), tracer.input(q.scales)
-    with on_device(tracer):
-        codes = tracer.empty((1, n // 2), np.uint8)
-        scales_out = tracer.empty((1, n // 32), np.uint8)
-        gs = tracer.empty((1,), np.float32)
-        op.requantized_sum_mxfp4(tracer, data, scales, rows, codes, scales_out, gs, n)
-    plan = tracer.plan((codes, scales_out, gs))
-    plan.shape = (1, n)
-    return plan
-
-
-def _run_sum_plan(plan, q):
+        call = SumCall(data=q.data, scales=q.scales, backend=backend, rows=rows, n=n, key=key)
+        if key is None or n == 0:
+            codes, scales, gs = _plans.run_unplanned(call, host)
+            return QuantizedTensor(
+                data=codes, scales=scales, global_scale=gs, fmt="mxfp4", shape=(1, n),
+                dtype="float32", scale_layout="linear",
+            )  # fmt: skip
+        plan = _plans.plan_for(call, host)
     codes, scales, gs = plan((q.data, q.scales))
     torch = sys.modules["torch"]
-    return QuantizedTensor._from_checked(
-        {"data": codes, "scales": scales, "global_scale": gs, "fmt": "mxfp4", "shape": plan.shape,
-         "dtype": torch.float32, "scale_layout": "linear", "payload": None}
-    )  # fmt: skip
+    shape = (1, q.shape[1])
+    return planned_tensor(codes, scales, gs, "mxfp4", shape, torch.float32, "linear")

@@ -1,6 +1,8 @@
 """The CPU path: NVFP4 / MXFP4 quantize, dequantize and fused fake-quant with ``numba.njit``.
 
-Same scalar arithmetic as the GPU kernels (``fp4_kernels._scalar``), so codes and scales are
+``quantize(call)`` and ``dequantize(call)`` take the call descriptors (``_calls``) and return
+numpy arrays; the compiled functions below them take flat arrays of raw bits.  Same scalar
+arithmetic as the GPU kernels (``fp4_kernels._scalar``), so codes and scales are
 bit-identical; stochastic rounding draws the same random bits (one Philox call per 8 elements,
 at counter = flat index // 8, 16 bits an element).
 Inputs arrive as flat arrays of raw bits: uint32 for float32, uint16 for bfloat16 / float16.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _arrays as arrays
 from .._scalar import (
     F32_INF,
     F32_ONE,
@@ -178,3 +181,35 @@ def dequantize_blocks(packed, scales, s_dec, tensor_scale, block, swizzled, kb, 
                 p = packed[(base + j) >> 1]
                 store(out_bits, base + j, kind, _e2m1_decode(p & 15) * x)
                 store(out_bits, base + j + 1, kind, _e2m1_decode(p >> 4) * x)
+
+
+def quantize(call):
+    """(codes, scales, 1/S, out_bits) of the checked ``_calls.QuantizeCall`` on the CPU: numpy
+    arrays (codes (..., K/2), scales in the call's layout, out_bits the reconstruction's raw bits,
+    empty unless ``call.fused``) and the tensor decode scale as a float32."""
+    geo, fmt = call.geometry, call.fmt
+    bits = arrays.cpu_bits(call.x, call.dtype)
+    packed = np.empty(geo.shape[:-1] + (geo.shape[-1] // 2,), np.uint8)
+    scales = (np.zeros if geo.pad else np.empty)(geo.scale_shape, np.uint8)
+    out_bits = np.empty(geo.n if call.fused else 0, bits.dtype)
+    s_dec = quantize_blocks(
+        bits, call.kind, fmt.tensor_scale, fmt.block_size, call.stochastic, geo.swizzled, geo.kb,
+        geo.padded_kb, np.float32(call.amax_value), np.uint32(call.seed & 0xFFFFFFFF),
+        np.uint32(call.seed >> 32), np.uint32(call.step), packed.reshape(-1), scales.reshape(-1),
+        call.fused, out_bits,
+    )  # fmt: skip
+    return packed, scales, np.float32(s_dec), out_bits
+
+
+def dequantize(call):
+    """The raw bits (flat, numpy) of the checked ``_calls.DequantizeCall`` decoded on the CPU."""
+    geo, fmt = call.geometry, call.fmt
+    packed = np.ascontiguousarray(arrays.to_numpy(call.data)).reshape(-1)
+    scales = np.ascontiguousarray(arrays.to_numpy(call.scales)).reshape(-1)
+    gs = np.float32(1.0)
+    if call.global_scale is not None:
+        gs = np.float32(np.asarray(arrays.to_numpy(call.global_scale), np.float32).reshape(-1)[0])
+    out_bits = np.empty(geo.n, arrays.BITS_DTYPE[call.dtype])
+    dequantize_blocks(packed, scales, gs, fmt.tensor_scale, fmt.block_size, geo.swizzled, geo.kb,
+                      geo.padded_kb, out_bits, call.kind)  # fmt: skip
+    return out_bits

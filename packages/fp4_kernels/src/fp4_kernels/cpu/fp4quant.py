@@ -12,6 +12,9 @@ import functools
 
 import numpy as np
 
+from .. import _arrays as arrays
+from .._quantized import payload_views
+from ..formats import hadamard as spec
 from ..formats.hadamard import stage_order
 from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
 from .codec import load, store
@@ -115,3 +118,40 @@ def decode(codes, scales, g, strides, hadamard, inv_g, out_bits, kind):
             s = s * inv_g
         for i in range(g):
             store(out_bits, q * g + i, kind, buf[i] * s)
+
+
+def run_hadamard(call):
+    """The raw bits (flat, numpy) of the checked ``_calls.HadamardCall``'s transform."""
+    g = call.group_size
+    mask = np.zeros(0, np.uint8)
+    if call.sign_words is not None:
+        mask = (spec.sign_bits_to_values(call.sign_words, g) < 0).astype(np.uint8)
+    out_bits = np.empty(call.n, arrays.BITS_DTYPE[call.dtype])
+    hadamard(arrays.cpu_bits(call.x, call.dtype), call.kind, g, stage_strides(g),
+             spec.inv_sqrt_group_size(g), call.inverse, mask, out_bits)  # fmt: skip
+    return out_bits
+
+
+def run_encode(call):
+    """(payload, codes, scales) numpy arrays of the checked ``_calls.QuantizeCall`` of an
+    ``FP4Quant``: the wire buffer and its views."""
+    fmt, geo = call.fmt, call.geometry
+    g, n = fmt.group_size, geo.n
+    payload = np.empty(n // 2 + 2 * (n // g), np.uint8)
+    codes, scales = payload_views(payload, geo.shape, n, g, "numpy")
+    encode(arrays.cpu_bits(call.x, call.dtype), call.kind, g, stage_strides(g), fmt.hadamard,
+           call.stochastic, np.uint32(call.seed & 0xFFFFFFFF), np.uint32(call.seed >> 32),
+           np.uint32(call.step), codes.reshape(-1), scales.reshape(-1))  # fmt: skip
+    return payload, codes, scales
+
+
+def run_decode(call):
+    """The raw bits (flat, numpy) of the checked ``_calls.DequantizeCall`` of an FP4Quant
+    tensor."""
+    g = call.fmt.group_size
+    codes = np.ascontiguousarray(arrays.to_numpy(call.data)).reshape(-1).view(np.uint8)
+    scales = np.ascontiguousarray(arrays.to_numpy(call.scales)).reshape(-1).view(np.uint16)
+    out_bits = np.empty(call.geometry.n, arrays.BITS_DTYPE[call.dtype])
+    decode(codes, scales, g, stage_strides(g), call.fmt.hadamard,
+           np.float32(2.0 ** -(g.bit_length() - 1)), out_bits, call.kind)  # fmt: skip
+    return out_bits

@@ -93,29 +93,35 @@ def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
     return kernel
 
 
-def dequantize(ctx, data, scales, global_scale, out, out_kind, fmt, geo):
-    """Queue the decoding of ``data`` / ``scales`` (validated by the caller) into ``out`` (an
-    array of the caller's kind) on the caller's stream."""
-    per_item = 4 if out_kind == KIND_F32 else 8
+ONE = np.ones(1, np.float32)  # MXFP4's tensor scale, where the kernel reads one
+
+
+def run(ctx, call):
+    """Queue the decoding of ``call`` (a checked ``_calls.DequantizeCall`` of an NVFP4 / MXFP4
+    tensor on the GPU) on the caller's stream; returns (out,), an array of the caller's kind."""
+    geo, kind = call.geometry, call.kind
+    out = ctx.empty(geo.shape, None, like_dtype=ctx.float_dtype_of_kind(kind))
+    per_item = 4 if kind == KIND_F32 else 8
     n_items = geo.n // per_item
     if n_items == 0:
-        return
-    codes, aligned = ctx.codes_view(data, per_item // 2)
+        return (out,)
+    codes, aligned = ctx.codes_view(call.data, per_item // 2)
     if aligned and per_item == 4:
-        codes = ctx.view(data, np.uint16)  # 4 codes an item
+        codes = ctx.view(call.data, np.uint16)  # 4 codes an item
     threads = launch.threads_for(THREADS)
     launch.launch(
-        dequantize_kernel(out_kind, fmt, geo.swizzled, aligned),
+        dequantize_kernel(kind, call.fmt, geo.swizzled, aligned),
         launch.grid_for(n_items, threads * UNROLL),
         threads,
         ctx,
         (
             codes,
-            ctx.view(scales),
-            ctx.view(global_scale),
+            ctx.view(call.scales),
+            ctx.view(ctx.constant(ONE) if call.global_scale is None else call.global_scale),
             ctx.view(out, np.uint32),
             np.int64(n_items),
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
         ),
     )
+    return (out,)

@@ -21,6 +21,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._quantized import payload_views
 from .._scalar import E2M1_CODE_BIAS, KIND_F32
 from . import hadamard as hn, launch
 from ._primitives import (
@@ -633,6 +634,28 @@ def _network_grid(group_size, kind, hadamard, n, device_id):
     smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
     return (smem, prefetch, *group_grid(group_size, n, device_id, most))
+
+
+def run_encode(ctx, call):
+    """Queue the encoding of ``call`` (a checked ``_calls.QuantizeCall`` of an ``FP4Quant``)
+    on the caller's stream; returns (payload, codes, scales): the wire buffer and its views."""
+    fmt, geo = call.fmt, call.geometry
+    g, n = fmt.group_size, geo.n
+    payload = ctx.empty((n // 2 + 2 * (n // g),), np.uint8)
+    codes, scales = payload_views(payload, geo.shape, n, g, ctx.backend.lib)
+    encode(ctx, call.x, codes, scales, n, call.seed, call.step, call.kind, g, fmt.hadamard,
+           call.stochastic)  # fmt: skip
+    return payload, codes, scales
+
+
+def run_decode(ctx, call):
+    """Queue the decoding of ``call`` (a checked ``_calls.DequantizeCall`` of an FP4Quant
+    tensor) on the caller's stream; returns (out,)."""
+    geo = call.geometry
+    out = ctx.empty(geo.shape, None, like_dtype=ctx.float_dtype_of_kind(call.kind))
+    decode(ctx, call.data, call.scales, out, geo.n, call.kind, call.fmt.group_size,
+           call.fmt.hadamard)  # fmt: skip
+    return (out,)
 
 
 def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, stochastic):

@@ -958,6 +958,19 @@ def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=THREAD
     return min(blocks, launch.max_blocks(max(1, threads_per_sm // threads), device_id)), threads
 
 
+NO_SIGNS = np.zeros(1, np.uint32)  # the sign-words argument of a transform without signs
+
+
+def run(ctx, call):
+    """Queue the transform of ``call`` (a checked ``_calls.HadamardCall``) on the caller's
+    stream; returns (out,), an array of the caller's kind."""
+    out = ctx.empty(call.x.shape, None, like_dtype=ctx.float_dtype_of_kind(call.kind))
+    signed = call.sign_words is not None
+    words = ctx.view(ctx.constant(call.sign_words if signed else NO_SIGNS), np.uint32)
+    hadamard(ctx, call.x, out, call.n, words, call.kind, call.group_size, call.inverse, signed)
+    return (out,)
+
+
 def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     """Queue the transform of the ``n`` elements of ``x`` into ``out`` (arrays of the caller's
     kind, validated by the caller) on the caller's stream."""

@@ -31,54 +31,11 @@ and warps cross; ``benchmarks/launch_sweep.py`` sweeps the grid and the carveout
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass
-
 from .. import _numba_abi as abi
 from ._primitives import SIMULATOR
+from .launch_table import LaunchPolicy, current_policy, launch_policy
 
-THREADS_PER_BLOCK = 256
-
-
-@dataclass(frozen=True)
-class LaunchPolicy:
-    """Threads per CTA, a cap on the number of CTAs, the threads that share an NVFP4 / MXFP4
-    block in the quantizer and the resident threads an SM every kernel's shared-memory
-    carveout is sized for (0: the driver's choice); ``None`` keeps the table's choice."""
-
-    threads: int | None = None
-    max_blocks: int | None = None
-    lanes_per_block: int | None = None
-    threads_per_sm: int | None = None
-
-
-_DEFAULT_POLICY = LaunchPolicy()
-_POLICY = contextvars.ContextVar("fp4_kernels_launch_policy", default=None)
-
-
-@contextlib.contextmanager
-def launch_policy(threads=None, max_blocks=None, lanes_per_block=None, threads_per_sm=None):
-    """Launch every kernel queued inside the block with ``threads`` per CTA (a multiple of 32),
-    at most ``max_blocks`` CTAs, ``lanes_per_block`` threads sharing a quantizer block (1
-    or 2 for NVFP4; 1, 2 or 4 for MXFP4) and a shared-memory carveout sized for
-    ``threads_per_sm`` resident threads an SM (0: the driver's choice, which fits the most
-    CTAs).  Results do not depend on it; speed does."""
-    if threads is not None and (threads <= 0 or threads % 32):
-        raise ValueError(f"threads: {threads} is not a positive multiple of 32")
-    if lanes_per_block not in (None, 1, 2, 4):
-        raise ValueError(f"lanes_per_block: {lanes_per_block} is not 1, 2 or 4")
-    if threads_per_sm is not None and threads_per_sm < 0:
-        raise ValueError(f"threads_per_sm: {threads_per_sm} is negative (0: the driver's choice)")
-    token = _POLICY.set(LaunchPolicy(threads, max_blocks, lanes_per_block, threads_per_sm))
-    try:
-        yield
-    finally:
-        _POLICY.reset(token)
-
-
-def current_policy() -> LaunchPolicy:
-    return _POLICY.get() or _DEFAULT_POLICY
+__all__ = ["LaunchPolicy", "current_policy", "launch", "launch_policy"]
 
 
 _sm_count = {}
@@ -121,7 +78,7 @@ def current_device_id():
 
 
 def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
-    """Queue ``kernel`` on the caller's stream (``ctx.stream``, on ``ctx.device_id``, the
+    """Queue ``kernel`` on the caller's stream (``ctx.submit``, on ``ctx.device_id``, the
     device the host wrapper made current); ``args`` are DeviceBuffers (GPU) or numba arrays
     (simulator) and numpy scalars.  Returns the number of CTAs launched: on a GPU the grid is
     capped at the CTAs that can be resident at once (occupancy API).
@@ -131,9 +88,8 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
     unified L1 / shared memory stays L1 (the occupancy, and so the grid, follow).  None: the
     driver's choice, which maximizes resident CTAs.  A launch policy's ``threads_per_sm``
     overrides it."""
-    stream = ctx.stream
     if SIMULATOR:
-        kernel[blocks, threads, stream](*args)
+        kernel[blocks, threads, ctx.stream](*args)
         return blocks
     device = ctx.device_id
     if device is None:  # numba device arrays: the current context's device
@@ -156,11 +112,7 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
         per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         resident = _resident[(key, threads, ctas_per_sm)] = max(1, per_sm) * sm_count(device)
     blocks = min(blocks, resident)
-    record = getattr(stream, "record", None)
-    if record is not None:  # a plan being recorded (``fp4_kernels._plans``): not queued
-        record(launcher, blocks, threads, args)
-    else:
-        launcher(stream.ptr, blocks, threads, args)
+    ctx.submit(launcher, blocks, threads, args)  # queued, or recorded into a plan (``_plans``)
     return blocks
 
 

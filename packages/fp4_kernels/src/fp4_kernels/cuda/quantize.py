@@ -336,41 +336,46 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
 # ---------------------------------------------------------------------- host side
 
 
-def quantize(ctx, x, dt_kind, fmt, geo, stochastic, seed, step, amax_value, amax_array, fused):
-    """Queue the quantization of the GPU array ``x`` (validated by the caller) on the caller's
-    stream; returns (data, scales, global_scale, out) arrays of the caller's kind (out is None
-    unless ``fused``).  ``ctx`` is the caller's ``_arrays.GpuContext``."""
+def run(ctx, call):
+    """Queue the quantization of ``call`` (a checked ``_calls.QuantizeCall`` of an NVFP4 /
+    MXFP4 format on the GPU) on the caller's stream; returns (data, scales, global_scale, out)
+    arrays of the caller's kind (out is None unless ``call.fused``).  ``ctx`` is the caller's
+    ``_arrays.GpuContext``."""
     from . import amax as amax_op
 
-    shape = geo.shape
-    block = fmt.block_size
-    n_blocks = geo.n // block
-    data = ctx.empty(shape[:-1] + (shape[-1] // 2,), np.uint8)
+    geo, fmt, kind = call.geometry, call.fmt, call.kind
+    data = ctx.empty(geo.shape[:-1] + (geo.shape[-1] // 2,), np.uint8)
     scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
-    compute_amax = fmt.tensor_scale and amax_value < 0 and amax_array is None
+    compute_amax = fmt.tensor_scale and call.amax_value < 0 and call.amax_array is None
     # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
     n_partials = amax_op.max_partials(ctx.device_id) if compute_amax else 0
     scratch = ctx.empty((1 + n_partials,), np.float32)
     gs = scratch[:1]
-    out = ctx.empty(shape, None, like_dtype=ctx.float_dtype_of_kind(dt_kind)) if fused else None
+    out = None
+    if call.fused:
+        out = ctx.empty(geo.shape, None, like_dtype=ctx.float_dtype_of_kind(kind))
+    n_blocks = geo.n // fmt.block_size
     if n_blocks == 0:
         ctx.fill(gs, 1.0)
         return data, scales, gs, out
-    xw, aligned = ctx.words_view(x, dt_kind)
-    if amax_array is not None:
-        parts, n_parts = ctx.view(amax_array, np.float32), 1
+    xw, aligned = ctx.words_view(call.x, kind)
+    if call.amax_array is not None:
+        parts, n_parts = ctx.view(call.amax_array, np.float32), 1
     elif compute_amax:
         parts = ctx.view(scratch[1:])
-        n_parts = amax_op.amax_partials(ctx, xw, aligned, dt_kind, geo.n, parts)
+        n_parts = amax_op.amax_partials(ctx, xw, aligned, kind, geo.n, parts)
     else:
         parts, n_parts = ctx.view(gs), 0
-    lanes = launch.current_policy().lanes_per_block or lanes_per_block(fmt, fused)
-    if block % (8 * lanes):
-        raise ValueError(f"lanes_per_block: {lanes} threads cannot share a {block}-element block")
-    kern = quantize_kernel(dt_kind, fmt, stochastic, geo.swizzled, fused, aligned, lanes)
+    lanes = launch.current_policy().lanes_per_block or lanes_per_block(fmt, call.fused)
+    if fmt.block_size % (8 * lanes):
+        raise ValueError(
+            f"lanes_per_block: {lanes} threads cannot share a {fmt.block_size}-element block"
+        )
+    kern = quantize_kernel(kind, fmt, call.stochastic, geo.swizzled, call.fused, aligned, lanes)
     threads = launch.threads_for(THREADS)
     codes = ctx.view(data, np.uint32)
     n_items = n_blocks * lanes
+    seed = call.seed
     launch.launch(
         kern,
         launch.grid_for(n_items, threads),
@@ -380,17 +385,17 @@ def quantize(ctx, x, dt_kind, fmt, geo, stochastic, seed, step, amax_value, amax
             xw,
             codes,
             ctx.view(scales),
-            ctx.view(out, np.uint32) if fused else codes,  # never written when not fused
+            ctx.view(out, np.uint32) if call.fused else codes,  # never written when not fused
             np.int64(n_items),
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
             parts,
             np.int64(n_parts),
-            np.float32(amax_value),
+            np.float32(call.amax_value),
             ctx.view(gs),
             np.uint32(seed & 0xFFFFFFFF),
             np.uint32(seed >> 32),
-            np.uint32(step),
+            np.uint32(call.step),
         ),
     )
     return data, scales, gs, out

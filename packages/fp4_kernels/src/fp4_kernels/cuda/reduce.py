@@ -103,6 +103,20 @@ def requantized_sum_mxfp4_kernel(aligned=True):
     return kernel
 
 
+def run(ctx, call):
+    """Queue the one-pass sum of ``call`` (a checked ``_calls.SumCall``) on the caller's
+    stream; returns (codes, scales, global_scale) of the (1, n) MXFP4 result."""
+    n = call.n
+    codes = ctx.empty((1, n // 2), np.uint8)
+    scales = ctx.empty((1, n // BLOCK), np.uint8)
+    gs = ctx.empty((1,), np.float32)
+    if n == 0:
+        ctx.fill(gs, 1.0)
+    else:
+        requantized_sum_mxfp4(ctx, call.data, call.scales, call.rows, codes, scales, gs, n)
+    return codes, scales, gs
+
+
 def requantized_sum_mxfp4(ctx, data, scales, rows, codes_out, scales_out, gs, n):
     """Queue the one-pass sum of the ``rows`` MXFP4 rows of ``n`` elements, requantized."""
     n_blocks = n // BLOCK

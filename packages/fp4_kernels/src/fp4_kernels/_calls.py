@@ -1,0 +1,225 @@
+"""Call descriptors: one frozen object a call, built once by the public API from validated
+arguments and handed down unchanged to the CPU path (``cpu.<op>``), the CUDA host function
+(``cuda.<op>.run(ctx, call)``) and the plan cache (``_plans``).
+
+A descriptor holds everything a kernel's launch depends on: the format (a ``FormatSpec`` from
+``formats``, or an ``FP4Quant``), the geometry, the rounding, the per-call scalars, the source of
+the tensor amax, the scale layout and the dtype; and ``out``, caller-given output buffers (the
+public API does not take them yet: None, the host function allocates).  Its ``key`` is its static
+part as the caller gave it, a named tuple (``QuantizeKey``, ...): the plan cache's key, None for
+a call that is not planned (``_plans``).  ``traced(tracer)`` is the descriptor with the tracer's
+placeholders for its arrays and probe values for its per-call scalars, which a plan is recorded
+from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from . import _plans
+from ._arrays import KIND_OF_DTYPE, Backend
+
+AMAX_NUMBER = "number"  # QuantizeKey.amax of a global_amax given as a number
+
+
+class Geometry(NamedTuple):
+    """Sizes every path derives from (shape, block size, scale layout)."""
+
+    shape: tuple
+    n: int  # elements
+    kb: int  # blocks per row
+    padded_kb: int  # blocks per row including the swizzled layout's column padding
+    scale_shape: tuple
+    pad: bool  # the swizzled layout has padding bytes (which must be zero)
+    swizzled: bool
+
+    @classmethod
+    def of(cls, shape, block_size, layout="linear"):
+        rows = math.prod(shape[:-1])
+        kb = shape[-1] // block_size
+        n = rows * shape[-1]
+        if layout == "swizzled":
+            pr, pk = -(-rows // 128) * 128, -(-kb // 4) * 4  # whole 128 x 4 tiles
+            return cls(shape, n, kb, pk, (pr * pk,), pr * pk != rows * kb, True)
+        return cls(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
+
+
+# ---------------------------------------------------------------------- plan keys
+
+
+class QuantizeKey(NamedTuple):
+    """What a planned quantize / quantize_dequantize depends on: the input (``_plans.tensor_key``),
+    the arguments as given, the source of the amax (None: computed, ``AMAX_NUMBER``, or the
+    tensor key of a ``global_amax`` array) and the launch policy."""
+
+    x: tuple
+    fmt: Any
+    rounding: str
+    scale_layout: str
+    amax: Any
+    fused: bool
+    policy: Any
+
+
+class DequantizeKey(NamedTuple):
+    """What a planned ``dequantize`` (or ``requantized_sum``: ``op``) of a QuantizedTensor
+    depends on.  ``shape`` is the repr of ``q.shape``: a shape of bools or floats equals one of
+    ints, and only the check refuses it."""
+
+    op: str
+    fmt: Any
+    shape: str
+    dtype: Any
+    scale_layout: str
+    data: tuple
+    scales: tuple
+    global_scale: tuple | None
+    out_dtype: Any
+    policy: Any
+
+
+class HadamardKey(NamedTuple):
+    """What a planned ``hadamard`` depends on (signs: None or a seed)."""
+
+    x: tuple
+    group_size: int
+    inverse: bool
+    signs: int | None
+    policy: Any
+
+
+# ---------------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True)
+class QuantizeCall:
+    """A checked quantize (``fused``: quantize_dequantize) of ``x``.
+
+    ``amax_value`` is ``global_amax`` given as a number (< 0: not given), ``amax_array`` given as
+    a one-element array where x lives; neither: the amax of x (NVFP4)."""
+
+    x: Any
+    backend: Backend
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    fmt: Any  # FormatSpec | FP4Quant
+    geometry: Geometry
+    stochastic: bool
+    seed: int
+    step: int
+    amax_value: float = -1.0
+    amax_array: Any = None
+    fused: bool = False
+    key: QuantizeKey | None = None
+    out: Any = None
+
+    @property
+    def kind(self):
+        """The element kind the kernels are specialized on (``_scalar.KIND_*``)."""
+        return KIND_OF_DTYPE[self.dtype]
+
+    @property
+    def anchor(self):
+        """The array whose device and stream the call runs on."""
+        return self.x
+
+    def traced(self, tracer):
+        """(the call as a plan records it, the probe scalars its launches must take)."""
+        number = self.amax_value >= 0
+        traced = dataclasses.replace(
+            self,
+            x=tracer.input(self.x),
+            amax_array=tracer.input(self.amax_array),
+            seed=_plans.PROBE_SEED,
+            step=_plans.PROBE_STEP,
+            amax_value=_plans.PROBE_AMAX if number else -1.0,
+        )
+        return traced, _plans.SEED_STEP_PROBES + ((_plans.AMAX_PROBE,) if number else ())
+
+
+@dataclass(frozen=True)
+class DequantizeCall:
+    """A checked ``dequantize`` of the QuantizedTensor fields ``data``, ``scales`` and
+    ``global_scale`` (None: MXFP4 without one, or FP4Quant) to ``dtype``."""
+
+    data: Any
+    scales: Any
+    global_scale: Any
+    backend: Backend
+    dtype: str
+    fmt: Any  # FormatSpec | FP4Quant
+    geometry: Geometry
+    key: DequantizeKey | None = None
+    out: Any = None
+
+    @property
+    def kind(self):
+        return KIND_OF_DTYPE[self.dtype]
+
+    @property
+    def anchor(self):
+        return self.data
+
+    def traced(self, tracer):
+        traced = dataclasses.replace(
+            self,
+            data=tracer.input(self.data),
+            scales=tracer.input(self.scales),
+            global_scale=tracer.input(self.global_scale),
+        )
+        return traced, ()
+
+
+@dataclass(frozen=True)
+class HadamardCall:
+    """A checked ``hadamard`` of ``x``; ``sign_words``: the uint32 sign words (None: none)."""
+
+    x: Any
+    backend: Backend
+    dtype: str
+    group_size: int
+    inverse: bool
+    sign_words: Any
+    key: HadamardKey | None = None
+    out: Any = None
+
+    @property
+    def kind(self):
+        return KIND_OF_DTYPE[self.dtype]
+
+    @property
+    def anchor(self):
+        return self.x
+
+    @property
+    def n(self):
+        return math.prod(self.x.shape)
+
+    def traced(self, tracer):
+        return dataclasses.replace(self, x=tracer.input(self.x)), ()
+
+
+@dataclass(frozen=True)
+class SumCall:
+    """A checked ``requantized_sum`` of ``rows`` MXFP4 rows of ``n`` elements (``data``,
+    ``scales``: the QuantizedTensor's fields)."""
+
+    data: Any
+    scales: Any
+    backend: Backend
+    rows: int
+    n: int
+    key: DequantizeKey | None = None
+    out: Any = None
+
+    @property
+    def anchor(self):
+        return self.data
+
+    def traced(self, tracer):
+        traced = dataclasses.replace(
+            self, data=tracer.input(self.data), scales=tracer.input(self.scales)
+        )
+        return traced, ()

@@ -1,0 +1,78 @@
+"""The package's shape, kept by tests: private names kept private, and the
+host path of a torch CUDA call from the public function to ``cuLaunchKernel`` (the number of
+source files and Python calls it passes through, ``_fake_cuda.call_path``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import fp4_kernels
+
+PACKAGE = Path(fp4_kernels.__file__).resolve().parent
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _private_imports(path):
+    """``from module import _name`` of a private name of another module (a private module
+    itself, ``from . import _arrays``, is a module of this package and fine)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and not _is_module(path, node, alias.name):
+                    yield f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno} {alias.name}"
+
+
+def _is_module(path, node, name):
+    base = path.parent
+    for _ in range(max(node.level - 1, 0)):
+        base = base.parent
+    if node.module:
+        base = base.joinpath(*node.module.split("."))
+    return (base / f"{name}.py").exists() or (base / name / "__init__.py").exists()
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = [hit for path in SOURCES for hit in _private_imports(path)]
+    assert not found, "private names imported from another module: " + ", ".join(found)
+
+
+def test_the_check_sees_a_private_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from .other import _hidden, shown\nfrom . import _module\n")
+    (tmp_path / "other.py").write_text("_hidden = shown = 1\n")
+    (tmp_path / "_module.py").write_text("")
+    tree = ast.parse(src.read_text())
+    found = [a.name for n in tree.body for a in n.names if not _is_module(src, n, a.name)]
+    assert found == [
+        "_hidden",
+        "shown",
+    ]
+
+
+# ---------------------------------------------------------------------- the host path
+
+torch = pytest.importorskip("torch")
+
+from _fake_cuda import call_path, fake_cuda  # noqa: E402
+
+from fp4_kernels import _plans  # noqa: E402
+
+WARM_FILES = ["_api.py", "_numba_abi.py", "_plans.py"]
+WARM_CALLS = 12  # quantize, _quantize, the key (its named tuple), the tensor key, the plan
+# lookup and run, one launch a kernel (amax, blocks) and the result
+
+
+def test_a_warm_quantize_passes_three_files_and_twelve_calls():
+    _plans.clear()
+    with fake_cuda():
+        x = torch.randn(256, 256).to(torch.bfloat16)
+        fp4_kernels.quantize(x)
+        calls, files = call_path(lambda: fp4_kernels.quantize(x))
+    _plans.clear()
+    assert files == WARM_FILES
+    assert calls <= WARM_CALLS
