@@ -81,7 +81,7 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
         most = H.transform_kernel(kind, 64, False, True)[1]
         assert most == (H.max_threads(choice[1]) if choice[0] else None)
     if kind == KIND_F32:
-        assert H.transform_kernel(kind, 64, False, True)[1] == H.MAX_THREADS
+        assert H.transform_kernel(kind, 64, False, True)[1] == H.LAUNCH.threads
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
 def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     """(CTAs, threads, resident threads an SM for the carveout) the transform asks for under
     the launch table's policy on a GPU of one SM, for 20 tiles of work: the prefetching kernels
-    ``PREFETCH_THREADS_PER_SM`` threads an SM by the grid (4 CTAs of 128; 8 of 64 at g = 2048,
+    ``hadamard_prefetch`` row's threads an SM by the grid (4 CTAs of 128; 8 of 64 at g = 2048,
     4 of 128 at 4096, 2 of 256 at 8192), from g = 2048 by the shared-memory carveout too
     (``prefetch_threads_per_sm``: 384 at 2048; the launcher's occupancy cap then follows the
     carveout); the others up to 2048 threads (8 CTAs of 256, 32 of 64)."""

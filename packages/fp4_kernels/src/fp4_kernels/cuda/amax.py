@@ -19,10 +19,10 @@ from numba import cuda
 from . import launch
 from ._primitives import WARP_SIZE, group_max, u32_as_f32
 from ._words import ELEMENT_BYTES, U32, U64, make_words_io
+from .launch_table import LAUNCHES
 
-UNROLL = 4  # 16-byte words in flight per thread per pass
-THREADS = 256
-CTAS_PER_SM = 8
+LAUNCH = LAUNCHES["amax"]
+UNROLL = LAUNCH.items_per_thread  # 16-byte words in flight per thread per pass
 
 
 @functools.cache
@@ -67,14 +67,14 @@ def amax_kernel(kind, aligned=True):
 
 def max_partials(device_id):
     """Size of the partials buffer ``amax_partials`` may fill."""
-    return launch.max_blocks(CTAS_PER_SM, device_id)
+    return launch.max_blocks(LAUNCH.partials_per_sm, device_id)
 
 
 def amax_partials(ctx, xw, aligned, kind, n, parts):
     """Queue the amax kernel over the ``n`` elements behind the words view ``xw``, writing
     ``parts[:blocks]``; returns how many partials it wrote."""
     n_vec = n * ELEMENT_BYTES[kind] // 16  # n is a multiple of 16 elements
-    threads = launch.threads_for(THREADS)
+    threads = launch.threads_for(LAUNCH.threads)
     blocks = launch.grid_for(-(-n_vec // UNROLL), threads)
     blocks = min(blocks, max_partials(ctx.device_id))
     return launch.launch(

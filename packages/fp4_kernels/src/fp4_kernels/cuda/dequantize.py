@@ -20,10 +20,11 @@ from .._scalar import KIND_F32
 from . import launch
 from ._primitives import OPS, device_jit
 from ._words import U32, U64, make_words_io
+from .launch_table import LAUNCHES
 from .quantize import e2m1_values4
 
-THREADS = 256  # the launch table's row (cuda/launch.py)
-UNROLL = 4  # items per thread per pass: their loads are all in flight before the first decode
+LAUNCH = LAUNCHES["dequantize"]
+UNROLL = LAUNCH.items_per_thread  # items a thread a pass: all loads in flight before a decode
 
 
 @functools.cache
@@ -32,6 +33,8 @@ def dequantize_kernel(out_kind, fmt, swizzled, aligned=True):
     for 16-bit outputs, uint16 for float32 ones; uint8 bytes when not aligned to that size),
     scales (uint8), global_scale (float32, 1 element), out
     (uint32 words), n_items (16-byte output items), kb, padded_kb."""
+    if UNROLL != 4:
+        raise ValueError(f"dequantize: the kernel loads 4 items a pass, the table says {UNROLL}")
     block = fmt.block_size
     per_item = 4 if out_kind == KIND_F32 else 8  # elements in 16 bytes of output
     store = make_words_io(out_kind, 4)[4]
@@ -108,7 +111,7 @@ def run(ctx, call):
     codes, aligned = ctx.codes_view(call.data, per_item // 2)
     if aligned and per_item == 4:
         codes = ctx.view(call.data, np.uint16)  # 4 codes an item
-    threads = launch.threads_for(THREADS)
+    threads = launch.threads_for(LAUNCH.threads)
     launch.launch(
         dequantize_kernel(kind, call.fmt, geo.swizzled, aligned),
         launch.grid_for(n_items, threads * UNROLL),

@@ -47,6 +47,7 @@ from .hadamard import (
     make_chunk_io,
     smem_words,
 )
+from .launch_table import LAUNCHES
 from .quantize import (
     HORNER_FIX,
     SR_BASE,
@@ -57,6 +58,7 @@ from .quantize import (
     make_pair_gather,
 )
 
+LAUNCH = LAUNCHES["fp4quant"]
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN
 
 
@@ -633,7 +635,7 @@ def _network_grid(group_size, kind, hadamard, n, device_id):
     (None: packed codes): the transform's network choice where there is a transform."""
     smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
     most = hn.max_threads(prefetch) if smem else None
-    return (smem, prefetch, *group_grid(group_size, n, device_id, most))
+    return (smem, prefetch, *group_grid(group_size, n, device_id, most, LAUNCH))
 
 
 def run_encode(ctx, call):

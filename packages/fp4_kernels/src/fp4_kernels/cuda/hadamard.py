@@ -64,11 +64,13 @@ from ._primitives import (
     warp_barrier,
 )
 from ._words import U32, U64, make_words_io, words_per
+from .launch_table import LAUNCHES
 
 REGISTERS = 32  # elements per thread: 4 chunks of 8
 CHUNK = 8
 WARP_TILE = 1024  # elements a warp holds
-THREADS = 256  # the launch table's row (cuda/launch.py); 32 * g / 1024 for g >= 2048
+LAUNCH = LAUNCHES["hadamard"]  # a CTA of 32 * g / 1024 threads from g = 2048
+PREFETCH_LAUNCH = LAUNCHES["hadamard_prefetch"]
 
 
 def group_warps(group_size):
@@ -417,8 +419,6 @@ EXCHANGED_F32 = {
     2: Layout((0, 1, 5, 10, 11), (2, 3, 4, 7, 8), (6, 9, 12)),
     3: EXCHANGED[3],
 }
-MAX_THREADS = 256
-PREFETCH_THREADS = 128
 SHARED_ALIGN_BYTES = 128  # of the network's buffers (the array's alignment on a GPU)
 
 
@@ -706,7 +706,7 @@ def make_offsets(layout):
 
 def max_threads(prefetch):
     """Most threads a CTA of the "smem" kernels (below g = 2048)."""
-    return PREFETCH_THREADS if prefetch else MAX_THREADS
+    return PREFETCH_LAUNCH.threads if prefetch else LAUNCH.threads
 
 
 @functools.cache
@@ -919,39 +919,20 @@ def transform_kernel(kind, group_size, inverse, signed, aligned=True):
 # ---------------------------------------------------------------------- host side
 
 
-# Resident threads an SM for the transform's prefetching kernels: 512.  The grid is capped
-# there (below g = 2048 4 CTAs of 128 instead of the 7 that fit).  On the H200 (2^28 bf16,
-# ``benchmarks/launch_sweep.py``) 4 ran at 1.04x the copy's time at g = 64 and 1024, 3 at
-# 1.07-1.09x, 5-7 at 1.13-1.14x: each warp keeps a tile's loads in flight, and past 16 warps an
-# SM the extra requests slow DRAM down more than they hide.  From g = 2048 a CTA is one group
-# and holds 2g words of shared memory (g at 8192): there the kernel's shared-memory carveout is
-# also sized for 512 threads' CTAs (``launch.launch``'s ``threads_per_sm``; the driver rounds it
-# up to a size the SM supports: 9 CTAs of 64 threads at g = 2048, 4 of 128 at 4096, 3 of 256 at
-# 8192 on the H200, where the grid's cap keeps 2: 1.09-1.11x the copy's time against 1.12-1.14x
-# with 3) and the rest of the SM's 256 KB stays L1.  Left to the driver, which
-# maximizes resident CTAs, the carveout took 228 KB at g = 2048 and 4096 (L1: 28 KB) and the
-# transform ran at 1.17-1.21x the copy's time; with 164 KB (L1: 92 KB) 1.10-1.13x.  At g = 2048
-# a carveout sized for 384 threads (6 CTAs of 64; the driver's 132 KB hold 7, L1: 124 KB) ran
-# 0.01-0.02x of the copy's time faster again, in four same-run comparisons (with and without
-# signs); at 4096 and 8192 384 was no faster (8192: 1 CTA of 256, 1.45x).  The FP4Quant
-# kernels, with more work a tile, run fastest with all that fit and the driver's carveout.
-PREFETCH_THREADS_PER_SM = 512
-PREFETCH_CARVEOUT_THREADS_PER_SM = {2048: 384}  # g -> threads, where not 512
-THREADS_PER_SM = 2048  # every other kernel of this module and cuda.fp4quant: all that fit
-
-
 def prefetch_threads_per_sm(group_size):
     """The resident threads an SM the prefetching transform's carveout is sized for at
     ``group_size`` >= 2048 (a CTA is one group)."""
-    return PREFETCH_CARVEOUT_THREADS_PER_SM.get(group_size, PREFETCH_THREADS_PER_SM)
+    carveouts = dict(PREFETCH_LAUNCH.carveout_threads_per_sm)
+    return carveouts.get(group_size, PREFETCH_LAUNCH.threads_per_sm)
 
 
-def group_grid(group_size, n, device_id, max_threads=None, threads_per_sm=THREADS_PER_SM):
+def group_grid(group_size, n, device_id, max_threads=None, row=LAUNCH):
     """(CTAs, threads) for the kernels of this module and ``cuda.fp4quant``: a CTA is one group
-    for g >= 2048 (its warps exchange through shared memory), 256 threads otherwise (at most
-    ``max_threads``); a persistent grid of up to ``threads_per_sm`` resident threads per SM
-    (the launcher caps it again at what fits)."""
-    threads = threads_per_block(group_size, launch.threads_for(THREADS))
+    for g >= 2048 (its warps exchange through shared memory), the launch table's ``row``'s
+    threads otherwise (at most ``max_threads``); a persistent grid of up to the row's resident
+    threads an SM (the launcher caps it again at what fits)."""
+    threads_per_sm = row.threads_per_sm
+    threads = threads_per_block(group_size, launch.threads_for(row.threads))
     if max_threads is not None and group_size <= WARP_TILE:
         threads = min(threads, max_threads)
     blocks = launch.grid_for(n, threads * REGISTERS)
@@ -981,8 +962,8 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
     # prefetching: 512 threads an SM by the grid, and from g = 2048 by the carveout too (384
     # at 2048)
     whole_groups = group_size > WARP_TILE  # a CTA is one group
-    per_sm = PREFETCH_THREADS_PER_SM if prefetch else THREADS_PER_SM
-    blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, per_sm)
+    row = PREFETCH_LAUNCH if prefetch else LAUNCH
+    blocks, threads = group_grid(group_size, n, ctx.device_id, max_threads, row)
     launch.launch(
         kernel,
         blocks,

@@ -4,29 +4,9 @@ No host synchronization anywhere on this path.  On a real GPU a kernel is compil
 signature and launched straight through ``cuda.core.launch`` with numba's argument layout
 (``fp4_kernels._numba_abi``); in the simulator numba's own dispatcher runs it.
 
-Every op module states its launch in one line of the table below; the grid is
-``ceil(work items / (threads * items per thread))`` CTAs, capped at one resident wave (the
-kernels are grid-stride loops, so a persistent grid does the same work without a partly filled
-last wave), and for the transform's prefetching kernels at 512 threads an SM (4 CTAs of 128
-below g = 2048; fewer warps with loads in flight run faster there:
-``hadamard.PREFETCH_THREADS_PER_SM``); from g = 2048, where a CTA is one group, their
-shared-memory carveout is also sized for 512 threads an SM (384 at g = 2048:
-``hadamard.prefetch_threads_per_sm``; ``launch``'s ``threads_per_sm``), which leaves the rest
-of the SM to L1.
-
-    op (module)                          threads / CTA         work item, per thread
-    quantize, dequantize (quantize.py,   256                   1 scale block (16 / 32 elem.)
-      dequantize.py), requantized_sum
-    amax (amax.py)                       256                   4 16-byte loads
-    hadamard, fp4quant (hadamard.py,     256 (128 for the      32 elements (a CTA is one
-      fp4quant.py)                       prefetching kernels,  group for g >= 2048)
-                                         g 32..1024);
-                                         32 * g / 1024 for
-                                         g >= 2048
-
-``launch_policy(threads=..., max_blocks=..., threads_per_sm=...)`` overrides the table for the
-calls inside it (the simulator tests use small CTAs and grids so that grid-stride loops iterate
-and warps cross; ``benchmarks/launch_sweep.py`` sweeps the grid and the carveout).
+Each op's host function reads its launch from the launch table (``launch_table.LAUNCHES``: the
+threads a CTA, what a thread takes a pass, the caps) and the launch policy in force
+(``launch_policy``), which overrides the table for the calls inside it.
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ from ._primitives import (
     u32_as_f32,
 )
 from ._words import U32, U64, make_words_io, store_v4, words_per
+from .launch_table import LAUNCHES
 
-THREADS = 256  # the launch table's row (cuda/launch.py)
+LAUNCH = LAUNCHES["quantize"]
 
 # Horner packing adds the float bits 2^23 + code of 8 elements as p = 16 p + bits; modulo 2^32
 # the 2^23 parts add up to 0x4B000000 * 0x11111111 = 0xFB000000, which this removes.
@@ -372,7 +373,7 @@ def run(ctx, call):
             f"lanes_per_block: {lanes} threads cannot share a {fmt.block_size}-element block"
         )
     kern = quantize_kernel(kind, fmt, call.stochastic, geo.swizzled, call.fused, aligned, lanes)
-    threads = launch.threads_for(THREADS)
+    threads = launch.threads_for(LAUNCH.threads)
     codes = ctx.view(data, np.uint32)
     n_items = n_blocks * lanes
     seed = call.seed

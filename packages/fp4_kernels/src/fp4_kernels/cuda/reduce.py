@@ -30,9 +30,11 @@ from ..formats.mxfp4 import SPEC as MXFP4
 from . import launch
 from ._primitives import OPS, device_jit, f32_as_u32, load_v4, mul_rn_f32, store_v4
 from ._words import U32, U64, make_words_io
-from .quantize import THREADS, e2m1_values4, make_block_codec
+from .launch_table import LAUNCHES
+from .quantize import e2m1_values4, make_block_codec
 
 BLOCK = MXFP4.block_size  # 32 elements: 16 bytes of codes, 4 packed words
+LAUNCH = LAUNCHES["requantized_sum"]
 
 
 @functools.cache
@@ -121,7 +123,7 @@ def requantized_sum_mxfp4(ctx, data, scales, rows, codes_out, scales_out, gs, n)
     """Queue the one-pass sum of the ``rows`` MXFP4 rows of ``n`` elements, requantized."""
     n_blocks = n // BLOCK
     codes_in, aligned = ctx.codes_view(data, 16)
-    threads = launch.threads_for(THREADS)
+    threads = launch.threads_for(LAUNCH.threads)
     launch.launch(
         requantized_sum_mxfp4_kernel(aligned),
         launch.grid_for(n_blocks, threads),

@@ -1,0 +1,101 @@
+"""cuda/launch_table.py: every op launches as its row of the launch table says (threads a CTA,
+work a thread a pass, the caps on the grid), read here from the same table.
+
+Without a GPU: torch tensors pretend to live on cuda:0 (``_fake_cuda``, 132 SMs, occupancy
+2048 threads an SM) and the launches are recorded.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from _fake_cuda import SM_COUNT, fake_cuda  # noqa: E402
+
+import fp4_kernels as fk  # noqa: E402
+from fp4_kernels import _plans  # noqa: E402
+from fp4_kernels.cuda import amax, dequantize, fp4quant, hadamard, quantize, reduce  # noqa: E402
+from fp4_kernels.cuda.launch_table import LAUNCH_TABLE, LAUNCHES  # noqa: E402
+
+ROWS, K = 64, 4096
+N = ROWS * K
+
+
+@pytest.fixture
+def launches():
+    _plans.clear()
+    with fake_cuda() as recorder:
+        yield lambda: [(blocks, threads) for _, blocks, threads, *_ in recorder.launches]
+    _plans.clear()
+
+
+def _x(dtype=torch.bfloat16, shape=(ROWS, K)):
+    return torch.randn(shape).to(dtype)
+
+
+def _grid(work_items, per_cta, row=None, threads=None):
+    blocks = -(-work_items // per_cta)
+    if row is not None and row.threads_per_sm is not None:
+        blocks = min(blocks, SM_COUNT * (row.threads_per_sm // threads))
+    return min(blocks, SM_COUNT * (2048 // (threads or per_cta)))
+
+
+def test_every_row_names_its_module():
+    assert len(LAUNCHES) == len(LAUNCH_TABLE)
+    modules = {"quantize": quantize, "amax": amax, "reduce": reduce, "dequantize": dequantize,
+               "hadamard": hadamard, "fp4quant": fp4quant}  # fmt: skip
+    for row in LAUNCH_TABLE:
+        assert row.module in modules and row.threads % 32 == 0 and row.items_per_thread >= 1
+
+
+def test_nvfp4_quantize_launches_the_amax_row_then_the_quantize_row(launches):
+    fk.quantize(_x())
+    a, q = LAUNCHES["amax"], LAUNCHES["quantize"]
+    n_vec = N * 2 // 16  # 16-byte words of bf16
+    amax_blocks = min(_grid(n_vec, a.threads * a.items_per_thread), SM_COUNT * a.partials_per_sm)
+    assert launches() == [(amax_blocks, a.threads), (_grid(N // 16, q.threads), q.threads)]
+
+
+def test_fused_mxfp4_shares_a_block_among_block_over_8_lanes(launches):
+    fk.quantize_dequantize(_x(), fmt="mxfp4")
+    q = LAUNCHES["quantize"]
+    assert launches() == [(_grid(N // 32 * (32 // 8), q.threads), q.threads)]
+
+
+def test_dequantize_takes_items_per_thread_items_a_pass(launches):
+    with _plans.disabled():
+        qt = fk.quantize(_x())
+    launches()
+    fk.dequantize(qt)
+    d = LAUNCHES["dequantize"]
+    items = N // 8  # 16 bytes of bf16 output an item
+    assert launches()[-1] == (_grid(items, d.threads * d.items_per_thread), d.threads)
+
+
+def test_requantized_sum_launches_its_row(launches):
+    with _plans.disabled():
+        qt = fk.quantize(_x(torch.float32, (4, 1024)), fmt="mxfp4")
+    fk.requantized_sum(qt)
+    r = LAUNCHES["requantized_sum"]
+    assert launches()[-1] == (_grid(1024 // 32, r.threads), r.threads)
+
+
+@pytest.mark.parametrize("g", [64, 1024, 4096])
+def test_the_prefetching_transform_launches_its_row(launches, monkeypatch, g):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
+    fk.hadamard(_x(), group_size=g)
+    row = LAUNCHES["hadamard_prefetch"]
+    threads = row.threads if g <= 1024 else 32 * g // 1024
+    assert launches() == [(_grid(N, threads * 32, row, threads), threads)]
+
+
+def test_the_shuffle_transform_and_fp4quant_launch_their_rows(launches, monkeypatch):
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "shfl")
+    fk.hadamard(_x(), group_size=64)
+    fk.quantize(_x(), fmt=fk.FP4Quant(64))
+    h, f = LAUNCHES["hadamard"], LAUNCHES["fp4quant"]
+    assert launches() == [
+        (_grid(N, h.threads * 32, h, h.threads), h.threads),
+        (_grid(N, f.threads * 32, f, f.threads), f.threads),
+    ]
