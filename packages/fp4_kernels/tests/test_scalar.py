@@ -308,3 +308,14 @@ def test_philox_known_answers(ctr, key, expect):
     assert tuple(int(g) for g in got) == expect
     ref = philox.philox4x32_10(np.array(ctr, np.uint32), np.array(key, np.uint32))
     assert tuple(int(g) for g in ref) == expect
+
+
+def test_every_module_is_compiled_for_the_cpu():
+    """``compile_ops`` compiles each module's functions; the CPU target has no one-instruction
+    primitives, so every function is the module's own code, compiled."""
+    from fp4_kernels._scalar import MODULES
+
+    names = [name for module in MODULES for name in module.FUNCTIONS]
+    assert len(names) == len(set(names))  # one function a name across the modules
+    assert set(names) | {"f32_as_u32", "u32_as_f32"} == set(vars(OPS))
+    assert all(hasattr(getattr(OPS, name), "py_func") for name in names)

@@ -332,7 +332,7 @@ def install_cache_locator():
     """Let numba cache fp4_kernels' CPU functions on disk, keyed to the whole package's source.
 
     numba keys a cached function to its own source file only; here one function inlines the
-    scalar codec of another module, so an edited ``_scalar.py`` could leave a stale kernel in
+    scalar codec of other modules, so an edited ``_scalar/e2m1.py`` could leave a stale kernel in
     the cache.  The locator registered here (first in numba's list, for files of this package
     only) stamps every entry with a hash of all the package's ``.py`` files and the numba
     version, and keeps the entries in the user's cache directory; a directory it cannot write

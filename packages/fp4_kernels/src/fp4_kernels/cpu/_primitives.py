@@ -13,7 +13,7 @@ import numba
 from numba.extending import intrinsic
 
 from .._numba_abi import enable_checked_cache, install_cache_locator, make_bitcast_intrinsics
-from .._scalar import build_scalar_ops
+from .._scalar import compile_ops
 
 f32_as_u32, u32_as_f32 = make_bitcast_intrinsics(intrinsic)
 install_cache_locator()
@@ -31,4 +31,4 @@ def cpu_jit(fn=None, **kwargs):
     return jit if fn is None else jit(fn)
 
 
-OPS = build_scalar_ops(cpu_jit, f32_as_u32, u32_as_f32)
+OPS = compile_ops(cpu_jit, {"f32_as_u32": f32_as_u32, "u32_as_f32": u32_as_f32})

@@ -13,14 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays as arrays
-from .._scalar import (
-    F32_INF,
-    F32_ONE,
-    F32_ZERO,
-    INV_E2M1_MAX,
-    KIND_BF16,
-    KIND_F32,
-)
+from .._scalar import INV_E2M1_MAX, KIND_BF16, KIND_F32
+from .._scalar.arith import F32_INF, F32_ONE, F32_ZERO
 from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
 
 _to_bf16 = OPS.f32_to_bf16

@@ -10,7 +10,7 @@ import numpy as np
 from numba import config, cuda
 
 from .._numba_abi import make_bitcast_intrinsics, py_f32_as_u32, py_u32_as_f32
-from .._scalar import build_scalar_ops
+from .._scalar import compile_ops
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP_SIZE = 32
@@ -557,15 +557,18 @@ def device_jit(fn=None):
 
 warp_barrier = device_jit(_warp_barrier)
 
-OPS = build_scalar_ops(
+# the target's one-instruction versions of scalar functions (none in the simulator)
+_HARDWARE = {
+    "e4m3_encode_positive": e4m3_satfinite,
+    "sat_mul": sat_mul,
+    "sat_fma": sat_fma,
+    "add_rm": add_rm,
+    "mul_wide_u32": mul_wide_u32,
+}
+OPS = compile_ops(
     device_jit,
-    f32_as_u32,
-    u32_as_f32,
-    e4m3_satfinite=e4m3_satfinite,
-    sat_mul=sat_mul,
-    sat_fma=sat_fma,
-    add_rm=add_rm,
-    mul_wide_u32=mul_wide_u32,
+    {"f32_as_u32": f32_as_u32, "u32_as_f32": u32_as_f32}
+    | {name: fn for name, fn in _HARDWARE.items() if fn is not None},
 )
 
 
