@@ -13,7 +13,7 @@ from numba import config, cuda
 from fp4_kernels._scalar import E2M1_CODE_BIAS, KIND_BF16, KIND_F16, KIND_F32
 from fp4_kernels.cuda._primitives import OPS, f32_as_u32, prmt, u32_as_f32
 from fp4_kernels.cuda._words import U32, make_words_io
-from fp4_kernels.cuda.quantize import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
+from fp4_kernels.cuda.e2m1 import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
 from fp4_kernels.formats import e2m1, e4m3
 
 _e4m3 = OPS.e4m3_encode_positive

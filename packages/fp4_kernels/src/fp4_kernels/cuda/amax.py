@@ -1,4 +1,5 @@
-"""Tensor amax (max |x| over finite elements) as per-CTA partial maxima: kernel and host side.
+"""Tensor amax (max |x| over finite elements) as per-CTA partial maxima: kernel and host side,
+and the consumer's reduction of the partials (``tensor_amax_from_partials``).
 
 Launch contract: 1-D grid of at most ``max_partials`` CTAs, any multiple of 32 threads; CTA b
 writes ``parts[b]``.  A thread reads ``UNROLL`` 16-byte words a pass (independent loads in
@@ -17,7 +18,7 @@ import numpy as np
 from numba import cuda
 
 from . import launch
-from ._primitives import WARP_SIZE, group_max, u32_as_f32
+from ._primitives import WARP_SIZE, device_jit, group_max, u32_as_f32
 from ._words import ELEMENT_BYTES, U32, U64, make_words_io
 from .launch_table import LAUNCHES
 
@@ -80,3 +81,25 @@ def amax_partials(ctx, xw, aligned, kind, n, parts):
     return launch.launch(
         amax_kernel(kind, aligned), blocks, threads, ctx, (xw, np.int64(n_vec), parts)
     )
+
+
+@device_jit
+def tensor_amax_from_partials(parts, n_parts):
+    """Max over ``parts`` by the whole CTA (strided read, warp butterfly, shared memory)."""
+    tid = cuda.threadIdx.x
+    m = np.float32(0.0)
+    for i in range(tid, n_parts, cuda.blockDim.x):
+        v = parts[i]
+        if v > m:
+            m = v
+    m = group_max(m, WARP_SIZE)
+    warp_max = cuda.shared.array(32, dtype=np.float32)
+    if tid % WARP_SIZE == 0:
+        warp_max[tid // WARP_SIZE] = m
+    cuda.syncthreads()  # every warp's partial is visible before anyone reads them
+    m = warp_max[0]
+    for w in range(1, cuda.blockDim.x // WARP_SIZE):
+        v = warp_max[w]
+        if v > m:
+            m = v
+    return m

@@ -5,7 +5,7 @@ Launch contract: one thread per 16 bytes of output (8 elements of bf16 / fp16, 4
 consecutive items, so every load of codes and every 16-byte store of a warp is contiguous, and
 a thread issues the loads of all its items before decoding any.  The lanes of one block read the
 same scale byte.  The codes are decoded by byte-permute table lookups
-(``quantize.e2m1_values4``).  Decode order: NVFP4 (e2m1_value * float(s)) * global_scale;
+(``e2m1.e2m1_values4``).  Decode order: NVFP4 (e2m1_value * float(s)) * global_scale;
 MXFP4 e2m1_value * 2^(s - 127); a NaN scale code decodes its whole block to NaN.
 """
 
@@ -20,8 +20,8 @@ from .._scalar import KIND_F32
 from . import launch
 from ._primitives import OPS, device_jit
 from ._words import U32, U64, make_words_io
+from .e2m1 import e2m1_values4
 from .launch_table import LAUNCHES
-from .quantize import e2m1_values4
 
 LAUNCH = LAUNCHES["dequantize"]
 UNROLL = LAUNCH.items_per_thread  # items a thread a pass: all loads in flight before a decode

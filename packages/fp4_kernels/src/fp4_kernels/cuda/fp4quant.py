@@ -36,6 +36,15 @@ from ._primitives import (
     u32_as_f32,
 )
 from ._words import U32, U64, make_words_io, words_per
+from .e2m1 import (
+    HORNER_FIX,
+    SR_BASE,
+    SR_BYTE2,
+    SR_SELECT_LOW,
+    SR_SELECT_STEP,
+    e2m1_values4,
+    make_pair_gather,
+)
 from .hadamard import (
     CHUNK,
     REGISTERS,
@@ -48,15 +57,6 @@ from .hadamard import (
     smem_words,
 )
 from .launch_table import LAUNCHES
-from .quantize import (
-    HORNER_FIX,
-    SR_BASE,
-    SR_BYTE2,
-    SR_SELECT_LOW,
-    SR_SELECT_STEP,
-    e2m1_values4,
-    make_pair_gather,
-)
 
 LAUNCH = LAUNCHES["fp4quant"]
 _NONFINITE = 0x7F800000  # |t| bits at or above this: Inf or NaN

@@ -14,7 +14,7 @@ It reads R (n/2 + n/32) bytes and writes n/2 + n/32, where the composition write
 back 4 R n + 8 n bytes of float32.
 
 Launch contract as the quantize kernel's: one thread per MXFP4 block, a 1-D grid-stride loop;
-the encode is the quantize kernel's block codec (``quantize.make_block_codec``) on the float32
+the encode is the quantize kernel's block codec (``e2m1.make_block_codec``) on the float32
 sums.
 """
 
@@ -30,8 +30,8 @@ from ..formats.mxfp4 import SPEC as MXFP4
 from . import launch
 from ._primitives import OPS, device_jit, f32_as_u32, load_v4, mul_rn_f32, store_v4
 from ._words import U32, U64, make_words_io
+from .e2m1 import e2m1_values4, make_block_codec
 from .launch_table import LAUNCHES
-from .quantize import e2m1_values4, make_block_codec
 
 BLOCK = MXFP4.block_size  # 32 elements: 16 bytes of codes, 4 packed words
 LAUNCH = LAUNCHES["requantized_sum"]
