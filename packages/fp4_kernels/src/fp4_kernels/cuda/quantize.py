@@ -5,9 +5,9 @@ Launch contract: one thread per scale block (16 elements NVFP4, 32 MXFP4), a 1-D
 loop over the blocks; any CTA size.  A thread loads its block with 16-byte loads, finds the
 block amax on the raw words (no shuffles), computes the scale once, encodes its elements on the
 float pipe (``e2m1.make_block_codec``: ``_scalar.e2m1_code_f``, or ``e2m1_sr_sum`` with one
-Philox call per 8 elements for stochastic rounding) and stores 8 (NVFP4) or 16 (MXFP4) bytes of codes and one
-scale byte.  The NVFP4 tensor amax is a value given by the caller or the max over the per-CTA
-partials that ``cuda.amax`` wrote earlier on the same stream.
+Philox call per 8 elements for stochastic rounding) and stores 8 (NVFP4) or 16 (MXFP4) bytes
+of codes and one scale byte.  The NVFP4 tensor amax is a value given by the caller or the max
+over the per-CTA partials that ``cuda.amax`` wrote earlier on the same stream.
 
 Operation order (float32, as NVIDIA Transformer Engine computes NVFP4; ``_scalar`` has the
 block arithmetic, shared with the CPU path):
