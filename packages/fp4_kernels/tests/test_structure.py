@@ -1,4 +1,4 @@
-"""The package's shape, kept by tests: private names kept private, and the
+"""The package's shape, kept by tests: short functions, private names kept private, and the
 host path of a torch CUDA call from the public function to ``cuLaunchKernel`` (the number of
 source files and Python calls it passes through, ``_fake_cuda.call_path``)."""
 
@@ -13,6 +13,27 @@ import fp4_kernels
 
 PACKAGE = Path(fp4_kernels.__file__).resolve().parent
 SOURCES = sorted(PACKAGE.rglob("*.py"))
+MAX_FUNCTION_LINES = 80
+
+
+def _functions(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Every function of the package, nested ones and kernel builders included (a builder's
+    device functions count in its length)."""
+    long = [
+        f"{path.relative_to(PACKAGE).as_posix()}:{fn.lineno} {fn.name} "
+        f"({fn.end_lineno - fn.lineno + 1} lines)"
+        for path in SOURCES
+        for fn in _functions(path)
+        if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, "functions over 80 lines: " + ", ".join(long)
 
 
 def _private_imports(path):
@@ -41,8 +62,11 @@ def test_no_private_name_is_imported_across_modules():
     assert not found, "private names imported from another module: " + ", ".join(found)
 
 
-def test_the_check_sees_a_private_import(tmp_path):
+def test_the_checks_see_a_long_function_and_a_private_import(tmp_path):
     src = tmp_path / "m.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    src.write_text(f"def f():\n{body}\n")
+    assert [fn.end_lineno - fn.lineno + 1 for fn in _functions(src)] == [MAX_FUNCTION_LINES + 1]
     src.write_text("from .other import _hidden, shown\nfrom . import _module\n")
     (tmp_path / "other.py").write_text("_hidden = shown = 1\n")
     (tmp_path / "_module.py").write_text("")

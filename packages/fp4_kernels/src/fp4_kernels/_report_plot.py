@@ -22,74 +22,8 @@ def figure(result):
     markers = {f: "osD^vPX*"[i % 8] for i, f in enumerate(fmts)}
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.15]})
 
-    # left: one dot per matrix, formats as rows; x is the error itself
-    # (a log scale: an error that is 0 or not finite is not drawn; an axis with none says so)
-    rng = np.random.default_rng(0)  # vertical jitter only, so dots of equal error stay apart
-    drawn = 0
-    for i, fmt in enumerate(fmts):
-        errs = np.array(
-            [_plottable(m["formats"][fmt]["rel_error"]) for m in result["matrices"]], float
-        )
-        errs = errs[np.isfinite(errs) & (errs > 0)]
-        y = len(fmts) - 1 - i
-        if errs.size:
-            drawn += errs.size
-            ax0.scatter(
-                errs, y + rng.uniform(-0.18, 0.18, errs.size), s=10, color=colors[fmt], alpha=0.6
-            )
-            s = _plottable(result["summary"][fmt]["rel_error"])
-            if math.isfinite(s) and s > 0:
-                ax0.plot([s, s], [y - 0.32, y + 0.32], color="black", lw=1.5)
-    ax0.set_yticks(range(len(fmts)), list(reversed(fmts)))
-    ax0.set_ylim(-0.6, len(fmts) - 0.4)
-    if drawn:
-        ax0.set_xscale("log")
-        _plain_log_ticks(ax0.xaxis)
-    else:
-        _say_nothing_to_draw(ax0)
-    ax0.set_xlabel("mean|w - q(w)| / mean|w| of a matrix (log scale)")
-    ax0.set_title(
-        f"relative error of each of the {_matrices(result['matrices_count'])}\n"
-        "(dots; bar: all matrices together)",
-        fontsize=10,
-    )
-    ax0.grid(axis="x", which="both", alpha=0.3)
-
-    # right: one point per format; labels in a column beside the points, joined by a line,
-    # so that formats with the same bits per weight (mxfp4, fp4quant-g64) stay readable
-    pts = []
-    for fmt in fmts:
-        s = result["summary"][fmt]
-        err = _plottable(s["rel_error"])
-        if math.isfinite(err) and err > 0:
-            pts.append((fmt, s["bits_per_weight"], err, s))
-            ax1.scatter(
-                s["bits_per_weight"],
-                err,
-                s=70,
-                marker=markers[fmt],
-                facecolors="none",
-                edgecolors=colors[fmt],
-                linewidths=1.6,
-                zorder=3,
-            )
-    if pts:
-        ax1.set_yscale("log")
-        _plain_log_ticks(ax1.yaxis)
-    else:
-        _say_nothing_to_draw(ax1)
-    ax1.set_xlabel("bits per weight, scales included")
-    ax1.set_ylabel("relative error, all matrices (log scale)")
-    ax1.set_title("cost against error", fontsize=10)
-    ax1.grid(which="both", alpha=0.3)
-    if pts:
-        xs = [p[1] for p in pts]
-        lo, hi = min(xs), max(xs)
-        span = max(hi - lo, 0.25)
-        ax1.set_xlim(lo - 0.15 * span, hi + 1.6 * span)  # room on the right for the labels
-        errs = [p[2] for p in pts]
-        ax1.set_ylim(min(errs) / 1.6, max(errs) * 1.6)
-        _label_column(ax1, pts, colors, hi + 0.35 * span, result["decode_model"])
+    _errors_by_matrix(ax0, result, fmts, colors)
+    _cost_against_error(ax1, result, fmts, colors, markers)
     name = result["model"]
     fig.suptitle(
         f"FP4 formats on {name}: {result['linear_elements']:,} linear weights", fontsize=11
@@ -190,3 +124,76 @@ def plot(result, png_path):
     fig = figure(result)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
+
+
+def _errors_by_matrix(ax0, result, fmts, colors):
+    # left: one dot per matrix, formats as rows; x is the error itself
+    # (a log scale: an error that is 0 or not finite is not drawn; an axis with none says so)
+    rng = np.random.default_rng(0)  # vertical jitter only, so dots of equal error stay apart
+    drawn = 0
+    for i, fmt in enumerate(fmts):
+        errs = np.array(
+            [_plottable(m["formats"][fmt]["rel_error"]) for m in result["matrices"]], float
+        )
+        errs = errs[np.isfinite(errs) & (errs > 0)]
+        y = len(fmts) - 1 - i
+        if errs.size:
+            drawn += errs.size
+            ax0.scatter(
+                errs, y + rng.uniform(-0.18, 0.18, errs.size), s=10, color=colors[fmt], alpha=0.6
+            )
+            s = _plottable(result["summary"][fmt]["rel_error"])
+            if math.isfinite(s) and s > 0:
+                ax0.plot([s, s], [y - 0.32, y + 0.32], color="black", lw=1.5)
+    ax0.set_yticks(range(len(fmts)), list(reversed(fmts)))
+    ax0.set_ylim(-0.6, len(fmts) - 0.4)
+    if drawn:
+        ax0.set_xscale("log")
+        _plain_log_ticks(ax0.xaxis)
+    else:
+        _say_nothing_to_draw(ax0)
+    ax0.set_xlabel("mean|w - q(w)| / mean|w| of a matrix (log scale)")
+    ax0.set_title(
+        f"relative error of each of the {_matrices(result['matrices_count'])}\n"
+        "(dots; bar: all matrices together)",
+        fontsize=10,
+    )
+    ax0.grid(axis="x", which="both", alpha=0.3)
+
+
+def _cost_against_error(ax1, result, fmts, colors, markers):
+    # right: one point per format; labels in a column beside the points, joined by a line,
+    # so that formats with the same bits per weight (mxfp4, fp4quant-g64) stay readable
+    pts = []
+    for fmt in fmts:
+        s = result["summary"][fmt]
+        err = _plottable(s["rel_error"])
+        if math.isfinite(err) and err > 0:
+            pts.append((fmt, s["bits_per_weight"], err, s))
+            ax1.scatter(
+                s["bits_per_weight"],
+                err,
+                s=70,
+                marker=markers[fmt],
+                facecolors="none",
+                edgecolors=colors[fmt],
+                linewidths=1.6,
+                zorder=3,
+            )
+    if pts:
+        ax1.set_yscale("log")
+        _plain_log_ticks(ax1.yaxis)
+    else:
+        _say_nothing_to_draw(ax1)
+    ax1.set_xlabel("bits per weight, scales included")
+    ax1.set_ylabel("relative error, all matrices (log scale)")
+    ax1.set_title("cost against error", fontsize=10)
+    ax1.grid(which="both", alpha=0.3)
+    if pts:
+        xs = [p[1] for p in pts]
+        lo, hi = min(xs), max(xs)
+        span = max(hi - lo, 0.25)
+        ax1.set_xlim(lo - 0.15 * span, hi + 1.6 * span)  # room on the right for the labels
+        errs = [p[2] for p in pts]
+        ax1.set_ylim(min(errs) / 1.6, max(errs) * 1.6)
+        _label_column(ax1, pts, colors, hi + 0.35 * span, result["decode_model"])

@@ -160,6 +160,37 @@ def _synthetic(elements, dtype, seed):
     return x.astype(numpy_dtype(dtype)).view(BITS_DTYPE[dtype]).reshape(shape), shape
 
 
+def _format_rows(name, inputs, in_bytes, copy_ms, warmup, reps, simulator):
+    """``measure_throughput``'s rows of one format: quantize, then dequantize."""
+    from ._api import dequantize, quantize
+
+    fmt = _fmt(name)
+    quantized = [quantize(x, fmt=fmt) for x in inputs]  # also compiles the kernels
+    nbytes = in_bytes + int(quantized[0].nbytes)
+    timed = (
+        ("quantize", lambda x: quantize(x, fmt=fmt), [(x,) for x in inputs]),
+        ("dequantize", dequantize, [(q,) for q in quantized]),
+    )
+    rows = []
+    for direction, fn, args_list in timed:
+        stats = {}
+        ms, lo, hi = cuda_time_ms(fn, args_list, warmup, reps, simulator, stats)
+        rows.append(
+            {
+                "format": name,
+                "direction": direction,
+                "ms": ms,
+                "min_ms": lo,
+                "max_ms": hi,
+                "bytes": nbytes,
+                "gbps": nbytes / ms / 1e6,
+                "x_copy": ms / copy_ms,
+                **stats,
+            }
+        )
+    return rows
+
+
 def measure_throughput(
     elements=DEFAULT_ELEMENTS,
     formats=THROUGHPUT_FORMATS,
@@ -180,7 +211,6 @@ def measure_throughput(
     ThroughputUnavailable where there is no GPU (or only the simulator, unless
     ``allow_simulator``), ValueError for a bad element count, format or dtype.
     """
-    from ._api import dequantize, quantize
     from ._arrays import DTYPES, numpy_dtype
 
     n = check_elements(elements)
@@ -213,33 +243,11 @@ def measure_throughput(
         [(r,) for r in raw], warmup, reps, simulator, copy_stats,
     )  # fmt: skip
     copy_bytes = 2 * in_bytes
-    rows = []
-    for name in formats:
-        fmt = _fmt(name)
-        quantized = [quantize(x, fmt=fmt) for x in inputs]  # also compiles the kernels
-        q_bytes = int(quantized[0].nbytes)
-        timed = (
-            ("quantize", lambda x, fmt=fmt: quantize(x, fmt=fmt), [(x,) for x in inputs]),
-            ("dequantize", dequantize, [(q,) for q in quantized]),
-        )
-        for direction, fn, args_list in timed:
-            stats = {}
-            ms, lo, hi = cuda_time_ms(fn, args_list, warmup, reps, simulator, stats)
-            nbytes = in_bytes + q_bytes
-            rows.append(
-                {
-                    "format": name,
-                    "direction": direction,
-                    "ms": ms,
-                    "min_ms": lo,
-                    "max_ms": hi,
-                    "bytes": nbytes,
-                    "gbps": nbytes / ms / 1e6,
-                    "x_copy": ms / copy_ms,
-                    **stats,
-                }
-            )
-        del quantized
+    rows = [
+        row
+        for name in formats
+        for row in _format_rows(name, inputs, in_bytes, copy_ms, warmup, reps, simulator)
+    ]
     return {
         "device": "CUDA simulator" if simulator else _device_name(cuda),
         "elements": n,

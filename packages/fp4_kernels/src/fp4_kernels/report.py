@@ -429,27 +429,9 @@ def run_report(
     formats = check_formats(formats)
     bandwidth_gbs, fixed_ms = check_decode_model(bandwidth_gbs, fixed_ms)
     check_extras(progress=progress, plot=False)
-    if path is None:
-        given = f"{DEFAULT_MODEL_DISTRIBUTION} {_dist_version()} (the default model)"
-        default = default_model_path()
-        files, skipped = [ModelFile(default, "model/model.safetensors", default.stat().st_size)], []
-    else:
-        given = model_label(path)
-        files, skipped = model_files(path)
-    readers = []
-    try:
-        for f in files:
-            readers.append(Reader(f))
-        todo, not_measured, embedding_bytes = plan(readers, include_embeddings, torch_installed())
-        skipped += not_measured
-        if not todo:
-            raise ReportError(_nothing_to_measure(given, skipped))
-        matrices = _measure_all(readers, todo, formats, progress, skipped)
-    finally:
-        for r in readers:
-            r.close()
-    if not matrices:
-        raise ReportError(_nothing_to_measure(given, skipped))
+    given, files, skipped, matrices, embedding_bytes = _measure_model(
+        path, formats, include_embeddings, progress
+    )
     seconds = time.perf_counter() - t_start
     throughput, throughput_skipped = throughput_section(throughput_elements, formats)
 
@@ -467,29 +449,9 @@ def run_report(
         "decode_bytes_per_token": stored_decode,
         "decode_ms_per_token": decode_ms(stored_decode, bandwidth_gbs, fixed_ms),
     }
-    summary = {}
-    for fmt in formats:
-        per = [m["formats"][fmt] for m in matrices]
-        linear_bytes = sum(p["bytes"] for p in per)
-        decode_linear = sum(
-            p["bytes"] for p, m in zip(per, matrices, strict=True) if not m["embedding"]
-        )
-        decode_bytes = decode_linear + other_decode_bytes
-        summary[fmt] = {
-            # sums over every finite weight of every matrix: each weight counts once
-            "zero_fraction": sum(p["zeros"] for p in per) / sum(p["finite"] for p in per),
-            "rel_error": _ratio(
-                sum(p["error_sum"] for p in per),
-                sum(p["abs_sum"] for p in per),
-                sum(p["nonfinite_outputs"] for p in per),
-            ),
-            "bits_per_weight": 8.0 * linear_bytes / n_total,
-            "linear_bytes": linear_bytes,
-            "model_bytes": linear_bytes + other_bytes,
-            "nonfinite_outputs": sum(p["nonfinite_outputs"] for p in per),
-            "decode_bytes_per_token": decode_bytes,
-            "decode_ms_per_token": decode_ms(decode_bytes, bandwidth_gbs, fixed_ms),
-        }
+    summary = _summary(
+        matrices, formats, n_total, other_bytes, other_decode_bytes, bandwidth_gbs, fixed_ms
+    )
     for m in matrices:
         for p in m["formats"].values():
             for k in _SUMS:
@@ -523,6 +485,61 @@ def run_report(
         "null_means": NULL_MEANS,
         "matrices": [{k: v for k, v in m.items() if k != "stored_bytes"} for m in matrices],
     }
+
+
+def _measure_model(path, formats, include_embeddings, progress):
+    """(the model as given, its files, what was skipped, the measured matrices, the bytes of
+    the embedding tables a decoder does not read whole) of ``run_report``."""
+    if path is None:
+        given = f"{DEFAULT_MODEL_DISTRIBUTION} {_dist_version()} (the default model)"
+        default = default_model_path()
+        files, skipped = [ModelFile(default, "model/model.safetensors", default.stat().st_size)], []
+    else:
+        given = model_label(path)
+        files, skipped = model_files(path)
+    readers = []
+    try:
+        for f in files:
+            readers.append(Reader(f))
+        todo, not_measured, embedding_bytes = plan(readers, include_embeddings, torch_installed())
+        skipped += not_measured
+        if not todo:
+            raise ReportError(_nothing_to_measure(given, skipped))
+        matrices = _measure_all(readers, todo, formats, progress, skipped)
+    finally:
+        for r in readers:
+            r.close()
+    if not matrices:
+        raise ReportError(_nothing_to_measure(given, skipped))
+    return given, files, skipped, matrices, embedding_bytes
+
+
+def _summary(matrices, formats, n_total, other_bytes, other_decode_bytes, bandwidth, fixed):
+    """Each format's totals over the measured matrices (``run_report``'s ``summary``)."""
+    summary = {}
+    for fmt in formats:
+        per = [m["formats"][fmt] for m in matrices]
+        linear_bytes = sum(p["bytes"] for p in per)
+        decode_linear = sum(
+            p["bytes"] for p, m in zip(per, matrices, strict=True) if not m["embedding"]
+        )
+        decode_bytes = decode_linear + other_decode_bytes
+        summary[fmt] = {
+            # sums over every finite weight of every matrix: each weight counts once
+            "zero_fraction": sum(p["zeros"] for p in per) / sum(p["finite"] for p in per),
+            "rel_error": _ratio(
+                sum(p["error_sum"] for p in per),
+                sum(p["abs_sum"] for p in per),
+                sum(p["nonfinite_outputs"] for p in per),
+            ),
+            "bits_per_weight": 8.0 * linear_bytes / n_total,
+            "linear_bytes": linear_bytes,
+            "model_bytes": linear_bytes + other_bytes,
+            "nonfinite_outputs": sum(p["nonfinite_outputs"] for p in per),
+            "decode_bytes_per_token": decode_bytes,
+            "decode_ms_per_token": decode_ms(decode_bytes, bandwidth, fixed),
+        }
+    return summary
 
 
 def _dist_version():

@@ -71,6 +71,21 @@ scale_offset = OPS.scale_offset
 
 
 @cpu_jit
+def load_block(bits, base, kind, vals):
+    """The block of ``vals.size`` elements at ``base`` into ``vals`` (float32); returns its
+    amax, inf when the block holds a NaN or an Inf."""
+    bmax = F32_ZERO
+    for j in range(vals.size):
+        v = load(bits, base + j, kind)
+        vals[j] = v
+        u = f32_as_u32(v) & 0x7FFFFFFF
+        a = F32_INF if u >= 0x7F800000 else u32_as_f32(np.uint32(u))
+        if a > bmax:
+            bmax = a
+    return bmax
+
+
+@cpu_jit
 def quantize_blocks(
     bits,
     kind,
@@ -108,14 +123,7 @@ def quantize_blocks(
     codes = np.empty(block, dtype=np.int64)
     for b in range(n // block):
         base = b * block
-        bmax = F32_ZERO
-        for j in range(block):
-            v = load(bits, base + j, kind)
-            vals[j] = v
-            u = f32_as_u32(v) & 0x7FFFFFFF
-            a = F32_INF if u >= 0x7F800000 else u32_as_f32(np.uint32(u))
-            if a > bmax:
-                bmax = a
+        bmax = load_block(bits, base, kind, vals)
         finite = bmax < F32_INF
         # the block arithmetic the GPU kernels share (_scalar): scale code, decoded scale,
         # element multiplier; a non-finite block gets the NaN code and multiplier 0

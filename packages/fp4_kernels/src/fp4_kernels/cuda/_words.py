@@ -59,21 +59,22 @@ def make_words_io(kind, n_words, aligned=True):
             f"n_words: {n_words} is not a multiple of 4, or 1 or 2 (16-, 8- or 4-byte "
             "accesses); give the device functions whole 16-byte blocks, or 4 or 8 bytes"
         )
+    return (
+        _make_load(kind, n_words, aligned),
+        *_make_reads(kind, n_words),
+        _make_store(kind, n_words),
+    )
+
+
+def _half_to_f32():
+    """IEEE binary16 bits -> float32: the conversion instruction, or the simulator's integer
+    conversion."""
+    return cvt_f16_to_f32 if cvt_f16_to_f32 is not None else OPS.f16_to_f32
+
+
+def _make_load(kind, n_words, aligned):
     quads = n_words % 4 == 0  # 16-byte accesses
     wide = kind == KIND_F32
-    to_f32 = cvt_f16_to_f32 if cvt_f16_to_f32 is not None else OPS.f16_to_f32
-    if cvt_bf16x2 is not None:
-        pack2 = cvt_bf16x2 if kind == KIND_BF16 else cvt_f16x2
-    else:  # the simulator: the integer conversions (the same rounding)
-        from_f32 = OPS.f32_to_bf16 if kind == KIND_BF16 else OPS.f32_to_f16
-
-        @device_jit
-        def pack2(hi, lo):
-            return U32(U32(from_f32(lo)) | U32(U32(from_f32(hi)) << 16))
-
-    # the smallest 16-bit magnitude that is Inf or NaN: bf16 0x7F80, f16 0x7C00
-    nonfinite16 = 0x7F80 if kind == KIND_BF16 else 0x7C00
-    carry16 = U32((0x8000 - nonfinite16) * 0x10001)  # + this sets bit 15 of a half >= it
 
     @device_jit
     def load(x, first, w):
@@ -87,6 +88,16 @@ def make_words_io(kind, n_words, aligned=True):
             for j in range(n_words):
                 lo = U32(x[2 * (first + j)])
                 w[j] = U32(lo | U32(U32(x[2 * (first + j) + 1]) << 16))
+
+    return load
+
+
+def _make_reads(kind, n_words):
+    wide = kind == KIND_F32
+    to_f32 = _half_to_f32()
+    # the smallest 16-bit magnitude that is Inf or NaN: bf16 0x7F80, f16 0x7C00
+    nonfinite16 = 0x7F80 if kind == KIND_BF16 else 0x7C00
+    carry16 = U32((0x8000 - nonfinite16) * 0x10001)  # + this sets bit 15 of a half >= it
 
     @device_jit
     def element(w, j):
@@ -136,6 +147,21 @@ def make_words_io(kind, n_words, aligned=True):
             m = max_u16x2(m, a)
         return half_bits_to_f32_bits(max(U32(m & 0xFFFF), U32(m >> 16)))
 
+    return element, amax_bits, finite_amax_bits
+
+
+def _make_store(kind, n_words):
+    quads = n_words % 4 == 0  # 16-byte accesses
+    wide = kind == KIND_F32
+    if cvt_bf16x2 is not None:
+        pack2 = cvt_bf16x2 if kind == KIND_BF16 else cvt_f16x2
+    else:  # the simulator: the integer conversions (the same rounding)
+        from_f32 = OPS.f32_to_bf16 if kind == KIND_BF16 else OPS.f32_to_f16
+
+        @device_jit
+        def pack2(hi, lo):
+            return U32(U32(from_f32(lo)) | U32(U32(from_f32(hi)) << 16))
+
     @device_jit
     def store(out, first, v, at):
         if wide and not quads:
@@ -166,4 +192,4 @@ def make_words_io(kind, n_words, aligned=True):
                     pack2(v[at + 8 * q + 7], v[at + 8 * q + 6]),
                 )
 
-    return load, element, amax_bits, finite_amax_bits, store
+    return store

@@ -35,7 +35,7 @@ from ._primitives import (
     prmt,
     u32_as_f32,
 )
-from ._words import U32, U64, make_words_io, words_per
+from ._words import U32, U64
 from .e2m1 import (
     HORNER_FIX,
     SR_BASE,
@@ -219,22 +219,12 @@ def make_code_store(run, group_size):
 
 
 @functools.cache
-def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
-                           prefetch=False):  # fmt: skip
-    """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
-    (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
-    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
-    (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
-    issued before this tile's work."""
-    if hadamard and smem:
-        return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
-    load_chunks, _ = make_chunk_io(kind, aligned)
-    before, cross_warp = make_butterflies(group_size)
-    n_smem = smem_words(group_size)
+def make_encode_runs(group_size, hadamard, stochastic):
+    """Device function ``encode_runs(v, m, codes, scales16, n, tile0, base, lane, warp,
+    seed_lo, seed_hi, step)``: every register run of the thread encoded (``m``: the group amax
+    of each run set) and stored, in the tile layout or, with the transform's exchange, the
+    exchanged layout."""
     k, run = _group_layout(group_size, hadamard)
-    warps_per_group = max(1, group_size // WARP_TILE)
-    lanes_max = _make_lanes_max(group_size)
-    cta_amax = make_cta_amax(warps_per_group)
     fp4quant_scale = OPS.fp4quant_scale
     encode_run = make_run_encoder(run, stochastic)
     store_codes = make_code_store(run, group_size)
@@ -267,7 +257,59 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
 
         return both
 
-    encode_runs = functools.reduce(chain, [run_step(i0) for i0 in range(0, REGISTERS, run)])
+    return functools.reduce(chain, [run_step(i0) for i0 in range(0, REGISTERS, run)])
+
+
+@functools.cache
+def make_run_amax(group_size):
+    """Device function ``run_amax(v, m)``: the group amax bits of each of the thread's four
+    register runs into ``m``, in the tile layout and for g <= 1024 (a group within a warp):
+    chunk c's 8 registers, then the chunks sharing a group (bit 8: chunks 0-1, 2-3; bit 9: all
+    four), then the group's lanes."""
+    lanes_max = _make_lanes_max(group_size)
+
+    @device_jit
+    def run_amax(v, m):
+        for c in range(4):
+            m[c] = run_amax_bits(v, 8 * c, CHUNK)
+        if group_size >= 512:
+            m[0] = max(m[0], m[1])
+            m[2] = max(m[2], m[3])
+        if group_size >= 1024:
+            m[0] = max(m[0], m[2])
+        m[0] = lanes_max(m[0])
+        if group_size < 1024:
+            m[2] = lanes_max(m[2])
+        if group_size < 512:
+            m[1] = lanes_max(m[1])
+            m[3] = lanes_max(m[3])
+        else:
+            m[1] = m[0]
+            m[3] = m[2]
+        if group_size >= 1024:
+            m[2] = m[0]
+            m[3] = m[0]
+
+    return run_amax
+
+
+@functools.cache
+def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
+                           prefetch=False):  # fmt: skip
+    """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
+    (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
+    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
+    (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
+    issued before this tile's work."""
+    if hadamard and smem:
+        return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
+    load_chunks, _ = make_chunk_io(kind, aligned)
+    before, cross_warp = make_butterflies(group_size)
+    n_smem = smem_words(group_size)
+    warps_per_group = max(1, group_size // WARP_TILE)
+    cta_amax = make_cta_amax(warps_per_group)
+    run_amax = make_run_amax(group_size)
+    encode_runs = make_encode_runs(group_size, hadamard, stochastic)
 
     @cuda.jit
     def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
@@ -279,7 +321,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
         half = 0  # the half of warp_amax this tile uses
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
-        m = cuda.local.array(4, np.int32)  # the group amax of each run set (see below)
+        m = cuda.local.array(4, np.int32)  # the group amax of each run set (make_run_amax)
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
@@ -294,27 +336,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
                 for c in range(4):
                     m[c] = a
             else:
-                # the tile layout: chunk c's 8 registers, then the chunks sharing a group
-                # (bit 8: chunks 0-1, 2-3; bit 9: all four), then the group's lanes
-                for c in range(4):
-                    m[c] = run_amax_bits(v, 8 * c, CHUNK)
-                if group_size >= 512:
-                    m[0] = max(m[0], m[1])
-                    m[2] = max(m[2], m[3])
-                if group_size >= 1024:
-                    m[0] = max(m[0], m[2])
-                m[0] = lanes_max(m[0])
-                if group_size < 1024:
-                    m[2] = lanes_max(m[2])
-                if group_size < 512:
-                    m[1] = lanes_max(m[1])
-                    m[3] = lanes_max(m[3])
-                else:
-                    m[1] = m[0]
-                    m[3] = m[2]
-                if group_size >= 1024:
-                    m[2] = m[0]
-                    m[3] = m[0]
+                run_amax(v, m)
             encode_runs(v, m, codes, scales16, n, t * tile, base, lane, warp, seed_lo,
                         seed_hi, step)  # fmt: skip
 
@@ -388,42 +410,18 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=
     return kernel
 
 
-def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
-    """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s
-    arguments): the group amax and the codes taken in the network's final layout (runs of 8
-    consecutive elements; of 4 at g = 8192).  Each group's scale is computed once per thread,
-    however many of its runs the thread holds."""
-    wide = kind == KIND_F32
-    first = hn.layouts(group_size, wide, False)[0]
-    warps_per_group = max(1, group_size // WARP_TILE)
-    # g >= 2048: the group amax's CTA barrier follows every tile's network (fenced), and the
-    # exchange reuses the per-warp buffers (one buffer: half the shared memory at 2048 / 4096;
-    # on an H200 encode 2048 1.29 -> 1.26-1.27x copy time, 4096 unchanged)
-    final, network = hn.make_network(
-        group_size, wide, False, fenced=warps_per_group > 1, one_buffer=True
-    )
-    assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
-    start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
-    run = min(hn.run_length(final), CHUNK)
+def _make_group_scales(group_size, final, run, warps_per_group):
+    """Device function ``group_scales(v, lane, warp, warp_amax, half, m, sbs, mults)`` of the
+    encode with the "smem" network, in its final layout ``final`` (runs of ``run``)."""
     n_runs = REGISTERS // run
-    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch), one_buffer=True)
-    in_offset = hn.make_offsets(first)
-    out_offset = hn.make_offsets(final)
-    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     log_g = group_size.bit_length() - 1
     run_bits = run.bit_length() - 1
-    # a run starts at a multiple of its length: e_out >> run_bits loses nothing
-    assert min(final.lanes + final.warps) >= run_bits and final.regs[:run_bits] == tuple(
-        range(run_bits)
-    )
     # run-index bits and lanes whose element bits lie inside a group (g <= 1024): the runs
     # q with q & outside == r (r & inside == 0) hold one group
     inside = sum(1 << (j - run_bits) for j in range(run_bits, 5) if final.regs[j] < log_g)
     outside = (n_runs - 1) & ~inside
     lane_offsets = tuple(1 << j for j in range(5) if final.lanes[j] < log_g)
     fp4quant_scale = OPS.fp4quant_scale
-    encode_run = make_run_encoder(run, stochastic)
-    store_codes = make_code_store(run, group_size)
     cta_amax = make_cta_amax(warps_per_group)
 
     @device_jit
@@ -460,6 +458,19 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
                             sbs[q] = sb
                             mults[q] = mult
 
+    return group_scales
+
+
+def _make_smem_encode_runs(group_size, final, run, stochastic):
+    """Device function ``encode_runs(v, m, sbs, mults, codes, scales16, n, tile0, e_out,
+    word0, full, seed_lo, seed_hi, step)``: the encode's runs, in the final layout, encoded
+    and stored."""
+    n_runs = REGISTERS // run
+    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    run_bits = run.bit_length() - 1
+    encode_run = make_run_encoder(run, stochastic)
+    store_codes = make_code_store(run, group_size)
+
     def run_step(r):
         i0 = run * r
         offset = out_regs[i0]
@@ -487,7 +498,37 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
 
         return both
 
-    encode_runs = functools.reduce(chain, [run_step(r) for r in range(n_runs)])
+    return functools.reduce(chain, [run_step(r) for r in range(n_runs)])
+
+
+def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
+    """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s
+    arguments): the group amax and the codes taken in the network's final layout (runs of 8
+    consecutive elements; of 4 at g = 8192).  Each group's scale is computed once per thread,
+    however many of its runs the thread holds."""
+    wide = kind == KIND_F32
+    first = hn.layouts(group_size, wide, False)[0]
+    warps_per_group = max(1, group_size // WARP_TILE)
+    # g >= 2048: the group amax's CTA barrier follows every tile's network (fenced), and the
+    # exchange reuses the per-warp buffers (one buffer: half the shared memory at 2048 / 4096;
+    # on an H200 encode 2048 1.29 -> 1.26-1.27x copy time, 4096 unchanged)
+    final, network = hn.make_network(
+        group_size, wide, False, fenced=warps_per_group > 1, one_buffer=True
+    )
+    assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
+    start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
+    run = min(hn.run_length(final), CHUNK)
+    n_runs = REGISTERS // run
+    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch), one_buffer=True)
+    in_offset = hn.make_offsets(first)
+    out_offset = hn.make_offsets(final)
+    run_bits = run.bit_length() - 1
+    # a run starts at a multiple of its length: e_out >> run_bits loses nothing
+    assert min(final.lanes + final.warps) >= run_bits and final.regs[:run_bits] == tuple(
+        range(run_bits)
+    )
+    group_scales = _make_group_scales(group_size, final, run, warps_per_group)
+    encode_runs = _make_smem_encode_runs(group_size, final, run, stochastic)
 
     @cuda.jit
     def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
@@ -522,30 +563,15 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     return kernel
 
 
-def _smem_decode_kernel(out_kind, group_size, prefetch):
-    """The decode with the transform's "smem" network: codes read in its load layout (8
-    consecutive codes a thread and chunk), the output stored from its final layout, each run
-    multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
-    of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
-    are loaded into the same registers as soon as this tile's are unpacked, so they are in
-    flight while the kernel computes on this tile."""
-    wide = out_kind == KIND_F32
-    first = hn.layouts(group_size, False, wide)[0]
-    final, network = hn.make_network(group_size, False, wide)
-    run = min(hn.run_length(final), CHUNK)
-    store = make_words_io(out_kind, words_per(out_kind, run))[4]
-    shift = U64(0 if wide else 1)
+def _make_code_tile_loader(group_size, first, final, run):
+    """Device function ``load_tile(codes, scales16, n, e_in0, e_out0, words, sbits, full)`` of
+    the decode with the "smem" network: codes in its load layout ``first``, scales of the runs
+    (of ``run``) it stores from its final layout ``final``."""
     n_runs = REGISTERS // run
     n_chunks = REGISTERS // CHUNK
-    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
-    in_offset = hn.make_offsets(first)
-    out_offset = hn.make_offsets(final)
     in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
     out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
-    inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
-    # chunks of 8 consecutive codes, a thread's first at a multiple of 8: one code word each
-    assert first.regs[:3] == (0, 1, 2) and min(first.lanes + first.warps) >= 3
 
     @device_jit
     def load_tile(codes, scales16, n, e_in0, e_out0, words, sbits, full):
@@ -568,6 +594,33 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
             sbits[r] = U32(0)
             if full or e < n:
                 sbits[r] = U32(scales16[U64(e) // U64(group_size)])
+
+    return load_tile
+
+
+def _smem_decode_kernel(out_kind, group_size, prefetch):
+    """The decode with the transform's "smem" network: codes read in its load layout (8
+    consecutive codes a thread and chunk), the output stored from its final layout, each run
+    multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
+    of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
+    are loaded into the same registers as soon as this tile's are unpacked, so they are in
+    flight while the kernel computes on this tile."""
+    wide = out_kind == KIND_F32
+    first = hn.layouts(group_size, False, wide)[0]
+    final, network = hn.make_network(group_size, False, wide)
+    run = min(hn.run_length(final), CHUNK)
+    store_tile = hn.make_tile_store(out_kind, final)
+    n_runs = REGISTERS // run
+    n_chunks = REGISTERS // CHUNK
+    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
+    in_offset = hn.make_offsets(first)
+    out_offset = hn.make_offsets(final)
+    inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
+    n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
+    # chunks of 8 consecutive codes, a thread's first at a multiple of 8: one code word each
+    assert first.regs[:3] == (0, 1, 2) and min(first.lanes + first.warps) >= 3
+
+    load_tile = _make_code_tile_loader(group_size, first, final, run)
 
     @cuda.jit
     def kernel(codes, scales16, out, n):
@@ -614,15 +667,7 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
             network(v, lane, warp, sm)
             for i in range(REGISTERS):
                 v[i] = v[i] * sc[i // run]  # one rounding, a plain multiply
-            if full:  # one address, constant offsets
-                first = U64(t * tile + e_out) >> shift
-                for r in range(n_runs):
-                    store(out, first + U64(out_regs[run * r] >> shift), v, run * r)
-            else:
-                for r in range(n_runs):
-                    e = t * tile + e_out + out_regs[run * r]
-                    if e < n:
-                        store(out, U64(e) >> shift, v, run * r)
+            store_tile(out, v, t * tile, e_out, n, full)
 
     return kernel
 

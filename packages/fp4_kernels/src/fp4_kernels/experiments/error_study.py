@@ -443,39 +443,49 @@ def measure_dataset(
         if log:
             log(f"  {name}: {tname} ({i + 1}/{len(tensors)})")
 
-    rows = []
-    for config in configs:
-        fmt, param = config
-        if fmt == "fp4quant":
-            g, transform = param
-            block = g
-        else:
-            g, transform, block = param, param is not None, BLOCK_FORMATS[fmt]
-        row = {
-            "study": "formats",
-            "dataset": name,
-            "format": fmt,
-            "variant": None,
-            "transform": transform,
-            "group_size": g,
-            "block_size": block,
-            "bits_per_element": bits_per_element(fmt, g, len(tensors), elements),
-            "clipped_fraction": None,
-        }
-        for r in ROUNDINGS:
-            suffix = "" if r == "nearest" else f"_{r}"
-            a = acc.get((config, r))
-            rel = a.rel_mse() if a is not None else None
-            row[f"rel_mse{suffix}"] = rel
-            row[f"sqnr_db{suffix}"] = sqnr_db(rel) if rel is not None else None
-        if regular is not None:
-            row["sqnr_db_regular_channels"] = sqnr_db(acc_regular[config].rel_mse())
-        if len(tensors) > 1:
-            row["per_kind_sqnr_db"] = {
-                k: sqnr_db(v) for k, v in acc[(config, "nearest")].per_kind().items()
-            }
-        rows.append(row)
+    rows = [
+        _format_row(name, config, acc, acc_regular, regular, len(tensors), elements)
+        for config in configs
+    ]
+    return rows, _scale_rows(name, scale_acc, clipped)
 
+
+def _format_row(name, config, acc, acc_regular, regular, n_tensors, elements):
+    """``measure_dataset``'s row of one format configuration."""
+    fmt, param = config
+    if fmt == "fp4quant":
+        g, transform = param
+        block = g
+    else:
+        g, transform, block = param, param is not None, BLOCK_FORMATS[fmt]
+    row = {
+        "study": "formats",
+        "dataset": name,
+        "format": fmt,
+        "variant": None,
+        "transform": transform,
+        "group_size": g,
+        "block_size": block,
+        "bits_per_element": bits_per_element(fmt, g, n_tensors, elements),
+        "clipped_fraction": None,
+    }
+    for r in ROUNDINGS:
+        suffix = "" if r == "nearest" else f"_{r}"
+        a = acc.get((config, r))
+        rel = a.rel_mse() if a is not None else None
+        row[f"rel_mse{suffix}"] = rel
+        row[f"sqnr_db{suffix}"] = sqnr_db(rel) if rel is not None else None
+    if regular is not None:
+        row["sqnr_db_regular_channels"] = sqnr_db(acc_regular[config].rel_mse())
+    if n_tensors > 1:
+        row["per_kind_sqnr_db"] = {
+            k: sqnr_db(v) for k, v in acc[(config, "nearest")].per_kind().items()
+        }
+    return row
+
+
+def _scale_rows(name, scale_acc, clipped):
+    """``measure_dataset``'s scale-storage rows."""
     scale_rows = []
     for (v, g), a in scale_acc.items():
         rel = a.rel_mse()
@@ -497,7 +507,7 @@ def measure_dataset(
                 "clipped_fraction": sum(n * f for n, f in c) / sum(n for n, _ in c),
             }
         )
-    return rows, scale_rows
+    return scale_rows
 
 
 # ---------------------------------------------------------------------- provenance
@@ -657,6 +667,14 @@ def markdown(result):
             bits = _find(srows, variant=v, group_size=g)["bits_per_element"]
             out.append(f"| `{v}`: {desc} | {g} | {bits:.4g} | " + " | ".join(cells) + " |")
 
+    out += _regular_channels_table(rows)
+    out += _matrix_roles_table(rows)
+    return "\n".join(out) + "\n"
+
+
+def _regular_channels_table(rows):
+    """``markdown``'s lines on the regular (non-outlier) channels, where a dataset has them."""
+    out = []
     reg = [r for r in rows if "sqnr_db_regular_channels" in r]
     if reg:
         out += [
@@ -675,7 +693,12 @@ def markdown(result):
                     f"| {_label(r)} | {r['bits_per_element']:.4g} | {_db(r['sqnr_db'])} | "
                     f"{_db(r['sqnr_db_regular_channels'])} |"
                 )
+    return out
 
+
+def _matrix_roles_table(rows):
+    """``markdown``'s lines on the model's matrices by role, where the model was measured."""
+    out = []
     model_rows = [r for r in rows if r["dataset"] == "minilm"]
     if model_rows:
         kinds = list(model_rows[0]["per_kind_sqnr_db"])
@@ -699,7 +722,7 @@ def markdown(result):
             if r:
                 cells = [_db(r["per_kind_sqnr_db"][k]) for k in kinds]
                 out.append(f"| {_label(r)} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def findings(result):
