@@ -7,21 +7,28 @@ import numpy as np
 import pytest
 from _stochastic_cases import ALL_R16, edge_magnitudes, expected_codes
 
-from fp4_kernels.cpu._primitives import OPS, f32_as_u32
+from fp4_kernels.cpu._primitives import (  # the compiled scalar functions
+    OPS,
+    add_rm as _add_rm,
+    bf16_to_f32 as _bf16_to_f32,
+    e2m1_encode as _enc,
+    e2m1_encode_int as _enc_int,
+    e2m1_encode_sr as _enc_sr,
+    e2m1_sr_code_f as _sr_code_f,
+    e2m1_sr_sum as _sr_sum,
+    e4m3_decode as _e4m3_dec,
+    e4m3_encode_positive as _e4m3,
+    f16_to_f32 as _f16_to_f32,
+    f32_as_u32,
+    f32_to_bf16 as _f32_to_bf16,
+    f32_to_f16 as _f32_to_f16,
+    mx_shared_exponent as _mx_exp,
+    sr_random_f32 as _sr_random,
+)
 from fp4_kernels.formats import e2m1, e4m3, philox
 
 ALL_BF16_AS_F32 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
 ALL_F16 = np.arange(1 << 16, dtype=np.uint16)
-
-_enc = OPS.e2m1_encode
-_enc_sr = OPS.e2m1_encode_sr
-_e4m3 = OPS.e4m3_encode_positive
-_e4m3_dec = OPS.e4m3_decode
-_f16_to_f32 = OPS.f16_to_f32
-_f32_to_f16 = OPS.f32_to_f16
-_f32_to_bf16 = OPS.f32_to_bf16
-_bf16_to_f32 = OPS.bf16_to_f32
-_mx_exp = OPS.mx_shared_exponent
 
 
 @numba.njit
@@ -74,9 +81,6 @@ def test_e2m1_encode_every_bf16_pattern_matches_oracle():
     np.testing.assert_array_equal(got, e2m1.encode_e2m1(y))
 
 
-_enc_int = OPS.e2m1_encode_int
-
-
 @numba.njit(nogil=True)
 def _e2m1_float_vs_integer_mismatches(lo, hi):
     """Count patterns in [lo, hi) where the float-pipe and integer encoders disagree."""
@@ -122,13 +126,6 @@ def test_e2m1_encode_sr_matches_oracle(rng):
         got = np.empty(y.size, np.uint8)
         _map_e2m1_sr(y, r, got)
         np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(y, r))
-
-
-_sr_code_f = OPS.e2m1_sr_code_f
-_sr_random = OPS.sr_random_f32
-
-
-_sr_sum = OPS.e2m1_sr_sum
 
 
 @numba.njit(nogil=True)
@@ -180,9 +177,6 @@ def test_e2m1_sr_core_random_float32_patterns(rng):
     got = np.empty(a.size, np.uint8)
     _map_sr_core(a, r16, got)
     np.testing.assert_array_equal(got, e2m1.encode_e2m1_stochastic(a, r16))
-
-
-_add_rm = OPS.add_rm
 
 
 @numba.njit

@@ -94,12 +94,37 @@ class HadamardKey(NamedTuple):
 # ---------------------------------------------------------------------- descriptors
 
 
+class CallDescriptor:
+    """What every descriptor has: ``ARRAYS``, its array fields (the first, ``anchor``, is the
+    array whose device and stream the call runs on), ``kind`` (the element kind of its
+    ``dtype`` the kernels are specialized on, ``_scalar.KIND_*``) and ``traced``."""
+
+    ARRAYS: tuple = ()
+    dtype: str
+
+    @property
+    def kind(self):
+        return KIND_OF_DTYPE[self.dtype]
+
+    @property
+    def anchor(self):
+        return getattr(self, self.ARRAYS[0])
+
+    def traced(self, tracer):
+        """(the call as a plan records it: its arrays the tracer's placeholders, and the probe
+        scalars its launches must take)."""
+        placeholders = {name: tracer.input(getattr(self, name)) for name in self.ARRAYS}
+        return dataclasses.replace(self, **placeholders), ()
+
+
 @dataclass(frozen=True)
-class QuantizeCall:
+class QuantizeCall(CallDescriptor):
     """A checked quantize (``fused``: quantize_dequantize) of ``x``.
 
     ``amax_value`` is ``global_amax`` given as a number (< 0: not given), ``amax_array`` given as
     a one-element array where x lives; neither: the amax of x (NVFP4)."""
+
+    ARRAYS = ("x", "amax_array")
 
     x: Any
     backend: Backend
@@ -115,23 +140,11 @@ class QuantizeCall:
     key: QuantizeKey | None = None
     out: Any = None
 
-    @property
-    def kind(self):
-        """The element kind the kernels are specialized on (``_scalar.KIND_*``)."""
-        return KIND_OF_DTYPE[self.dtype]
-
-    @property
-    def anchor(self):
-        """The array whose device and stream the call runs on."""
-        return self.x
-
     def traced(self, tracer):
-        """(the call as a plan records it, the probe scalars its launches must take)."""
+        traced, _ = super().traced(tracer)
         number = self.amax_value >= 0
         traced = dataclasses.replace(
-            self,
-            x=tracer.input(self.x),
-            amax_array=tracer.input(self.amax_array),
+            traced,
             seed=_plans.PROBE_SEED,
             step=_plans.PROBE_STEP,
             amax_value=_plans.PROBE_AMAX if number else -1.0,
@@ -140,9 +153,11 @@ class QuantizeCall:
 
 
 @dataclass(frozen=True)
-class DequantizeCall:
+class DequantizeCall(CallDescriptor):
     """A checked ``dequantize`` of the QuantizedTensor fields ``data``, ``scales`` and
     ``global_scale`` (None: MXFP4 without one, or FP4Quant) to ``dtype``."""
+
+    ARRAYS = ("data", "scales", "global_scale")
 
     data: Any
     scales: Any
@@ -154,27 +169,12 @@ class DequantizeCall:
     key: DequantizeKey | None = None
     out: Any = None
 
-    @property
-    def kind(self):
-        return KIND_OF_DTYPE[self.dtype]
-
-    @property
-    def anchor(self):
-        return self.data
-
-    def traced(self, tracer):
-        traced = dataclasses.replace(
-            self,
-            data=tracer.input(self.data),
-            scales=tracer.input(self.scales),
-            global_scale=tracer.input(self.global_scale),
-        )
-        return traced, ()
-
 
 @dataclass(frozen=True)
-class HadamardCall:
+class HadamardCall(CallDescriptor):
     """A checked ``hadamard`` of ``x``; ``sign_words``: the uint32 sign words (None: none)."""
+
+    ARRAYS = ("x",)
 
     x: Any
     backend: Backend
@@ -186,40 +186,22 @@ class HadamardCall:
     out: Any = None
 
     @property
-    def kind(self):
-        return KIND_OF_DTYPE[self.dtype]
-
-    @property
-    def anchor(self):
-        return self.x
-
-    @property
     def n(self):
         return math.prod(self.x.shape)
 
-    def traced(self, tracer):
-        return dataclasses.replace(self, x=tracer.input(self.x)), ()
-
 
 @dataclass(frozen=True)
-class SumCall:
+class SumCall(CallDescriptor):
     """A checked ``requantized_sum`` of ``rows`` MXFP4 rows of ``n`` elements (``data``,
-    ``scales``: the QuantizedTensor's fields)."""
+    ``scales``: the QuantizedTensor's fields) to a float32 (1, n) tensor."""
+
+    ARRAYS = ("data", "scales")
 
     data: Any
     scales: Any
     backend: Backend
     rows: int
     n: int
+    dtype: str = "float32"
     key: DequantizeKey | None = None
     out: Any = None
-
-    @property
-    def anchor(self):
-        return self.data
-
-    def traced(self, tracer):
-        traced = dataclasses.replace(
-            self, data=tracer.input(self.data), scales=tracer.input(self.scales)
-        )
-        return traced, ()

@@ -46,28 +46,26 @@ def make_bitcast_intrinsics(intrinsic):
     The typing accepts *only* float32 / uint32: a float64 that leaks into codec arithmetic
     (numba types Python float literals as float64) is then a compile-time error instead of a
     silent change of rounding."""
-
-    @intrinsic
-    def f32_as_u32(typingctx, x):
-        if x != types.float32:
-            raise TypingError(f"f32_as_u32 needs a float32 argument, got {x} (float64 leak?)")
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-        return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def u32_as_f32(typingctx, x):
-        if x != types.uint32:
-            raise TypingError(f"u32_as_f32 needs a uint32 argument, got {x}")
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-        return types.float32(types.uint32), codegen
-
+    f32_as_u32 = _bitcast(intrinsic, types.float32, types.uint32, "f32_as_u32", "float32",
+                          " (float64 leak?)")  # fmt: skip
+    u32_as_f32 = _bitcast(intrinsic, types.uint32, types.float32, "u32_as_f32", "uint32", "")
     return f32_as_u32, u32_as_f32
+
+
+def _bitcast(intrinsic, source, target, name, what, hint):
+    """An intrinsic reinterpreting a ``source`` value's bits as ``target`` (an LLVM bitcast)."""
+
+    def typer(typingctx, x):
+        if x != source:
+            raise TypingError(f"{name} needs a {what} argument, got {x}{hint}")
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+
+        return target(source), codegen
+
+    typer.__name__ = name
+    return intrinsic(typer)
 
 
 def py_f32_as_u32(x):

@@ -32,3 +32,11 @@ def cpu_jit(fn=None, **kwargs):
 
 
 OPS = compile_ops(cpu_jit, {"f32_as_u32": f32_as_u32, "u32_as_f32": u32_as_f32})
+
+
+def __getattr__(name):
+    """The compiled scalar functions by name (``from ._primitives import e2m1_encode``)."""
+    try:
+        return getattr(OPS, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -15,24 +15,25 @@ import numpy as np
 from .. import _arrays as arrays
 from .._scalar import INV_E2M1_MAX, KIND_BF16, KIND_F32
 from .._scalar.arith import F32_INF, F32_ONE, F32_ZERO
-from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
-
-_to_bf16 = OPS.f32_to_bf16
-_to_f16 = OPS.f32_to_f16
-_bf16_to_f32 = OPS.bf16_to_f32
-_f16_to_f32 = OPS.f16_to_f32
-_e2m1_encode = OPS.e2m1_encode
-_e2m1_encode_sr = OPS.e2m1_encode_sr
-_e2m1_decode = OPS.e2m1_decode
-_e4m3_encode_positive = OPS.e4m3_encode_positive
-_e4m3_decode = OPS.e4m3_decode
-_e8m0_decode = OPS.e8m0_decode
-_mx_shared_exponent = OPS.mx_shared_exponent
-_pow2_f32 = OPS.pow2_f32
-_philox = OPS.philox4x32_10
-_nvfp4_encode_scale = OPS.nvfp4_encode_scale
-_nvfp4_block_scale = OPS.nvfp4_block_scale
-_mxfp4_block_scale = OPS.mxfp4_block_scale
+from ._primitives import (  # the compiled scalar functions
+    bf16_to_f32,
+    cpu_jit,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_encode_sr,
+    e4m3_decode,
+    e8m0_decode,
+    f16_to_f32,
+    f32_as_u32,
+    f32_to_bf16,
+    f32_to_f16,
+    mxfp4_block_scale,
+    nvfp4_block_scale,
+    nvfp4_encode_scale,
+    philox4x32_10,
+    scale_offset,
+    u32_as_f32,
+)
 
 
 @cpu_jit
@@ -40,8 +41,8 @@ def load(bits, i, kind):
     if kind == KIND_F32:
         return u32_as_f32(np.uint32(bits[i]))
     if kind == KIND_BF16:
-        return _bf16_to_f32(np.uint32(bits[i]))
-    return _f16_to_f32(np.uint32(bits[i]))
+        return bf16_to_f32(np.uint32(bits[i]))
+    return f16_to_f32(np.uint32(bits[i]))
 
 
 @cpu_jit
@@ -49,9 +50,9 @@ def store(bits, i, kind, v):
     if kind == KIND_F32:
         bits[i] = f32_as_u32(v)
     elif kind == KIND_BF16:
-        bits[i] = _to_bf16(v)
+        bits[i] = f32_to_bf16(v)
     else:
-        bits[i] = _to_f16(v)
+        bits[i] = f32_to_f16(v)
 
 
 @cpu_jit
@@ -65,9 +66,6 @@ def tensor_amax(bits, kind):
             if a > m:
                 m = a
     return m
-
-
-scale_offset = OPS.scale_offset
 
 
 @cpu_jit
@@ -116,7 +114,7 @@ def quantize_blocks(
     if tensor_scale:
         if amax < F32_ZERO:
             amax = tensor_amax(bits, kind)
-        big_s = _nvfp4_encode_scale(amax)
+        big_s = nvfp4_encode_scale(amax)
         s_dec = F32_ONE / big_s
         s6 = big_s * INV_E2M1_MAX
     vals = np.empty(block, dtype=np.float32)
@@ -128,16 +126,16 @@ def quantize_blocks(
         # the block arithmetic the GPU kernels share (_scalar): scale code, decoded scale,
         # element multiplier; a non-finite block gets the NaN code and multiplier 0
         if tensor_scale:
-            scode, s, mult = _nvfp4_block_scale(f32_as_u32(bmax), s6, s_dec)
+            scode, s, mult = nvfp4_block_scale(f32_as_u32(bmax), s6, s_dec)
         else:
-            scode, s, mult = _mxfp4_block_scale(f32_as_u32(bmax))
+            scode, s, mult = mxfp4_block_scale(f32_as_u32(bmax))
         scales[scale_offset(b, kb, padded_kb, swizzled)] = scode
         if not finite:
             codes[:] = 0
         elif stochastic:
             for j in range(0, block, 8):
                 c = (base + j) >> 3  # flat element index // 8: the reference's counter
-                r = _philox(
+                r = philox4x32_10(
                     np.uint32(c & 0xFFFFFFFF),
                     np.uint32(c >> 32),
                     step,
@@ -147,19 +145,19 @@ def quantize_blocks(
                 )
                 for q in range(8):  # element q: the low (even q) or high half of word q // 2
                     r16 = (r[q >> 1] >> np.uint32(16 * (q & 1))) & np.uint32(0xFFFF)
-                    codes[j + q] = _e2m1_encode_sr(vals[j + q] * mult, r16)
+                    codes[j + q] = e2m1_encode_sr(vals[j + q] * mult, r16)
         else:
             for j in range(block):
-                codes[j] = _e2m1_encode(vals[j] * mult)
+                codes[j] = e2m1_encode(vals[j] * mult)
         for j in range(0, block, 2):
             packed[(base + j) >> 1] = codes[j] | (codes[j + 1] << 4)
         if fused:
             if tensor_scale:
                 for j in range(block):
-                    store(out_bits, base + j, kind, (_e2m1_decode(codes[j]) * s) * s_dec)
+                    store(out_bits, base + j, kind, (e2m1_decode(codes[j]) * s) * s_dec)
             else:  # s = 2^e: exact
                 for j in range(block):
-                    store(out_bits, base + j, kind, _e2m1_decode(codes[j]) * s)
+                    store(out_bits, base + j, kind, e2m1_decode(codes[j]) * s)
     return s_dec
 
 
@@ -172,17 +170,17 @@ def dequantize_blocks(packed, scales, s_dec, tensor_scale, block, swizzled, kb, 
         base = b * block
         scode = scales[scale_offset(b, kb, padded_kb, swizzled)]
         if tensor_scale:
-            s = _e4m3_decode(scode)
+            s = e4m3_decode(scode)
             for j in range(0, block, 2):
                 p = packed[(base + j) >> 1]
-                store(out_bits, base + j, kind, (_e2m1_decode(p & 15) * s) * s_dec)
-                store(out_bits, base + j + 1, kind, (_e2m1_decode(p >> 4) * s) * s_dec)
+                store(out_bits, base + j, kind, (e2m1_decode(p & 15) * s) * s_dec)
+                store(out_bits, base + j + 1, kind, (e2m1_decode(p >> 4) * s) * s_dec)
         else:
-            x = _e8m0_decode(scode)
+            x = e8m0_decode(scode)
             for j in range(0, block, 2):
                 p = packed[(base + j) >> 1]
-                store(out_bits, base + j, kind, _e2m1_decode(p & 15) * x)
-                store(out_bits, base + j + 1, kind, _e2m1_decode(p >> 4) * x)
+                store(out_bits, base + j, kind, e2m1_decode(p & 15) * x)
+                store(out_bits, base + j + 1, kind, e2m1_decode(p >> 4) * x)
 
 
 def quantize(call):

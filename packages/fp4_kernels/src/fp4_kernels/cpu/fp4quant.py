@@ -16,14 +16,17 @@ from .. import _arrays as arrays
 from .._quantized import payload_views
 from ..formats import hadamard as spec
 from ..formats.hadamard import stage_order
-from ._primitives import OPS, cpu_jit, f32_as_u32, u32_as_f32
+from ._primitives import (  # the compiled scalar functions
+    cpu_jit,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_encode_sr,
+    f32_as_u32,
+    fp4quant_scale,
+    philox4x32_10,
+    u32_as_f32,
+)
 from .codec import load, store
-
-_e2m1_encode = OPS.e2m1_encode
-_e2m1_encode_sr = OPS.e2m1_encode_sr
-_e2m1_decode = OPS.e2m1_decode
-_fp4quant_scale = OPS.fp4quant_scale
-_philox = OPS.philox4x32_10
 
 
 @functools.cache
@@ -82,7 +85,7 @@ def encode(bits, kind, g, strides, hadamard, stochastic, seed_lo, seed_hi, step,
             a = np.uint32(f32_as_u32(buf[i]) & 0x7FFFFFFF)
             if a > m:
                 m = a
-        sb, mult = _fp4quant_scale(m)
+        sb, mult = fp4quant_scale(m)
         scales[q] = sb
         if m >= 0x7F800000:
             for i in range(g):
@@ -90,16 +93,16 @@ def encode(bits, kind, g, strides, hadamard, stochastic, seed_lo, seed_hi, step,
         elif stochastic:
             for c8 in range(g // 8):
                 c = (q * g) // 8 + c8  # flat element index // 8: the reference's counter
-                r = _philox(
+                r = philox4x32_10(
                     np.uint32(c & 0xFFFFFFFF), np.uint32(c >> 32), step, np.uint32(0),
                     seed_lo, seed_hi,
                 )  # fmt: skip
                 for k in range(8):  # element k: the low (even k) or high half of word k // 2
                     r16 = (r[k >> 1] >> np.uint32(16 * (k & 1))) & np.uint32(0xFFFF)
-                    nib[8 * c8 + k] = _e2m1_encode_sr(buf[8 * c8 + k] * mult, r16)
+                    nib[8 * c8 + k] = e2m1_encode_sr(buf[8 * c8 + k] * mult, r16)
         else:
             for i in range(g):
-                nib[i] = _e2m1_encode(buf[i] * mult)
+                nib[i] = e2m1_encode(buf[i] * mult)
         for i in range(g // 2):
             codes[(q * g) // 2 + i] = nib[2 * i] | (nib[2 * i + 1] << 4)
 
@@ -110,8 +113,8 @@ def decode(codes, scales, g, strides, hadamard, inv_g, out_bits, kind):
     for q in range(out_bits.shape[0] // g):
         for i in range(g // 2):
             byte = np.uint32(codes[(q * g) // 2 + i])
-            buf[2 * i] = _e2m1_decode(byte & 15)
-            buf[2 * i + 1] = _e2m1_decode(byte >> 4)
+            buf[2 * i] = e2m1_decode(byte & 15)
+            buf[2 * i + 1] = e2m1_decode(byte >> 4)
         s = u32_as_f32(np.uint32(np.uint32(scales[q]) << 16))
         if hadamard:
             fwht_group(buf, strides)  # exact: sums of halves below 6 * 8192

@@ -574,7 +574,8 @@ OPS = compile_ops(
 
 @device_jit
 def group_max(v, lanes):
-    """Max of ``v`` over aligned groups of ``lanes`` (1, 2, 4 or 8) consecutive lanes.
+    """Max of ``v`` over aligned groups of ``lanes`` (a power of two, up to 32) consecutive
+    lanes.
 
     Butterfly (xor) shuffles leave the result in every lane of the group.  Every lane of the warp
     must call this (full mask): callers keep out-of-range lanes running on dummy data.
