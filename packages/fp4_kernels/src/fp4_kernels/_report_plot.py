@@ -147,11 +147,7 @@ def _errors_by_matrix(ax0, result, fmts, colors):
                 ax0.plot([s, s], [y - 0.32, y + 0.32], color="black", lw=1.5)
     ax0.set_yticks(range(len(fmts)), list(reversed(fmts)))
     ax0.set_ylim(-0.6, len(fmts) - 0.4)
-    if drawn:
-        ax0.set_xscale("log")
-        _plain_log_ticks(ax0.xaxis)
-    else:
-        _say_nothing_to_draw(ax0)
+    _log_scale(ax0, "x", drawn)
     ax0.set_xlabel("mean|w - q(w)| / mean|w| of a matrix (log scale)")
     ax0.set_title(
         f"relative error of each of the {_matrices(result['matrices_count'])}\n"
@@ -180,11 +176,7 @@ def _cost_against_error(ax1, result, fmts, colors, markers):
                 linewidths=1.6,
                 zorder=3,
             )
-    if pts:
-        ax1.set_yscale("log")
-        _plain_log_ticks(ax1.yaxis)
-    else:
-        _say_nothing_to_draw(ax1)
+    _log_scale(ax1, "y", bool(pts))
     ax1.set_xlabel("bits per weight, scales included")
     ax1.set_ylabel("relative error, all matrices (log scale)")
     ax1.set_title("cost against error", fontsize=10)
@@ -197,3 +189,13 @@ def _cost_against_error(ax1, result, fmts, colors, markers):
         errs = [p[2] for p in pts]
         ax1.set_ylim(min(errs) / 1.6, max(errs) * 1.6)
         _label_column(ax1, pts, colors, hi + 0.35 * span, result["decode_model"])
+
+
+def _log_scale(ax, axis, drawn):
+    """A log scale with plain tick labels on ``ax``'s ``axis`` ("x" or "y") where anything
+    was drawn; else a note that there is nothing to draw."""
+    if drawn:
+        getattr(ax, f"set_{axis}scale")("log")
+        _plain_log_ticks(getattr(ax, f"{axis}axis"))
+    else:
+        _say_nothing_to_draw(ax)

@@ -651,13 +651,10 @@ def markdown(result):
         bits_cell = f"{bits:.4g}" if bits is not None else "4.5 + 32/N"
         out.append(f"| {_label(r0)} | {bits_cell} | " + " | ".join(cells) + " |")
 
-    out += [
-        "",
+    out += _table_head(
         "### Scale storage (FP4Quant + H, nearest): SQNR (dB); clipped elements in brackets",
-        "",
-        "| scales stored | g | bits/element | " + " | ".join(names) + " |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " |",
-    ]
+        ["scales stored", "g", "bits/element", *names],
+    )
     for g in result["scale_group_sizes"]:
         for v, desc in result["scale_variants"].items():
             cells = []
@@ -670,6 +667,13 @@ def markdown(result):
     out += _regular_channels_table(rows)
     out += _matrix_roles_table(rows)
     return "\n".join(out) + "\n"
+
+
+def _table_head(title, columns):
+    """A table's opening lines: a blank line, its title, the header row and its rule (the
+    first column left-aligned, the others numbers, right-aligned)."""
+    rule = ["---"] + ["---:"] * (len(columns) - 1)
+    return ["", title, "", "| " + " | ".join(columns) + " |", "| " + " | ".join(rule) + " |"]
 
 
 def _regular_channels_table(rows):
@@ -702,13 +706,9 @@ def _matrix_roles_table(rows):
     model_rows = [r for r in rows if r["dataset"] == "minilm"]
     if model_rows:
         kinds = list(model_rows[0]["per_kind_sqnr_db"])
-        out += [
-            "",
-            "### all-MiniLM-L6-v2 by matrix role: SQNR (dB), nearest",
-            "",
-            "| codec | " + " | ".join(kinds) + " |",
-            "| --- | " + " | ".join("---:" for _ in kinds) + " |",
-        ]
+        out += _table_head(
+            "### all-MiniLM-L6-v2 by matrix role: SQNR (dB), nearest", ["codec", *kinds]
+        )
         for key in (
             ("nvfp4", False, None),
             ("nvfp4", True, 64),

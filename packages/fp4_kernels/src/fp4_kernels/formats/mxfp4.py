@@ -14,7 +14,7 @@ import numpy.typing as npt
 from .e2m1 import ROUNDINGS, decode_e2m1, encode_e2m1, encode_e2m1_stochastic
 from .e8m0 import E8M0_MAX_EXP, E8M0_MIN_EXP, E8M0_NAN, decode_e8m0, encode_e8m0_exponent
 from .philox import stochastic_bits16
-from .spec import FormatSpec
+from .spec import FormatSpec, check_codes, check_input
 
 BLOCK_SIZE = 32  # elements per E8M0 scale (MX v1.0 k = 32)
 SPEC = FormatSpec(
@@ -56,17 +56,6 @@ def shared_exponent(amax_b: npt.ArrayLike) -> np.ndarray:
     return np.clip(floor_log2 - E2M1_EMAX, E8M0_MIN_EXP, E8M0_MAX_EXP)
 
 
-def _check_x(x):
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"x must have a last dimension divisible by {BLOCK_SIZE}, got shape {x.shape}"
-        )
-    return x
-
-
 def quantize_reference(
     x: npt.ArrayLike, *, rounding: str = "nearest", seed: int = 0, step: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +71,7 @@ def quantize_reference(
     max after scaling clamp to ±6), or stochastic with the random bits
     ``stochastic_bits16(seed, step, x.size)[i]`` for flat element index i (as NVFP4).
     """
-    x = _check_x(x)
+    x = check_input(x, BLOCK_SIZE)
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     blocks = x.reshape(-1, BLOCK_SIZE)
@@ -111,17 +100,6 @@ def dequantize_reference(codes: npt.ArrayLike, scales: npt.ArrayLike) -> np.ndar
     ``codes`` uint8 (..., K) unpacked, ``scales`` uint8 (..., K // 32). A NaN scale (0xFF) makes
     its whole block NaN.
     """
-    codes = np.asarray(codes)
-    scales = np.asarray(scales)
-    if codes.ndim == 0 or codes.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"codes must have a last dimension divisible by {BLOCK_SIZE}, got shape {codes.shape}"
-        )
-    scales_shape = codes.shape[:-1] + (codes.shape[-1] // BLOCK_SIZE,)
-    if scales.shape != scales_shape:
-        raise ValueError(
-            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, "
-            f"got {scales.shape}"
-        )
+    codes, scales = check_codes(codes, scales, BLOCK_SIZE)
     values = decode_e2m1(codes).reshape(-1, BLOCK_SIZE) * decode_e8m0(scales).reshape(-1, 1)
     return values.reshape(codes.shape)

@@ -28,7 +28,7 @@ from .e2m1 import (
 )
 from .e4m3 import E4M3_MAX, E4M3_NAN, decode_e4m3, encode_e4m3
 from .philox import stochastic_bits16
-from .spec import FormatSpec
+from .spec import FormatSpec, check_codes, check_input
 
 BLOCK_SIZE = 16  # elements per E4M3 scale
 SPEC = FormatSpec(
@@ -77,17 +77,6 @@ def global_encode_scale(amax: SupportsFloat) -> np.float32:
     return np.float32(s)
 
 
-def _check_x(x):
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    if x.ndim == 0 or x.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"x must have a last dimension divisible by {BLOCK_SIZE}, got shape {x.shape}"
-        )
-    return x
-
-
 def quantize_reference(
     x: npt.ArrayLike,
     *,
@@ -113,7 +102,7 @@ def quantize_reference(
       code = e2m1(x * scale_rcp), round-to-nearest-even, or stochastic with the random bits
       ``stochastic_bits16(seed, step, x.size)[i]`` for flat element index i.
     """
-    x = _check_x(x)
+    x = check_input(x, BLOCK_SIZE)
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     if global_amax is None:
@@ -159,17 +148,6 @@ def dequantize_reference(
     ``codes`` uint8 (..., K) unpacked, ``scales`` uint8 (..., K // 16). A NaN scale (0x7F/0xFF)
     makes its whole block NaN.
     """
-    codes = np.asarray(codes)
-    scales = np.asarray(scales)
-    if codes.ndim == 0 or codes.shape[-1] % BLOCK_SIZE != 0:
-        raise ValueError(
-            f"codes must have a last dimension divisible by {BLOCK_SIZE}, got shape {codes.shape}"
-        )
-    scales_shape = codes.shape[:-1] + (codes.shape[-1] // BLOCK_SIZE,)
-    if scales.shape != scales_shape:
-        raise ValueError(
-            f"scales must have shape {scales_shape} for codes of shape {codes.shape}, "
-            f"got {scales.shape}"
-        )
+    codes, scales = check_codes(codes, scales, BLOCK_SIZE)
     values = decode_e2m1(codes).reshape(-1, BLOCK_SIZE) * decode_e4m3(scales).reshape(-1, 1)
     return (values * np.float32(global_scale)).reshape(codes.shape)
