@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays as arrays, _autograd, _checks as checks, _plans
+from . import _arrays as arrays, _autograd, _calls as checks, _plans
 from ._calls import (
     AMAX_NUMBER,
     DequantizeCall,
@@ -20,6 +20,7 @@ from ._calls import (
     Geometry,
     QuantizeCall,
     QuantizeKey,
+    format_spec,
 )
 from ._quantized import (
     SCALE_LAYOUTS,
@@ -31,7 +32,6 @@ from ._quantized import (
     Rounding,
     ScaleLayout,
     check_quantized,
-    format_spec,
     payload_views,
 )
 from .formats.e2m1 import ROUNDINGS
@@ -102,7 +102,8 @@ def quantize_dequantize(
     grad too, and the gradient passes straight through: ``d(out)/dx`` is the identity, as in
     torchao's fake quantization (the values are the same bits as without grad).
     """
-    if _autograd.requires_autograd(x):
+    # (requires_grad read here first: a tensor without it takes no call into _autograd)
+    if getattr(x, "requires_grad", False) and _autograd.requires_autograd(x):
 
         def qdq(t):
             return _quantize(t, fmt, rounding, seed, step, global_amax, "linear", True)

@@ -12,11 +12,9 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
-from ._calls import Geometry
-from ._checks import check_choice, check_field, check_int
-from .formats import mxfp4, nvfp4
+from ._calls import SPECS, Geometry, check_choice, check_field, check_int, format_spec
+from .formats.fp4quant import FP4Quant
 
-SPECS = {spec.name: spec for spec in (nvfp4.SPEC, mxfp4.SPEC)}  # fmt= string -> FormatSpec
 FORMATS = {name: spec.block_size for name, spec in SPECS.items()}  # format -> block size
 SCALE_LAYOUTS = ("linear", "swizzled")
 
@@ -29,41 +27,6 @@ Rounding = Literal["nearest", "stochastic"]
 ScaleLayout = Literal["linear", "swizzled"]
 #: A torch.device, a device string ("cuda:1", "cpu") or a CUDA device index.
 Device = Any
-
-
-@dataclass(frozen=True)
-class FP4Quant:
-    """The FP4Quant group codec, usable as ``fmt=`` of quantize / dequantize.
-
-    Contiguous groups of ``group_size`` elements of the last dimension (a power of two, 16 to
-    8192), each transformed by the Walsh–Hadamard transform when ``hadamard`` is true (which
-    spreads an outlier over its group), scaled by one bfloat16 scale (the transformed group's
-    amax / 6, rounded up) and rounded to e2m1: 4 + 16/g bits per element.  The exact operation
-    order, the wire layout and why one scale suffices: ``fp4_kernels.formats.fp4quant``.
-    """
-
-    group_size: int = 64
-    hadamard: bool = True
-
-    def __post_init__(self) -> None:
-        from .formats.hadamard import check_group_size
-
-        check_group_size(self.group_size, "FP4Quant.group_size")
-        if not isinstance(self.hadamard, bool):
-            raise TypeError(f"FP4Quant.hadamard: expected True or False, got {self.hadamard!r}")
-
-    @property
-    def block_size(self) -> int:
-        """Elements per scale: the group size."""
-        return self.group_size
-
-    @property
-    def bits_per_element(self) -> float:
-        """4 bits of code plus a 16-bit scale per group: 4 + 16 / group_size."""
-        return 4 + 16 / self.group_size
-
-    def __str__(self) -> str:
-        return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
 
 
 #: ``fmt=`` of quantize / dequantize: "nvfp4", "mxfp4" or an ``FP4Quant``.
@@ -404,19 +367,6 @@ def swizzled_scale_shape(rows: int, blocks_per_row: int) -> tuple[int, int]:
     rows = check_int(rows, "rows", 0, 2**63)
     blocks_per_row = check_int(blocks_per_row, "blocks_per_row", 0, 2**63)
     return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
-
-
-def format_spec(fmt, name="fmt"):
-    """The ``FormatSpec`` of "nvfp4" / "mxfp4", or the ``FP4Quant`` itself; TypeError /
-    ValueError naming ``name`` for anything else."""
-    if isinstance(fmt, FP4Quant):
-        return fmt
-    if not isinstance(fmt, str):
-        raise TypeError(
-            f"{name}: expected 'nvfp4', 'mxfp4' or an FP4Quant(...), got {type(fmt).__name__}"
-        )
-    check_choice(fmt, name, tuple(SPECS))
-    return SPECS[fmt]
 
 
 def check_quantized(q, name="q"):

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from .. import _numba_abi as abi
 from ._primitives import SIMULATOR
-from .launch_table import LaunchPolicy, current_policy, launch_policy
+from .launch_table import DEFAULT_POLICY, POLICY, LaunchPolicy, launch_policy
 
 __all__ = ["LaunchPolicy", "current_policy", "launch", "launch_policy"]
+
+
+def current_policy() -> LaunchPolicy:
+    """The launch policy in force (``launch_policy``), or the table's choice."""
+    return POLICY.get() or DEFAULT_POLICY
 
 
 _sm_count = {}

@@ -105,7 +105,3 @@ def launch_policy(threads=None, max_blocks=None, lanes_per_block=None, threads_p
         yield
     finally:
         POLICY.reset(token)
-
-
-def current_policy() -> LaunchPolicy:
-    return POLICY.get() or DEFAULT_POLICY

@@ -46,6 +46,8 @@ Wire layout of a tensor of n elements (``QuantizedTensor.payload``): n/2 bytes o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -56,6 +58,40 @@ from .philox import stochastic_bits16
 FP32_MAX = np.finfo(np.float32).max
 BF16_NAN_BITS = 0x7FC0
 GROUP_SIZES_STUDIED = (64, 256, 512)  # the paper's settings
+
+
+@dataclass(frozen=True)
+class FP4Quant:
+    """The FP4Quant group codec, usable as ``fmt=`` of quantize / dequantize.
+
+    Contiguous groups of ``group_size`` elements of the last dimension (a power of two, 16 to
+    8192), each transformed by the Walsh–Hadamard transform when ``hadamard`` is true (which
+    spreads an outlier over its group), scaled by one bfloat16 scale (the transformed group's
+    amax / 6, rounded up) and rounded to e2m1: 4 + 16/g bits per element.  The exact operation
+    order, the wire layout and why one scale suffices: ``fp4_kernels.formats.fp4quant``, where
+    this class is the format's spec (as ``nvfp4.SPEC`` and ``mxfp4.SPEC`` are those formats').
+    """
+
+    group_size: int = 64
+    hadamard: bool = True
+
+    def __post_init__(self) -> None:
+        check_group_size(self.group_size, "FP4Quant.group_size")
+        if not isinstance(self.hadamard, bool):
+            raise TypeError(f"FP4Quant.hadamard: expected True or False, got {self.hadamard!r}")
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale: the group size."""
+        return self.group_size
+
+    @property
+    def bits_per_element(self) -> float:
+        """4 bits of code plus a 16-bit scale per group: 4 + 16 / group_size."""
+        return 4 + 16 / self.group_size
+
+    def __str__(self) -> str:
+        return f"fp4quant(g={self.group_size}{'' if self.hadamard else ', no hadamard'})"
 
 
 def bits_per_element(group_size: int) -> float:

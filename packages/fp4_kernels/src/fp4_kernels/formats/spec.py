@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class FormatSpec:
         return self.name
 
 
-def check_input(x, block_size):
+def check_input(x: npt.ArrayLike, block_size: int) -> np.ndarray:
     """``x`` as a float32 array whose last dimension is a multiple of ``block_size``, or
     TypeError / ValueError (the oracles' input check)."""
     x = np.asarray(x)
@@ -53,7 +54,9 @@ def check_input(x, block_size):
     return x
 
 
-def check_codes(codes, scales, block_size):
+def check_codes(
+    codes: npt.ArrayLike, scales: npt.ArrayLike, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(codes, scales) as arrays: unpacked codes (..., K) with K a multiple of ``block_size``
     and one scale a block (..., K // block_size), or ValueError (the oracles' decode check)."""
     codes = np.asarray(codes)

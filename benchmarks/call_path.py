@@ -1,0 +1,54 @@
+"""The host path of a torch CUDA call: the package's source files and the Python function calls
+from the public function to ``cuLaunchKernel``, for each op, warm (its plan made) and at the
+first call of its kind (a new shape: checks, descriptor, plan recording; kernels compiled).
+
+    python benchmarks/call_path.py
+
+Runs anywhere: torch tensors pretend to live on ``cuda:0`` (``tests/_fake_cuda.py``), nothing is
+compiled or launched; the counts are cProfile's (builtins and C methods left out).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "packages", "fp4_kernels", "tests"))
+
+import torch  # noqa: E402
+from _fake_cuda import Recorder, call_path, fake_cuda  # noqa: E402
+
+import fp4_kernels as fk  # noqa: E402
+
+
+def ops():
+    """name -> a function of a tensor making the call."""
+    g64 = fk.FP4Quant(group_size=64)
+    return {
+        "quantize nvfp4": lambda x: fk.quantize(x),
+        "quantize mxfp4": lambda x: fk.quantize(x, fmt="mxfp4"),
+        "quantize_dequantize nvfp4": lambda x: fk.quantize_dequantize(x),
+        "quantize fp4quant g64": lambda x: fk.quantize(x, fmt=g64),
+        "hadamard g256": lambda x: fk.hadamard(x, group_size=256),
+    }
+
+
+def main():
+    torch.set_num_threads(1)
+    print(f"{'op':28s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s}")
+    with fake_cuda(Recorder(keep=False)):
+        for i, (name, f) in enumerate(ops().items()):
+            f(torch.randn(64, 256).to(torch.bfloat16))  # the kernels: built and "compiled"
+            x = torch.randn(128 + i, 256).to(torch.bfloat16)  # a shape of its own
+            first_calls, first_files = call_path(functools.partial(f, x))
+            warm_calls, warm_files = call_path(functools.partial(f, x))
+            print(
+                f"{name:28s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "
+                f"{first_calls:6d}   warm: {', '.join(warm_files)}"
+            )
+
+
+if __name__ == "__main__":
+    main()
