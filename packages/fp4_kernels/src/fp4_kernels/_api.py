@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays as arrays, _autograd, _calls as checks, _plans
+from . import _arrays as arrays, _autograd, _plans
 from ._calls import (
+    AMAX_F32_OVERFLOW,
     AMAX_NUMBER,
     DequantizeCall,
     DequantizeKey,
     Geometry,
     QuantizeCall,
     QuantizeKey,
+    check_choice,
+    check_input,
+    check_int,
+    checked_amax,
+    checked_amax_array,
     format_spec,
+    is_number,
 )
 from ._quantized import (
     SCALE_LAYOUTS,
@@ -125,7 +132,7 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         and 0 <= step < 2**32
         and (
             key.amax != AMAX_NUMBER
-            or (type(global_amax) is float and 0 <= global_amax < checks.AMAX_F32_OVERFLOW)
+            or (type(global_amax) is float and 0 <= global_amax < AMAX_F32_OVERFLOW)
         )
     ):
         return _run_quantize_plan(plan, key, x, seed, step, global_amax)
@@ -148,7 +155,7 @@ def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
     xk = _plans.tensor_key(x)
     if xk is None or policy is _plans.NO_PLAN:
         return None
-    if global_amax is None or checks.is_number(global_amax):
+    if global_amax is None or is_number(global_amax):
         ak = None if global_amax is None else AMAX_NUMBER
     else:
         ak = _plans.tensor_key(global_amax)
@@ -160,15 +167,15 @@ def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
 def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fused, key):
     """The descriptor of a quantize call, every argument checked."""
     spec = format_spec(fmt)
-    checks.check_choice(rounding, "rounding", ROUNDINGS)
-    checks.check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
-    seed = checks.check_int(seed, "seed", 0, 2**64)
-    step = checks.check_int(step, "step", 0, 2**32)
+    check_choice(rounding, "rounding", ROUNDINGS)
+    check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
+    seed = check_int(seed, "seed", 0, 2**64)
+    step = check_int(step, "step", 0, 2**32)
     if isinstance(spec, FP4Quant):
         block, what = spec.group_size, "FP4Quant group size"
     else:
         block, what = spec.block_size, f"{spec.name.upper()} block size"
-    backend, dt, shape = checks.check_input(x, block, what)
+    backend, dt, shape = check_input(x, block, what)
     amax_value, amax_array = -1.0, None
     if isinstance(spec, FP4Quant):
         if global_amax is not None:
@@ -178,14 +185,14 @@ def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fuse
     elif global_amax is not None:
         if not spec.tensor_scale:
             raise ValueError("global_amax: only NVFP4 has a tensor scale; MXFP4 takes none")
-        if checks.is_number(global_amax):
-            amax_value = checks.checked_amax(global_amax)
+        if is_number(global_amax):
+            amax_value = checked_amax(global_amax)
         elif backend.gpu:
-            amax_array = checks.checked_amax_array(global_amax, backend)
+            amax_array = checked_amax_array(global_amax, backend)
         else:  # on the CPU the array can be read and checked like a float
-            checks.checked_amax_array(global_amax, backend)
+            checked_amax_array(global_amax, backend)
             host = np.asarray(arrays.to_numpy(global_amax), np.float32).reshape(-1)[0]
-            amax_value = checks.checked_amax(host)
+            amax_value = checked_amax(host)
     return QuantizeCall(
         x=x, backend=backend, dtype=dt, fmt=spec, geometry=Geometry.of(shape, block, scale_layout),
         stochastic=rounding == "stochastic", seed=seed, step=step, amax_value=amax_value,

@@ -6,7 +6,8 @@ a refactoring that means to leave the kernels alone shows that it did.
 
 Each variant is one file, ``<name>.ptx``, normalized: NVVM's header comments and numba's
 environment globals dropped, and every mangled symbol renamed ``SYM<k>`` in order of first
-appearance (a device function that moved to another module keeps its code, not its name).
+appearance (a device function that moved to another module keeps its code, not its name; a
+shared array's number depends on what the process compiled before it).
 ``compare`` lists the variants whose text differs and those only one folder has; it exits
 non-zero when there are any.  Compiled for sm_90 as the compile-check tier does, no GPU needed.
 """
@@ -19,7 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-SYMBOL = re.compile(r"_Z[A-Za-z0-9_]+")
+# mangled names, and numba's shared arrays (numbered in the order a process compiles them)
+SYMBOL = re.compile(r"_Z[A-Za-z0-9_]+|_cudapy_smem_[0-9]+")
 
 
 def normalize(ptx):

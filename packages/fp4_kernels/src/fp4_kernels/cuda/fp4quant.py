@@ -31,12 +31,11 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
-    group_max,
     max_abs_nan,
     prmt,
     u32_as_f32,
 )
-from ._words import U32, U64
+from ._words import U32, U64, make_words_io, words_per
 from .e2m1 import (
     HORNER_FIX,
     SR_BASE,
@@ -77,7 +76,13 @@ def _make_lanes_max(group_size):
 
     @device_jit
     def lanes_max(m):
-        return group_max(m, lanes)
+        off = 1
+        while off < lanes:
+            o = cuda.shfl_xor_sync(FULL_MASK, m, off)
+            if o > m:
+                m = o
+            off *= 2
+        return m
 
     return lanes_max
 
@@ -256,39 +261,6 @@ def make_encode_runs(group_size, hadamard, stochastic):
 
 
 @functools.cache
-def make_run_amax(group_size):
-    """Device function ``run_amax(v, m)``: the group amax bits of each of the thread's four
-    register runs into ``m``, in the tile layout and for g <= 1024 (a group within a warp):
-    chunk c's 8 registers, then the chunks sharing a group (bit 8: chunks 0-1, 2-3; bit 9: all
-    four), then the group's lanes."""
-    lanes_max = _make_lanes_max(group_size)
-
-    @device_jit
-    def run_amax(v, m):
-        for c in range(4):
-            m[c] = run_amax_bits(v, 8 * c, CHUNK)
-        if group_size >= 512:
-            m[0] = max(m[0], m[1])
-            m[2] = max(m[2], m[3])
-        if group_size >= 1024:
-            m[0] = max(m[0], m[2])
-        m[0] = lanes_max(m[0])
-        if group_size < 1024:
-            m[2] = lanes_max(m[2])
-        if group_size < 512:
-            m[1] = lanes_max(m[1])
-            m[3] = lanes_max(m[3])
-        else:
-            m[1] = m[0]
-            m[3] = m[2]
-        if group_size >= 1024:
-            m[2] = m[0]
-            m[3] = m[0]
-
-    return run_amax
-
-
-@functools.cache
 def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
                            prefetch=False):  # fmt: skip
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
@@ -302,8 +274,8 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
     warps_per_group = max(1, group_size // WARP_TILE)
+    lanes_max = _make_lanes_max(group_size)
     cta_amax = make_cta_amax(warps_per_group)
-    run_amax = make_run_amax(group_size)
     encode_runs = make_encode_runs(group_size, hadamard, stochastic)
 
     @cuda.jit
@@ -316,7 +288,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
         half = 0  # the half of warp_amax this tile uses
         v = cuda.local.array(REGISTERS, np.float32)
         w = cuda.local.array(8, np.uint32)
-        m = cuda.local.array(4, np.int32)  # the group amax of each run set (make_run_amax)
+        m = cuda.local.array(4, np.int32)  # the group amax of each run set (see below)
         tile = REGISTERS * cuda.blockDim.x
         n_tiles = (n + tile - 1) // tile
         for t in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
@@ -331,7 +303,27 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
                 for c in range(4):
                     m[c] = a
             else:
-                run_amax(v, m)
+                # the tile layout: chunk c's 8 registers, then the chunks sharing a group
+                # (bit 8: chunks 0-1, 2-3; bit 9: all four), then the group's lanes
+                for c in range(4):
+                    m[c] = run_amax_bits(v, 8 * c, CHUNK)
+                if group_size >= 512:
+                    m[0] = max(m[0], m[1])
+                    m[2] = max(m[2], m[3])
+                if group_size >= 1024:
+                    m[0] = max(m[0], m[2])
+                m[0] = lanes_max(m[0])
+                if group_size < 1024:
+                    m[2] = lanes_max(m[2])
+                if group_size < 512:
+                    m[1] = lanes_max(m[1])
+                    m[3] = lanes_max(m[3])
+                else:
+                    m[1] = m[0]
+                    m[3] = m[2]
+                if group_size >= 1024:
+                    m[2] = m[0]
+                    m[3] = m[0]
             encode_runs(v, m, codes, scales16, n, t * tile, base, lane, warp, seed_lo,
                         seed_hi, step)  # fmt: skip
 
@@ -596,25 +588,25 @@ def _make_code_tile_loader(group_size, first, final, run):
 def _smem_decode_kernel(out_kind, group_size, prefetch):
     """The decode with the transform's "smem" network: codes read in its load layout (8
     consecutive codes a thread and chunk), the output stored from its final layout, each run
-    multiplied by its group's factor (the butterflies on e2m1 values are exact, so the order
-    of the stages does not matter here).  ``prefetch``: the next tile's code words and scales
-    are loaded into the same registers as soon as this tile's are unpacked, so they are in
-    flight while the kernel computes on this tile."""
+    times its group's factor (butterflies on e2m1 values are exact: their order does not
+    matter).  ``prefetch``: the next tile's code words and scales load into the same
+    registers once this tile's are unpacked, in flight while the kernel computes on it."""
     wide = out_kind == KIND_F32
     first = hn.layouts(group_size, False, wide)[0]
     final, network = hn.make_network(group_size, False, wide)
     run = min(hn.run_length(final), CHUNK)
-    store_tile = hn.make_tile_store(out_kind, final)
+    store = make_words_io(out_kind, words_per(out_kind, run))[4]
+    shift = U64(0 if wide else 1)
     n_runs = REGISTERS // run
     n_chunks = REGISTERS // CHUNK
     n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
     in_offset = hn.make_offsets(first)
     out_offset = hn.make_offsets(final)
+    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
     # chunks of 8 consecutive codes, a thread's first at a multiple of 8: one code word each
     assert first.regs[:3] == (0, 1, 2) and min(first.lanes + first.warps) >= 3
-
     load_tile = _make_code_tile_loader(group_size, first, final, run)
 
     @cuda.jit
@@ -662,7 +654,15 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
             network(v, lane, warp, sm)
             for i in range(REGISTERS):
                 v[i] = v[i] * sc[i // run]  # one rounding, a plain multiply
-            store_tile(out, v, t * tile, e_out, n, full)
+            if full:  # one address, constant offsets
+                first = U64(t * tile + e_out) >> shift
+                for r in range(n_runs):
+                    store(out, first + U64(out_regs[run * r] >> shift), v, run * r)
+            else:
+                for r in range(n_runs):
+                    e = t * tile + e_out + out_regs[run * r]
+                    if e < n:
+                        store(out, U64(e) >> shift, v, run * r)
 
     return kernel
 

@@ -783,32 +783,6 @@ def make_tile_loader(kind, layout, aligned=True, prefetch=False, flips=False):
     return start, tile_values, n_raw
 
 
-def make_tile_store(kind, final):
-    """Device function ``store_tile(out, v, tile0, e_out, n, full)``: a thread's registers in
-    the network's final layout ``final`` (register 0 at element ``tile0 + e_out``) stored as
-    ``kind``, one store a run of consecutive elements in consecutive registers (16 bytes; 8 or
-    4 where the final layout's runs are 4 or 2 elements); nothing past ``n``, which ``full``
-    (the tile ends before n) says without a comparison: one address, constant offsets."""
-    run = min(run_length(final), CHUNK)
-    store = make_words_io(kind, words_per(kind, run))[4]
-    shift = U64(0 if kind == KIND_F32 else 1)  # element index -> word index
-    out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
-
-    @device_jit
-    def store_tile(out, v, tile0, e_out, n, full):
-        if full:
-            first = U64(tile0 + e_out) >> shift
-            for i0 in range(0, REGISTERS, run):
-                store(out, first + U64(out_regs[i0] >> shift), v, i0)
-        else:
-            for i0 in range(0, REGISTERS, run):
-                e = tile0 + e_out + out_regs[i0]
-                if e < n:
-                    store(out, U64(e) >> shift, v, i0)
-
-    return store_tile
-
-
 def _make_sign_mask(layout, group_size):
     """Device function ``mask_of(sign_words, e0)``: bit i set where register i's element in
     ``layout`` (register 0 at ``e0``) has a negative sign."""
@@ -842,10 +816,15 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
     # the forward transform of a 16-bit kind flips its input signs in the raw words
     word_flips = signed and not inverse and not wide
     start, tile_values, n_raw = make_tile_loader(kind, first, aligned, prefetch, word_flips)
-    store_tile = make_tile_store(kind, final)
+    # runs of consecutive elements in consecutive registers: one store each (16 bytes; 8 or 4
+    # where the final layout's runs are 4 or 2 elements)
+    run = min(run_length(final), CHUNK)
+    store = make_words_io(kind, words_per(kind, run))[4]
+    shift = U64(0 if wide else 1)  # element index -> word index
     scale = inv_sqrt_group_size(group_size)
     in_offset = make_offsets(first)
     out_offset = make_offsets(final)
+    out_regs = tuple(bits_offset(final.regs, i) for i in range(REGISTERS))
     mask_in_of = _make_sign_mask(first, group_size)
     mask_out_of = _make_sign_mask(final, group_size)
 
@@ -880,7 +859,15 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
                 v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
             if signed and inverse:
                 flip_signs_per_tile(v, mask_out)
-            store_tile(out, v, t * tile, e_out, n, (t + 1) * tile <= n)
+            if (t + 1) * tile <= n:  # the whole tile: one address, constant offsets
+                first = U64(t * tile + e_out) >> shift
+                for i0 in range(0, REGISTERS, run):
+                    store(out, first + U64(out_regs[i0] >> shift), v, i0)
+            else:
+                for i0 in range(0, REGISTERS, run):
+                    e = t * tile + e_out + out_regs[i0]
+                    if e < n:
+                        store(out, U64(e) >> shift, v, i0)
 
     return kernel
 
