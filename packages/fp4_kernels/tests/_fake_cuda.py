@@ -1,10 +1,11 @@
 """The host side of a torch CUDA call, driven on a machine without a GPU.
 
-``fake_cuda()`` makes every torch tensor report itself as living on ``cuda:0`` (its memory stays
-in host RAM), turns CUDA allocations into CPU ones, compiles no kernel and records each
-``cuLaunchKernel`` instead of queuing it: what ``quantize(x)`` does on the host for a torch CUDA
-tensor (checks, plans, allocation, argument packing) runs as on a GPU machine, and the launches
-it would queue can be compared.  Nothing reads or writes the outputs' memory.
+``fake_cuda()`` makes every torch tensor but a meta tensor (which has no memory) report itself
+as living on ``cuda:0`` (its memory stays in host RAM), turns CUDA allocations into CPU ones,
+compiles no kernel and records each ``cuLaunchKernel`` instead of queuing it: what
+``quantize(x)`` does on the host for a torch CUDA tensor (checks, plans, allocation, argument
+packing) runs as on a GPU machine, and the launches it would queue can be compared.  Nothing
+reads or writes the outputs' memory.
 
 Used by the host-path tests and ``benchmarks/host_overhead.py``.
 """
@@ -23,6 +24,7 @@ from fp4_kernels import _arrays, _numba_abi as abi, _plans
 from fp4_kernels.cuda import launch
 
 CUDA0 = torch.device("cuda", 0)
+META = torch.device("meta")
 SM_COUNT = 132
 
 
@@ -125,8 +127,12 @@ def fake_cuda(recorder=None):
             return self
         return real_to(self, *a, **kw)
 
-    patch(torch.Tensor, "is_cuda", property(lambda self: True))
-    patch(torch.Tensor, "device", property(lambda self: getattr(self, "fake_device", CUDA0)))
+    patch(torch.Tensor, "is_cuda", property(lambda self: not self.is_meta))
+    patch(
+        torch.Tensor,
+        "device",
+        property(lambda self: META if self.is_meta else getattr(self, "fake_device", CUDA0)),
+    )
     patch(torch.Tensor, "to", to)
     patch(torch, "empty", empty)
     patch(torch, "zeros", zeros)

@@ -237,18 +237,45 @@ def test_a_negated_view_on_the_planned_path_is_refused(call):
         _plans.clear()
 
 
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("case", range(len(ODD_TENSORS)), ids=ODD_IDS)
+def test_odd_tensors_on_the_planned_path_are_refused(case, call):
+    """Every odd kind of the tensor a plan was made for (meta, nested, sparse, a negated view)
+    finds no plan and is refused as on the checked path, with no launch (torch tensors pretend
+    to live on a GPU: ``_fake_cuda``, where a meta tensor stays on the meta device)."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _, odd, match = ODD_TENSORS[case]
+    x = torch.randn(4, 64)
+    bad = odd(x)  # (made outside the fake: torch builds a nested tensor for its device)
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            X_CALLS[call](x)  # the plan of this kind of call
+            recorder.launches.clear()
+            with pytest.raises(TypeError, match=match.format(name="x")):
+                X_CALLS[call](bad)
+            assert not recorder.launches
+    finally:
+        _plans.clear()
+
+
 @pytest.mark.gpu
 def test_planned_torch_cuda_calls_refuse_what_the_unplanned_path_refuses(gpu):
-    """On a real GPU: a negated view and a float amax beyond float32's range, each after the
-    plan of the same kind of call was made (planned calls skip the checks)."""
+    """On a real GPU: a negated view, a nested, a sparse and a meta tensor, and a float amax
+    beyond float32's range, each after the plan of the same kind of call was made (planned
+    calls skip the checks)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA build of torch")
     x = torch.randn(128, 256, device="cuda")
     for call in X_CALLS.values():
         call(x)
         call(x)  # planned
-        with pytest.raises(TypeError, match="x: a lazily negated"):
-            call(torch._neg_view(x))
+        for _, odd, match in ODD_TENSORS:
+            with pytest.raises(TypeError, match=match.format(name="x")):
+                call(odd(x))
     fk.quantize(x, global_amax=2.0)
     good = fk.quantize(x, global_amax=3.0)  # planned
     for amax in (3.5e38, np.float64(1e39), 1e300, 10**400):

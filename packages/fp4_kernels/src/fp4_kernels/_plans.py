@@ -86,7 +86,8 @@ def tensor_key(t):
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(t, torch.Tensor) or not t.is_cuda:
         return None
-    if t.is_nested or t.is_neg():  # not in the key: the unplanned path refuses them
+    # not in the key, and a sparse tensor has no data pointer: the checked path refuses them
+    if t.is_nested or t.is_neg() or t.layout != torch.strided:
         return None
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % _ALIGN)
 
