@@ -565,8 +565,19 @@ _HARDWARE = {
     "add_rm": add_rm,
     "mul_wide_u32": mul_wide_u32,
 }
+
+
+def _scalar_jit(fn):
+    """How the scalar modules' functions are compiled: as device functions on a GPU; left as
+    Python functions in the simulator.  They take no ``cuda`` API (plain code on numpy scalars:
+    the simulator's device-function wrapper would only swap a ``cuda`` module they do not
+    hold), and that wrapper takes a lock and rescans the caller's globals on every call, which
+    made the nested scalar calls of a simulated kernel several times slower."""
+    return fn if SIMULATOR else device_jit(fn)
+
+
 OPS = compile_ops(
-    device_jit,
+    _scalar_jit,
     {"f32_as_u32": f32_as_u32, "u32_as_f32": u32_as_f32}
     | {name: fn for name, fn in _HARDWARE.items() if fn is not None},
 )
