@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
+from _common import (
+    markdown_table,
+    metadata,
+    parse_args,
+    progress,
+    pyplot,
+    save_figure,
+    write_csv,
+    write_json,
+)
 
 import fp4_kernels
 from fp4_train import ErrorFeedback, FP4StoredWeights
@@ -110,13 +119,13 @@ def main():
     ax.plot(t, curves["error_feedback"], color="tab:green", label="nearest + error feedback")
     ax.set_xscale("log")
     ax.set_ylim(1.9, 2.7)
-    ax.set_xlabel("quantizations t")
-    ax.set_ylabel("mean of the first t dequantized values")
-    ax.set_title("NVFP4: 2.3 between the grid points 2 and 3")
+    ax.set(
+        xlabel="quantizations t",
+        ylabel="mean of the first t dequantized values",
+        title="NVFP4: 2.3 between the grid points 2 and 3",
+    )
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_value_2p3.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.out / "fp4_train_value_2p3.png")
 
     paths = {
         "nearest": accumulate("nearest", 1, args.device)[:, 0],
@@ -162,13 +171,13 @@ def main():
     ax.plot(steps, m, color="tab:blue", label=f"stochastic (mean of {SR_RUNS})")
     ax.fill_between(steps, m - s, m + s, color="tab:blue", alpha=0.15, label="±1 std")
     ax.step(steps, paths["error_feedback"], where="post", color="tab:green", label="error feedback")
-    ax.set_xlabel("updates of +0.05")
-    ax.set_ylabel("stored NVFP4 weight")
-    ax.set_title("Sub-step accumulation in an NVFP4-stored weight")
+    ax.set(
+        xlabel="updates of +0.05",
+        ylabel="stored NVFP4 weight",
+        title="Sub-step accumulation in an NVFP4-stored weight",
+    )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_accumulation.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.out / "fp4_train_accumulation.png")
 
     print(
         markdown_table(

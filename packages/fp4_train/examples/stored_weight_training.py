@@ -25,7 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
+from _common import (
+    markdown_table,
+    metadata,
+    parse_args,
+    progress,
+    pyplot,
+    save_figure,
+    write_csv,
+    write_json,
+)
 
 from fp4_train import FP4StoredWeights
 
@@ -184,14 +193,14 @@ def main():
         for method, r in results[task_name].items():
             c = np.array(r["curve_mean"])
             ax.plot(np.arange(len(c)) * EVAL_EVERY, c, color=colors[method], label=method)
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out MSE (mean of 3 seeds)")
-        ax.set_title(f"{task_name.replace('_', ' ')}: weights stored in NVFP4")
+        ax.set(
+            yscale="log",
+            xlabel="step",
+            ylabel="held-out MSE (mean of 3 seeds)",
+            title=f"{task_name.replace('_', ' ')}: weights stored in NVFP4",
+        )
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_stored_weights.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.out / "fp4_train_stored_weights.png")
     print(
         markdown_table(
             ["task", "method", "final test MSE (mean ± std, 3 seeds)", "/ float32", "max abs w"],
