@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -122,36 +123,24 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None):
     transport._stream_objects = {}
     transport._closing = False
     control = ControlGroup(world)
-    saved = []
-
-    def patch(obj, name, value):
-        saved.append((obj, name, getattr(obj, name, _MISSING)))
-        setattr(obj, name, value)
-
     recorder = recorder or Recorder(keep=False)
-    with fake_cuda(recorder):
-        patch(torch.cuda, "is_available", lambda: True)
-        patch(torch.cuda, "is_current_stream_capturing", lambda: False)
-        patch(torch.cuda, "Event", _FakeEvent)
-        patch(torch.cuda, "current_stream", _FakeStream)
-        patch(dist, "all_gather_single", control.all_gather)
-        patch(dist, "send", control.send)
-        patch(dist, "recv", control.recv)
-        patch(dist, "get_global_rank", lambda group, rank: rank)
-        patch(codecs, "_ONES", {})  # its 1.0 made on the pretend device, dropped afterwards
-        patch(torch, "ones", _host_ones(torch.ones))
-        try:
-            comm = Communicator(transport, control_group=control, validate=validate)
-            yield comm, null, control, recorder
-        finally:
-            for obj, name, value in reversed(saved):
-                if value is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, value)
-
-
-_MISSING = object()
+    pretend = [
+        (torch.cuda, "is_available", lambda: True),
+        (torch.cuda, "is_current_stream_capturing", lambda: False),
+        (torch.cuda, "Event", _FakeEvent),
+        (torch.cuda, "current_stream", _FakeStream),
+        (dist, "all_gather_single", control.all_gather),  # created where torch lacks it
+        (dist, "send", control.send),
+        (dist, "recv", control.recv),
+        (dist, "get_global_rank", lambda group, rank: rank),
+        (codecs, "_ONES", {}),  # its 1.0 made on the pretend device, dropped afterwards
+        (torch, "ones", _host_ones(torch.ones)),
+    ]
+    with fake_cuda(recorder), contextlib.ExitStack() as patches:
+        for obj, name, value in pretend:
+            patches.enter_context(mock.patch.object(obj, name, value, create=True))
+        comm = Communicator(transport, control_group=control, validate=validate)
+        yield comm, null, control, recorder
 
 
 def _host_ones(real):

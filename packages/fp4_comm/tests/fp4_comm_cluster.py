@@ -53,6 +53,25 @@ def skip_unless_ranks_fit(ranks: int) -> None:
         )
 
 
+def construction_outcomes(comms, cases):
+    """A worker function: on the ranks of ``comms[2]``, ("returned", "") or (error class
+    name, message) of ``Communicator.from_process_group(its group, **kwargs)`` for each
+    ``kwargs`` of ``cases``; None on the other ranks."""
+    import fp4_comm
+
+    comm = comms[2]
+    if comm is None:
+        return None
+    out = []
+    for kwargs in cases:
+        try:
+            fp4_comm.Communicator.from_process_group(comm.transport.group, **kwargs)
+            out.append(("returned", ""))
+        except (TypeError, ValueError) as err:
+            out.append((type(err).__name__, str(err)))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

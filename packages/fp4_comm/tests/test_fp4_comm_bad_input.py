@@ -10,6 +10,7 @@ test_fp4_comm_communicator.py (and mismatched arguments in test_fp4_comm_collect
 import numpy as np
 import pytest
 import torch
+from fp4_comm_cluster import construction_outcomes
 
 import fp4_comm
 import fp4_kernels
@@ -468,30 +469,19 @@ def test_ddp_register_checks_its_options_before_the_first_backward():
         ddp.register(_NotDDP(), object())
 
 
-def _run_construction(comms):
-    comm = comms[2]
-    if comm is None:
-        return None
-    group = comm.transport.group
-    out = []
-    for kwargs in (
-        {"timeout_s": 0},
-        {"timeout_s": -1.0},
-        {"timeout_s": float("nan")},
-        {"timeout_s": float("inf")},
-        {"timeout_s": "60"},
-        {"timeout_s": 1e-9},
-        {"timeout_s": 5e-4},
-        {"timeout_s": 1e20},
-        {"validate": "sometimes"},
-        {"device": "meta"},
-    ):
-        try:
-            fp4_comm.Communicator.from_process_group(group, **{"device": "cpu", **kwargs})
-            out.append(("returned", ""))
-        except (TypeError, ValueError) as err:
-            out.append((type(err).__name__, str(err)))
-    return out
+#: Communicator.from_process_group's arguments (with device="cpu") that it refuses
+BAD_CONSTRUCTION = [
+    {"timeout_s": 0},
+    {"timeout_s": -1.0},
+    {"timeout_s": float("nan")},
+    {"timeout_s": float("inf")},
+    {"timeout_s": "60"},
+    {"timeout_s": 1e-9},
+    {"timeout_s": 5e-4},
+    {"timeout_s": 1e20},
+    {"validate": "sometimes"},
+    {"device": "meta"},
+]
 
 
 def test_communicator_construction_rejects_bad_arguments(cluster):
@@ -507,6 +497,7 @@ def test_communicator_construction_rejects_bad_arguments(cluster):
         ("ValueError", "validate"),
         ("ValueError", "neither a CUDA device nor the CPU"),
     ]
-    for out in cluster.run(_run_construction)[:2]:
+    cases = [{"device": "cpu", **kwargs} for kwargs in BAD_CONSTRUCTION]
+    for out in cluster.run(construction_outcomes, cases)[:2]:
         for (kind, message), (want_kind, word) in zip(out, expected, strict=True):
             assert kind == want_kind and word in message, (kind, message)

@@ -30,6 +30,19 @@ def cluster():
     c.close(force=True)
 
 
+def _waited(gpu, collective, *args, **kwargs):
+    """(error class name, message, seconds) of ``collective(*args, **kwargs)`` and the
+    synchronize after it; (None, None, seconds) where both return.  A peer's failure raises
+    CommPeerError, a refused argument check ValueError."""
+    start = time.monotonic()
+    try:
+        collective(*args, **kwargs)
+        gpu.synchronize(timeout_s=TIMEOUT_S)
+    except (ValueError, fp4_comm.CommPeerError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
 def _warm(comms, shape):
     gpu = comms["cuda"]
     gpu.validate = "first"  # checked once here; the faulty call below skips the check
@@ -50,13 +63,7 @@ def _die_inside(comms, shape, hop, victim):
             os._exit(17)
 
         setattr(transport, hop, die)
-    start = time.monotonic()
-    try:
-        gpu.all_reduce(torch.ones(shape, device=gpu.device), codec="mxfp4")
-        gpu.synchronize(timeout_s=TIMEOUT_S)
-    except fp4_comm.CommPeerError as err:
-        return type(err).__name__, str(err), time.monotonic() - start
-    return None, None, time.monotonic() - start
+    return _waited(gpu, gpu.all_reduce, torch.ones(shape, device=gpu.device), codec="mxfp4")
 
 
 @pytest.mark.parametrize("hop", ["all_to_all", "all_gather"])
@@ -78,13 +85,7 @@ def _arrive_unless(comms, absent, validate):
         time.sleep(TIMEOUT_S + SLACK_S)  # alive, but never takes part
         return "absent"
     gpu.validate = validate
-    start = time.monotonic()
-    try:
-        gpu.all_reduce(torch.ones(8, 256, device=gpu.device), codec="nvfp4")
-        gpu.synchronize(timeout_s=TIMEOUT_S)
-    except fp4_comm.CommPeerError as err:
-        return type(err).__name__, str(err), time.monotonic() - start
-    return None, None, time.monotonic() - start
+    return _waited(gpu, gpu.all_reduce, torch.ones(8, 256, device=gpu.device), codec="nvfp4")
 
 
 @pytest.mark.parametrize("validate", ["always", "never"])
@@ -106,13 +107,7 @@ def _different_collective(comms, validate):
     gpu.validate = validate
     x = torch.ones(16 * gpu.world_size, 64, device=gpu.device)
     op = "reduce_scatter" if gpu.rank == 0 else "all_reduce"
-    start = time.monotonic()
-    try:
-        getattr(gpu, op)(x, codec="mxfp4")
-        gpu.synchronize(timeout_s=TIMEOUT_S)
-    except (ValueError, fp4_comm.CommPeerError) as err:
-        return type(err).__name__, str(err), time.monotonic() - start
-    return None, None, time.monotonic() - start
+    return _waited(gpu, getattr(gpu, op), x, codec="mxfp4")
 
 
 def test_rank_calling_another_collective_is_refused_by_the_check(cluster):

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from fp4_comm_cluster import construction_outcomes
 
 import fp4_comm
 import fp4_kernels
@@ -361,24 +362,13 @@ def test_model_collectives_equal_the_gloo_path(cluster, world, codec, dtype):
     assert model.violations == []
 
 
-def _run_transport_arguments(comms):
-    comm = comms[2]
-    if comm is None:
-        return None
-    group = comm.transport.group
-    out = []
-    for kwargs in (
-        {"device": "cpu", "transport": "p2p"},
-        {"device": "cpu", "transport": "nccl"},
-        {"device": "cpu", "transport": "bogus"},
-        {"device": "cuda:0", "transport": "gloo"},
-    ):
-        try:
-            fp4_comm.Communicator.from_process_group(group, **kwargs)
-            out.append(("returned", ""))
-        except (TypeError, ValueError) as err:
-            out.append((type(err).__name__, str(err)))
-    return out
+#: transport arguments that do not name a transport for the device
+MISMATCHED_TRANSPORTS = [
+    {"device": "cpu", "transport": "p2p"},
+    {"device": "cpu", "transport": "nccl"},
+    {"device": "cpu", "transport": "bogus"},
+    {"device": "cuda:0", "transport": "gloo"},
+]
 
 
 def test_communicator_transport_argument_is_checked(cluster):
@@ -388,7 +378,7 @@ def test_communicator_transport_argument_is_checked(cluster):
         "transport: 'bogus' is not one of",
         "transport='gloo' moves CPU tensors",
     ]
-    for out in cluster.run(_run_transport_arguments)[:2]:
+    for out in cluster.run(construction_outcomes, MISMATCHED_TRANSPORTS)[:2]:
         for (kind, message), word in zip(out, expected, strict=True):
             assert kind == "ValueError" and word in message, (kind, message)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import tempfile
@@ -55,6 +56,20 @@ def write_csv(path, rows):
 
 
 pyplot = records.pyplot
+
+
+@contextlib.contextmanager
+def figure(path, *args, **kw):
+    """``pyplot.subplots(*args, **kw)``'s (fig, axes), written to ``path`` when the block ends:
+    every script's figures alike (laid out, 120 dpi, closed)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(*args, **kw)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def progress(iterable, **kw):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
+from _common import figure, markdown_table, metadata, parse_args, progress, write_csv, write_json
 from stored_weight_training import EVAL_EVERY, SEEDS, fit, mlp, round_to_bfloat16, task
 
 from fp4_train import FP4Linear
@@ -94,19 +94,17 @@ def main():
         {"meta": meta, "seeds": list(SEEDS), "eval_every": EVAL_EVERY, "results": results},
     )
     write_csv(args.out / "fp4_train_fp4linear.csv", rows)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
-        c = np.array(r["curve_mean"])
-        ax.plot(np.arange(len(c)) * EVAL_EVERY, c, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out MSE (mean of 3 seeds)")
-    ax.set_title("MLP with FP4Linear (NVFP4 operands, bf16 master weights)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_fp4linear.png", dpi=120)
-    plt.close(fig)
+    with figure(args.out / "fp4_train_fp4linear.png", figsize=(7, 4)) as (fig, ax):
+        for name, r in results.items():
+            c = np.array(r["curve_mean"])
+            ax.plot(np.arange(len(c)) * EVAL_EVERY, c, label=name)
+        ax.set(
+            yscale="log",
+            xlabel="step",
+            ylabel="held-out MSE (mean of 3 seeds)",
+            title="MLP with FP4Linear (NVFP4 operands, bf16 master weights)",
+        )
+        ax.legend(fontsize=8)
     print(
         markdown_table(
             ["configuration", "final test MSE (mean ± std, 3 seeds)", "/ bf16"],

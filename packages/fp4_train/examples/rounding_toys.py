@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
+from _common import figure, markdown_table, metadata, parse_args, progress, write_csv, write_json
 
 import fp4_kernels
 from fp4_train import ErrorFeedback, FP4StoredWeights
@@ -95,28 +95,26 @@ def accumulate(rounding, rows, device):
 def main():
     args = parse_args(__doc__)
     meta = metadata(args.device)
-    plt = pyplot()
 
     v = value_between_grid_points(args.device)
     curves = v.pop("curves")
     write_json(args.out / "fp4_train_value_2p3.json", {"meta": meta, **v})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    t = curves["t"]
-    ax.axhline(VALUE, color="k", lw=0.8, label="2.3")
-    ax.axhline(v["nearest"], color="tab:red", label="nearest (every step)")
-    ax.plot(t, curves["stochastic"], color="tab:blue", label="stochastic: running mean")
-    se = np.sqrt(0.21 / t)
-    ax.fill_between(t, VALUE - se, VALUE + se, color="tab:blue", alpha=0.15, label="±1 s.e.")
-    ax.plot(t, curves["error_feedback"], color="tab:green", label="nearest + error feedback")
-    ax.set_xscale("log")
-    ax.set_ylim(1.9, 2.7)
-    ax.set_xlabel("quantizations t")
-    ax.set_ylabel("mean of the first t dequantized values")
-    ax.set_title("NVFP4: 2.3 between the grid points 2 and 3")
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_value_2p3.png", dpi=120)
-    plt.close(fig)
+    with figure(args.out / "fp4_train_value_2p3.png", figsize=(7, 4)) as (fig, ax):
+        t = curves["t"]
+        ax.axhline(VALUE, color="k", lw=0.8, label="2.3")
+        ax.axhline(v["nearest"], color="tab:red", label="nearest (every step)")
+        ax.plot(t, curves["stochastic"], color="tab:blue", label="stochastic: running mean")
+        se = np.sqrt(0.21 / t)
+        ax.fill_between(t, VALUE - se, VALUE + se, color="tab:blue", alpha=0.15, label="±1 s.e.")
+        ax.plot(t, curves["error_feedback"], color="tab:green", label="nearest + error feedback")
+        ax.set_xscale("log")
+        ax.set_ylim(1.9, 2.7)
+        ax.set(
+            xlabel="quantizations t",
+            ylabel="mean of the first t dequantized values",
+            title="NVFP4: 2.3 between the grid points 2 and 3",
+        )
+        ax.legend(loc="upper right", fontsize=8)
 
     paths = {
         "nearest": accumulate("nearest", 1, args.device)[:, 0],
@@ -154,21 +152,22 @@ def main():
             for i in range(T_ACCUMULATE + 1)
         ],
     )
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = np.arange(T_ACCUMULATE + 1)
-    ax.plot(steps, exact, color="k", lw=0.8, label="exact")
-    ax.plot(steps, paths["nearest"], color="tab:red", label="nearest")
-    m, s = paths["stochastic"].mean(1), paths["stochastic"].std(1)
-    ax.plot(steps, m, color="tab:blue", label=f"stochastic (mean of {SR_RUNS})")
-    ax.fill_between(steps, m - s, m + s, color="tab:blue", alpha=0.15, label="±1 std")
-    ax.step(steps, paths["error_feedback"], where="post", color="tab:green", label="error feedback")
-    ax.set_xlabel("updates of +0.05")
-    ax.set_ylabel("stored NVFP4 weight")
-    ax.set_title("Sub-step accumulation in an NVFP4-stored weight")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_accumulation.png", dpi=120)
-    plt.close(fig)
+    with figure(args.out / "fp4_train_accumulation.png", figsize=(7, 4)) as (fig, ax):
+        steps = np.arange(T_ACCUMULATE + 1)
+        ax.plot(steps, exact, color="k", lw=0.8, label="exact")
+        ax.plot(steps, paths["nearest"], color="tab:red", label="nearest")
+        m, s = paths["stochastic"].mean(1), paths["stochastic"].std(1)
+        ax.plot(steps, m, color="tab:blue", label=f"stochastic (mean of {SR_RUNS})")
+        ax.fill_between(steps, m - s, m + s, color="tab:blue", alpha=0.15, label="±1 std")
+        ax.step(
+            steps, paths["error_feedback"], where="post", color="tab:green", label="error feedback"
+        )
+        ax.set(
+            xlabel="updates of +0.05",
+            ylabel="stored NVFP4 weight",
+            title="Sub-step accumulation in an NVFP4-stored weight",
+        )
+        ax.legend(fontsize=8)
 
     print(
         markdown_table(

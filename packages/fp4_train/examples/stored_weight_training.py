@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from _common import markdown_table, metadata, parse_args, progress, pyplot, write_csv, write_json
+from _common import figure, markdown_table, metadata, parse_args, progress, write_csv, write_json
 
 from fp4_train import FP4StoredWeights
 
@@ -177,21 +177,21 @@ def main():
     )
     write_csv(args.out / "fp4_train_stored_weights.csv", rows)
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = dict(zip(METHODS, ["k", "tab:gray", "tab:red", "tab:blue", "tab:green"], strict=True))
-    for ax, task_name in zip(axes, results, strict=True):
-        for method, r in results[task_name].items():
-            c = np.array(r["curve_mean"])
-            ax.plot(np.arange(len(c)) * EVAL_EVERY, c, color=colors[method], label=method)
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out MSE (mean of 3 seeds)")
-        ax.set_title(f"{task_name.replace('_', ' ')}: weights stored in NVFP4")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "fp4_train_stored_weights.png", dpi=120)
-    plt.close(fig)
+    with figure(args.out / "fp4_train_stored_weights.png", 1, 2, figsize=(11, 4)) as (fig, axes):
+        colors = dict(
+            zip(METHODS, ["k", "tab:gray", "tab:red", "tab:blue", "tab:green"], strict=True)
+        )
+        for ax, task_name in zip(axes, results, strict=True):
+            for method, r in results[task_name].items():
+                c = np.array(r["curve_mean"])
+                ax.plot(np.arange(len(c)) * EVAL_EVERY, c, color=colors[method], label=method)
+            ax.set(
+                yscale="log",
+                xlabel="step",
+                ylabel="held-out MSE (mean of 3 seeds)",
+                title=f"{task_name.replace('_', ' ')}: weights stored in NVFP4",
+            )
+            ax.legend(fontsize=8)
     print(
         markdown_table(
             ["task", "method", "final test MSE (mean ± std, 3 seeds)", "/ float32", "max abs w"],

@@ -8,6 +8,7 @@ over NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 
@@ -169,33 +170,30 @@ class GlooTransport(Transport):
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def _failed(self, err, op, peer=None):
-        reraise_peer_error(err, op, self.rank, self.world_size, peer)
+    @contextlib.contextmanager
+    def _peer_errors(self, op, peer=None):
+        """A torch.distributed failure inside: raised again as the CommPeerError it means."""
+        try:
+            yield
+        except RuntimeError as err:
+            reraise_peer_error(err, op, self.rank, self.world_size, peer)
 
     def all_to_all(self, pairs):
-        try:
+        with self._peer_errors("all_to_all"):
             for send, recv in pairs:
                 dist.all_to_all_single(recv.reshape(-1), send.reshape(-1), group=self.group)
-        except RuntimeError as err:
-            self._failed(err, "all_to_all")
 
     def all_gather(self, pairs):
-        try:
+        with self._peer_errors("all_gather"):
             for send, recv in pairs:
                 _all_gather_into(recv.reshape(-1), send.reshape(-1), self.group)
-        except RuntimeError as err:
-            self._failed(err, "all_gather")
 
     def send(self, tensors, peer):
-        try:
+        with self._peer_errors("send", peer):
             for t in tensors:
                 dist.send(t.reshape(-1), self._peer(peer), group=self.group)
-        except RuntimeError as err:
-            self._failed(err, "send", peer)
 
     def recv(self, tensors, peer):
-        try:
+        with self._peer_errors("recv", peer):
             for t in tensors:
                 dist.recv(t.reshape(-1), self._peer(peer), group=self.group)
-        except RuntimeError as err:
-            self._failed(err, "recv", peer)

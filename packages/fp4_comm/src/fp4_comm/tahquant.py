@@ -72,6 +72,7 @@ chunk: the codes (``6 n / 8`` bytes), then the fp16 scales.  6.5 bits an element
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
@@ -277,19 +278,53 @@ def _nan_fp16(like):
     return torch.full_like(like, FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
 
 
-def _nearest_encode_args(codec, x, rounding, seed, step):
-    """``encode``'s checks (``codecs._encode_args``: the empty sections where ``x`` has no
-    element, else None), then TAH-Quant's own: nearest rounding only."""
-    empty = _encode_args(codec, x, rounding, seed, step)
-    if rounding != "nearest":
-        raise ValueError(
-            f"{type(codec).__name__}.encode: rounding {rounding!r}: TAH-Quant rounds to "
-            "nearest even only (the paper's algorithm); pass rounding='nearest'"
-        )
-    return empty
+class _OneSectionNearestCodec(Codec):
+    """What TAH-Quant's two codecs share: ``encode`` / ``decode`` run the codecs' argument
+    checks (``codecs._encode_args`` / ``_decode_args``: the empty result where there is no
+    element), then TAH-Quant's own (nearest rounding only), then the format's work on one
+    section of (chunks, bytes) per chunk."""
+
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
+        empty = _encode_args(self, x, rounding, seed, step)
+        if rounding != "nearest":
+            raise ValueError(
+                f"{type(self).__name__}.encode: rounding {rounding!r}: TAH-Quant rounds to "
+                "nearest even only (the paper's algorithm); pass rounding='nearest'"
+            )
+        if empty is not None:
+            return empty
+        return [torch.cat(self._encode_parts(x), dim=1).contiguous()]
+
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
+        y = self._decode_float32(sections[0], n)
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    @abstractmethod
+    def _encode_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Checked, non-empty ``x`` (chunks, n) -> the parts of its one section, uint8
+        (chunks, bytes each), in wire order."""
+
+    @abstractmethod
+    def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """Checked, non-empty section ``raw`` -> the (chunks, n) float32 values."""
 
 
-class TAHQuantCodec(Codec):
+def _per_element_bound(per_tile, tile_size, x, dtype):
+    """A bound per tile of the float32 round trip, repeated over its elements, plus the
+    rounding of the result to ``dtype``."""
+    R, n = x.shape
+    bound = np.repeat(per_tile[..., None], tile_size, -1).reshape(R, n)
+    return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+
+
+class TAHQuantCodec(_OneSectionNearestCodec):
     """TAH-Quant's activation codec (arXiv:2506.01352): tiles of 64 channels, 4 bits for 80 %
     of a chunk's tokens (3 bits for the 20 % of lowest entropy), a Hadamard transform with
     pivot swap on outlier tiles, fp16 zero and scale per tile.  ``token_size``: channels of a
@@ -332,12 +367,7 @@ class TAHQuantCodec(Codec):
     def section_nbytes(self, n: int) -> tuple[int, ...]:
         return (self.layout(n)["pivots"][1],)
 
-    def encode(
-        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
-    ) -> list[torch.Tensor]:
-        empty = _nearest_encode_args(self, x, rounding, seed, step)
-        if empty is not None:
-            return empty
+    def _encode_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         R, n = x.shape
         C = self.token_size
         T = n // C
@@ -383,7 +413,7 @@ class TAHQuantCodec(Codec):
         kind_key = (~low).to(torch.int64) * T + idx  # 3-bit tokens first, then 4-bit
         order = torch.argsort(kind_key, dim=1)
         gathered = torch.gather(q, 1, order.unsqueeze(-1).expand(R, T, C))
-        parts = [
+        return [
             _pack24(gathered[:, :n_low].reshape(R, -1), LOW_BITS),
             _pack4(gathered[:, n_low:].reshape(R, -1)),
             _fp16_bytes(zero16),
@@ -392,15 +422,8 @@ class TAHQuantCodec(Codec):
             _pack_bits(transform),
             _pack24_cut(pivot, PIVOT_BITS),
         ]
-        return [torch.cat(parts, dim=1).contiguous()]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
-        (raw,) = sections
+    def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         R = raw.shape[0]
         C = self.token_size
         T = n // C
@@ -426,8 +449,7 @@ class TAHQuantCodec(Codec):
         v = q.reshape(R, tiles, TILE_SIZE).float() * scale
         v = v + zero
         back = _swap_first(_orthonormal_hadamard(v), pivot.reshape(R, tiles))
-        y = torch.where(transform, back, v).reshape(R, n)
-        return y if dtype == torch.float32 else y.to(dtype)
+        return torch.where(transform, back, v).reshape(R, n)
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
@@ -474,14 +496,13 @@ class TAHQuantCodec(Codec):
         vmax = np.maximum(np.abs(lo), np.abs(hi)) + in_v
         back = 8 * in_v + 6 * FP32_REL_HALF_ULP * 64 * vmax / 8.0
         per_tile = np.where(transform, back, in_v)
-        bound = np.repeat(per_tile[..., None], TILE_SIZE, -1).reshape(R, n)
-        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+        return _per_element_bound(per_tile, TILE_SIZE, x, dtype)
 
     def __repr__(self) -> str:
         return f"TAHQuantCodec(token_size={self.token_size})"
 
 
-class TAHQuantGradCodec(Codec):
+class TAHQuantGradCodec(_OneSectionNearestCodec):
     """TAH-Quant's backward codec: 6-bit fixed point on tiles of 32 with an fp16 scale (the
     module docstring says exactly what it computes)."""
 
@@ -492,12 +513,7 @@ class TAHQuantGradCodec(Codec):
         n = _check_n(self, n)
         return (n * GRAD_BITS // 8 + 2 * (n // GRAD_TILE_SIZE),)
 
-    def encode(
-        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
-    ) -> list[torch.Tensor]:
-        empty = _nearest_encode_args(self, x, rounding, seed, step)
-        if empty is not None:
-            return empty
+    def _encode_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         R, n = x.shape
         tiles = x.float().reshape(R, n // GRAD_TILE_SIZE, GRAD_TILE_SIZE)
         amax = tiles.abs().amax(-1)  # NaN where the tile holds NaN
@@ -511,23 +527,16 @@ class TAHQuantGradCodec(Codec):
         q = torch.where(live, q, torch.zeros_like(q)).to(torch.int32) + GRAD_STEPS
         scale16 = torch.where(ok, scale16, _nan_fp16(scale16))
         codes = _pack24(q.reshape(R, n), GRAD_BITS)
-        return [torch.cat((codes, _fp16_bytes(scale16)), dim=1).contiguous()]
+        return [codes, _fp16_bytes(scale16)]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
-        (raw,) = sections
+    def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         R = raw.shape[0]
         split = n * GRAD_BITS // 8
         q = _unpack24(raw[:, :split], GRAD_BITS, n) - GRAD_STEPS
         scale = _fp16_from_bytes(raw[:, split:]).float()
         # (code / 32) is exact; one rounding in the product with the scale
         v = q.float().reshape(R, -1, GRAD_TILE_SIZE) * (1.0 / GRAD_STEPS)
-        y = (v * scale.unsqueeze(-1)).reshape(R, n)
-        return y if dtype == torch.float32 else y.to(dtype)
+        return (v * scale.unsqueeze(-1)).reshape(R, n)
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
@@ -541,8 +550,7 @@ class TAHQuantGradCodec(Codec):
         # x / s * 32 and of the product.
         per_tile = (scale / GRAD_STEPS + amax * FP16_REL_HALF_ULP + FP16_ABS_HALF_STEP
                     + 4 * FP32_REL_HALF_ULP * scale)  # fmt: skip
-        bound = np.repeat(per_tile[..., None], GRAD_TILE_SIZE, -1).reshape(R, n)
-        return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
+        return _per_element_bound(per_tile, GRAD_TILE_SIZE, x, dtype)
 
     def __repr__(self) -> str:
         return "TAHQuantGradCodec()"
