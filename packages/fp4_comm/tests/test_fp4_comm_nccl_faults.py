@@ -95,8 +95,13 @@ def test_rank_that_never_arrives(cluster, validate):
     absent = cluster.world - 1
     out = cluster.run(_arrive_unless, absent, validate, timeout_s=2 * (TIMEOUT_S + SLACK_S) + 60)
     assert out[absent] == "absent"
+    kinds = [kind for kind, _, _ in out[:absent]]
+    # With more than two ranks, the first survivor to time out leaves the gloo group, and a
+    # survivor still waiting may see that before its own timeout: a peer gone, the other kind
+    # of CommPeerError.  At least one survivor times out on the absent rank.
+    assert "CommTimeoutError" in kinds, out
     for rank, (kind, message, waited) in enumerate(out[:absent]):
-        assert kind == "CommTimeoutError", (rank, message)
+        assert kind in ("CommTimeoutError", "CommConnectionError"), (rank, message)
         assert waited < TIMEOUT_S + SLACK_S, (rank, waited)
 
 

@@ -396,15 +396,22 @@ def _skipped_call(comms):
         None, torch.cuda.current_device(), FAULT_TIMEOUT_S, validate="never", transport="p2p"
     )
     W, r = comm.world_size, comm.rank
+    x = torch.ones(W * 64, 64, device=comm.device)
     try:
+        # one healthy call first: it compiles the codec's kernels, which (seconds with 8
+        # processes compiling at once) would otherwise eat the deadline inside the call
+        comm.all_reduce(x, codec="mxfp4")
+        comm.synchronize()
         if r == W - 1:
             return None
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             start = time.monotonic()
-            comm.all_reduce(torch.ones(W * 64, 64, device=comm.device), codec="mxfp4")
-            time.sleep(FAULT_TIMEOUT_S + 2)  # no synchronize: the watchdog notices
             try:
+                # the error may come from the call itself (a later hop finds the first one
+                # failed) or from synchronize; either way it names the rank that skipped
+                comm.all_reduce(x, codec="mxfp4")
+                time.sleep(FAULT_TIMEOUT_S + 2)  # no synchronize: the watchdog notices
                 comm.synchronize()
                 return ("no error", 0.0, None, [], "")
             except fp4_comm.CommTimeoutError as err:

@@ -724,9 +724,14 @@ class P2PTransport(Transport):
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait for this rank's queued calls; CommTimeoutError naming the peer if a kernel
-        missed a deadline, or if the stream is not done within ``timeout_s`` (the
-        communicator's timeout by default; the kernels are then aborted)."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        missed a deadline, or if the stream is not done within ``timeout_s`` (the kernels are
+        then aborted and the error names no peer).
+
+        By default ``timeout_s`` is twice the communicator's timeout: each kernel's own
+        deadline runs ``timeout`` from the moment it starts waiting, which can be later than
+        this call (work queued before it, ranks time-sliced on one GPU), and its report names
+        the peer that is missing; the host's deadline is the backstop behind it."""
+        timeout_s = 2 * self.timeout_s if timeout_s is None else timeout_s
         self._raise_if_failed()
         if not self._stream.wait(timeout_s, self._raise_if_failed):
             self.abort(
