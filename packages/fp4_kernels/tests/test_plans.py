@@ -446,3 +446,47 @@ def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch
     with pytest.raises(RuntimeError, match="probe scalars"):
         fk.quantize(_x(), rounding="stochastic", seed=3)
     assert not _plans._PLANS
+
+
+def test_first_calls_of_several_threads_count_the_gpus_once(monkeypatch):
+    """numba fills its device list on first use and fails when two threads do it at once
+    (AssertionError "key already in dictionary"): ranks emulated one thread each met it on their
+    first calls.  ``on_device`` counts the GPUs under a lock: one thread asks, once."""
+    import sys
+    import threading
+    import time
+    import types
+
+    from fp4_kernels import _plans
+
+    inside, entered = [0], []
+
+    class Gpus:
+        def __len__(self):
+            inside[0] += 1
+            entered.append(inside[0])
+            time.sleep(0.05)  # long enough for the other threads to arrive
+            inside[0] -= 1
+            return 1
+
+    fake_cuda = types.SimpleNamespace(gpus=Gpus(), get_current_device=lambda: None)
+    fake_core = types.ModuleType("cuda.core")
+    fake_core.Device = lambda i: types.SimpleNamespace(set_current=lambda: None)
+    monkeypatch.setattr("numba.cuda", fake_cuda, raising=False)
+    monkeypatch.setitem(sys.modules, "numba.cuda", fake_cuda)
+    monkeypatch.setitem(sys.modules, "cuda.core", fake_core)
+    monkeypatch.setattr(_plans, "_GPU_COUNT", [])
+    ctx = types.SimpleNamespace(device_id=0, simulator=False)
+    barrier = threading.Barrier(4)
+
+    def first_call():
+        barrier.wait()
+        with _plans.on_device(ctx):
+            pass
+
+    threads = [threading.Thread(target=first_call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert entered == [1] and _plans._GPU_COUNT == [1]

@@ -155,6 +155,7 @@ def run_unplanned(call, host):
 # ---------------------------------------------------------------------- the device of a call
 
 _GPU_COUNT = []
+_GPU_COUNT_LOCK = threading.Lock()
 _THREAD = threading.local()  # .bound: the devices whose context this thread has made current
 
 
@@ -191,7 +192,12 @@ class on_device:
             Device(self.ctx.device_id).set_current()
             bound.add(self.ctx.device_id)
         if not _GPU_COUNT:
-            _GPU_COUNT.append(len(cuda.gpus))
+            # numba fills its device list on first use, and two threads doing that at once
+            # fail ("key already in dictionary"): the first call of several threads (ranks
+            # emulated one thread each) takes it in turn
+            with _GPU_COUNT_LOCK:
+                if not _GPU_COUNT:
+                    _GPU_COUNT.append(len(cuda.gpus))
         if _GPU_COUNT[0] > 1 and cuda.get_current_device().id != self.ctx.device_id:
             self.cm = cuda.gpus[self.ctx.device_id]
             self.cm.__enter__()
