@@ -113,14 +113,17 @@ class _NoQueue(list):
 
 class FakeGraph:
     """A "CUDA graph" of ``run``: a replay runs it again (eagerly, on the host) into the static
-    output.  ``replays`` counts them."""
+    output, or (``rerun`` False: what a replay costs the host) does nothing.  ``replays``
+    counts them."""
 
-    def __init__(self, run, static, output):
-        self.run, self.static, self.output = run, static, output
+    def __init__(self, run, static, output, rerun=True):
+        self.run, self.static, self.output, self.rerun = run, static, output, rerun
         self.replays = 0
 
     def replay(self):
         self.replays += 1
+        if not self.rerun:
+            return
         out = self.run() if self.static is None else self.run(self.static)
         if self.output is not None:
             self.output.copy_(out)
@@ -131,22 +134,22 @@ class FakeCapture:
     template of the static output comes from one run of ``run`` at capture (a real capture
     runs nothing; the collective then runs once more on every rank that captures)."""
 
-    def __init__(self):
-        self.graphs = []
+    def __init__(self, rerun=True):
+        self.graphs, self.rerun = [], rerun
 
     def __call__(self, run, device, shape, dtype):
         static = None if shape is None else torch.zeros(shape, dtype=dtype)
         out = run() if static is None else run(static)
         out = None if out is None else out.clone()
-        graph = FakeGraph(run, static, out)
+        graph = FakeGraph(run, static, out, self.rerun)
         self.graphs.append(graph)
         return graph, static, out
 
 
 @contextlib.contextmanager
-def fake_graphs():
+def fake_graphs(rerun=True):
     """``fp4_comm.graphs.capture`` replaced by a ``FakeCapture`` (yielded)."""
-    fake = FakeCapture()
+    fake = FakeCapture(rerun)
     with mock.patch.object(graphs, "capture", fake):
         yield fake
 
