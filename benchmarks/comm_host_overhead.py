@@ -2,7 +2,7 @@
 
     python benchmarks/comm_host_overhead.py [--world 2 4] [--ops all_reduce reduce_scatter
         all_gather send recv] [--codecs nvfp4 mxfp4 fp4quant64 none] [--elements 8192]
-        [--kernels] [--profile] [--ops-detail] [--out DIR]
+        [--kernels] [--profile] [--ops-detail] [--graphs never auto] [--out DIR]
 
 Rank 0 of ``--world`` ranks on a pretend GPU (``packages/fp4_comm/tests/_fake_gpu.py``): every
 torch tensor says it lives on ``cuda:0``, so the communicator's checks, the collective's plan,
@@ -10,7 +10,9 @@ fp4_kernels' checks and launch plans, the allocations (on the CPU) and the argum
 as on a GPU machine; kernel launches are recorded, not run; the transport is the real
 ``NcclTransport`` over a stand-in for ``cupy.cuda.nccl`` that records each call and moves
 nothing (nothing waits for a peer).  Arguments are checked across ranks as ``validate="first"``
-says: once, in the warm-up.
+says: once, in the warm-up.  ``--graphs``: the communicator's ``graphs`` per row ("never":
+every call eager; "auto", the default on a GPU: the warm calls replay a CUDA graph, whose launch
+the stand-in graph counts as one call and does not run).
 
 Per op and codec, one warm call: the function calls it makes, Python and C alike, as cProfile
 counts them ("python"; "(fk)": those made inside fp4_kernels' quantize / dequantize /
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import os
 import pstats
 import statistics
@@ -160,9 +163,16 @@ def host_us(fn):
     return min(walls), statistics.median(walls), min(cpus)
 
 
-def measure(world, op, codec, elements, profile=False):
+def measure(world, op, codec, elements, profile=False, graphs="never"):
     """One row: the counts and times of a warm call of ``op`` with ``codec`` on ``world``."""
-    with _fakes().fake_gpu_communicator(world) as (comm, null, _, recorder):
+    import contextlib
+
+    fakes = _fakes()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fakes.fake_graphs(rerun=False))
+        comm, null, _, recorder = stack.enter_context(
+            fakes.fake_gpu_communicator(world, graphs=graphs)
+        )
         fn = make_call(comm, op, _codec(codec), elements)
         for _ in range(20):
             fn()
@@ -176,7 +186,7 @@ def measure(world, op, codec, elements, profile=False):
         prof = profile_of(fn) if profile else None
         t_min, t_med, cpu = host_us(fn)
     row = {
-        "world": world, "op": op, "codec": codec, "python_calls": calls,
+        "world": world, "op": op, "codec": codec, "graphs": graphs, "python_calls": calls,
         "fp4_kernels_calls": kernel_calls, "cpu_us": cpu,
         "torch_kernels": torch_ops["kernels"], "torch_allocations": torch_ops["allocations"],
         "torch_views": torch_ops["views"], "fp4_launches": launches, "nccl_calls": nccl,
@@ -252,6 +262,8 @@ def main():
     ap.add_argument("--ops-detail", action="store_true", help="print each call's torch ops")
     ap.add_argument("--kernels", action="store_true",
                     help="also the fp4_kernels calls the collectives make, each alone")  # fmt: skip
+    ap.add_argument("--graphs", nargs="+", default=["never", "auto"], choices=["never", "auto"],
+                    help="the communicator's graphs option, a row each")  # fmt: skip
     ap.add_argument("--out", default=None, help="also write comm_host_overhead.txt")
     args = ap.parse_args()
     import torch
@@ -263,15 +275,16 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
-    emit(f"{'W':>2s} {'op':15s} {'codec':11s} {'python':>6s} {'(fk)':>5s} {'torch':>5s} "
-         f"{'alloc':>5s} {'views':>5s} {'fp4':>3s} {'nccl':>4s} {'cpu us':>7s} {'us min':>7s} "
+    emit(f"{'W':>2s} {'op':15s} {'codec':11s} {'graphs':6s} {'python':>6s} {'(fk)':>5s} "
+         f"{'torch':>5s} {'alloc':>5s} {'views':>5s} {'fp4':>3s} {'nccl':>4s} {'cpu us':>7s} "
+         f"{'us min':>7s} "
          f"{'us med':>7s}")  # fmt: skip
     for world in args.world:
         for op in args.ops:
-            for codec in args.codecs:
-                row, prof = measure(world, op, codec, args.elements, args.profile)
+            for codec, graphs in itertools.product(args.codecs, args.graphs):
+                row, prof = measure(world, op, codec, args.elements, args.profile, graphs)
                 emit(
-                    f"{world:2d} {op:15s} {codec:11s} {row['python_calls']:6.0f} "
+                    f"{world:2d} {op:15s} {codec:11s} {graphs:6s} {row['python_calls']:6.0f} "
                     f"{row['fp4_kernels_calls']:5.0f} {row['torch_kernels']:5d} "
                     f"{row['torch_allocations']:5d} {row['torch_views']:5d} "
                     f"{row['fp4_launches']:3d} {row['nccl_calls']:4d} {row['cpu_us']:7.1f} "

@@ -1,7 +1,7 @@
 """fp4_comm collectives against NCCL bf16 on the same communicator, in the same run.
 
     torchrun --nproc-per-node 2 benchmarks/comm_throughput.py [--sizes-mb 1 4 16 64 256 1024]
-        [--ops all_reduce all_gather reduce_scatter send_recv] [--out DIR]
+        [--ops all_reduce all_gather reduce_scatter send_recv] [--graphs auto|never] [--out DIR]
 
 For each size (bytes of the bf16 tensor: the all-reduce tensor, the all-gather output, the
 reduce-scatter input, the tensor sent), operation and codec ("nccl-bf16": NCCL's own collective
@@ -21,6 +21,10 @@ on bf16, the baseline; "none": bf16 through fp4_comm's path; "nvfp4", "mxfp4", "
   2(W-1)/W, all-gather and reduce-scatter (W-1)/W, send/recv 1);
 - speedup over nccl-bf16 (graph and eager);
 - error: SQNR (dB) of the result against the float32 collective of the same inputs.
+
+fp4_comm's calls go through the communicator's default path (``graphs`` as its default:
+"auto", repeated calls replayed from CUDA graphs, on a GPU) unless ``--graphs never`` (every
+call eager) or ``--graphs auto`` says otherwise; the rows record which.
 
 Inputs are N(0, 1) bf16, rotated among 3 buffers per rank.  Run with NCCL_P2P_DISABLE=1 (and
 NCCL_SHM_DISABLE=1) to model slower links.  Rank 0 writes comm_throughput.json and .md (device,
@@ -176,6 +180,8 @@ def main():
     ap.add_argument("--host-reps", type=int, default=HOST_REPS, help="calls timed on the host")
     ap.add_argument("--host-profile", action="store_true",
                     help="write rank 0's cProfile of queued calls per row to --out")  # fmt: skip
+    ap.add_argument("--graphs", choices=["auto", "never"], default=None,
+                    help="the communicator's graphs option (default: its default)")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -187,7 +193,7 @@ def main():
     # multi-rank mode, NCCL_MULTI_RANK_GPU_ENABLE=1)
     device = fp4_comm.local_device()
     torch.cuda.set_device(device)
-    comm = fp4_comm.Communicator.from_env(device=device, validate="first")
+    comm = fp4_comm.Communicator.from_env(device=device, validate="first", graphs=args.graphs)
     world, rank = comm.world_size, comm.rank
     dev = comm.device
     base = NcclBaseline(comm)
@@ -264,7 +270,7 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen, profile_dir=Non
             "host_idle_us": idle_us,
             "algbw_gbps": size_b / graph_ms / 1e6,
             "busbw_gbps": size_b / graph_ms / 1e6 * BUS_FACTOR[op](world),
-            "sqnr_db": err,
+            "sqnr_db": err, "graphs": comm.graphs,
         }  # fmt: skip
         if codec == "nccl-bf16":
             baseline = row

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "fp4_kernels", "tests"))  # fmt: skip
 from _fake_cuda import Recorder, fake_cuda  # noqa: E402
 
-from fp4_comm import Communicator, codecs  # noqa: E402
+from fp4_comm import Communicator, codecs, graphs  # noqa: E402
 from fp4_comm.nccl import NcclTransport  # noqa: E402
 
 #: the fake's raw handle of torch's current stream on cuda:0 (``_fake_cuda.Recorder.stream``)
@@ -90,10 +90,15 @@ class _FakeEvent:
 
 
 class _FakeStream:
-    """``torch.cuda.current_stream(device)``."""
+    """``torch.cuda.current_stream(device)``; ``waits`` counts its ``wait_stream`` calls."""
+
+    waits = 0
 
     def __init__(self, device=None):
-        self.cuda_stream = FAKE_STREAM
+        self.cuda_stream = torch._C._cuda_getCurrentRawStream(0)
+
+    def wait_stream(self, other):
+        _FakeStream.waits += 1
 
 
 class _NoQueue(list):
@@ -106,10 +111,54 @@ class _NoQueue(list):
         raise IndexError
 
 
+class FakeGraph:
+    """A "CUDA graph" of ``run``: a replay runs it again (eagerly, on the host) into the static
+    output, or (``rerun`` False: what a replay costs the host) does nothing.  ``replays``
+    counts them."""
+
+    def __init__(self, run, static, output, rerun=True):
+        self.run, self.static, self.output, self.rerun = run, static, output, rerun
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        if not self.rerun:
+            return
+        out = self.run() if self.static is None else self.run(self.static)
+        if self.output is not None:
+            self.output.copy_(out)
+
+
+class FakeCapture:
+    """Stands in for ``fp4_comm.graphs.capture``: ``graphs`` lists what it captured.  The
+    template of the static output comes from one run of ``run`` at capture (a real capture
+    runs nothing; the collective then runs once more on every rank that captures)."""
+
+    def __init__(self, rerun=True):
+        self.graphs, self.rerun = [], rerun
+
+    def __call__(self, run, device, shape, dtype):
+        static = None if shape is None else torch.zeros(shape, dtype=dtype)
+        out = run() if static is None else run(static)
+        out = None if out is None else out.clone()
+        graph = FakeGraph(run, static, out, self.rerun)
+        self.graphs.append(graph)
+        return graph, static, out
+
+
 @contextlib.contextmanager
-def fake_gpu_communicator(world, rank=0, validate="first", recorder=None):
+def fake_graphs(rerun=True):
+    """``fp4_comm.graphs.capture`` replaced by a ``FakeCapture`` (yielded)."""
+    fake = FakeCapture(rerun)
+    with mock.patch.object(graphs, "capture", fake):
+        yield fake
+
+
+@contextlib.contextmanager
+def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs="never"):
     """(Communicator, NullNccl, ControlGroup, Recorder) of rank ``rank`` of ``world`` ranks on a
-    pretend ``cuda:0``; ``recorder``: fp4_kernels' launch recorder (default: launches dropped)."""
+    pretend ``cuda:0``; ``recorder``: fp4_kernels' launch recorder (default: launches dropped);
+    ``graphs``: the communicator's (captures need ``fake_graphs`` here)."""
     null = NullNccl()
     transport = NcclTransport.__new__(NcclTransport)  # no CuPy, no process group
     transport._nccl = transport.comm = null
@@ -139,7 +188,7 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None):
     with fake_cuda(recorder), contextlib.ExitStack() as patches:
         for obj, name, value in pretend:
             patches.enter_context(mock.patch.object(obj, name, value, create=True))
-        comm = Communicator(transport, control_group=control, validate=validate)
+        comm = Communicator(transport, control_group=control, validate=validate, graphs=graphs)
         yield comm, null, control, recorder
 
 

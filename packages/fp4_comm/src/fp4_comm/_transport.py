@@ -145,6 +145,14 @@ class Transport:
     def synchronize(self, timeout_s=None):
         """Wait for the queued transfers (no-op where every call is already synchronous)."""
 
+    def before_replay(self):
+        """Before a CUDA graph of this transport's calls replays: raise the CommPeerError that
+        a call would raise now (a failed or closed transport)."""
+
+    def after_replay(self):
+        """After a replay is queued: what a call does after queuing its transfers (the NCCL
+        watchdog's event)."""
+
 
 class GlooTransport(Transport):
     """torch.distributed over a gloo group: CPU tensors, every call synchronous.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import operator
 import sys
+import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, graphs as _graphs
 from ._transport import (
     CommPeerError,
     CommTimeoutError,
@@ -45,6 +46,7 @@ from .codecs import (
 )
 from .devices import local_device
 from .error_feedback import ErrorFeedback
+from .graphs import Graphs
 from .stats import HopStats
 
 #: A torch tensor, or a CuPy array (the result is then a CuPy array, queued on CuPy's current
@@ -115,6 +117,11 @@ class Communicator:
     codecs; the other blocks are unaffected), or goes through as IEEE arithmetic says
     ("none" codecs).  A peer that is gone raises ``CommPeerError``: ``CommTimeoutError`` when
     it did not come in time, ``CommConnectionError`` when its connection closed.
+
+    ``graphs``: "auto" replays a kind of call made twice from a CUDA graph captured on its third
+    call (the same bits, a few microseconds of host time: ``fp4_comm.graphs`` says which calls
+    qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
+    on CUDA transports (NCCL, p2p), "never" over gloo.
     """
 
     def __init__(
@@ -122,9 +129,18 @@ class Communicator:
         transport: Transport,
         control_group: dist.ProcessGroup | None = None,
         validate: Validate = "always",
+        graphs: Graphs | None = None,
     ) -> None:
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        if graphs is None:
+            graphs = _graphs.default_graphs(transport)
+        _graphs.check_graphs(graphs)
+        if graphs == "auto" and transport.always_validate:
+            raise ValueError(
+                "graphs='auto' replays CUDA graphs; this transport (gloo) moves CPU tensors and "
+                "checks every call: use graphs='never' (or None, the default)"
+            )
         if control_group is None and isinstance(transport, GlooTransport):
             # gloo needs every call checked (GlooTransport): over its own group where no
             # other is given.
@@ -132,7 +148,9 @@ class Communicator:
         self.transport = transport
         self.control_group = control_group
         self.validate = validate
+        self.graphs = graphs
         self.error_feedback = ErrorFeedback()
+        self._graphed = _graphs.GraphCache()  # kinds of call replayed from CUDA graphs
         self._validated: set[tuple] = set()
         self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()  # kind of call -> plan
         self._calls = 0  # collectives made: the default stochastic-rounding step
@@ -148,6 +166,7 @@ class Communicator:
         timeout_s: float = 60.0,
         validate: Validate = "always",
         transport: TransportName | None = None,
+        graphs: Graphs | None = None,
     ) -> Communicator:
         """A communicator over the ranks of ``group`` (default: the default group).
 
@@ -159,7 +178,7 @@ class Communicator:
         ``transport``: "nccl" (default for a CUDA device), "gloo" (for "cpu"), or "p2p": CUDA
         tensors moved by fp4_comm's own kernel through CUDA IPC buffers, for ranks on one node
         whose GPUs can map each other's memory (``fp4_comm.p2p``; ValueError on every rank
-        where they cannot).
+        where they cannot).  ``graphs``: as in the constructor.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -168,6 +187,8 @@ class Communicator:
             )
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        if graphs is not None:
+            _graphs.check_graphs(graphs)
         _check_timeout(timeout_s)
         if device is None:
             device = (
@@ -200,7 +221,7 @@ class Communicator:
             mover = GlooTransport(control)
         else:
             raise ValueError(f"device: {device} is neither a CUDA device nor the CPU")
-        return cls(mover, control, validate)
+        return cls(mover, control, validate, graphs)
 
     @classmethod
     def from_env(
@@ -209,12 +230,13 @@ class Communicator:
         timeout_s: float = 60.0,
         validate: Validate = "always",
         transport: TransportName | None = None,
+        graphs: Graphs | None = None,
     ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU ``LOCAL_RANK % torch.cuda.device_count()`` (``local_device``:
         ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA.
-        ``transport`` as in ``from_process_group``."""
+        ``transport`` and ``graphs`` as in ``from_process_group``."""
         _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
@@ -223,7 +245,7 @@ class Communicator:
         if device is None and torch.cuda.is_available():
             device = local_device()
             torch.cuda.set_device(device)
-        return cls.from_process_group(None, device, timeout_s, validate, transport)
+        return cls.from_process_group(None, device, timeout_s, validate, transport, graphs)
 
     # ------------------------------------------------------------------ properties
 
@@ -253,7 +275,9 @@ class Communicator:
         """Stop the NCCL watchdog and destroy the NCCL communicator (nothing to release over
         gloo), and drop the plans and the buffers they keep; no collective may follow on an
         NCCL communicator.  A p2p communicator's close is collective: every rank waits for its
-        kernels, the ranks meet, and the buffers go."""
+        kernels, the ranks meet, and the buffers go.  The CUDA graphs go first (they hold
+        the transport's resources)."""
+        self._graphed.clear()
         self._plans.clear()  # and with them the buffers they keep
         close = getattr(self.transport, "close", None)
         if close is not None:
@@ -369,8 +393,11 @@ class Communicator:
             if self._needs_check(entry):
                 self._validate_p2p("recv", plan.shape, plan.dtype, plan.codec, "nearest", src)
                 entry.validated = entry.validated or self._validated_for_good()
+            opts = collectives.Options(plan.codec)
             try:
-                return plan.run(self.transport, collectives.Options(plan.codec), src)
+                if entry.graphable and self._graph_ready(entry, kind, "recv", None, opts, src):
+                    return entry.replay.replay(self.transport)
+                return plan.run(self.transport, opts, src)
             except CommPeerError as err:
                 _reraise_with_op(err, "recv")
         shape = _shape(shape, "recv: shape")
@@ -381,7 +408,8 @@ class Communicator:
             self._validate_p2p("recv", shape, dtype, opts.codec, "nearest", src)
             plan = collectives.RecvPlan(self.transport, opts, shape, dtype)
             if like is None:
-                self._keep_plan(kind, plan)
+                nbytes = _numel(shape) * dtype.itemsize
+                self._keep_plan(kind, plan, (opts.codec, "nearest", None, False, nbytes))
             try:
                 y = plan.run(self.transport, opts, src)
             except CommPeerError as err:
@@ -439,8 +467,8 @@ class Communicator:
             ):
                 if step is None:
                     step = (call if peer is None else default_step) % STEP_LIMIT
-                return self._run_planned(entry, op, x, rounding, seed, step, ef_name, stats,
-                                         peer, total_dim0, call)  # fmt: skip
+                return self._run_planned(entry, kind, op, x, rounding, seed, step, ef_name,
+                                         stats, peer, total_dim0, call)  # fmt: skip
         codec = get_codec(codec)
         check_options(rounding, seed, step, ef_name)
         seed = operator.index(seed)
@@ -463,7 +491,8 @@ class Communicator:
             extra = (total_dim0,) if op == "all_gather" else ()
             plan = collectives.PLANS[op](self.transport, opts, t.shape, t.dtype, *extra)
             if type(x) is torch.Tensor:  # CuPy arrays come through _stream_of: not kept
-                self._keep_plan(kind, plan)
+                nbytes = t.numel() * t.element_size()
+                self._keep_plan(kind, plan, (codec, rounding, ef_name, stats, nbytes))
             try:
                 if op == "send":
                     plan.run(self.transport, t, opts, peer)
@@ -489,13 +518,53 @@ class Communicator:
             self._plans.move_to_end(kind)
         return entry
 
-    def _keep_plan(self, kind, plan):
+    def _keep_plan(self, kind, plan, call):
+        """Keep ``plan`` for ``kind``; ``call``: (codec, rounding, error feedback name, stats,
+        input bytes), which say whether the kind may be replayed from a graph."""
+        graphable = self.graphs == "auto" and _graphs.eligible(*call)
         try:
-            self._plans[kind] = _PlanEntry(plan, self._validated_for_good())
+            self._graphed.drop(kind)  # a graph of a plan made again goes with the old plan
+            self._plans[kind] = _PlanEntry(plan, self._validated_for_good(), graphable)
         except TypeError:
             return
         while len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
+            self._graphed.drop(self._plans.popitem(last=False)[0])
+
+    # -- graphs: repeated kinds of call replayed (fp4_comm.graphs)
+
+    def _graph_ready(self, entry, kind, op, x, opts, peer):
+        """Whether this call replays ``entry.replay``: it has one, or this is the call that
+        captures it (the kind's ``EAGER_CALLS + 1``-th: the same call on every rank).  Never
+        while the caller's stream is being captured: the call then runs eagerly, into the
+        caller's graph."""
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        if entry.replay is not None:
+            self._graphed.touch(kind)
+            return True
+        if entry.eager < _graphs.EAGER_CALLS:
+            entry.eager += 1
+            return False
+        plan, transport = entry.plan, self.transport
+        if op == "recv":
+            run, shape = (lambda: plan.run(transport, opts, peer)), None
+        elif op == "send":
+            run, shape = (lambda s: plan.run(transport, s, opts, peer)), plan.shape
+        else:
+            run, shape = (lambda s: plan.run(transport, s, opts)), plan.shape
+        try:
+            graph, static, out = _graphs.capture(run, self.device, shape, plan.dtype)
+        except CommPeerError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any capture failure: this kind stays eager
+            entry.graphable = False
+            why = f"fp4_comm: {op} could not be captured in a CUDA graph ({err}); "
+            warnings.warn(why + "calls of its kind run eagerly", RuntimeWarning, stacklevel=4)
+            return False
+        nbytes = (out if static is None else static).numel() * plan.dtype.itemsize
+        entry.replay = _graphs.Replay(graph, static, out, nbytes, self.device)
+        self._graphed.keep(kind, entry)
+        return entry.replay is not None  # a graph bigger than the cache's bound is dropped
 
     def _validated_for_good(self):
         """Whether the check just made leaves this kind of call in ``_validated`` (it is then
@@ -515,11 +584,12 @@ class Communicator:
             return True
         return self.validate == "first" and not entry.validated
 
-    def _run_planned(self, entry, op, x, rounding, seed, step, ef_name, stats, peer, total_dim0,
-                     call):  # fmt: skip
+    def _run_planned(self, entry, kind, op, x, rounding, seed, step, ef_name, stats, peer,
+                     total_dim0, call):  # fmt: skip
         """A call of a kind made before: its arguments were checked then, and everything the
         checks read is in the plan's key; seed and step, which are not, were checked by the
-        caller.  The ranks' comparison runs as ``validate`` says."""
+        caller.  The ranks' comparison runs as ``validate`` says; then a graph of this kind
+        replays, or is captured (``fp4_comm.graphs``), or the plan runs eagerly."""
         plan = entry.plan
         if self._needs_check(entry):
             self._validate_call(op, x, plan.codec, rounding, peer, total_dim0, call)
@@ -528,6 +598,11 @@ class Communicator:
             plan.codec, rounding, seed, step, self.error_feedback if ef_name else None, ef_name,
             stats,
         )  # fmt: skip
+        if entry.graphable and self._graph_ready(entry, kind, op, x, opts, peer):
+            try:
+                return entry.replay.replay(self.transport, x)
+            except CommPeerError as err:
+                _reraise_with_op(err, op)
         try:
             if peer is not None:
                 plan.run(self.transport, x, opts, peer)
@@ -680,12 +755,14 @@ class Communicator:
 
 
 class _PlanEntry:
-    """A kept plan, and whether its kind of call is in ``Communicator._validated``."""
+    """A kept plan, whether its kind of call is in ``Communicator._validated``, whether it may
+    be replayed from a graph, how many calls of it ran eagerly, and its graph."""
 
-    __slots__ = ("plan", "validated")
+    __slots__ = ("plan", "validated", "graphable", "eager", "replay")
 
-    def __init__(self, plan, validated):
+    def __init__(self, plan, validated, graphable=False):
         self.plan, self.validated = plan, validated
+        self.graphable, self.eager, self.replay = graphable, 1, None
 
 
 class CapturedCollective:
@@ -785,6 +862,13 @@ def _shape(shape, what):
     if not out:
         raise ValueError(f"{what}: a 0-d shape; send and receive (1,) instead")
     return tuple(out)
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _torch_dtype(dtype, what):

@@ -259,6 +259,17 @@ class NcclTransport(Transport):
                 if t.numel():
                     comm.recv(t.data_ptr(), t.numel(), u8, peer, stream)
 
+    def before_replay(self):
+        if self._failed is not None:
+            raise self._failure(self._failed)
+        if self.comm is None:
+            raise RuntimeError("NCCL transport: the communicator was closed")
+
+    def after_replay(self):
+        # The watchdog's event after the replayed transfers, as after a call's group: a peer
+        # that never comes ends in an aborted communicator and CommPeerError, not a hang.
+        self._watch()
+
     def synchronize(self, timeout_s=None):
         """Wait for the current stream; on timeout abort the communicator (so no later call can
         hang on it either) and raise CommTimeoutError."""

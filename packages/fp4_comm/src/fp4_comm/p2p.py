@@ -661,6 +661,12 @@ class P2PTransport(Transport):
             self._thread = threading.Thread(target=self._watch_loop, daemon=True, name=name)
             self._thread.start()
 
+    def before_replay(self) -> None:
+        # A replay runs the captured kernels, whose waits have their deadlines on the device
+        # (fresh epochs from the counters in device memory); the host check of a call is here.
+        if self._failed is not None or self._status.value != 0 or self._closed:
+            self._raise_if_failed()
+
     def _plan(self, group, mode, peer):
         """The launch of one group of sections, their tensors checked: uint8 and the shapes the
         operation moves (other shapes would move other bytes than asked)."""

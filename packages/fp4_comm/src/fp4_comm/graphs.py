@@ -1,0 +1,176 @@
+"""Eager calls replayed from CUDA graphs: the host cost of a repeated kind of call.
+
+An eager compressed collective launches a dozen kernels and NCCL calls through some hundred
+Python calls; NCCL's own collective is one.  Under ``Communicator(graphs="auto")`` (the default
+on CUDA transports) a kind of call (operation, shape, dtype, codec, rounding, error feedback and
+statistics off, peer, device) made ``EAGER_CALLS`` times eagerly is captured once into a CUDA
+graph, and its later calls replay it: the input copied into the graph's static input buffer,
+one ``cudaGraphLaunch``, and the result copied out, all queued on the caller's current stream.
+
+Which calls replay (``eligible``): nearest rounding (stochastic rounding draws its random words
+at counter ``step``, which a graph would freeze) or a "none" codec (which draws none); no error
+feedback (``ErrorFeedback.reset`` and ``load_state_dict`` replace the residual tensors that a
+graph would keep reading); no statistics (host-side values); one of fp4_comm's own codecs
+(another codec's encode may hold host state a graph would freeze); an input (the output of a
+``recv``) of at most ``GRAPH_MAX_BYTES``; torch tensors (CuPy arrays run eagerly).  A call made
+while the caller's stream is itself being captured runs the eager path (it is then part of the
+caller's graph).  Replays give the eager path's bits: the same kernels on the same values with
+the same arguments (seed and step are arguments of the encode kernels, and unused by nearest
+rounding).
+
+Every rank decides alike: the decision depends on the kind of call and on how many calls of it
+were made (the plan cache's count, which sees the same sequence of calls on every rank), never
+on timing or addresses, so ranks capture at the same call and replay the same calls.
+
+The result is a copy of the graph's output, made on the caller's stream (a tensor the caller
+owns, as the eager path's): a pool of rotating outputs would hand out memory that a later call
+overwrites while the caller may still hold it.  The copies cost device time (the input's and
+the output's bytes once more each), never host synchronization.
+
+Memory: a graph keeps every buffer of its call (static input, encoded sections, receive
+buffers, float32 sums, output) in a private pool: about 4 to 6 times the input's bytes.  A
+communicator keeps at most ``GRAPH_CACHE_SIZE`` graphs, standing for at most
+``GRAPH_CACHE_BYTES`` of inputs together (least recently used dropped first); ``close()`` drops
+them all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Literal
+
+import torch
+
+from .codecs import FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec
+
+Graphs = Literal["auto", "never"]
+GRAPHS = ("auto", "never")
+#: Eager calls of a kind of call before the next one is captured: the first makes the plan
+#: (compiles the kernels, checks the arguments across ranks), the second runs it once more
+#: eagerly, so that whatever a first call sets up lazily is done before a capture.
+EAGER_CALLS = 2
+#: Graphs a communicator keeps.
+GRAPH_CACHE_SIZE = 8
+#: The largest input (or ``recv`` output) of a replayed call, and the most input bytes all kept
+#: graphs stand for together; each graph holds about 4 to 6 times its input in its pool.
+GRAPH_MAX_BYTES = 256 << 20
+GRAPH_CACHE_BYTES = 512 << 20
+#: Codecs whose encode and decode are kernels on the tensors and nothing else.
+REPLAYABLE_CODECS = (NoneCodec, NVFP4Codec, MXFP4Codec, FP4QuantCodec)
+
+
+def default_graphs(transport) -> Graphs:
+    """ "auto" where the transport moves CUDA tensors and needs no per-call host check (NCCL,
+    p2p), "never" otherwise (gloo: CPU tensors, every call checked)."""
+    if transport.device.type == "cuda" and not transport.always_validate:
+        return "auto"
+    return "never"
+
+
+def check_graphs(graphs) -> Graphs:
+    if graphs not in GRAPHS:
+        raise ValueError(f"graphs: {graphs!r} is not one of {GRAPHS}")
+    return graphs
+
+
+def eligible(codec, rounding, ef_name, stats, nbytes) -> bool:
+    """Whether a kind of call may be replayed from a graph (the module's docstring says why)."""
+    return (
+        type(codec) in REPLAYABLE_CODECS
+        and (rounding == "nearest" or type(codec) is NoneCodec)
+        and ef_name is None
+        and not stats
+        and 0 < nbytes <= GRAPH_MAX_BYTES
+    )
+
+
+def capture(run, device, shape, dtype):
+    """A CUDA graph of ``run(static_input)`` -> (graph, static input, static output), captured on
+    a side stream of ``device`` (``shape`` None: ``run()``, no input).  Nothing runs: the
+    caller replays it.  The static input is allocated inside the capture, from the graph's
+    private pool, so no eager allocation ever shares its memory.  Capture mode "thread_local":
+    the caller's other threads may go on using CUDA meanwhile."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            static = None if shape is None else torch.empty(shape, dtype=dtype, device=device)
+            out = run() if shape is None else run(static)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture is invalid anyway; the original error says why
+            raise
+        graph.capture_end()
+    return graph, static, out
+
+
+class Replay:
+    """One captured kind of call: ``replay(x)`` queues it on the current stream, and returns a
+    copy of the output (None for a send)."""
+
+    __slots__ = ("graph", "input", "output", "nbytes", "device", "_raw", "_stream")
+
+    def __init__(self, graph, static_input, output, nbytes, device):
+        self.graph, self.input, self.output = graph, static_input, output
+        self.nbytes, self.device = nbytes, device
+        self._raw = self._stream = None  # the stream of the last replay
+
+    def replay(self, transport, x=None):
+        transport.before_replay()  # a failed transport raises its CommPeerError here
+        if self.device.type == "cuda":
+            raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+            if raw != self._raw:
+                # Replays on another stream than the last: ordered after everything queued on
+                # that one (its replay, and the copy of its output), since they share buffers.
+                stream = torch.cuda.current_stream(self.device)
+                if self._stream is not None:
+                    stream.wait_stream(self._stream)
+                self._raw, self._stream = raw, stream
+        if self.input is not None:
+            self.input.copy_(x)
+        self.graph.replay()
+        transport.after_replay()
+        return None if self.output is None else self.output.clone()
+
+
+class GraphCache:
+    """The captured kinds of call of a communicator: kind -> its plan entry, whose ``replay``
+    holds the graph.  Least recently used dropped first; a dropped kind runs eagerly from then
+    on (capturing it again would thrash when more kinds cycle than the cache holds)."""
+
+    def __init__(self):
+        self._entries: OrderedDict = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self):
+        return len(self._entries)
+
+    def kinds(self):
+        return list(self._entries)
+
+    def keep(self, kind, entry):
+        """Keep ``entry`` (its ``replay`` set) and drop the oldest beyond the bounds."""
+        self._entries[kind] = entry
+        self._bytes += entry.replay.nbytes
+        while len(self._entries) > GRAPH_CACHE_SIZE or self._bytes > GRAPH_CACHE_BYTES:
+            self._forget(self._entries.popitem(last=False)[1])
+
+    def touch(self, kind):
+        self._entries.move_to_end(kind)
+
+    def drop(self, kind):
+        entry = self._entries.pop(kind, None)
+        if entry is not None:
+            self._forget(entry)
+
+    def clear(self):
+        for entry in self._entries.values():
+            entry.replay, entry.graphable = None, False
+        self._entries.clear()
+        self._bytes = 0
+
+    def _forget(self, entry):
+        self._bytes -= entry.replay.nbytes
+        entry.replay, entry.graphable = None, False

@@ -1,0 +1,346 @@
+"""Eager calls replayed from CUDA graphs (``fp4_comm.graphs``, ``Communicator(graphs=...)``).
+
+On the CPU: a pretend GPU (``_fake_gpu``) and a stand-in capture whose "graph" runs the captured
+call again: which calls are captured (the third of an eligible kind, on every rank alike), that
+ineligible ones never are, the bounds, ``close()``, a failed transport, a caller's own capture.
+Over the threaded host-memory NCCL stand-in, which moves the bytes: replayed results equal the
+eager ones bit for bit, every rank captures at the same call (a rank that captured alone would
+pair its capture's transfers with another call's), and a result is never overwritten by a later
+call.  On GPUs (``gpu``): real CUDA graphs against ``graphs="never"``, bit for bit, for every
+codec and operation, and a peer killed before a replay ending in ``CommPeerError``.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+from _fake_gpu import fake_gpu_communicator, fake_graphs
+from test_fp4_comm_nccl_transport import _on_threads, _transports
+
+import fp4_comm
+import fp4_kernels
+from fp4_comm import Communicator, graphs
+from fp4_comm._transport import CommTimeoutError, GlooTransport
+from fp4_comm.codecs import NVFP4Codec
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class _OwnNVFP4(NVFP4Codec):
+    """A user's codec (whose encode might keep host state a graph would freeze)."""
+
+
+def _call(comm, op, x, **kw):
+    if op == "send":
+        return comm.send(x, 1, **kw)
+    if op == "recv":
+        return comm.recv(x.shape, x.dtype, 1, **kw)
+    return getattr(comm, op)(x, **kw)
+
+
+@pytest.mark.parametrize("op", [*OPS, "send", "recv"])
+def test_third_call_of_a_kind_is_captured_and_later_ones_replay(op):
+    x = torch.randn(8, 64)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, null, _, _):
+        if op == "recv":
+            comm.send(x, 1)  # what the receiver's check compares with (the fake's answer)
+        for i in range(graphs.EAGER_CALLS):
+            _call(comm, op, x)
+            assert cap.graphs == [], i
+        eager_nccl = len(null.calls)
+        for _ in range(3):
+            _call(comm, op, x)
+        assert len(cap.graphs) == 1 and cap.graphs[0].replays == 3
+        # the replays ran the captured call (the stand-in graph reruns it) and nothing else
+        assert len(null.calls) > eager_nccl
+    assert len(comm._graphed) == 1
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rounding": "stochastic"},
+        {"error_feedback": "grad"},
+        {"stats": True},
+        {"codec": _OwnNVFP4()},
+    ],
+    ids=["stochastic", "error_feedback", "stats", "other-codec"],
+)
+def test_ineligible_calls_never_replay(kw):
+    x = torch.randn(8, 64)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for _ in range(6):
+            comm.all_reduce(x, **kw)
+    assert cap.graphs == []
+
+
+def test_stochastic_rounding_of_the_none_codec_replays():
+    # "none" draws no random words: rounding is no part of its bits
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for _ in range(4):
+            comm.all_reduce(torch.randn(8, 64), codec="none", rounding="stochastic")
+    assert len(cap.graphs) == 1
+
+
+def test_graphs_never_and_cupy_like_calls_run_eagerly(monkeypatch):
+    x = torch.randn(8, 64)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="never") as (comm, _, _, _):
+        for _ in range(6):
+            comm.all_reduce(x)
+    assert cap.graphs == []
+    monkeypatch.setattr(graphs, "GRAPH_MAX_BYTES", x.numel() * 4 - 1)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for _ in range(6):
+            comm.all_reduce(x)
+    assert cap.graphs == []  # larger than GRAPH_MAX_BYTES
+
+
+def test_no_capture_or_replay_inside_the_callers_capture(monkeypatch):
+    x = torch.randn(8, 64)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        for _ in range(5):
+            comm.all_reduce(x)
+        assert cap.graphs == []
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        comm.all_reduce(x)  # the calls inside the caller's capture did not count: eager
+        assert cap.graphs == []
+        comm.all_reduce(x)
+        assert len(cap.graphs) == 1
+        comm.all_reduce(x)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        comm.all_reduce(x)
+    assert cap.graphs[0].replays == 2
+
+
+def test_graph_cache_is_bounded_and_dropped_kinds_stay_eager(monkeypatch):
+    monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 2)
+    shapes = [(8, 64), (16, 64), (24, 64)]
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for shape in shapes:
+            for _ in range(3):
+                comm.all_reduce(torch.randn(shape))
+        assert len(cap.graphs) == 3
+        assert [k[7] for k in comm._graphed.kinds()] == [torch.Size(s) for s in shapes[1:]]
+        for _ in range(3):  # the dropped kind is not captured again
+            comm.all_reduce(torch.randn(shapes[0]))
+        assert len(cap.graphs) == 3 and cap.graphs[0].replays == 1
+        # the bytes bound: one more kind whose input pushes the total past it drops the oldest
+        monkeypatch.setattr(graphs, "GRAPH_CACHE_BYTES", 40 * 64 * 4)
+        for _ in range(3):
+            comm.all_reduce(torch.randn(32, 64))
+        assert [k[7] for k in comm._graphed.kinds()] == [torch.Size((32, 64))]
+        comm.transport.close = lambda: None  # the fake's watchdog thread is a placeholder
+        comm.close()
+        assert len(comm._graphed) == 0 and comm._plans == {}
+
+
+def test_replay_of_a_failed_transport_raises_its_peer_error():
+    x = torch.randn(8, 64)
+    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for _ in range(3):
+            comm.all_reduce(x)
+        comm.transport._failure = CommTimeoutError  # as the watchdog leaves it
+        comm.transport._failed = "NCCL: a transfer did not finish (test)"
+        with pytest.raises(CommTimeoutError, match="all_reduce: NCCL: a transfer did not"):
+            comm.all_reduce(x)
+    assert cap.graphs[0].replays == 1
+
+
+def test_replay_records_the_watchdog_event_and_orders_streams(monkeypatch):
+    import _fake_gpu
+
+    x = torch.randn(8, 64)
+    with fake_graphs(), fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        comm.all_reduce(x)
+        events = []
+        monkeypatch.setattr(comm.transport, "_pending", events)
+        comm.all_reduce(x)  # eager
+        eager = len(events)
+        comm.all_reduce(x)  # captured
+        del events[:]
+        waits = _fake_gpu._FakeStream.waits
+        comm.all_reduce(x)  # replayed
+        # the stand-in graph's rerun records the eager call's events; the replay one more, as
+        # an eager call after each of its groups
+        assert eager > 0 and len(events) == eager + 1
+        assert _fake_gpu._FakeStream.waits == waits  # same stream: nothing to wait for
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x1234)
+        comm.all_reduce(x)
+        assert _fake_gpu._FakeStream.waits == waits + 1  # ordered after the other stream
+
+
+def test_graphs_option_is_checked():
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        with pytest.raises(ValueError, match="graphs: 'sometimes'"):
+            Communicator(comm.transport, graphs="sometimes")
+        assert Communicator(comm.transport).graphs == "auto"  # a CUDA transport
+    gloo = GlooTransport.__new__(GlooTransport)
+    gloo.device = torch.device("cpu")
+    with pytest.raises(ValueError, match="graphs='auto'.*gloo"):
+        Communicator(gloo, control_group=object(), graphs="auto")
+    assert Communicator(gloo, control_group=object()).graphs == "never"
+
+
+# ---------------------------------------------------------------- bytes moved: threads
+
+
+def _threaded(world, graphs_mode, calls, monkeypatch):
+    """Every rank's results of ``calls`` (op, codec, shape, seed) on communicators over the
+    threaded NCCL stand-in, and each rank's captured kinds."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    transports = _transports(world)
+
+    def run(rank):
+        comm = Communicator(transports[rank], validate="never", graphs=graphs_mode)
+        out, shots = [], []
+        for op, codec, shape, seed in calls:
+            g = torch.Generator().manual_seed(seed * 31 + rank)
+            x = torch.randn(shape, generator=g).to(torch.bfloat16)
+            y = getattr(comm, op)(x, codec=codec)
+            out.append(y)
+            shots.append(y.clone())
+        return out, shots, comm._graphed.kinds()
+
+    with fake_graphs() as cap:
+        results = _on_threads(world, run)
+    return results, cap
+
+
+_CALLS = [
+    (op, codec, shape, i)
+    for i in range(5)
+    for op in OPS
+    for codec, shape in (
+        ("nvfp4", (6, 64)),
+        ("mxfp4", (4, 96)),
+        ("none", (5, 32)),
+        (fp4_kernels.FP4Quant(64), (4, 128)),
+    )  # fmt: skip
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_replays_equal_eager_calls_bit_for_bit_and_are_never_overwritten(world, monkeypatch):
+    monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 16)  # the 12 kinds below, all kept
+    eager, cap = _threaded(world, "never", _CALLS, monkeypatch)
+    assert cap.graphs == []
+    replayed, cap = _threaded(world, "auto", _CALLS, monkeypatch)
+    assert len(cap.graphs) == world * 12  # 3 ops x 4 codecs, on every rank
+    assert sum(g.replays for g in cap.graphs) == world * 12 * 3
+    kinds = [k for _, _, k in replayed]
+    assert all([k[:7] for k in ks] == [k[:7] for k in kinds[0]] for ks in kinds)
+    for r in range(world):
+        (ys, shots, _), (e, _, _) = replayed[r], eager[r]
+        for i, (y, shot, ref) in enumerate(zip(ys, shots, e, strict=True)):
+            assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (r, _CALLS[i])
+            # still what the call returned: no later call wrote into it
+            assert torch.equal(y.view(torch.int16), shot.view(torch.int16)), (r, _CALLS[i])
+
+
+# ---------------------------------------------------------------- GPUs
+
+
+def _same_bytes(a, b):
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _setup_eager(comms, rank, world, timeout_s):
+    device = fp4_comm.local_device(rank)
+    comms["eager"] = Communicator.from_process_group(None, device, timeout_s, graphs="never")
+
+
+def _gpu_compare(comms, op, codec, shape, dtype):
+    """Five calls of ``op`` on the graphs="auto" and "never" communicators: their bits equal,
+    every result still what it was when returned, and the kind captured."""
+    gpu, eager = comms["cuda"], comms["eager"]
+    assert gpu.graphs == "auto" and eager.graphs == "never"
+    rank, ys, shots = gpu.rank, [], []
+    for i in range(5):
+        g = torch.Generator().manual_seed(i * 97 + rank)
+        x = (torch.randn(shape, generator=g) * 10.0 ** (i - 2)).to(dtype).to(gpu.device)
+        if op == "send_recv":
+            if rank == 0:
+                gpu.send(x, 1, codec=codec)
+                eager.send(x, 1, codec=codec)
+                continue
+            if rank != 1:
+                continue
+            y = gpu.recv(x.shape, x.dtype, 0, codec=codec)
+            ref = eager.recv(x.shape, x.dtype, 0, codec=codec)
+        else:
+            y = getattr(gpu, op)(x, codec=codec)
+            ref = getattr(eager, op)(x, codec=codec)
+        ys.append((y, ref))
+        shots.append(y.clone())
+    torch.cuda.synchronize()
+    bad = [i for i, (y, ref) in enumerate(ys) if not _same_bytes(y, ref)]
+    moved = [i for i, ((y, _), s) in enumerate(zip(ys, shots, strict=True))
+             if not _same_bytes(y, s)]  # fmt: skip
+    return bad, moved, len(gpu._graphed)
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    from fp4_comm_cluster import Cluster, env_ranks, skip_unless_ranks_fit
+
+    world = env_ranks()
+    skip_unless_ranks_fit(world)
+    c = Cluster(world, timeout_s=60.0, gpu=True, setup=_setup_eager)
+    yield c
+    c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", [*OPS, "send_recv"])
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", "none", fp4_kernels.FP4Quant(64)], ids=str)
+def test_gpu_replays_equal_eager_calls_bit_for_bit(gpu_cluster, codec, op, dtype):
+    out = gpu_cluster.run(_gpu_compare, op, codec, (gpu_cluster.world * 24, 256), dtype)
+    for rank, (bad, moved, captured) in enumerate(out):
+        assert bad == [] and moved == [], (rank, bad, moved)
+        if op != "send_recv" or rank < 2:
+            assert captured >= 1, rank
+
+
+TIMEOUT_S = 10.0
+
+
+def _replay_after_death(comms, victim):
+    gpu = comms["cuda"]
+    gpu.validate = "never"  # the replay itself must notice the dead peer, not a host check
+    x = torch.ones(gpu.world_size * 16, 256, device=gpu.device)
+    for _ in range(graphs.EAGER_CALLS + 1):
+        gpu.all_reduce(x, codec="nvfp4")
+    gpu.synchronize()
+    assert len(gpu._graphed) == 1
+    if gpu.rank == victim:
+        os._exit(17)
+    time.sleep(1.0)  # the victim is gone
+    start = time.monotonic()
+    try:
+        gpu.all_reduce(x, codec="nvfp4")  # replayed
+        gpu.synchronize(timeout_s=TIMEOUT_S)
+    except fp4_comm.CommPeerError as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+@pytest.mark.gpu
+def test_gpu_replay_with_a_dead_peer_ends_in_a_peer_error():
+    from fp4_comm_cluster import Cluster, Died, env_ranks, skip_unless_ranks_fit
+
+    world = env_ranks()
+    skip_unless_ranks_fit(world)
+    c = Cluster(world, timeout_s=TIMEOUT_S, gpu=True)
+    try:
+        victim = world - 1
+        out = c.run(_replay_after_death, victim, timeout_s=TIMEOUT_S + 120, allow_death=True)
+    finally:
+        c.close(force=True)
+    assert isinstance(out[victim], Died) and out[victim].exitcode == 17
+    for rank, (kind, message, waited) in enumerate(out[:victim]):
+        assert kind in ("CommTimeoutError", "CommConnectionError"), (rank, message)
+        assert waited < TIMEOUT_S + 30.0, (rank, waited)
