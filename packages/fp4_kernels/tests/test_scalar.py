@@ -85,7 +85,9 @@ def test_e2m1_value_f_is_the_magnitude_of_every_code():
     r = np.float32(128.0 + 0.5)  # 128 + r 2^-16 for r = 2^15
     got = [OPS.e2m1_value_f(OPS.e2m1_sr_code_f(v, r)) for v in a[::97]]
     codes = [int(OPS.e2m1_sr_code_f(v, r)) - 2**23 for v in a[::97]]
-    np.testing.assert_array_equal(np.array(got, np.float32), e2m1.decode_e2m1(np.array(codes, np.uint8)))
+    np.testing.assert_array_equal(
+        np.array(got, np.float32), e2m1.decode_e2m1(np.array(codes, np.uint8))
+    )
 
 
 def test_e2m1_encode_strided_float32_patterns_match_oracle():
