@@ -77,10 +77,13 @@ class QuantizeGPU:
     track_host_us.unit = "us"
 
 
-def _measure_quantize_dequantize(fmt):
+def _measure_quantize_dequantize(fmt, rounding, amax):
+    if amax == "given" and fmt != "nvfp4":
+        return {"skip": "only NVFP4 takes a global_amax"}
     torch = require_gpu()
     xs = _inputs(torch, torch.bfloat16)
-    fn = lambda x: fk.quantize_dequantize(x, fmt=fmt)  # noqa: E731
+    ga = 4.5 if amax == "given" else None
+    fn = lambda x: fk.quantize_dequantize(x, fmt=fmt, rounding=rounding, global_amax=ga)  # noqa: E731
     return {
         "ms": graph_time_ms(fn, [(x,) for x in xs])[0],
         "bytes": _min_bytes(fmt, 2, GPU_ELEMENTS, fused=True),
@@ -88,22 +91,27 @@ def _measure_quantize_dequantize(fmt):
 
 
 class QuantizeDequantizeGPU:
-    params = (["nvfp4", "mxfp4"],)
-    param_names = ["fmt"]
-    timeout = 600
+    """Fake quantization (bf16): ``amax`` "given" is NVFP4 with a ``global_amax`` (one
+    kernel, the training case), "computed" its amax pass first (MXFP4 has none)."""
+
+    params = (["nvfp4", "mxfp4"], ["nearest", "stochastic"], ["computed", "given"])
+    param_names = ["fmt", "rounding", "amax"]
+    timeout = 900
 
     def setup_cache(self):
         return measure_params(self.params, _measure_quantize_dequantize)
 
-    def setup(self, cache, fmt):
-        self.m = cached_row(cache, (fmt,))
+    def setup(self, cache, *params):
+        self.m = cached_row(cache, params)
+        if "skip" in self.m:
+            raise NotImplementedError(self.m["skip"])  # asv: this combination is skipped
 
-    def track_device_ms(self, cache, fmt):
+    def track_device_ms(self, cache, *params):
         return self.m["ms"]
 
     track_device_ms.unit = "ms"
 
-    def track_ratio_to_copy(self, cache, fmt):
+    def track_ratio_to_copy(self, cache, *params):
         return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
 
     track_ratio_to_copy.unit = "x D2D copy"

@@ -101,12 +101,6 @@ def main():
             [(x,) for x in xs],
             2 * n + q_bytes,
         )
-        record(
-            f"quantize_dequantize {fmt} nearest bf16 (a thread per block)",
-            thread_per_block(lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f)),
-            [(x,) for x in xs],
-            4 * n,
-        )
     for fmt in ("nvfp4", "mxfp4"):
         block = fk.FORMATS[fmt]
         q_bytes = n // 2 + n // block
@@ -142,12 +136,20 @@ def main():
             q_bytes + 2 * n,
             small_args=(fk.quantize(small, fmt=fmt),),
         )
-        record(
-            f"quantize_dequantize {fmt} nearest bf16",
-            lambda x, f=fmt: fk.quantize_dequantize(x, fmt=f),
-            [(x,) for x in xs],
-            4 * n,
-        )
+        # fake quantization (one kernel: input read, output written; NVFP4 without
+        # global_amax reads the input once more for its amax first)
+        for rounding in ("nearest", "stochastic"):
+            amaxes = (None, 4.5) if fmt == "nvfp4" else (None,)
+            for ga in amaxes:
+                kw = dict(fmt=fmt, rounding=rounding, global_amax=ga)
+                record(
+                    f"quantize_dequantize {fmt} {rounding} bf16"
+                    + (" one pass (global_amax given)" if ga is not None else ""),
+                    lambda x, kw=kw: fk.quantize_dequantize(x, **kw),
+                    [(x,) for x in xs],
+                    4 * n,
+                    small_args=(small,) if rounding == "nearest" else None,
+                )
         del qs
 
     if args.profile:

@@ -72,6 +72,24 @@ def test_e2m1_float_pipe_encoder_equals_integer_encoder_on_every_float32():
     assert neg == 0
 
 
+def test_e2m1_value_f_is_the_magnitude_of_every_code():
+    """2^23 + code -> magnitude on the float pipe: every code, and every code the nearest and
+    the stochastic encoders give for every bf16 magnitude (that is the fused kernel's chain)."""
+    for k in range(8):
+        c = np.float32(2.0**23 + k)
+        assert np.float32(OPS.e2m1_value_f(c)) == np.float32(OPS.e2m1_value(np.uint32(k)))
+    a = np.abs(ALL_BF16_AS_F32[np.isfinite(ALL_BF16_AS_F32)])
+    expect = np.abs(e2m1.decode_e2m1(e2m1.encode_e2m1(a)))
+    got = np.array([OPS.e2m1_value_f(OPS.e2m1_code_f(v)) for v in a[::7]], np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), expect[::7].view(np.uint32))
+    r = np.float32(128.0 + 0.5)  # 128 + r 2^-16 for r = 2^15
+    got = [OPS.e2m1_value_f(OPS.e2m1_sr_code_f(v, r)) for v in a[::97]]
+    codes = [int(OPS.e2m1_sr_code_f(v, r)) - 2**23 for v in a[::97]]
+    np.testing.assert_array_equal(
+        np.array(got, np.float32), e2m1.decode_e2m1(np.array(codes, np.uint8))
+    )
+
+
 def test_e2m1_encode_strided_float32_patterns_match_oracle():
     """The numpy oracle over every 61st non-negative float32 pattern (~35M values, both signs),
     ties and the saturation bound included."""

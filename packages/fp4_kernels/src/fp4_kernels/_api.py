@@ -102,8 +102,10 @@ def quantize_dequantize(
 ) -> Array:
     """Fused fake-quantization: ``dequantize(quantize(x, ...))`` in one pass, same dtype as x.
 
-    Bit-identical to the two-step version; the codes and scales never touch memory (for
-    FP4Quant it is the two kernels, encode then decode, through the wire buffer).
+    Bit-identical to the two-step version; on the GPU one kernel reads x and writes the result,
+    the codes and scales never touch memory (NVFP4 without ``global_amax`` reads x once more
+    before, for its tensor amax; FP4Quant runs two kernels, encode then decode, through the
+    wire buffer).
 
     Autograd: for a torch tensor that requires grad (with grad mode on) the result requires
     grad too, and the gradient passes straight through: ``d(out)/dx`` is the identity, as in
@@ -141,6 +143,8 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         return _quantize_result(call, _quantize_cpu(call))
     if isinstance(call.fmt, FP4Quant):
         from .cuda.fp4quant import run_encode as host
+    elif fused:
+        from .cuda.quantize_dequantize import run as host
     else:
         from .cuda.quantize import run as host
     if call.key is None or call.geometry.n == 0:
@@ -211,9 +215,9 @@ def _run_quantize_plan(plan, key, x, seed, step, global_amax):
         payload, codes, scales = outputs
         q = planned_tensor(codes, scales, None, key.fmt, tuple(x.shape), x.dtype, "linear", payload)
         return dequantize(q) if key.fused else q
-    data, scales, gs, out = outputs
     if key.fused:
-        return out
+        return outputs[0]
+    data, scales, gs, _ = outputs
     return planned_tensor(data, scales, gs, key.fmt, tuple(x.shape), x.dtype, key.scale_layout)
 
 
@@ -230,7 +234,7 @@ def planned_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, 
 
 def _quantize_cpu(call):
     """The outputs of a CPU quantize as arrays of the caller's kind: (payload, codes, scales)
-    for FP4Quant, else (data, scales, global_scale, out)."""
+    for FP4Quant, (out,) for quantize_dequantize, else (data, scales, global_scale, None)."""
     from .cpu import codec, fp4quant
 
     backend, geo = call.backend, call.geometry
@@ -241,9 +245,10 @@ def _quantize_cpu(call):
             codes, scales = payload_views(payload, geo.shape, geo.n, call.fmt.group_size, "torch")
         return payload, codes, scales
     packed, scales, s_dec, out_bits = codec.quantize(call)
-    out = arrays.cpu_from_bits(out_bits, call.dtype, geo.shape, backend) if call.fused else None
+    if call.fused:
+        return (arrays.cpu_from_bits(out_bits, call.dtype, geo.shape, backend),)
     gs = np.array([s_dec], np.float32)
-    return tuple(arrays.wrap_cpu(a, backend) for a in (packed, scales, gs)) + (out,)
+    return tuple(arrays.wrap_cpu(a, backend) for a in (packed, scales, gs)) + (None,)
 
 
 def _quantize_result(call, outputs):
@@ -257,9 +262,9 @@ def _quantize_result(call, outputs):
             dtype=call.dtype, scale_layout="linear", payload=payload,
         )  # fmt: skip
         return dequantize(q) if call.fused else q
-    data, scales, gs, out = outputs
     if call.fused:
-        return out
+        return outputs[0]
+    data, scales, gs, _ = outputs
     return QuantizedTensor(
         data=data, scales=scales, global_scale=gs, fmt=call.fmt.name, shape=geo.shape,
         dtype=call.dtype, scale_layout="swizzled" if geo.swizzled else "linear",

@@ -40,7 +40,15 @@ def variants():
     """(name, thunk) of every kernel variant; a thunk returns (kernel, signature)."""
     from numba import types
 
-    from fp4_kernels.cuda import amax, dequantize, fp4quant, hadamard, quantize, reduce
+    from fp4_kernels.cuda import (
+        amax,
+        dequantize,
+        fp4quant,
+        hadamard,
+        quantize,
+        quantize_dequantize,
+        reduce,
+    )
     from fp4_kernels.formats import mxfp4, nvfp4
 
     w32 = types.Array(types.uint32, 1, "C")
@@ -87,6 +95,18 @@ def variants():
                 lambda a=(kind, fmt, swz, False): dequantize.dequantize_kernel(*a),
                 (u8,) + dequantize_sig,
             )
+    fake_sig = (w32, w32, i64, f32, i64, types.float32, f32, u32, u32, u32)
+    for kind, (fname, (fmt, _)), sr in itertools.product((0, 1, 2), formats.items(), (0, 1)):
+        add(
+            f"fake_quantize_k{kind}_{fname}_sr{sr}",
+            lambda a=(kind, fmt, bool(sr)): quantize_dequantize.fake_quantize_kernel(*a),
+            fake_sig,
+        )
+        add(
+            f"fake_quantize_k{kind}_{fname}_sr{sr}_unaligned",
+            lambda a=(kind, fmt, bool(sr), False): quantize_dequantize.fake_quantize_kernel(*a),
+            (elements[kind],) + fake_sig[1:],
+        )
     for kind in (0, 1, 2):
         add(f"amax_k{kind}", lambda k=kind: amax.amax_kernel(k), (w32, i64, f32))
         add(

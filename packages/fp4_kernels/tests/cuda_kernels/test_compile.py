@@ -25,6 +25,7 @@ from fp4_kernels.cuda.hadamard import (
     smem_hadamard_kernel,
 )
 from fp4_kernels.cuda.quantize import quantize_kernel
+from fp4_kernels.cuda.quantize_dequantize import fake_quantize_kernel
 from fp4_kernels.formats.mxfp4 import SPEC as FMT_MXFP4
 from fp4_kernels.formats.nvfp4 import SPEC as FMT_NVFP4
 from fp4_kernels.testing import compile_ptx
@@ -41,6 +42,7 @@ U32 = types.uint32
 W32 = types.Array(types.uint32, 1, "C")
 QUANTIZE_SIG = (W32, W32, U8, W32, I64, I64, I64, F32, I64, types.float32, F32, U32, U32, U32)
 DEQUANTIZE_SIG = (W32, U8, F32, W32, I64, I64, I64)
+FAKE_QUANTIZE_SIG = (W32, W32, I64, F32, I64, types.float32, F32, U32, U32, U32)
 AMAX_SIG = (W32, I64, F32)
 ELEMENTS = {0: types.Array(types.uint32, 1, "C"), 1: U16, 2: U16}  # unaligned inputs
 HADAMARD_SIG = (W32, W32, I64, types.Array(types.uint32, 1, "C"))
@@ -119,6 +121,39 @@ def test_quantize_kernel_compiles_clean(kind, fmt, stochastic, swizzled, fused):
         assert "max.u16x2" in ptx  # block amax on packed 16-bit halves
     if fused:
         assert "st.global.v4.u32" in ptx
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,stochastic",
+    list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4), (False, True))),
+)
+def test_fake_quantize_kernel_compiles_clean(kind, fmt, stochastic):
+    ptx = compile_ptx(fake_quantize_kernel(kind, fmt, stochastic), FAKE_QUANTIZE_SIG)
+    _check_block_kernel_body(ptx)
+    # 16-byte loads of the input and 16-byte stores of the result, nothing else to global
+    # memory but the tensor scale (one float32, by thread 0): no codes, no scale bytes
+    assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
+    stores = re.findall(r"^\s*st\.global\.(\S+)", ptx, re.M)
+    scalar = [s for s in stores if s != "v4.u32"]
+    assert len(scalar) == 1 and scalar[0] in ("f32", "u32"), stores
+    assert stores.count("v4.u32") == 2 * (2 if kind == 0 else 1)  # 2 items of 16 / 32 bytes
+    # two items' block amaxes: log2(block / 8) butterfly shuffles each (plus the NVFP4 tensor
+    # amax partials' warp reduction: 5)
+    shuffles = 2 * (fmt.block_size // 8).bit_length() - 2 + (5 if fmt == FMT_NVFP4 else 0)
+    assert ptx.count("shfl.sync.bfly") == shuffles
+    assert "fma.rn.sat.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx or fmt == FMT_MXFP4
+    if stochastic:  # one Philox call (10 rounds of 2 wide multiplies) an item
+        assert ptx.count("mul.wide.u32") == 2 * 20 and "add.rm.f32" in ptx
+    if kind != 0:
+        assert "max.u16x2" in ptx  # block amax on packed 16-bit halves
+
+
+@pytest.mark.parametrize("kind,fmt", list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4))))
+def test_fake_quantize_kernel_unaligned_input_compiles_clean(kind, fmt):
+    sig = (ELEMENTS[kind],) + FAKE_QUANTIZE_SIG[1:]
+    ptx = compile_ptx(fake_quantize_kernel(kind, fmt, False, False), sig)
+    _check_block_kernel_body(ptx)
+    assert "ld.global.nc.v4" not in ptx and "st.global.v4.u32" in ptx
 
 
 @pytest.mark.parametrize("kind,fmt", list(itertools.product((0, 1, 2), (FMT_NVFP4, FMT_MXFP4))))

@@ -15,7 +15,15 @@ from _fake_cuda import SM_COUNT, fake_cuda  # noqa: E402
 
 import fp4_kernels as fk  # noqa: E402
 from fp4_kernels import _plans  # noqa: E402
-from fp4_kernels.cuda import amax, dequantize, fp4quant, hadamard, quantize, reduce  # noqa: E402
+from fp4_kernels.cuda import (  # noqa: E402
+    amax,
+    dequantize,
+    fp4quant,
+    hadamard,
+    quantize,
+    quantize_dequantize,
+    reduce,
+)
 from fp4_kernels.cuda.launch_table import LAUNCH_TABLE, LAUNCHES  # noqa: E402
 
 ROWS, K = 64, 4096
@@ -44,7 +52,8 @@ def _grid(work_items, per_cta, row=None, threads=None):
 def test_every_row_names_its_module():
     assert len(LAUNCHES) == len(LAUNCH_TABLE)
     modules = {"quantize": quantize, "amax": amax, "reduce": reduce, "dequantize": dequantize,
-               "hadamard": hadamard, "fp4quant": fp4quant}  # fmt: skip
+               "hadamard": hadamard, "fp4quant": fp4quant,
+               "quantize_dequantize": quantize_dequantize}  # fmt: skip
     for row in LAUNCH_TABLE:
         assert row.module in modules and row.threads % 32 == 0 and row.items_per_thread >= 1
 
@@ -57,10 +66,24 @@ def test_nvfp4_quantize_launches_the_amax_row_then_the_quantize_row(launches):
     assert launches() == [(amax_blocks, a.threads), (_grid(N // 16, q.threads), q.threads)]
 
 
-def test_fused_mxfp4_shares_a_block_among_block_over_8_lanes(launches):
-    fk.quantize_dequantize(_x(), fmt="mxfp4")
-    q = LAUNCHES["quantize"]
-    assert launches() == [(_grid(N // 32 * (32 // 8), q.threads), q.threads)]
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fake_quantization_is_one_launch_of_its_row(launches, fmt):
+    """8 elements an item, items_per_thread items a pass; NVFP4 given its global_amax too."""
+    fk.quantize_dequantize(_x(), fmt=fmt, global_amax=4.0 if fmt == "nvfp4" else None)
+    f = LAUNCHES["quantize_dequantize"]
+    assert launches() == [(_grid(N // 8, f.threads * f.items_per_thread), f.threads)]
+
+
+def test_nvfp4_fake_quantization_launches_the_amax_row_first(launches):
+    fk.quantize_dequantize(_x())
+    a, f = LAUNCHES["amax"], LAUNCHES["quantize_dequantize"]
+    amax_blocks = min(
+        _grid(N * 2 // 16, a.threads * a.items_per_thread), SM_COUNT * a.partials_per_sm
+    )
+    assert launches() == [
+        (amax_blocks, a.threads),
+        (_grid(N // 8, f.threads * f.items_per_thread), f.threads),
+    ]
 
 
 def test_dequantize_takes_items_per_thread_items_a_pass(launches):

@@ -11,8 +11,8 @@ from ..formats import e2m1
 from .arith import F32_HALF, F32_TWO, U32, add_rm, sat_fma, sat_mul
 
 FUNCTIONS = (
-    "e2m1_value", "e2m1_code_f", "e2m1_encode", "e2m1_encode_int", "e2m1_sr_sum",
-    "e2m1_sr_code_f", "sr_random_f32", "e2m1_encode_sr", "e2m1_decode",
+    "e2m1_value", "e2m1_code_f", "e2m1_value_f", "e2m1_encode", "e2m1_encode_int",
+    "e2m1_sr_sum", "e2m1_sr_code_f", "sr_random_f32", "e2m1_encode_sr", "e2m1_decode",
 )  # fmt: skip
 
 E2M1_MAX = np.float32(e2m1.E2M1_MAX)  # largest e2m1 magnitude
@@ -27,6 +27,10 @@ F32_MINUS_ONE = np.float32(-1.0)
 F32_TWO_POW_24 = np.float32(2.0**24)
 F32_MINUS_5_TWO_POW_24 = np.float32(-5.0 * 2.0**24)
 E2M1_CODE_BIAS = 0x4B000000  # the bits of 2^23: bits(e2m1_code_f(a)) - this is the code
+# e2m1_value_f's constants: 2^23 + k -> k / 2, k - 2 and 2 k - 8 by one exact add each
+F32_TWO_POW_22 = np.float32(2.0**22)
+F32_TWO_POW_23_PLUS_2 = np.float32(2.0**23 + 2.0)
+F32_TWO_POW_24_PLUS_8 = np.float32(2.0**24 + 8.0)
 # the stochastic encoder's constants (see e2m1_sr_sum)
 F32_MINUS_TWO = np.float32(-2.0)
 SR_BASE_BITS = 0x43000000  # the bits of 128.0: OR-ing 16 random bits r gives 128 + r 2^-16
@@ -62,6 +66,23 @@ def e2m1_code_f(a):
     big = w * F32_TWO + big
     t = sat_fma(a, F32_TWO_POW_24, F32_MINUS_5_TWO_POW_24)
     return big + t
+
+
+def e2m1_value_f(c):
+    """The e2m1 magnitude (0, .5, 1, 1.5, 2, 3, 4, 6) of the float ``c`` = 2^23 + code that
+    ``e2m1_code_f`` and ``e2m1_sr_code_f`` return, on the float pipe (the fused fake-quant
+    kernel rounds an element to its e2m1 value without packing codes).
+
+    For the code k in 0..7 the magnitude is max(k/2, k - 2, 2k - 8): k/2 up to code 4 (2.0),
+    k - 2 for codes 5, 6 (3, 4), 2k - 8 for code 7 (6).  Each term is one add to a product by
+    a power of two: c * 2^-1 and c * 2 are exact, so are the sums (k/2, k - 2, 2k - 8 are small
+    multiples of 1/2), fused into an FMA or not.  Equal to ``e2m1_value`` for every code (the
+    tests check all eight)."""
+    half = c * F32_HALF - F32_TWO_POW_22
+    lin = c - F32_TWO_POW_23_PLUS_2
+    top = c * F32_TWO - F32_TWO_POW_24_PLUS_8
+    m = half if half > lin else lin
+    return m if m > top else top
 
 
 def e2m1_encode(y):

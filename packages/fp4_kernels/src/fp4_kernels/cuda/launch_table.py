@@ -54,6 +54,13 @@ class Launch:
 
 LAUNCH_TABLE = (
     Launch("quantize", "quantize", 256, "one scale block (16 / 32 elements; 8 when fused)"),
+    Launch(
+        "quantize_dequantize",
+        "quantize_dequantize",
+        256,
+        "8 elements (16 bytes of bf16 / fp16 in and out)",
+        items_per_thread=2,
+    ),
     Launch("amax", "amax", 256, "a 16-byte load", items_per_thread=4, partials_per_sm=8),
     Launch("requantized_sum", "reduce", 256, "one MXFP4 block of every row"),
     Launch("dequantize", "dequantize", 256, "16 bytes of output", items_per_thread=4),
