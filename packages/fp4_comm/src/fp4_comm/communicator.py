@@ -120,8 +120,9 @@ class Communicator:
 
     ``graphs``: "auto" replays a kind of call made twice from a CUDA graph captured on its third
     call (the same bits, a few microseconds of host time: ``fp4_comm.graphs`` says which calls
-    qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
-    on CUDA transports (NCCL, p2p), "never" over gloo.
+    qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "never";
+    "auto" is for CUDA transports (NCCL, p2p) and is opt-in: a peer that dies while a replayed
+    call waits for it is not yet shown to end in ``CommPeerError`` rather than a hang.
     """
 
     def __init__(

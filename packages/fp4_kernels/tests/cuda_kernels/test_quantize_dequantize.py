@@ -51,7 +51,8 @@ def test_fake_quantize_matches_oracle(kernels, rng, kind, fmt, dtype, rounding, 
     iterates and lanes past the end take part in the butterflies)."""
     x = _data(rng, rows, k, dtype, fk.FORMATS[fmt])
     ga = 3.25 if amax == "array" else amax
-    arg = to_gpu(np.array([ga], np.float32), "numba") if amax == "array" else amax
+    # a device array of the input's own library: global_amax must live where x lives
+    arg = to_gpu(np.array([ga], np.float32), kind) if amax == "array" else amax
     with launch.launch_policy(threads=32, max_blocks=2):
         got = fk.quantize_dequantize(
             to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=SEED, step=STEP, global_amax=arg
