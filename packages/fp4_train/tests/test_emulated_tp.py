@@ -193,6 +193,11 @@ def _assert_equal(real, name, world, args, emulated):
         real_losses, real_state = real[r][name]
         assert len(real_losses) == len(losses) == STEPS + 1
         for step, (a, b) in enumerate(zip(real_losses, losses, strict=True)):
+            # equal NaNs would compare unequal here and hide what is wrong: a loss that is not
+            # finite fails on its own, naming the side
+            for side, record in (("real", a), ("emulated", b)):
+                values = [v for v in record if not isinstance(v, str)]
+                assert all(math.isfinite(v) for v in values), (side, r, step, record)
             if a[0] == "eval":
                 assert a == b, (r, step)  # the mean every rank reports
             elif pp:
@@ -362,6 +367,8 @@ def test_bf16_baseline_tracks_nccl_native(real_gpu, corpus):
         _, _, (losses, _) = _emulated(GPU_NATIVE[0], corpus, [GPU_NATIVE], "cuda", world,
                                       NATIVE_STEPS)  # fmt: skip
     nccl = real_gpu[0][GPU_NATIVE[0]][0]
+    for side, records in (("nccl", nccl), ("emulated", losses)):
+        assert all(math.isfinite(r[-1]) for r in records), (side, records)
     rel = [abs(a[-1] - b[-1]) / abs(a[-1]) for a, b in zip(nccl, losses, strict=True)]
     print(f"native vs emulated bf16 baseline, {world} ranks: largest relative loss difference "
           f"over {NATIVE_STEPS} steps {max(rel):.2e}")  # fmt: skip
