@@ -142,6 +142,15 @@ def run_meta(**fields):
     }
 
 
+def machine_label(meta, times="x"):
+    """ "2 x NVIDIA H200", or "4 ranks sharing 1 x NVIDIA H200" where the ranks of a run shared
+    GPUs (a record without "ranks", from before it was written, counts ranks as GPUs)."""
+    gpus, ranks = meta["gpus"], meta.get("ranks", meta["gpus"])
+    if ranks == gpus:
+        return f"{gpus} {times} {meta['device']}"
+    return f"{ranks} ranks sharing {gpus} {times} {meta['device']}"
+
+
 def write_json(out_dir, stem, record, indent=1):
     """``<out_dir>/<stem>.json``, the folder made if missing.  Scripts write it before their
     Markdown table, so the raw figures survive a failure in formatting them."""

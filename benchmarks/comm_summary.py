@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import machine_label  # noqa: E402
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
 
@@ -44,7 +49,7 @@ def table(runs):
         out += [
             f"### {label}",
             "",
-            f"{meta['gpus']} × {meta['device']}, commit {meta['commit']}, {meta['date']}, "
+            f"{machine_label(meta, '×')}, commit {meta['commit']}, {meta['date']}, "
             f"NCCL env {env}; source `{name}`.",
             "",
         ]

@@ -42,7 +42,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import commit_id, cuda_time_ms, graph_time_ms, write_json, write_markdown  # noqa: E402
+from _timing import (  # noqa: E402
+    commit_id,
+    cuda_time_ms,
+    graph_time_ms,
+    machine_label,
+    write_json,
+    write_markdown,
+)
 
 ROTATE = 3
 BUS_FACTOR = {
@@ -308,9 +315,12 @@ def _ours(comm, op, codec):
 def _write(out_dir, rows, world):
     import torch
 
+    # ranks on one host share its GPUs where there are fewer (rank r on GPU r % count)
+    gpus = min(world, torch.cuda.device_count())
     meta = {
         "device": torch.cuda.get_device_name(),
-        "gpus": world,
+        "ranks": world,
+        "gpus": gpus,
         "commit": commit_id(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
@@ -318,7 +328,7 @@ def _write(out_dir, rows, world):
     }
     write_json(out_dir, "comm_throughput", {"meta": meta, "rows": rows})
     lines = [
-        f"# fp4_comm collectives vs NCCL bf16: {world} x {meta['device']}",
+        f"# fp4_comm collectives vs NCCL bf16: {machine_label(meta)}",
         "",
         f"commit {meta['commit']}, {meta['date']}, NCCL env {meta['nccl_env'] or 'default'}",
         "",
