@@ -221,7 +221,6 @@ _CALLS = [
 ]
 
 
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_replays_equal_eager_calls_bit_for_bit_and_are_never_overwritten(world, monkeypatch):
     monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 16)  # the 12 kinds below, all kept
