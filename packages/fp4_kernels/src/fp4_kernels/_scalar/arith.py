@@ -1,6 +1,7 @@
 """Saturating arithmetic, the float32 add rounding toward -inf, the 32 x 32 -> 64-bit multiply
-and powers of two: written out here; the CUDA target replaces the first four by one instruction
-each (``mul.rn.sat.f32``, ``fma.rn.sat.f32``, ``add.rm.f32``, ``mul.wide.u32``)."""
+powers of two and the larger of two floats: written out here; the CUDA target replaces
+``sat_mul``, ``sat_fma``, ``add_rm``, ``mul_wide_u32`` and ``max_f32`` by one instruction each
+(``mul.rn.sat.f32``, ``fma.rn.sat.f32``, ``add.rm.f32``, ``mul.wide.u32``, ``max.f32``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from .._numba_abi import py_f32_as_u32 as f32_as_u32, py_u32_as_f32 as u32_as_f32
 
-FUNCTIONS = ("sat", "sat_mul", "sat_fma", "add_rm", "mul_wide_u32", "pow2_f32")
+FUNCTIONS = ("sat", "sat_mul", "sat_fma", "add_rm", "mul_wide_u32", "pow2_f32", "max_f32")
 
 # float32 constants (see the package doc for why they are np.float32)
 F32_ZERO = np.float32(0.0)
@@ -71,3 +72,10 @@ def mul_wide_u32(a, b):
 def pow2_f32(e):
     """2^e as float32 for e in [-126, 127] (normal range), built from the bits."""
     return u32_as_f32(np.uint32((e + 127) << 23))
+
+
+def max_f32(a, b):
+    """The larger of two float32 (FMNMX on the GPU).  The hardware's rules for a NaN and for
+    +0 against -0 differ from this compare-and-select's: callers pass numbers, never zeros of
+    both signs."""
+    return a if a > b else b

@@ -8,7 +8,7 @@ import numpy as np
 
 from .._numba_abi import py_f32_as_u32 as f32_as_u32, py_u32_as_f32 as u32_as_f32
 from ..formats import e2m1
-from .arith import F32_HALF, F32_TWO, U32, add_rm, sat_fma, sat_mul
+from .arith import F32_HALF, F32_TWO, U32, add_rm, max_f32, sat_fma, sat_mul
 
 FUNCTIONS = (
     "e2m1_value", "e2m1_code_f", "e2m1_value_f", "e2m1_encode", "e2m1_encode_int",
@@ -81,8 +81,8 @@ def e2m1_value_f(c):
     half = c * F32_HALF - F32_TWO_POW_22
     lin = c - F32_TWO_POW_23_PLUS_2
     top = c * F32_TWO - F32_TWO_POW_24_PLUS_8
-    m = half if half > lin else lin
-    return m if m > top else top
+    # max_f32: one FMNMX each on the GPU (the three terms are numbers, never NaN)
+    return max_f32(max_f32(half, lin), top)
 
 
 def e2m1_encode(y):

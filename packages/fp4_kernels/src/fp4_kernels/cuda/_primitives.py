@@ -25,7 +25,7 @@ if SIMULATOR:
         return a * b  # numpy float32: one rounded product, nothing fuses it with an add
 
     # the scalar ops write these out (same results: see _scalar)
-    sat_mul = sat_fma = add_rm = mul_wide_u32 = None
+    sat_mul = sat_fma = add_rm = mul_wide_u32 = max_f32 = None
 
     def prmt(a, b, selector):
         """``prmt.b32`` (default mode): byte k of the result is byte (nibble k & 7) of the 8
@@ -241,6 +241,13 @@ if not SIMULATOR:
         if a != types.float32 or b != types.float32:
             return None
         return types.float32(a, b), _asm_codegen("add.rm.f32", *_F32_ASM, 2)
+
+    @intrinsic
+    def max_f32(typingctx, a, b):
+        """The larger of two float32 (FMNMX; of a NaN and a number, the number)."""
+        if a != types.float32 or b != types.float32:
+            return None
+        return types.float32(a, b), _asm_codegen("max.f32", *_F32_ASM, 2)
 
     @intrinsic
     def mul_wide_u32(typingctx, a, b):
@@ -564,6 +571,7 @@ _HARDWARE = {
     "sat_fma": sat_fma,
     "add_rm": add_rm,
     "mul_wide_u32": mul_wide_u32,
+    "max_f32": max_f32,
 }
 
 
