@@ -4,7 +4,6 @@ carries type annotations that resolve, and the package ships a py.typed marker."
 import ast
 import importlib
 import importlib.resources
-import inspect
 import pkgutil
 import subprocess
 import sys
@@ -16,50 +15,24 @@ import pytest
 import fp4_kernels
 import fp4_kernels.formats
 import fp4_kernels.testing
-from fp4_kernels.testing import missing_annotations
 
 SOURCE = Path(fp4_kernels.__file__).resolve().parent
-
-
-def _written_here(fn):
-    """Defined in fp4_kernels' own source (not generated, as dataclasses' __eq__ is)."""
-    code = getattr(fn, "__code__", None)
-    return code is not None and Path(code.co_filename).resolve().is_relative_to(SOURCE)
 
 
 def _public_callables():
     """(qualified name, function) of every public function that fp4_kernels exports, and of
     every public method, property and dunder of its exported classes (their base classes in
-    fp4_kernels included); and the public functions of the modules documented with it, the
-    numpy references in ``fp4_kernels.formats`` and ``fp4_kernels.testing``."""
-    found = {}
+    fp4_kernels included); and the public functions and classes of the modules documented with
+    it, the numpy references in ``fp4_kernels.formats`` and ``fp4_kernels.testing``."""
     documented = [
         importlib.import_module(f"fp4_kernels.formats.{m.name}")
         for m in pkgutil.iter_modules(fp4_kernels.formats.__path__)
     ]
-    for module in [*documented, fp4_kernels.testing]:
-        for name, obj in vars(module).items():
-            if not name.startswith("_") and inspect.isfunction(obj):
-                if obj.__module__ == module.__name__:
-                    found[f"{module.__name__.removeprefix('fp4_kernels.')}.{name}"] = obj
-    for name in fp4_kernels.__all__:
-        obj = getattr(fp4_kernels, name)
-        if inspect.isfunction(obj):
-            found[name] = obj
-        elif inspect.isclass(obj):
-            for base in obj.__mro__:
-                if not base.__module__.startswith("fp4_kernels"):
-                    continue
-                for attr, value in vars(base).items():
-                    if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
-                        continue
-                    if isinstance(value, (staticmethod, classmethod)):
-                        value = value.__func__
-                    if isinstance(value, property):
-                        value = value.fget
-                    if inspect.isfunction(value) and _written_here(value):
-                        found.setdefault(f"{name}.{attr}", value)
-    return found
+    exports = {
+        m.__name__.removeprefix("fp4_kernels."): m for m in [*documented, fp4_kernels.testing]
+    }
+    exports.update((name, getattr(fp4_kernels, name)) for name in fp4_kernels.__all__)
+    return fp4_kernels.testing.public_callables(fp4_kernels, exports)
 
 
 def test_the_public_api_lists_what_it_should():
@@ -85,10 +58,8 @@ def test_the_public_api_lists_what_it_should():
     assert expected <= set(_public_callables())
 
 
-@pytest.mark.parametrize("qualname", sorted(_public_callables()))
-def test_public_functions_carry_type_annotations(qualname):
-    missing = missing_annotations(_public_callables()[qualname])  # and the hints resolve
-    assert not missing, f"{qualname}: without annotation: {missing}"
+def test_public_functions_carry_type_annotations():
+    assert fp4_kernels.testing.annotation_gaps(_public_callables()) == {}  # and the hints resolve
 
 
 def test_quantized_tensor_fields_are_annotated():

@@ -2,6 +2,7 @@
 profile and seeds."""
 
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,14 +50,10 @@ def test_same_bits():
 
 def test_the_suite_runs_under_the_test_profile():
     # conftest.py loads it: "ci" (derandomized, no example database: no run replays another's
-    # failures) unless FP4_TEST_PROFILE=explore
-    from hypothesis import settings
+    # failures) unless FP4_TEST_PROFILE=explore; and no test draws randomness it does not control
+    from fp4_kernels.testing import suite_profile_problems
 
-    from fp4_kernels.testing import current_test_profile
-
-    ci = current_test_profile() == "ci"
-    assert settings.default.derandomize is ci
-    assert (settings.default.database is None) is ci
+    assert suite_profile_problems(Path(__file__).parent) == []
 
 
 def test_random_seed_is_fixed_by_the_name_under_ci_and_fresh_under_explore(monkeypatch):
@@ -71,14 +68,6 @@ def test_random_seed_is_fixed_by_the_name_under_ci_and_fresh_under_explore(monke
     monkeypatch.setenv(testing.TEST_PROFILE_ENV, "random")
     with pytest.raises(ValueError, match="FP4_TEST_PROFILE='random' is not one of"):
         testing.random_seed("a::b")
-
-
-def test_no_test_draws_randomness_the_profile_does_not_control():
-    from pathlib import Path
-
-    from fp4_kernels.testing import unprofiled_randomness
-
-    assert unprofiled_randomness(Path(__file__).parent) == []
 
 
 def test_unprofiled_randomness_finds_each_kind(tmp_path):
@@ -101,3 +90,40 @@ def test_unprofiled_randomness_finds_each_kind(tmp_path):
     (tmp_path / "test_x.py").write_text("\n".join(fine + lines) + "\n")
     found = unprofiled_randomness(tmp_path)
     assert [f.split(":", 2)[1] for f in found] == [str(i) for i in range(3, 3 + len(lines))]
+
+
+def test_packaging_problems_names_each_disagreement(tmp_path):
+    import importlib.metadata
+    import sys
+
+    import fp4_kernels
+    from fp4_kernels.testing import packaging_problems
+
+    if sys.version_info < (3, 11):
+        pytest.importorskip("tomli")
+    version = importlib.metadata.version("fp4-kernels")
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(f'[project]\nname = "fp4-kernels"\nversion = "{version}"\n')
+    assert packaging_problems(fp4_kernels, pyproject, "fp4-kernels") == []
+    pyproject.write_text('[project]\nname = "fp4-other"\nversion = "0.0.0"\n')
+    problems = packaging_problems(fp4_kernels, pyproject, "fp4-kernels", requires=["fp4-none"])
+    assert len(problems) == 3, problems
+    assert "names 'fp4-other'" in problems[0] and "versions disagree" in problems[1]
+    assert problems[2] == "fp4-kernels does not require fp4-none"
+
+
+def test_annotation_gaps_names_each_function_and_a_hint_that_does_not_resolve():
+    from fp4_kernels.testing import annotation_gaps
+
+    def typed(x: int) -> int:
+        return x
+
+    def untyped(x, y: int):
+        return x
+
+    def unresolved(x: "NoSuchType") -> None:  # noqa: F821
+        pass
+
+    assert annotation_gaps({"typed": typed, "untyped": untyped}) == {"untyped": ["x", "return"]}
+    with pytest.raises(TypeError, match="unresolved: its annotations do not resolve"):
+        annotation_gaps({"unresolved": unresolved})

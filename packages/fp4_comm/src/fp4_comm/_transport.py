@@ -145,11 +145,11 @@ class Transport:
     def synchronize(self, timeout_s=None):
         """Wait for the queued transfers (no-op where every call is already synchronous)."""
 
-    def before_replay(self):
+    def before_replay(self) -> None:
         """Before a CUDA graph of this transport's calls replays: raise the CommPeerError that
         a call would raise now (a failed or closed transport)."""
 
-    def after_replay(self):
+    def after_replay(self) -> None:
         """After a replay is queued: what a call does after queuing its transfers (the NCCL
         watchdog's event)."""
 

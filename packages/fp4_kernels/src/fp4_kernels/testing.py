@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import re
 import threading
+import types
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, SupportsFloat
 
 import numpy as np
@@ -206,6 +207,109 @@ def missing_annotations(fn: Callable[..., Any]) -> list[str]:
     return missing
 
 
+def annotation_gaps(callables: Mapping[str, Callable[..., Any]]) -> dict[str, list[str]]:
+    """``missing_annotations`` of each of ``callables`` (qualified name -> function, as
+    ``public_callables`` gives) where it is not empty; TypeError naming a function whose
+    annotations do not resolve."""
+    gaps = {}
+    for name, fn in callables.items():
+        try:
+            missing = missing_annotations(fn)
+        except Exception as e:
+            raise TypeError(f"{name}: its annotations do not resolve ({e!r})") from e
+        if missing:
+            gaps[name] = missing
+    return gaps
+
+
+def public_callables(
+    package: types.ModuleType, exports: Mapping[str, object]
+) -> dict[str, Callable[..., Any]]:
+    """(qualified name, function) of what ``exports`` names (name -> object) of ``package``'s
+    public API, for ``missing_annotations``: a function as itself; a class, the public methods,
+    properties and dunders that it and its bases in ``package`` define in ``package``'s source
+    (not generated ones, as dataclasses' ``__eq__`` is; a decorated one by what it wraps), as
+    "Class.attr"; a module, its public functions and classes defined in it, as "module.name"
+    (its classes' members as "module.Class.attr")."""
+    import inspect
+    from pathlib import Path
+
+    source = Path(package.__file__).resolve().parent
+
+    def written_here(fn: object) -> bool:  # a decorated one by what it wraps
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        return code is not None and Path(code.co_filename).resolve().is_relative_to(source)
+
+    found: dict[str, Callable[..., Any]] = {}
+
+    def add(name: str, obj: object) -> None:
+        if inspect.isfunction(obj):
+            found[name] = obj
+        elif inspect.isclass(obj):
+            for base in obj.__mro__:
+                if not base.__module__.startswith(package.__name__):
+                    continue
+                for attr, value in vars(base).items():
+                    if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")):
+                        continue
+                    if isinstance(value, (staticmethod, classmethod)):
+                        value = value.__func__
+                    if isinstance(value, property):
+                        value = value.fget
+                    if inspect.isfunction(value) and written_here(value):
+                        found.setdefault(f"{name}.{attr}", value)
+        elif isinstance(obj, types.ModuleType):
+            for attr, value in vars(obj).items():
+                if not attr.startswith("_") and getattr(value, "__module__", "") == obj.__name__:
+                    add(f"{name}.{attr}", value)
+
+    for name, obj in exports.items():
+        add(name, obj)
+    return found
+
+
+def packaging_problems(
+    package: types.ModuleType,
+    pyproject: str | os.PathLike[str],
+    dist_name: str,
+    requires: Sequence[str] = (),
+) -> list[str]:
+    """What disagrees between a package's ``pyproject.toml``, its installed metadata and the
+    module: the project's name against ``dist_name``, the version (``pyproject.toml``,
+    ``package.__version__``, ``importlib.metadata``), each project in ``requires`` that the
+    installed distribution does not require, and a missing ``py.typed`` marker; empty where
+    all agree."""
+    import importlib.metadata
+    import importlib.resources
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the packages' test extras bring tomli there
+        import tomli as tomllib
+
+    with open(pyproject, "rb") as f:
+        project = tomllib.load(f)["project"]
+    problems = []
+    if project["name"] != dist_name:
+        problems.append(f"pyproject.toml names {project['name']!r}, not {dist_name!r}")
+    versions = {
+        "pyproject.toml": project["version"],
+        f"{package.__name__}.__version__": package.__version__,
+        "installed metadata": importlib.metadata.version(dist_name),
+    }
+    if len(set(versions.values())) != 1:
+        problems.append(f"versions disagree: {versions}")
+    # A requirement string starts with its project name: "fp4-kernels>=0.1.0".
+    required = importlib.metadata.requires(dist_name) or []
+    names = {re.match(r"[A-Za-z0-9._-]+", r).group().lower() for r in required}
+    problems += [f"{dist_name} does not require {r}" for r in requires if r.lower() not in names]
+    # hatchling ships every file of the package's source in the wheel, this marker included
+    if not importlib.resources.files(package.__name__).joinpath("py.typed").is_file():
+        problems.append(f"{package.__name__} has no py.typed marker")
+    return problems
+
+
 # ---------------------------------------------------------------------- test randomness
 
 #: The environment variable that picks the test profile: "ci" (unset) or "explore".
@@ -276,3 +380,21 @@ def unprofiled_randomness(folder: str | os.PathLike[str]) -> list[str]:
             if _UNPROFILED.search(line):
                 found.append(f"{path}:{n}: {line.strip()}")
     return found
+
+
+def suite_profile_problems(folder: str | os.PathLike[str]) -> list[str]:
+    """What keeps the test suite under ``folder`` from running under the test profile that
+    its ``conftest.py`` loads (``load_test_profile``): hypothesis's default settings other
+    than the profile's ("ci": derandomized, no example database; where hypothesis is
+    installed), and the lines that draw randomness the profile does not control
+    (``unprofiled_randomness``); empty where there is none."""
+    problems = []
+    try:
+        from hypothesis import settings
+    except ImportError:
+        settings = None
+    if settings is not None:
+        ci = current_test_profile() == "ci"
+        if settings.default.derandomize is not ci or (settings.default.database is None) is not ci:
+            problems.append(f"hypothesis settings are not the {current_test_profile()!r} profile's")
+    return problems + unprofiled_randomness(folder)
