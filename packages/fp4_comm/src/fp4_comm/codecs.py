@@ -147,11 +147,41 @@ class Codec(ABC):
         return f"{type(self).__name__}()"
 
 
+class _CheckedCodec(Codec):
+    """The built-in codecs' ``encode`` / ``decode``: the argument checks (``_encode_args`` /
+    ``_decode_args``: the empty result where there is no element), then the format's work on
+    checked, non-empty arguments (``_encode_checked`` / ``_decode_checked``)."""
+
+    def encode(
+        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
+    ) -> list[torch.Tensor]:
+        empty = _encode_args(self, x, rounding, seed, step)
+        if empty is not None:
+            return empty
+        return self._encode_checked(x, rounding, seed, step)
+
+    def decode(
+        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        empty = _decode_args(self, sections, n, dtype)
+        if empty is not None:
+            return empty
+        return self._decode_checked(sections, n, dtype)
+
+    def _encode_checked(self, x, rounding, seed, step):
+        """Checked, non-empty ``x`` (chunks, n) -> its sections, one row per chunk."""
+        return self.encode_unchecked(x, rounding, seed, step)
+
+    @abstractmethod
+    def _decode_checked(self, sections, n, dtype):
+        """Checked sections of at least one chunk of n > 0 -> (chunks, n) of ``dtype``."""
+
+
 def _bytes_per_chunk(t, chunks):
     return t.contiguous().view(torch.uint8).reshape(chunks, -1)
 
 
-class NoneCodec(Codec):
+class NoneCodec(_CheckedCodec):
     """The values as they are, in ``dtype`` (default bfloat16, the usual baseline)."""
 
     granularity = 1
@@ -166,26 +196,13 @@ class NoneCodec(Codec):
     def section_nbytes(self, n: int) -> tuple[int, ...]:
         return (_check_n(self, n) * self.itemsize,)
 
-    def encode(
-        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
-    ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
-        if empty is not None:
-            return empty
-        return self.encode_unchecked(x, rounding, seed, step)
-
     def encode_unchecked(
         self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
     ) -> list[torch.Tensor]:
         # Casting rounds to nearest even; stochastic rounding is a format feature of FP4 only.
         return [_bytes_per_chunk(x.to(self.dtype), x.shape[0])]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
+    def _decode_checked(self, sections, n, dtype):
         (raw,) = sections
         values = raw.view(self.dtype).reshape(raw.shape[0], n)
         return values.to(dtype) if dtype != self.dtype else values
@@ -211,7 +228,7 @@ class NoneCodec(Codec):
         return f"NoneCodec({_dtype_name(self.dtype)!r})"
 
 
-class _FP4BlockCodec(Codec):
+class _FP4BlockCodec(_CheckedCodec):
     fmt: str
 
     def __init__(self) -> None:
@@ -222,12 +239,7 @@ class _FP4BlockCodec(Codec):
         n = _check_n(self, n)
         return (n // 2, n // self.granularity)
 
-    def encode(
-        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
-    ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
-        if empty is not None:
-            return empty
+    def _encode_checked(self, x, rounding, seed, step):
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
         return self._sections(q, x.shape[0])
 
@@ -293,12 +305,7 @@ class NVFP4Codec(_FP4BlockCodec):
             gs = gs.expand(chunks, 4).contiguous()
         return [q.data, q.scales, gs]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
+    def _decode_checked(self, sections, n, dtype):
         chunks = sections[0].shape[0]
         # Decode with 1/S = 1, then multiply by each chunk's own 1/S: one dequantize call serves
         # chunks whose tensor scales differ.  e2m1 * s (2 by 4 significant bits, between 2^-10
@@ -363,12 +370,7 @@ class MXFP4Codec(_FP4BlockCodec):
     def section_nbytes(self, n: int) -> tuple[int, ...]:
         return self._code_and_scale_nbytes(n)
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
+    def _decode_checked(self, sections, n, dtype):
         chunks = sections[0].shape[0]
         return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
 
@@ -404,7 +406,7 @@ class MXFP4Codec(_FP4BlockCodec):
         return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
 
 
-class FP4QuantCodec(Codec):
+class FP4QuantCodec(_CheckedCodec):
     """FP4Quant on the wire: codes (n/2 bytes) and bfloat16 group scales (2n/g bytes).
 
     ``fp4_kernels.FP4Quant`` lays one tensor out as codes then scales in one payload; the
@@ -420,14 +422,6 @@ class FP4QuantCodec(Codec):
         n = _check_n(self, n)
         return (n // 2, 2 * (n // self.granularity))
 
-    def encode(
-        self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
-    ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
-        if empty is not None:
-            return empty
-        return self.encode_unchecked(x, rounding, seed, step)
-
     decode_copies = True  # dequantize writes a new tensor
 
     def encode_unchecked(
@@ -436,12 +430,7 @@ class FP4QuantCodec(Codec):
         q = fp4_kernels.quantize(x, fmt=self.fmt, rounding=rounding, seed=seed, step=step)
         return [q.data, q.scales.view(torch.uint8).view(x.shape[0], -1)]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
+    def _decode_checked(self, sections, n, dtype):
         return fp4_kernels.dequantize(self._quantized(sections, n), _dtype_name(dtype))
 
     def decoder(

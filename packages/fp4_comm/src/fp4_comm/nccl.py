@@ -246,18 +246,18 @@ class NcclTransport(Transport):
                     comm.allGather(send.data_ptr(), recv.data_ptr(), b, u8, stream)
 
     def send(self, tensors, peer):
-        stream, comm, u8 = self._stream(), self.comm, self._uint8
-        with self._group():
-            for t in tensors:
-                if t.numel():
-                    comm.send(t.data_ptr(), t.numel(), u8, peer, stream)
+        self._point_to_point("send", tensors, peer)
 
     def recv(self, tensors, peer):
+        self._point_to_point("recv", tensors, peer)
+
+    def _point_to_point(self, op, tensors, peer):
+        """ncclSend / ncclRecv (``op``) of each non-empty tensor with ``peer``, in one group."""
         stream, comm, u8 = self._stream(), self.comm, self._uint8
         with self._group():
             for t in tensors:
                 if t.numel():
-                    comm.recv(t.data_ptr(), t.numel(), u8, peer, stream)
+                    getattr(comm, op)(t.data_ptr(), t.numel(), u8, peer, stream)
 
     def before_replay(self):
         if self._failed is not None:

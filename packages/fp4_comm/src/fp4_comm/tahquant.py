@@ -73,17 +73,15 @@ chunk: the codes (``6 n / 8`` bytes), then the fp16 scales.  6.5 bits an element
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .codecs import (
     REL_HALF_ULP,
-    Codec,
     Rounding,
     _check_n,
-    _decode_args,
+    _CheckedCodec,
     _encode_args,
     _hadamard_f64,
 )
@@ -278,11 +276,11 @@ def _nan_fp16(like):
     return torch.full_like(like, FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
 
 
-class _OneSectionNearestCodec(Codec):
+class _OneSectionNearestCodec(_CheckedCodec):
     """What TAH-Quant's two codecs share: ``encode`` / ``decode`` run the codecs' argument
     checks (``codecs._encode_args`` / ``_decode_args``: the empty result where there is no
-    element), then TAH-Quant's own (nearest rounding only), then the format's work on one
-    section of (chunks, bytes) per chunk."""
+    element), then TAH-Quant's own (nearest rounding only, checked before an empty ``x``
+    returns), then the format's work on one section of (chunks, bytes) per chunk."""
 
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
@@ -297,12 +295,7 @@ class _OneSectionNearestCodec(Codec):
             return empty
         return [torch.cat(self._encode_parts(x), dim=1).contiguous()]
 
-    def decode(
-        self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
-        if empty is not None:
-            return empty
+    def _decode_checked(self, sections, n, dtype):
         y = self._decode_float32(sections[0], n)
         return y if dtype == torch.float32 else y.to(dtype)
 
