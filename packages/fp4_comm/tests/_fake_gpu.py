@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from threading import Lock
 from unittest import mock
+from weakref import WeakSet
 
 import torch
 import torch.distributed as dist
@@ -83,10 +85,13 @@ class ControlGroup:
 
 
 class _FakeEvent:
-    """``torch.cuda.Event`` of the NCCL watchdog: recorded, never queried here."""
+    """``torch.cuda.Event``: recorded, and done when queried (nothing runs on a pretend GPU)."""
 
     def record(self, stream=None):
         pass
+
+    def query(self):
+        return True
 
 
 class _FakeStream:
@@ -119,6 +124,9 @@ class FakeGraph:
     def __init__(self, run, static, output, rerun=True):
         self.run, self.static, self.output, self.rerun = run, static, output, rerun
         self.replays = 0
+
+    def reset(self):
+        self.run = None  # destroyed: a replay would fail
 
     def replay(self):
         self.replays += 1
@@ -171,6 +179,7 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs
     transport._pending, transport._spare_events = _NoQueue(), _NoQueue()
     transport._stream_objects = {}
     transport._closing = False
+    transport._graphs, transport.replay_lock, transport._aborter = WeakSet(), Lock(), None
     control = ControlGroup(world)
     recorder = recorder or Recorder(keep=False)
     pretend = [

@@ -175,7 +175,7 @@ def test_graphs_option_is_checked():
     with fake_gpu_communicator(2) as (comm, _, _, _):
         with pytest.raises(ValueError, match="graphs: 'sometimes'"):
             Communicator(comm.transport, graphs="sometimes")
-        assert Communicator(comm.transport).graphs == "never"  # opt-in on CUDA transports too
+        assert Communicator(comm.transport).graphs == "auto"  # a CUDA transport
     gloo = GlooTransport.__new__(GlooTransport)
     gloo.device = torch.device("cpu")
     with pytest.raises(ValueError, match="graphs='auto'.*gloo"):
@@ -334,12 +334,6 @@ def _replay_after_death(comms, victim):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="on one H200 with 2 ranks (NCCL 2.30.7 multi-rank mode) this test did not finish "
-    "within 100 s: a replayed call whose peer died may hang, which is why graphs='auto' is "
-    "opt-in",
-    strict=False,
-)
 def test_gpu_replay_with_a_dead_peer_ends_in_a_peer_error():
     from fp4_comm_cluster import Cluster, Died, env_ranks, skip_unless_ranks_fit
 
@@ -355,3 +349,54 @@ def test_gpu_replay_with_a_dead_peer_ends_in_a_peer_error():
     for rank, (kind, message, waited) in enumerate(out[:victim]):
         assert kind in ("CommTimeoutError", "CommConnectionError"), (rank, message)
         assert waited < TIMEOUT_S + 30.0, (rank, waited)
+
+
+class _WaitsForGraphs:
+    """NCCL's abort and destroy as they behave with graphs: they return only once every CUDA
+    graph holding the communicator's calls is destroyed (here: within 10 s, else they give up
+    and say so by leaving ``returned`` unset)."""
+
+    def __init__(self):
+        self.replays = []
+        self.returned = []
+
+    def _wait(self, what):
+        deadline = time.monotonic() + 10.0
+        while any(r.graph is not None for r in self.replays):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1e-3)
+        self.returned.append(what)
+
+    def abort(self):
+        self._wait("abort")
+
+    def destroy(self):
+        self._wait("destroy")
+
+
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_abort_and_close_release_the_graphs_nccl_waits_for(how):
+    """A replayed graph keeps NCCL's abort (and destroy) from returning until it is destroyed:
+    the transport releases its graphs (once their replays have drained), the abort returns, and
+    a later call raises the communicator's error instead of replaying a destroyed graph."""
+    x = torch.randn(8, 64)
+    with fake_graphs(), fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+        for _ in range(graphs.EAGER_CALLS + 1):
+            comm.all_reduce(x)
+        (replay,) = comm.transport._graphs
+        fake = comm.transport.comm = _WaitsForGraphs()
+        fake.replays.append(replay)
+        start = time.monotonic()
+        if how == "abort":
+            comm.transport._abort("NCCL: a transfer did not finish (test)")
+        else:
+            comm.transport._thread = None
+            comm.transport.close()
+        assert fake.returned == ["abort" if how == "abort" else "destroy"]
+        assert time.monotonic() - start < 5.0 and replay.graph is None
+        if how == "abort":
+            with pytest.raises(CommTimeoutError, match="did not finish"):
+                comm.all_reduce(x)
+            with pytest.raises(CommTimeoutError, match="did not finish"):
+                replay.replay(comm.transport, x)

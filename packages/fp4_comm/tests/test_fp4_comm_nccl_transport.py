@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -112,6 +113,7 @@ def _transports(world):
         t.rank, t.world_size, t.device, t.timeout_s = rank, world, torch.device("cpu"), 60.0
         t._stream = lambda: 0
         t._watchdog, t._failed = False, None  # CUDA events: tested on GPUs
+        t._graphs, t.replay_lock, t._aborter = weakref.WeakSet(), threading.Lock(), None
         out.append(t)
     return out
 
@@ -275,6 +277,7 @@ def test_watchdog_ends_a_group_that_never_starts(monkeypatch):
     t._stream = lambda: 0
     t._watchdog, t._failed, t._closing, t._thread, t._host_since = True, None, False, None, None
     t._pending = []
+    t._graphs, t.replay_lock, t._aborter = weakref.WeakSet(), threading.Lock(), None
     start = time.monotonic()
     with pytest.raises(nccl_module.CommTimeoutError, match="did not start within 0.2 s"):
         t.send([torch.zeros(8, dtype=torch.uint8)], 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,15 @@ class Transport:
 
     def synchronize(self, timeout_s=None):
         """Wait for the queued transfers (no-op where every call is already synchronous)."""
+
+    #: Held while a CUDA graph of this transport's calls is queued (``fp4_comm.graphs``): a
+    #: transport that releases its graphs from another thread (NCCL's abort) takes it too.
+    replay_lock = contextlib.nullcontext()
+
+    def keep_graph(self, graph: Any) -> None:
+        """A CUDA graph holding this transport's calls now exists: ``graph`` has ``release()``
+        (destroy the CUDA graph) and ``last_stream`` (the stream of its last replay, or None).
+        Only a transport whose teardown waits for such graphs keeps them (NCCL)."""
 
     def before_replay(self) -> None:
         """Before a CUDA graph of this transport's calls replays: raise the CommPeerError that

@@ -120,9 +120,8 @@ class Communicator:
 
     ``graphs``: "auto" replays a kind of call made twice from a CUDA graph captured on its third
     call (the same bits, a few microseconds of host time: ``fp4_comm.graphs`` says which calls
-    qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "never";
-    "auto" is for CUDA transports (NCCL, p2p) and is opt-in: a peer that dies while a replayed
-    call waits for it is not yet shown to end in ``CommPeerError`` rather than a hang.
+    qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
+    on CUDA transports (NCCL, p2p), "never" over gloo.
     """
 
     def __init__(
@@ -564,6 +563,7 @@ class Communicator:
             return False
         nbytes = (out if static is None else static).numel() * plan.dtype.itemsize
         entry.replay = _graphs.Replay(graph, static, out, nbytes, self.device)
+        transport.keep_graph(entry.replay)
         self._graphed.keep(kind, entry)
         return entry.replay is not None  # a graph bigger than the cache's bound is dropped
 
@@ -784,17 +784,35 @@ class CapturedCollective:
         torch.cuda.current_stream(x.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         self.input = x
+        self.last_stream = None  # the stream of the last replay
+        self._transport = comm.transport
         validate, comm.validate = comm.validate, "never"
         try:
             with torch.cuda.graph(self.graph):
                 self.output = fn(x, **kwargs)
         finally:
             comm.validate = validate
+        # the transport releases the graph if it is aborted or closed first (NCCL waits for it)
+        self._transport.keep_graph(self)
 
     def replay(self) -> torch.Tensor:
-        """Run the captured collective on the current contents of ``input``."""
-        self.graph.replay()
+        """Run the captured collective on the current contents of ``input``; the
+        communicator's error if it has failed or is closed."""
+        transport = self._transport
+        with transport.replay_lock:
+            transport.before_replay()
+            if self.graph is None:
+                raise RuntimeError("capture: the graph was released with its communicator")
+            self.last_stream = torch.cuda.current_stream(self.input.device)
+            self.graph.replay()
+            transport.after_replay()
         return self.output
+
+    def release(self) -> None:
+        """Destroy the CUDA graph (the communicator does, when it is aborted or closed)."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
 
 
 def _check_transport(transport, device):

@@ -1,8 +1,8 @@
 """Eager calls replayed from CUDA graphs: the host cost of a repeated kind of call.
 
 An eager compressed collective launches a dozen kernels and NCCL calls through some hundred
-Python calls; NCCL's own collective is one.  Under ``Communicator(graphs="auto")`` (opt-in, on
-CUDA transports) a kind of call (operation, shape, dtype, codec, rounding, error feedback and
+Python calls; NCCL's own collective is one.  Under ``Communicator(graphs="auto")`` (the default
+on CUDA transports) a kind of call (operation, shape, dtype, codec, rounding, error feedback and
 statistics off, peer, device) made ``EAGER_CALLS`` times eagerly is captured once into a CUDA
 graph, and its later calls replay it: the input copied into the graph's static input buffer,
 one ``cudaGraphLaunch``, and the result copied out, all queued on the caller's current stream.
@@ -26,6 +26,11 @@ The result is a copy of the graph's output, made on the caller's stream (a tenso
 owns, as the eager path's): a pool of rotating outputs would hand out memory that a later call
 overwrites while the caller may still hold it.  The copies cost device time (the input's and
 the output's bytes once more each), never host synchronization.
+
+A peer that dies while a replay waits for it ends in ``CommPeerError`` as on the eager path:
+the replay records the NCCL watchdog's event, and the abort that follows releases the
+transport's graphs (NCCL's abort and destroy wait until every graph holding the communicator's
+calls is destroyed) once the aborted replays have drained.
 
 Memory: a graph keeps every buffer of its call (static input, encoded sections, receive
 buffers, float32 sums, output) in a private pool: about 4 to 6 times the input's bytes.  A
@@ -60,10 +65,10 @@ REPLAYABLE_CODECS = (NoneCodec, NVFP4Codec, MXFP4Codec, FP4QuantCodec)
 
 
 def default_graphs(transport) -> Graphs:
-    """ "never" on every transport: replays are opt-in.  A peer that dies while a replayed NCCL
-    call waits for it is not yet shown to end in ``CommPeerError`` (on one H200 with 2 ranks
-    that test did not finish within 100 s), which the eager path guarantees."""
-    del transport  # the same default on every transport
+    """ "auto" where the transport moves CUDA tensors and needs no per-call host check (NCCL,
+    p2p), "never" otherwise (gloo: CPU tensors, every call checked)."""
+    if transport.device.type == "cuda" and not transport.always_validate:
+        return "auto"
     return "never"
 
 
@@ -108,30 +113,47 @@ def capture(run, device, shape, dtype):
 
 class Replay:
     """One captured kind of call: ``replay(x)`` queues it on the current stream, and returns a
-    copy of the output (None for a send)."""
+    copy of the output (None for a send).  Kept by its transport (``Transport.keep_graph``),
+    which may ``release()`` it: NCCL's abort and destroy wait for its graph to go."""
 
-    __slots__ = ("graph", "input", "output", "nbytes", "device", "_raw", "_stream")
+    __slots__ = ("graph", "input", "output", "nbytes", "device", "_raw", "_stream",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, graph, static_input, output, nbytes, device):
         self.graph, self.input, self.output = graph, static_input, output
         self.nbytes, self.device = nbytes, device
         self._raw = self._stream = None  # the stream of the last replay
 
+    @property
+    def last_stream(self):
+        """The stream of the last replay (None before the first)."""
+        return self._stream
+
+    def release(self) -> None:
+        """Destroy the CUDA graph (its last replay must have finished); a later ``replay``
+        raises."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
     def replay(self, transport, x=None):
-        transport.before_replay()  # a failed transport raises its CommPeerError here
-        if self.device.type == "cuda":
-            raw = torch._C._cuda_getCurrentRawStream(self.device.index)
-            if raw != self._raw:
-                # Replays on another stream than the last: ordered after everything queued on
-                # that one (its replay, and the copy of its output), since they share buffers.
-                stream = torch.cuda.current_stream(self.device)
-                if self._stream is not None:
-                    stream.wait_stream(self._stream)
-                self._raw, self._stream = raw, stream
-        if self.input is not None:
-            self.input.copy_(x)
-        self.graph.replay()
-        transport.after_replay()
+        with transport.replay_lock:
+            transport.before_replay()  # a failed transport raises its CommPeerError here
+            if self.graph is None:
+                raise RuntimeError("fp4_comm: this CUDA graph was released with its transport")
+            if self.device.type == "cuda":
+                raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+                if raw != self._raw:
+                    # Replays on another stream than the last: ordered after everything queued
+                    # on that one (its replay, and the copy of its output): they share buffers.
+                    stream = torch.cuda.current_stream(self.device)
+                    if self._stream is not None:
+                        stream.wait_stream(self._stream)
+                    self._raw, self._stream = raw, stream
+            if self.input is not None:
+                self.input.copy_(x)
+            self.graph.replay()
+            transport.after_replay()
         return None if self.output is None else self.output.clone()
 
 

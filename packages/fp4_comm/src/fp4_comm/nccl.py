@@ -14,6 +14,7 @@ import contextlib
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ from ._transport import (
 _POLL_INTERVAL_S = 1e-4
 # How often the watchdog looks at the oldest unfinished transfer.
 _WATCHDOG_INTERVAL_S = 1e-3
+# How long an abort or close without a timeout waits for CUDA graphs' replays to drain.
+_GRAPH_DRAIN_S = 60.0
 # Stream objects kept for the watchdog's event records (all dropped when there are more).
 _STREAM_OBJECTS = 16
 
@@ -122,6 +125,11 @@ class NcclTransport(Transport):
         self._closing = False
         self._thread = None
         self._host_since = None
+        # CUDA graphs holding this communicator's calls (fp4_comm.graphs' replays, and
+        # Communicator.capture's): NCCL's abort and destroy wait until they are all destroyed.
+        self._graphs = weakref.WeakSet()
+        self.replay_lock = threading.Lock()
+        self._aborter = None  # the thread of an abort that waits for graphs to drain
 
     def _stream(self):
         if self._failed is not None:
@@ -209,9 +217,44 @@ class NcclTransport(Transport):
                 return
             time.sleep(_WATCHDOG_INTERVAL_S)
 
-    def _abort(self, why):
-        self._failed = why
-        self.comm.abort()
+    def _abort(self, why, failure=CommTimeoutError):
+        """Fail the communicator (later calls raise ``failure(why)``) and abort it in NCCL."""
+        self._failed, self._failure = why, failure
+        self._abort_nccl()
+
+    def _abort_nccl(self):
+        """ncclCommAbort, also where CUDA graphs hold this communicator's calls.
+
+        NCCL counts the graphs that captured a communicator's calls, and its abort (as its
+        destroy) returns only once every one is destroyed; a graph whose replay waits for a
+        dead peer ends only when the abort raises NCCL's abort flag, which the waiting kernels
+        poll.  So with graphs alive the abort runs in a thread of its own (it raises the flag
+        first), the replays drain, the graphs are released, and the abort returns.  Within the
+        timeout; past it the graphs are kept (their memory may still be written) and the
+        failure says that NCCL's abort has not returned."""
+        with self.replay_lock:  # no replay is queued meanwhile; later ones raise (_failed)
+            graphs = list(self._graphs)
+            if not graphs:
+                self.comm.abort()
+                return
+            name = f"fp4_comm NCCL abort rank {self.rank}"
+            aborter = self._aborter = threading.Thread(
+                target=self.comm.abort, daemon=True, name=name
+            )
+            aborter.start()
+            deadline = time.monotonic() + (self.timeout_s or _GRAPH_DRAIN_S)
+            if _drained(graphs, deadline):
+                for graph in graphs:
+                    graph.release()
+        aborter.join(max(0.0, deadline - time.monotonic()))
+        if aborter.is_alive():
+            self._failed = (
+                f"{self._failed} (NCCL's abort had not returned {self.timeout_s} s later: CUDA "
+                "graphs of this communicator's calls did not finish)"
+            )
+
+    def keep_graph(self, graph):
+        self._graphs.add(graph)
 
     def all_to_all(self, pairs):
         stream, comm, u8, rank = self._stream(), self.comm, self._uint8, self.rank
@@ -291,7 +334,7 @@ class NcclTransport(Transport):
                 )
                 self._failure = CommConnectionError
                 self._closing = True
-                self.comm.abort()
+                self._abort_nccl()
                 raise CommConnectionError(self._failed) from err
             if time.monotonic() > deadline:
                 self._failed = (
@@ -299,7 +342,7 @@ class NcclTransport(Transport):
                     "a collective, or called with other sizes); the communicator was aborted"
                 )
                 self._closing = True  # the watchdog has nothing left to watch
-                self.comm.abort()
+                self._abort_nccl()
                 raise CommTimeoutError(self._failed)
             time.sleep(_POLL_INTERVAL_S)
 
@@ -308,5 +351,39 @@ class NcclTransport(Transport):
         if self._thread is not None:
             self._thread.join()
         if getattr(self, "comm", None) is not None:
+            aborter = self._aborter
+            if aborter is not None and aborter.is_alive():
+                self.comm = None  # NCCL's abort has not returned: no destroy beside it
+                return
+            # ncclCommDestroy waits for the graphs holding the communicator's calls to go
+            with self.replay_lock:
+                graphs = list(self._graphs)
+                drained = _drained(graphs, time.monotonic() + (self.timeout_s or _GRAPH_DRAIN_S))
+                if drained:
+                    for graph in graphs:
+                        graph.release()
+            if not drained:
+                self._abort(
+                    f"NCCL transport: close() found CUDA graphs of this communicator's calls "
+                    f"still running after {self.timeout_s} s; the communicator was aborted"
+                )
+                self.comm = None
+                raise CommTimeoutError(self._failed)
             self.comm.destroy()
             self.comm = None
+
+
+def _drained(graphs, deadline):
+    """Whether the last replay of each graph has finished by ``deadline`` (monotonic s)."""
+    events = []
+    for graph in graphs:
+        stream = graph.last_stream
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+    while not all(e.query() for e in events):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_INTERVAL_S)
+    return True
