@@ -203,7 +203,7 @@ def run(ctx, call):
     """Queue the quantization of ``call`` (a checked ``_calls.QuantizeCall`` of an NVFP4 /
     MXFP4 format on the GPU) on the caller's stream; returns (data, scales, global_scale, out)
     arrays of the caller's kind (out is None unless ``call.fused``).  ``ctx`` is the caller's
-    ``_arrays.GpuContext``."""
+    ``cuda.launch.GpuContext``."""
     from . import amax as amax_op
 
     geo, fmt, kind = call.geometry, call.fmt, call.kind
