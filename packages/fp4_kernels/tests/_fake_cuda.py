@@ -20,8 +20,11 @@ import numba
 import numpy as np
 import torch
 
-from fp4_kernels import _arrays, _numba_abi as abi, _plans
-from fp4_kernels.cuda import launch
+from fp4_kernels import _numba_abi as abi, _plans
+
+# (_primitives imported here: its device helpers built for the tier in force, before the fake
+# turns the simulator's flag off)
+from fp4_kernels.cuda import _primitives, launch  # noqa: F401
 
 CUDA0 = torch.device("cuda", 0)
 META = torch.device("meta")
@@ -42,13 +45,13 @@ class FakeKernel:
         slot = 0
         for t in argtypes:
             if hasattr(t, "ndim"):  # an array type: a DeviceBuffer of its dtype
-                dummies.append(abi.DeviceBuffer(0, 0, np.dtype(str(t.dtype))))
+                dummies.append(launch.DeviceBuffer(0, 0, np.dtype(str(t.dtype))))
                 self.pointer_slots.add(slot + abi.ARRAY_FIELDS.index("data"))
                 slot += len(abi.ARRAY_FIELDS)
             else:
                 dummies.append(np.dtype(str(t)).type(0))
                 slot += 1
-        self.layout = abi.parameter_layout(dummies)
+        self.layout = launch.parameter_layout(dummies)
         self.arguments_info = self.layout[1]
         self.occupancy = self
 
@@ -144,12 +147,12 @@ def fake_cuda(recorder=None):
     # the simulator tier too: the launcher, not numba's simulated dispatcher, takes the launches
     patch(launch, "SIMULATOR", False)
     patch(numba.config, "ENABLE_CUDASIM", 0)
-    patch(abi, "_libcuda", recorder.cu_launch)
+    patch(launch, "_libcuda", recorder.cu_launch)
     # the caches of device state and device arrays: the fake's own while it runs (on a GPU
     # machine the real ones hold real launchers and device pointers, restored afterwards)
     caches = [
         (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"), (launch, "_carveout"),
-        (_arrays, "CONSTANTS"), (_plans, "_PLANS"),
+        (launch, "CONSTANTS"), (_plans, "_PLANS"),
     ]  # fmt: skip
     saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]
     for obj, name, value in saved_caches:
@@ -159,7 +162,7 @@ def fake_cuda(recorder=None):
     saved_bound = getattr(_plans._THREAD, "bound", None)
     _plans._GPU_COUNT[:] = [1]
     _plans._THREAD.bound = {0, 1}
-    _arrays.init_torch_tables()
+    launch.init_torch_tables()
     try:
         yield recorder
     finally:

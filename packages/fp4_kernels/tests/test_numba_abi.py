@@ -10,6 +10,7 @@ import pytest
 from numba import config, types
 
 from fp4_kernels import _numba_abi as abi
+from fp4_kernels.cuda import launch
 
 compile_check = pytest.mark.compile_check
 needs_nvvm = pytest.mark.skipif(
@@ -57,17 +58,17 @@ def test_packed_layout_matches_the_compiled_kernel_parameters():
     )
     params = _entry_params(compile_ptx(k, sig))
     args = (
-        abi.DeviceBuffer(0x1000, 4, np.dtype(np.uint32)),
+        launch.DeviceBuffer(0x1000, 4, np.dtype(np.uint32)),
         np.int64(3),
         np.uint32(5),
         np.float32(1.5),
-        abi.DeviceBuffer(0x2000, 8, np.dtype(np.uint8)),
+        launch.DeviceBuffer(0x2000, 8, np.dtype(np.uint8)),
     )
-    fmt, layout = abi.parameter_layout(args)
+    fmt, layout = launch.parameter_layout(args)
     assert [_PTX_SIZES[p] for p in params] == [size for _, size in layout]
     assert len(params) == 2 * len(abi.ARRAY_FIELDS) + 3
     # the values in ABI order: meminfo, parent, nitems, itemsize, data, shape, strides
-    values, positions = abi.launch_values(args)
+    values, positions = launch.launch_values(args)
     assert values[:7] == [0, 0, 4, 4, 0x1000, 4, 4]
     assert values[-7:] == [0, 0, 8, 1, 0x2000, 8, 1]
     # each argument's own value: the data pointer of a buffer, a scalar itself

@@ -86,7 +86,7 @@ from _fake_cuda import call_path, fake_cuda  # noqa: E402
 
 from fp4_kernels import _plans  # noqa: E402
 
-WARM_FILES = ["_api.py", "_numba_abi.py", "_plans.py"]
+WARM_FILES = ["_api.py", "_plans.py", "cuda/launch.py"]
 WARM_CALLS = 12  # quantize, _quantize, the key (its named tuple), the tensor key, the plan
 # lookup and run, one launch a kernel (amax, blocks) and the result
 
@@ -100,3 +100,33 @@ def test_a_warm_quantize_passes_three_files_and_twelve_calls():
     _plans.clear()
     assert files == WARM_FILES
     assert calls <= WARM_CALLS
+
+
+FIRST_CALL_FILES = 6  # the public function, the descriptor, the plan, the op's host function
+# (two where it borrows a helper: cuda/amax, cuda/hadamard) and the launcher
+
+
+G64 = fp4_kernels.FP4Quant(group_size=64)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: fp4_kernels.quantize(x),
+        lambda x: fp4_kernels.quantize(x, fmt="mxfp4"),
+        lambda x: fp4_kernels.quantize_dequantize(x),
+        lambda x: fp4_kernels.quantize(x, fmt=G64),
+        lambda x: fp4_kernels.hadamard(x, group_size=256),
+    ],
+    ids=["nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "hadamard"],
+)
+def test_the_first_call_of_a_shape_passes_at_most_six_files(op):
+    _plans.clear()
+    with fake_cuda():
+        op(torch.randn(64, 256).to(torch.bfloat16))  # the kernels built
+        x = torch.randn(128, 256).to(torch.bfloat16)
+        _, first = call_path(lambda: op(x))
+        _, warm = call_path(lambda: op(x))
+    _plans.clear()
+    assert len(first) <= FIRST_CALL_FILES, first
+    assert len(warm) == 3, warm

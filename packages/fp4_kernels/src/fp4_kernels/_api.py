@@ -28,6 +28,8 @@ from ._calls import (
     checked_amax_array,
     format_spec,
     is_number,
+    normalize_dtype,
+    payload_views,
 )
 from ._quantized import (
     SCALE_LAYOUTS,
@@ -39,7 +41,6 @@ from ._quantized import (
     Rounding,
     ScaleLayout,
     check_quantized,
-    payload_views,
 )
 from .formats.e2m1 import ROUNDINGS
 
@@ -321,7 +322,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
 def _dequantize_call(q, dtype, key):
     """The descriptor of a dequantize call, ``q`` checked in full."""
     backend = check_quantized(q)
-    dt = arrays.normalize_dtype(q.dtype if dtype is None else dtype)
+    dt = normalize_dtype(q.dtype if dtype is None else dtype)
     fmt = format_spec(q.fmt)
     block = fmt.group_size if isinstance(fmt, FP4Quant) else fmt.block_size
     return DequantizeCall(

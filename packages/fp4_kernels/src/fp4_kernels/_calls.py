@@ -11,6 +11,11 @@ part as the caller gave it, a named tuple (``QuantizeKey``, ...): the plan cache
 a call that is not planned (``_plans``).  ``traced(tracer)`` is the descriptor with the tracer's
 placeholders for its arrays and probe values for its per-call scalars, which a plan is recorded
 from.
+
+The checks of an array argument (``backend_of``: its library and device; ``dtype_name``,
+``is_c_contiguous``, ``same_place``, ...) are every public function's, and ``payload_views``
+gives the fields of an FP4Quant tensor from its wire buffer, for the CPU and GPU encoders and
+``QuantizedTensor`` alike.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays as arrays, _plans
-from ._arrays import KIND_OF_DTYPE, Backend
+from . import _plans
+from ._arrays import DTYPES, KIND_OF_DTYPE, Backend
 from .formats import mxfp4, nvfp4
 from .formats.fp4quant import FP4Quant
 
@@ -55,7 +61,169 @@ class Geometry(NamedTuple):
         return cls(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
 
 
+def payload_views(payload, shape, n, g, lib):
+    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the FP4Quant wire buffer of
+    the ``n`` elements of ``shape`` (group size ``g``): the fields of its QuantizedTensor, which
+    the CPU and GPU encoders write."""
+    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
+    tail = payload[n // 2 :]
+    if lib == "torch":
+        import torch
+
+        # an empty tail has stride 0, which torch refuses to reinterpret
+        scales = tail.view(torch.uint16) if tail.numel() else tail.new_empty(0, dtype=torch.uint16)
+    else:
+        scales = tail.view(np.uint16)
+    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))
+
+
 # ---------------------------------------------------------------------- checks
+
+
+def backend_of(x, name="x"):
+    """Classify ``x``; raise TypeError naming ``name`` for anything unsupported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        _check_torch_tensor(torch, x, name)
+        return Backend("torch", x.is_cuda, x.device)
+    if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray and not isinstance(x, np.memmap):
+            # np.matrix keeps two dimensions through reshape, a masked array carries a mask
+            # the kernels would ignore: neither is a plain buffer of elements
+            raise TypeError(
+                f"{name}: {type(x).__name__} is not supported (an ndarray subclass whose "
+                f"elements are not plain data); pass np.asarray({name}) to quantize its data"
+            )
+        return Backend("numpy", False)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return Backend("cupy", True, x.device.id)
+    # numba DeviceNDArray (and the simulator's FakeCUDAArray): duck-typed, both have these
+    if hasattr(x, "copy_to_host") and hasattr(x, "is_c_contiguous") and hasattr(x, "dtype"):
+        return Backend("numba", True)
+    raise TypeError(
+        f"{name}: expected a numpy array, a torch tensor, a CuPy array or a numba device array, "
+        f"got {type(x).__name__}"
+    )
+
+
+def is_torch_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _check_torch_tensor(torch, x, name):
+    """TypeError naming ``name`` for torch tensors whose memory is not plain strided elements
+    on the CPU or a CUDA device: the kernels read raw memory, so a lazily negated view
+    (``torch._neg_view``, whose memory holds the values un-negated) would be read with the wrong
+    sign, and nested, sparse and meta tensors have no such memory."""
+    if x.is_nested:
+        raise TypeError(
+            f"{name}: nested tensors are not supported; pass their components one by one "
+            f"({name}.unbind()) or a padded dense tensor ({name}.to_padded_tensor(0.0))"
+        )
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name}: layout {x.layout} is not supported; pass a dense tensor ({name}.to_dense())"
+        )
+    kind = x.device.type
+    if kind not in ("cpu", "cuda", "meta"):  # (meta: a QuantizedTensor may be moved there)
+        raise TypeError(
+            f"{name}: a tensor on device '{kind}' is not supported (the kernels need its data "
+            f"on the CPU or a CUDA GPU); move it with {name}.cpu() or {name}.cuda()"
+        )
+    if x.is_neg() or x.is_conj():
+        raise TypeError(
+            f"{name}: a lazily negated or conjugated view (its memory does not hold the values "
+            f"it shows) is not supported; pass {name}.resolve_neg().resolve_conj()"
+        )
+
+
+def check_has_values(x, backend, name="x"):
+    """TypeError naming ``name`` for a torch tensor on the meta device (shape and dtype only)."""
+    if backend.lib == "torch" and backend.device.type == "meta":
+        raise TypeError(
+            f"{name}: a tensor on the meta device has no values to read; materialize it first "
+            "(e.g. module.to_empty(device=...), then load its weights)"
+        )
+
+
+def dtype_name(x, backend, name="x"):
+    """Canonical dtype name of ``x`` ('float32' | 'bfloat16' | 'float16'), else TypeError."""
+    if backend.lib == "torch":
+        dt = str(x.dtype).replace("torch.", "")
+    else:
+        npdt = np.dtype(x.dtype)
+        dt = npdt.name
+        if not npdt.isnative:
+            # '>f4'.name is 'float32': without this check the kernels would read big-endian
+            # bytes as little-endian values
+            raise TypeError(
+                f"{name}: byte order {npdt.str!r} is not the machine's; convert first with "
+                f"{name}.astype({name}.dtype.newbyteorder('='))"
+            )
+    if dt not in DTYPES:
+        raise TypeError(
+            f"{name}: dtype {dt} is not supported; expected float32, bfloat16 or float16 "
+            f"(cast first, e.g. x.float() or x.astype(np.float32))"
+        )
+    return dt
+
+
+def element_dtype(a, backend):
+    """The element type name of any array of ``backend``'s kind ('uint8', 'float32', ...),
+    byte order included for numpy-like arrays ('>f4' is not 'float32')."""
+    if backend.lib == "torch":
+        return str(a.dtype).replace("torch.", "")
+    dt = np.dtype(a.dtype)
+    return dt.name if dt.isnative else dt.str
+
+
+def same_place(a, backend, name, where):
+    """TypeError / ValueError unless ``a`` is an array of ``backend``'s kind on its device."""
+    b = backend_of(a, name)
+    if (
+        b.lib != backend.lib
+        or b.gpu != backend.gpu
+        or (b.device is not None and backend.device is not None and b.device != backend.device)
+    ):
+        raise ValueError(
+            f"{name}: must live where {where} lives ({backend.lib}, {_place(backend)}), got "
+            f"{b.lib}, {_place(b)}"
+        )
+    return b
+
+
+def _place(b):
+    if b.gpu:
+        return f"GPU {b.device}"
+    return "CPU" if b.device is None or str(b.device) == "cpu" else f"device {b.device}"
+
+
+def normalize_dtype(dtype, name="dtype"):
+    """Accept 'bfloat16', np.float32, torch.bfloat16, ml_dtypes.bfloat16 ... -> canonical name."""
+    if isinstance(dtype, str):
+        dt = dtype
+    else:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(dtype, torch.dtype):
+            dt = str(dtype).replace("torch.", "")
+        else:
+            try:
+                dt = np.dtype(dtype).name
+            except TypeError:
+                dt = str(dtype)
+    if dt not in DTYPES:
+        raise TypeError(f"{name}: {dtype!r} is not supported; use float32, bfloat16 or float16")
+    return dt
+
+
+def is_c_contiguous(x, backend):
+    if backend.lib == "torch":
+        return x.is_contiguous()
+    if backend.lib in ("numpy", "cupy"):
+        return x.flags.c_contiguous
+    return x.is_c_contiguous()
 
 
 def format_spec(fmt, name="fmt"):
@@ -91,7 +259,7 @@ def check_int(value, name, lo, hi):
 def check_field(a, backend, name, dtype, shape, size=None):
     """TypeError / ValueError unless the array ``a`` has ``dtype``, ``shape`` (or ``size``
     elements) and is C-contiguous."""
-    dt = arrays.element_dtype(a, backend)
+    dt = element_dtype(a, backend)
     if dt != dtype:
         raise TypeError(f"{name}: dtype {dt}, expected {dtype}")
     got = tuple(int(d) for d in a.shape)
@@ -99,16 +267,16 @@ def check_field(a, backend, name, dtype, shape, size=None):
         raise ValueError(f"{name}: shape {got} != expected {shape}")
     if size is not None and math.prod(got) != size:
         raise ValueError(f"{name}: {math.prod(got)} elements, expected {size}")
-    if not arrays.is_c_contiguous(a, backend):
+    if not is_c_contiguous(a, backend):
         raise ValueError(f"{name}: must be C-contiguous (the kernels read it as a flat buffer)")
 
 
 def check_input(x, block, what):
     """(backend, dtype name, shape) of an input to quantize: a supported array, >= 1-d, its
     last dimension a multiple of ``block`` (``what`` names that size), C-contiguous."""
-    backend = arrays.backend_of(x, "x")
-    arrays.check_has_values(x, backend, "x")
-    dt = arrays.dtype_name(x, backend, "x")
+    backend = backend_of(x, "x")
+    check_has_values(x, backend, "x")
+    dt = dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if len(shape) == 0:
         raise ValueError("x: a 0-d array has no last dimension to quantize; reshape to (1, K)")
@@ -118,7 +286,7 @@ def check_input(x, block, what):
             f"x: last dimension K={k} is not a multiple of the {what} {block}; "
             f"pad K to a multiple of {block}"
         )
-    if not arrays.is_c_contiguous(x, backend):
+    if not is_c_contiguous(x, backend):
         raise ValueError(
             "x: must be contiguous (the last dimension and the rows in row-major order); "
             "call .contiguous() (torch) or np.ascontiguousarray / cupy.ascontiguousarray first"
@@ -158,15 +326,15 @@ def checked_amax(value):
 def checked_amax_array(a, backend):
     """``global_amax`` given as an array: one float32 element where ``x`` lives."""
     try:
-        b = arrays.backend_of(a, "global_amax")
+        b = backend_of(a, "global_amax")
     except TypeError:
-        if arrays.is_torch_tensor(a):
+        if is_torch_tensor(a):
             raise  # a torch tensor of a kind the kernels cannot read: the message says which
         raise TypeError(
             "global_amax: expected a non-negative finite float or a one-element float32 array "
             f"where x lives, got {type(a).__name__}"
         ) from None
-    arrays.same_place(a, backend, "global_amax", "x")
+    same_place(a, backend, "global_amax", "x")
     check_field(a, b, "global_amax", "float32", None, size=1)
     return a
 

@@ -9,7 +9,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import _arrays as arrays, _autograd, _plans
-from ._calls import HadamardCall, HadamardKey
+from ._calls import (
+    HadamardCall,
+    HadamardKey,
+    backend_of,
+    check_has_values,
+    dtype_name,
+    is_c_contiguous,
+    is_torch_tensor,
+)
 from ._quantized import Array
 from .formats import hadamard as spec
 
@@ -100,16 +108,16 @@ def _hadamard_call(x, group_size, inverse, signs, key):
     g = spec.check_group_size(group_size)
     if not isinstance(inverse, bool):
         raise TypeError(f"inverse: expected True or False, got {inverse!r}")
-    backend = arrays.backend_of(x, "x")
-    arrays.check_has_values(x, backend, "x")
-    dt = arrays.dtype_name(x, backend, "x")
+    backend = backend_of(x, "x")
+    check_has_values(x, backend, "x")
+    dt = dtype_name(x, backend, "x")
     shape = tuple(int(s) for s in x.shape)
     if not shape or shape[-1] % g:
         raise ValueError(
             f"x: last dimension of shape {shape} is not a multiple of group_size={g}; "
             f"pad it to a multiple of {g} or choose a group size that divides it"
         )
-    if not arrays.is_c_contiguous(x, backend):
+    if not is_c_contiguous(x, backend):
         raise ValueError("x: must be C-contiguous; call .contiguous() / np.ascontiguousarray")
     return HadamardCall(
         x=x, backend=backend, dtype=dt, group_size=g, inverse=inverse,
@@ -128,14 +136,14 @@ def _sign_words(signs, g):
         return spec.sign_words(g, seed)
     backend = None
     try:
-        backend = arrays.backend_of(signs, "signs")
+        backend = backend_of(signs, "signs")
     except TypeError:
-        if arrays.is_torch_tensor(signs):
+        if is_torch_tensor(signs):
             raise  # a torch tensor of a kind that cannot be read: the message says which
     if backend is not None and backend.gpu:
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
     if backend is not None:
-        arrays.check_has_values(signs, backend, "signs")
+        check_has_values(signs, backend, "signs")
     s = np.asarray(arrays.to_numpy(signs) if backend is not None else signs, dtype=np.float64)
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")

@@ -3,29 +3,25 @@
 * float32 <-> uint32 bit casts as ``@intrinsic``s (an LLVM ``bitcast``: a register move) for the
   CPU and CUDA targets, with plain-Python twins for numba's CUDA simulator;
 * the address of an array element, for inline-PTX loads and stores;
-* the direct launch path: a ``@cuda.jit`` kernel compiled once per signature to a driver
-  function handle, and its arguments packed as numba's kernel ABI lays them out, so a launch
-  costs a few microseconds instead of the dispatcher's 25-55 (which types every argument and
-  builds a device-array object for each);
+* what the direct launch (``cuda.launch``) needs of numba: a ``@cuda.jit`` kernel compiled
+  once per signature to a driver function handle (``compile_kernel``), its shared-memory
+  carveout (``set_carveout``), and numba's kernel ABI of an array, ``ARRAY_FIELDS``, in which
+  ``cuda.launch`` packs the arguments;
 * the on-disk cache of the CPU functions: keyed to the whole package's source
   (``install_cache_locator``), each file checked against a digest before it is read
   (``CheckedFunctionCache``, which replaces a dispatcher's numba ``FunctionCache``).
 
 numba's kernel ABI passes a 1-D C-contiguous array as the seven fields of its data model,
-``ARRAY_FIELDS``; scalars as themselves.  ``tests/test_numba_abi.py`` compiles a kernel to PTX
-and checks this layout without a GPU, so a numba release that changes it fails CI instead of
-launching kernels with shifted arguments.
+``ARRAY_FIELDS``; scalars as themselves (``cuda.launch.parameter_layout`` lays them out).
+``tests/test_numba_abi.py`` compiles a kernel to PTX and checks this layout without a GPU, so
+a numba release that changes it fails CI instead of launching kernels with shifted arguments.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import pickle
-import struct
-import threading
-from typing import NamedTuple
 
 import numpy as np
 from numba.core import caching, types
@@ -98,40 +94,6 @@ def element_address(context, builder, array_type, array, index):
 # ---------------------------------------------------------------------- direct launch
 
 
-class DeviceBuffer(NamedTuple):
-    """A flat, C-contiguous device buffer seen as ``n`` elements of ``dtype``."""
-
-    ptr: int
-    n: int
-    dtype: np.dtype
-
-
-class StreamRef:
-    """A raw CUstream handle in the ``__cuda_stream__`` protocol cuda.core accepts."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-# struct codes of the scalar kernel parameters (native size and alignment)
-_SCALAR_CODES = {np.dtype(np.int64): "q", np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}
-
-
-def numba_type(arg):
-    """The numba type a launch argument compiles as: a DeviceBuffer is a 1-D C array of its
-    dtype, a numpy scalar its own type."""
-    from numba.np import numpy_support
-
-    if isinstance(arg, DeviceBuffer):
-        return types.Array(numpy_support.from_dtype(arg.dtype), 1, "C")
-    return numpy_support.from_dtype(np.asarray(arg).dtype)
-
-
 def compile_kernel(kernel, argtypes):
     """Compile ``kernel`` (a ``@cuda.jit`` dispatcher) for ``argtypes`` on the current device
     and return its ``cuda.core`` kernel handle."""
@@ -197,99 +159,6 @@ def set_carveout(cu_kernel, device_id, ctas_per_sm):
         "cuKernelSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)",
     )
     return percent
-
-
-def parameter_layout(args):
-    """(struct format, [(offset, size)] of each kernel parameter) for ``args`` in numba's ABI:
-    a DeviceBuffer is its ARRAY_FIELDS, seven 8-byte words; a scalar its own size; each
-    parameter aligned to its size, as the CUDA ABI lays out a kernel's parameter buffer."""
-    codes = []
-    for a in args:
-        codes += (
-            ["Q"] * len(ARRAY_FIELDS) if isinstance(a, DeviceBuffer) else [_SCALAR_CODES[a.dtype]]
-        )
-    fmt, params, offset = "=", [], 0
-    for c in codes:
-        size = struct.calcsize("=" + c)
-        pad = -offset % size
-        fmt += "x" * pad + c
-        offset += pad
-        params.append((offset, size))
-        offset += size
-    return fmt, params
-
-
-_DATA_FIELD = ARRAY_FIELDS.index("data")
-
-
-def launch_values(args):
-    """(values, positions): the kernel parameters of ``args`` in numba's ABI, one value per
-    field (a DeviceBuffer is its ARRAY_FIELDS: meminfo and parent 0, its length as nitems and
-    shape, its itemsize as itemsize and stride), and where each argument's own value is in them
-    (a DeviceBuffer's data pointer, a scalar itself): what a launch plan patches per call."""
-    values, positions = [], []
-    for a in args:
-        if isinstance(a, DeviceBuffer):
-            size = a.dtype.itemsize
-            positions.append(len(values) + _DATA_FIELD)
-            values += (0, 0, a.n, size, a.ptr, a.n, size)
-        else:
-            positions.append(len(values))
-            values.append(a)
-    return values, positions
-
-
-_libcuda = None
-
-
-def _cu_launch_kernel():
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        f = lib.cuLaunchKernel
-        f.restype = ctypes.c_int
-        f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        _libcuda = f
-    return _libcuda
-
-
-class PackedLauncher:
-    """One kernel, one argument signature: the parameter buffer laid out once, each launch a
-    ``struct.pack_into`` of the values and one ``cuLaunchKernel`` (a few microseconds).
-
-    The layout is checked against the compiled kernel's own parameter table
-    (``cuda.core``'s ``Kernel.arguments_info``) when the launcher is made, so a numba release
-    that changes its ABI raises here instead of launching with shifted arguments."""
-
-    def __init__(self, cu_kernel, args):
-        fmt, params = parameter_layout(args)
-        info = [(int(o), int(z)) for o, z in cu_kernel.arguments_info]
-        if info != params:
-            raise RuntimeError(
-                "numba's kernel ABI differs from the layout fp4_kernels packs "
-                f"({len(info)} parameters {info[:8]}... vs {len(params)} {params[:8]}...); "
-                "this numba-cuda release is not supported"
-            )
-        self.struct = struct.Struct(fmt)
-        self.buffer = ctypes.create_string_buffer(max(1, self.struct.size))
-        base = ctypes.addressof(self.buffer)
-        self.pointers = (ctypes.c_void_p * len(params))(*[base + o for o, _ in params])
-        self.function = int(cu_kernel.handle)
-        self.cu_launch_kernel = _cu_launch_kernel()
-        self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
-
-    def __call__(self, stream_ptr, blocks, threads, args):
-        self.launch_values(stream_ptr, blocks, threads, launch_values(args)[0])
-
-    def launch_values(self, stream_ptr, blocks, threads, values):
-        """Launch with the parameter values already laid out (``launch_values(args)[0]``)."""
-        with self.lock:
-            self.struct.pack_into(self.buffer, 0, *values)
-            rc = self.cu_launch_kernel(
-                self.function, blocks, 1, 1, threads, 1, 1, 0, stream_ptr, self.pointers, None
-            )
-        if rc:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {rc}")
 
 
 # ---------------------------------------------------------------------- on-disk cache

@@ -7,7 +7,7 @@ shape, strides, device and 16-byte alignment and the launch policy) is planned: 
 of a key, checked in full by the API, runs its host function once against a ``Tracer``:
 placeholder arrays whose addresses are tagged symbols, and a context that records each launch
 instead of queuing it.  The recording is the plan: the launchers, grids, the packed argument
-values (``_numba_abi.launch_values``) with the places where a call's pointers (inputs, outputs)
+values (``_numba_launch.launch_values``) with the places where a call's pointers (inputs, outputs)
 and scalars (seed, step, a float ``global_amax``) go, and the output layout.  Every later call of
 the same key allocates its outputs (one ``torch.empty`` for all byte outputs: codes, scales,
 tensor scale and scratch, each 256-byte aligned in it; a float result is a tensor of its own),
@@ -34,7 +34,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays as arrays, _numba_abi as abi
+from . import _arrays as arrays
+from .cuda import launch
 from .cuda.launch_table import POLICY
 
 PLAN_CACHE_SIZE = 256
@@ -147,7 +148,7 @@ def record(call, host):
 
 def run_unplanned(call, host):
     """``host(ctx, call)`` against the caller's context: its device, stream and allocator."""
-    ctx = arrays.GpuContext(call.anchor, call.backend)
+    ctx = launch.GpuContext(call.anchor, call.backend)
     with on_device(ctx):
         return host(ctx, call)
 
@@ -261,12 +262,12 @@ def _torch_itemsize(dtype):
     return dtype.itemsize
 
 
-class Tracer(arrays.GpuContext):
+class Tracer(launch.GpuContext):
     """The ``GpuContext`` a host function runs against while its plan is recorded: it hands out
     placeholders for the call's arrays and records each launch instead of queuing it."""
 
     def __init__(self, device_id):
-        arrays.init_torch_tables()
+        launch.init_torch_tables()
         self.backend = arrays.Backend("torch", True, None)
         self.simulator = False
         self.device_id = device_id
@@ -290,7 +291,7 @@ class Tracer(arrays.GpuContext):
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         # a float result (like_dtype) is a tensor of its own; byte outputs share one buffer
         packed = like_dtype is None
-        dtype = arrays.TORCH_OF_NP[np.dtype(np_dtype).name] if packed else like_dtype
+        dtype = launch.TORCH_OF_NP[np.dtype(np_dtype).name] if packed else like_dtype
         shape = tuple(shape)
         self.sources.append(("alloc", shape, dtype, packed, zero))
         return VirtualArray(len(self.sources) - 1, 0, shape, dtype, _torch_itemsize(dtype), 0)
@@ -306,10 +307,10 @@ class Tracer(arrays.GpuContext):
     def submit(self, launcher, blocks, threads, args):
         """Record the launch: its values, with the positions a call patches (the pointers into
         its inputs and outputs, the probe scalars)."""
-        values, positions = abi.launch_values(args)
+        values, positions = launch.launch_values(args)
         pointers, scalars = [], []
         for a, pos in zip(args, positions, strict=True):
-            if isinstance(a, abi.DeviceBuffer):
+            if isinstance(a, launch.DeviceBuffer):
                 if a.ptr & _TAG == _TAG:
                     source = (a.ptr >> _SOURCE_SHIFT) & 0xFFFF
                     rel = (a.ptr & ((1 << _SOURCE_SHIFT) - 1)) - self._misaligns.get(source, 0)

@@ -12,7 +12,21 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from . import _arrays as arrays
-from ._calls import SPECS, Geometry, check_choice, check_field, check_int, format_spec
+from ._calls import (
+    SPECS,
+    Geometry,
+    backend_of,
+    check_choice,
+    check_field,
+    check_has_values,
+    check_int,
+    element_dtype,
+    format_spec,
+    is_torch_tensor,
+    normalize_dtype,
+    payload_views,
+    same_place,
+)
 from .formats.fp4quant import FP4Quant
 
 FORMATS = {name: spec.block_size for name, spec in SPECS.items()}  # format -> block size
@@ -107,7 +121,7 @@ class QuantizedTensor:
             fields["data"] = fields["scales"] = None
         for name in _ARRAY_FIELDS:
             a = fields[name]
-            if arrays.is_torch_tensor(a) and a.dtype == sys.modules["torch"].uint16:
+            if is_torch_tensor(a) and a.dtype == sys.modules["torch"].uint16:
                 fields[name] = _TorchUint16(a.view(sys.modules["torch"].int16))
         return (_unpickle, (fields,))
 
@@ -115,8 +129,8 @@ class QuantizedTensor:
         # The dtype of data's library, so that q.dtype compares equal to x.dtype.  A dtype or
         # data that is not supported stays as given: check_quantized (dequantize) names it.
         try:
-            name = arrays.normalize_dtype(self.dtype)
-            lib = arrays.backend_of(self.data).lib
+            name = normalize_dtype(self.dtype)
+            lib = backend_of(self.data).lib
         except TypeError:
             return
         if lib == "torch":
@@ -127,7 +141,7 @@ class QuantizedTensor:
     @property
     def dtype_name(self) -> str:
         """The name of ``dtype``: "float32", "bfloat16" or "float16"."""
-        return arrays.normalize_dtype(self.dtype, "dtype")
+        return normalize_dtype(self.dtype, "dtype")
 
     @property
     def block_size(self) -> int:
@@ -159,7 +173,7 @@ class QuantizedTensor:
         (e4m3 0x7F, e8m0 0xFF) reads as NaN.  CuPy and numba arrays have no such dtypes:
         TypeError.
         """
-        backend = arrays.backend_of(self.scales, "scales")
+        backend = backend_of(self.scales, "scales")
         if isinstance(self.fmt, FP4Quant):
             name = "bfloat16"
         else:
@@ -239,7 +253,7 @@ class QuantizedTensor:
             data, scales = moved
             return dataclasses.replace(self, data=data, scales=scales, global_scale=global_scale)
         (payload,) = moved
-        lib = arrays.backend_of(payload, "payload").lib
+        lib = backend_of(payload, "payload").lib
         data, scales = payload_views(payload, self.shape, self.numel(), self.block_size, lib)
         return dataclasses.replace(
             self, data=data, scales=scales, global_scale=global_scale, payload=payload
@@ -262,7 +276,7 @@ def _unpickle(fields):
             fields[name] = fields[name].bits.view(sys.modules["torch"].uint16)
     if fields["data"] is None:  # FP4Quant: views of the payload
         payload, shape, fmt = fields["payload"], fields["shape"], fields["fmt"]
-        lib = arrays.backend_of(payload, "payload").lib
+        lib = backend_of(payload, "payload").lib
         fields["data"], fields["scales"] = payload_views(
             payload, shape, math.prod(shape), fmt.group_size, lib
         )
@@ -275,7 +289,7 @@ def _are_payload_views(q):
     """Whether ``q.data`` and ``q.scales`` are the views ``payload_views`` makes of
     ``q.payload`` (a hand-built or modified tensor may hold others)."""
     try:
-        lib = arrays.backend_of(q.payload, "payload").lib
+        lib = backend_of(q.payload, "payload").lib
         views = payload_views(q.payload, q.shape, q.numel(), q.block_size, lib)
         return all(_layout(v) == _layout(a) for v, a in zip(views, (q.data, q.scales), strict=True))
     except Exception:  # fields a view cannot be made of: pickled one by one
@@ -311,7 +325,7 @@ def _same_bits(a, b):
     ka, kb = _kind_or_none(a), _kind_or_none(b)
     if ka is None or kb is None:  # (an array never equals what is not one)
         return ka is kb and _same(a, b)
-    if ka != kb or arrays.element_dtype(a, ka) != arrays.element_dtype(b, kb):
+    if ka != kb or element_dtype(a, ka) != element_dtype(b, kb):
         return False
     if tuple(a.shape) != tuple(b.shape):
         return False
@@ -330,7 +344,7 @@ def _same_bits(a, b):
 
 def _kind_or_none(a):
     try:
-        return arrays.backend_of(a)
+        return backend_of(a)
     except TypeError:
         return None
 
@@ -352,7 +366,7 @@ def _is_cpu_device(device):
 
 def _to_host(a):
     """A numpy copy of a CuPy or numba device array."""
-    return a.get() if arrays.backend_of(a).lib == "cupy" else a.copy_to_host()
+    return a.get() if backend_of(a).lib == "cupy" else a.copy_to_host()
 
 
 def _nbytes(a):
@@ -393,13 +407,13 @@ def check_quantized(q, name="q"):
         raise ValueError(
             f"{name}.shape: last dimension {shape[-1]} is not a multiple of the block size {block}"
         )
-    arrays.normalize_dtype(q.dtype, f"{name}.dtype")
+    normalize_dtype(q.dtype, f"{name}.dtype")
     fp4quant = isinstance(fmt, FP4Quant)
     check_choice(q.scale_layout, f"{name}.scale_layout", ("linear",) if fp4quant else SCALE_LAYOUTS)
-    backend = arrays.backend_of(q.data, f"{name}.data")
-    arrays.check_has_values(q.data, backend, f"{name}.data")
+    backend = backend_of(q.data, f"{name}.data")
+    check_has_values(q.data, backend, f"{name}.data")
     check_field(q.data, backend, f"{name}.data", "uint8", shape[:-1] + (shape[-1] // 2,))
-    arrays.same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
+    same_place(q.scales, backend, f"{name}.scales", f"{name}.data")
     if fp4quant:
         scale_shape, scale_dtype = shape[:-1] + (shape[-1] // block,), "uint16"
     else:
@@ -415,13 +429,13 @@ def check_quantized(q, name="q"):
             )
         # (a nested torch tensor raises on .shape: same_place names what it is)
         if isinstance(gs, (int, float, np.floating)) or not (
-            arrays.is_torch_tensor(gs) or hasattr(gs, "shape")
+            is_torch_tensor(gs) or hasattr(gs, "shape")
         ):
             raise TypeError(
                 f"{name}.global_scale: expected a one-element float32 array where "
                 f"{name}.data lives, got {type(gs).__name__}"
             )
-        arrays.same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
+        same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
         check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
         if not fmt.tensor_scale and not backend.gpu:  # (a GPU value is not read: no sync)
             value = float(np.asarray(arrays.to_numpy(gs)).reshape(-1)[0])
@@ -434,18 +448,3 @@ def check_quantized(q, name="q"):
                     "NVFP4)"
                 )
     return backend
-
-
-def payload_views(payload, shape, n, g, lib):
-    """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the wire buffer of the ``n``
-    elements of ``shape``."""
-    codes = payload[: n // 2].reshape(shape[:-1] + (shape[-1] // 2,))
-    tail = payload[n // 2 :]
-    if lib == "torch":
-        import torch
-
-        # an empty tail has stride 0, which torch refuses to reinterpret
-        scales = tail.view(torch.uint16) if tail.numel() else tail.new_empty(0, dtype=torch.uint16)
-    else:
-        scales = tail.view(np.uint16)
-    return codes, scales.reshape(shape[:-1] + (shape[-1] // g,))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from . import _arrays as arrays, _plans
+from . import _plans
 from ._api import dequantize, planned_tensor, quantize, quantized_key
-from ._calls import SumCall
+from ._calls import SumCall, backend_of
 from ._quantized import FP4Quant, QuantizedTensor, check_quantized
 
 
@@ -32,7 +32,7 @@ def requantized_sum_reference(q):
     stays -0), then ``quantize(acc[None], q.fmt)`` with round-to-nearest-even and q's scale
     layout.  numpy, torch and CuPy arrays."""
     rows, n = _rows_and_n(q)
-    if arrays.backend_of(q.data, "q.data").lib == "numba":
+    if backend_of(q.data, "q.data").lib == "numba":
         raise TypeError(
             "q.data: numba device arrays have no elementwise add; requantized_sum runs on them "
             "for MXFP4 with the linear scale layout only (use torch or CuPy for the others)"
@@ -60,7 +60,7 @@ def requantized_sum(q: QuantizedTensor) -> QuantizedTensor:
     plan = _plans.get(key)
     if plan is None:
         rows, n = _rows_and_n(q)
-        backend = arrays.backend_of(q.data, "q.data")
+        backend = backend_of(q.data, "q.data")
         if not (backend.gpu and q.fmt == "mxfp4" and q.scale_layout == "linear"):
             return requantized_sum_reference(q)
         from .cuda.reduce import run as host

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from .. import _arrays as arrays
-from .._quantized import payload_views
+from .._calls import payload_views
 from ..formats import hadamard as spec
 from ..formats.hadamard import stage_order
 from ._primitives import (  # the compiled scalar functions

@@ -7,12 +7,12 @@ as Python threads); its missing warp shuffles are supplied by ``fp4_kernels.test
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda
+from numba import cuda
 
 from .._numba_abi import make_bitcast_intrinsics, py_f32_as_u32, py_u32_as_f32
 from .._scalar import compile_ops
+from .launch import SIMULATOR
 
-SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 

@@ -71,6 +71,35 @@ def max_partials(device_id):
     return launch.max_blocks(LAUNCH.partials_per_sm, device_id)
 
 
+def computes_amax(call):
+    """Whether the quantize ``call`` (a ``_calls.QuantizeCall``) computes its tensor amax: NVFP4
+    without a ``global_amax``."""
+    return call.fmt.tensor_scale and call.amax_value < 0 and call.amax_array is None
+
+
+def scratch_size(call, device_id):
+    """float32 elements of the quantize kernels' scratch buffer: [global_scale, amax
+    partials...] (one allocation, not two)."""
+    return 1 + (max_partials(device_id) if computes_amax(call) else 0)
+
+
+def tensor_scale_args(ctx, call, xw, aligned, scratch):
+    """The quantize kernels' tensor-scale arguments for ``call`` (parts, n_parts, amax_value,
+    global_scale): the amax from the caller's one-element ``global_amax`` array, from the
+    partials queued here into ``scratch[1:]`` over the words view ``xw`` of ``call.x``, or from
+    none (``n_parts`` 0: a ``global_amax`` given as a number, or MXFP4); the tensor scale
+    written to ``scratch[0]``."""
+    gs = ctx.view(scratch[:1])
+    if call.amax_array is not None:
+        parts, n_parts = ctx.view(call.amax_array, np.float32), 1
+    elif computes_amax(call):
+        parts = ctx.view(scratch[1:])
+        n_parts = amax_partials(ctx, xw, aligned, call.kind, call.geometry.n, parts)
+    else:
+        parts, n_parts = gs, 0
+    return parts, np.int64(n_parts), np.float32(call.amax_value), gs
+
+
 def amax_partials(ctx, xw, aligned, kind, n, parts):
     """Queue the amax kernel over the ``n`` elements behind the words view ``xw``, writing
     ``parts[:blocks]``; returns how many partials it wrote."""

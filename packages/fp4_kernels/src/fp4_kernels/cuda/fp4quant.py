@@ -21,7 +21,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._quantized import payload_views
+from .._calls import payload_views
 from .._scalar import E2M1_CODE_BIAS, KIND_F32
 from . import hadamard as hn, launch
 from ._primitives import (

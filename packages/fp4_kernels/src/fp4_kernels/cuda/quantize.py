@@ -203,16 +203,13 @@ def run(ctx, call):
     """Queue the quantization of ``call`` (a checked ``_calls.QuantizeCall`` of an NVFP4 /
     MXFP4 format on the GPU) on the caller's stream; returns (data, scales, global_scale, out)
     arrays of the caller's kind (out is None unless ``call.fused``).  ``ctx`` is the caller's
-    ``_arrays.GpuContext``."""
+    ``cuda.launch.GpuContext``."""
     from . import amax as amax_op
 
     geo, fmt, kind = call.geometry, call.fmt, call.kind
     data = ctx.empty(geo.shape[:-1] + (geo.shape[-1] // 2,), np.uint8)
     scales = ctx.empty(geo.scale_shape, np.uint8, zero=geo.pad)
-    compute_amax = fmt.tensor_scale and call.amax_value < 0 and call.amax_array is None
-    # one float32 buffer: [global_scale, amax partials...] (one allocation, not two)
-    n_partials = amax_op.max_partials(ctx.device_id) if compute_amax else 0
-    scratch = ctx.empty((1 + n_partials,), np.float32)
+    scratch = ctx.empty((amax_op.scratch_size(call, ctx.device_id),), np.float32)
     gs = scratch[:1]
     out = None
     if call.fused:
@@ -222,13 +219,7 @@ def run(ctx, call):
         ctx.fill(gs, 1.0)
         return data, scales, gs, out
     xw, aligned = ctx.words_view(call.x, kind)
-    if call.amax_array is not None:
-        parts, n_parts = ctx.view(call.amax_array, np.float32), 1
-    elif compute_amax:
-        parts = ctx.view(scratch[1:])
-        n_parts = amax_op.amax_partials(ctx, xw, aligned, kind, geo.n, parts)
-    else:
-        parts, n_parts = ctx.view(gs), 0
+    tensor_scale = amax_op.tensor_scale_args(ctx, call, xw, aligned, scratch)
     lanes = launch.current_policy().lanes_per_block or lanes_per_block(fmt, call.fused)
     if fmt.block_size % (8 * lanes):
         raise ValueError(
@@ -252,10 +243,7 @@ def run(ctx, call):
             np.int64(n_items),
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
-            parts,
-            np.int64(n_parts),
-            np.float32(call.amax_value),
-            ctx.view(gs),
+            *tensor_scale,
             np.uint32(seed & 0xFFFFFFFF),
             np.uint32(seed >> 32),
             np.uint32(call.step),

@@ -155,19 +155,10 @@ def run(ctx, call):
     n_items = geo.n // ITEM
     if n_items == 0:
         return (out,)
-    compute_amax = fmt.tensor_scale and call.amax_value < 0 and call.amax_array is None
-    # one float32 buffer: [global_scale (written, unused), amax partials...]
-    n_partials = amax_op.max_partials(ctx.device_id) if compute_amax else 0
-    scratch = ctx.empty((1 + n_partials,), np.float32)
-    gs = scratch[:1]
+    # [global_scale (written, unused), amax partials...]
+    scratch = ctx.empty((amax_op.scratch_size(call, ctx.device_id),), np.float32)
     xw, aligned = ctx.words_view(call.x, kind)
-    if call.amax_array is not None:
-        parts, n_parts = ctx.view(call.amax_array, np.float32), 1
-    elif compute_amax:
-        parts = ctx.view(scratch[1:])
-        n_parts = amax_op.amax_partials(ctx, xw, aligned, kind, geo.n, parts)
-    else:
-        parts, n_parts = ctx.view(gs), 0
+    tensor_scale = amax_op.tensor_scale_args(ctx, call, xw, aligned, scratch)
     threads = launch.threads_for(LAUNCH.threads)
     seed = call.seed
     launch.launch(
@@ -179,10 +170,7 @@ def run(ctx, call):
             xw,
             ctx.view(out, np.uint32),
             np.int64(n_items),
-            parts,
-            np.int64(n_parts),
-            np.float32(call.amax_value),
-            ctx.view(gs),
+            *tensor_scale,
             np.uint32(seed & 0xFFFFFFFF),
             np.uint32(seed >> 32),
             np.uint32(call.step),
