@@ -216,6 +216,13 @@ def _bits(t):
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).tolist()
 
 
+def _same_bits_in_each_collective(comm, x, plain, codec):
+    """Whether all_reduce, reduce_scatter and all_gather of ``x`` give the bits they give
+    for ``plain``."""
+    ops = (comm.all_reduce, comm.reduce_scatter, comm.all_gather)
+    return [_bits(op(x, codec=codec)) == _bits(op(plain, codec=codec)) for op in ops]
+
+
 def _run_non_contiguous(comms, codec):
     """Each collective of a non-contiguous view equals that of its contiguous copy, bit for
     bit (the policy: non-contiguous input is accepted as its values)."""
@@ -230,16 +237,8 @@ def _run_non_contiguous(comms, codec):
     same = []
     for v in views:
         assert not v.is_contiguous()
-        c = v.contiguous()
-        for op in (comm.all_reduce, comm.reduce_scatter, comm.all_gather):
-            same.append(_bits(op(v, codec=codec)) == _bits(op(c, codec=codec)))
+        same += _same_bits_in_each_collective(comm, v, v.contiguous(), codec)
     return same
-
-
-@pytest.mark.parametrize("codec", CODECS, ids=str)
-def test_non_contiguous_input_gives_the_bits_of_its_contiguous_copy(cluster, codec):
-    for same in cluster.run(_run_non_contiguous, codec)[:2]:
-        assert all(same), same
 
 
 def _run_negative_view(comms, codec):
@@ -252,9 +251,7 @@ def _run_negative_view(comms, codec):
     x = torch.randn(8, 66, generator=torch.Generator().manual_seed(comm.rank))
     view, plain = torch._neg_view(x), -x
     assert view.is_neg()
-    same = []
-    for op in (comm.all_reduce, comm.reduce_scatter, comm.all_gather):
-        same.append(_bits(op(view, codec=codec)) == _bits(op(plain, codec=codec)))
+    same = _same_bits_in_each_collective(comm, view, plain, codec)
     if comm.rank == 0:
         comm.send(view, dst=1, codec=codec)
         comm.send(plain, dst=1, codec=codec)
@@ -265,8 +262,11 @@ def _run_negative_view(comms, codec):
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=str)
-def test_negative_views_give_the_bits_of_the_negated_tensor(cluster, codec):
-    for same in cluster.run(_run_negative_view, codec)[:2]:
+@pytest.mark.parametrize(
+    "run", [_run_non_contiguous, _run_negative_view], ids=["non-contiguous", "negative-view"]
+)
+def test_views_give_the_bits_of_the_tensor_they_stand_for(cluster, run, codec):
+    for same in cluster.run(run, codec)[:2]:
         assert all(same), same
 
 

@@ -10,6 +10,8 @@ layouts, float64.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 
 import numpy as np
 import pytest
@@ -389,48 +391,6 @@ REJECTED = [
         r"quantize_backward is True or False",
         id="linear/quantize-backward-str",
     ),
-    pytest.param(
-        lambda: fp4_linear(X, W, seed=-1),
-        ValueError,
-        r"seed: -1 is outside \[0, 2\*\*64\)",
-        id="linear/seed-negative",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, seed=2**64),
-        ValueError,
-        r"seed: .* is outside \[0, 2\*\*64\)",
-        id="linear/seed-too-large",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, seed=1.5),
-        TypeError,
-        r"seed: expected an integer, got float",
-        id="linear/seed-float",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, step=-5),
-        ValueError,
-        r"step: -5 is outside \[0, 2\*\*32\).*modulo 2\*\*32",
-        id="linear/step-negative",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, step=2**40),
-        ValueError,
-        r"step: 1099511627776 is outside \[0, 2\*\*32\)",
-        id="linear/step-2**40",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, step="3"),
-        TypeError,
-        r"step: expected an integer, got str",
-        id="linear/step-str",
-    ),
-    pytest.param(
-        lambda: fp4_linear(X, W, step=True),
-        TypeError,
-        r"step: expected an integer, got bool",
-        id="linear/step-bool",
-    ),
     # -- FP4Linear -----------------------------------------------------------------------
     pytest.param(
         lambda: FP4Linear(10, 16),
@@ -499,12 +459,6 @@ REJECTED = [
         id="FP4Linear/hadamard-str",
     ),
     pytest.param(
-        lambda: FP4Linear(16, 16, seed=-1),
-        ValueError,
-        r"seed: -1 is outside",
-        id="FP4Linear/seed-negative",
-    ),
-    pytest.param(
         lambda: FP4Linear(16, 16)(torch.ones(3, 32)),
         ValueError,
         r"x has shape \(3, 32\), expected \(\.\.\., 16\)",
@@ -549,21 +503,6 @@ REJECTED = [
         ValueError,
         r"^rounding: 'up' is not",
         id="ef/rounding",
-    ),
-    pytest.param(
-        lambda: ErrorFeedback(seed=-1), ValueError, r"^seed: -1 is outside", id="ef/seed-negative"
-    ),
-    pytest.param(
-        lambda: ErrorFeedback(seed="3"),
-        TypeError,
-        r"^seed: expected an integer, got str",
-        id="ef/seed-str",
-    ),
-    pytest.param(
-        lambda: ErrorFeedback(seed=1.5),
-        TypeError,
-        r"^seed: expected an integer, got float",
-        id="ef/seed-float",
     ),
     pytest.param(
         lambda: ErrorFeedback().qdq("w", np.arange(32)),
@@ -620,24 +559,6 @@ REJECTED = [
         id="ef/name-int",
     ),
     pytest.param(
-        lambda: ErrorFeedback().qdq("w", torch.ones(32), step=-1),
-        ValueError,
-        r"^step: -1 is outside \[0, 2\*\*32\)",
-        id="ef/step-negative",
-    ),
-    pytest.param(
-        lambda: ErrorFeedback().quantize("w", torch.ones(32), step=2**40),
-        ValueError,
-        r"^step: .* is outside \[0, 2\*\*32\)",
-        id="ef/step-2**40",
-    ),
-    pytest.param(
-        lambda: ErrorFeedback().qdq("w", torch.ones(32), step=1.5),
-        TypeError,
-        r"^step: expected an integer, got float",
-        id="ef/step-float",
-    ),
-    pytest.param(
         lambda: ErrorFeedback().load_state_dict({}),
         ValueError,
         r"^state: missing 'fmt', 'rounding', 'seed', 'residuals'; expected the dict that Error",
@@ -692,13 +613,6 @@ REJECTED = [
     pytest.param(lambda: _sw(fmt="fp8"), ValueError, r"^fmt: 'fp8' is not one of", id="sw/fmt"),
     pytest.param(
         lambda: _sw(fmt=fp4_kernels.FP4Quant()), ValueError, r"^fmt: FP4Quant", id="sw/fmt-fp4quant"
-    ),
-    pytest.param(lambda: _sw(seed=-1), ValueError, r"^seed: -1 is outside", id="sw/seed-negative"),
-    pytest.param(
-        lambda: _sw(seed=0.5),
-        TypeError,
-        r"^seed: expected an integer, got float",
-        id="sw/seed-float",
     ),
     pytest.param(
         lambda: _sw(release="no"),
@@ -865,6 +779,47 @@ REJECTED = [
         r"size mismatch for weight: copying a param with shape torch.Size\(\[32, 16\]\)",
         id="sw/module-load-wrong-shape",
     ),
+]
+
+# Every entry point that takes the stochastic-rounding seed or step checks it alike: an int
+# (not a bool) in [0, 2**64) or [0, 2**32), the message naming the argument (after the entry
+# point's name where it gives one).  (bad value, exception type, message regex, id)
+BAD_SEEDS = [
+    (-1, ValueError, r"seed: -1 is outside \[0, 2\*\*64\)", "negative"),
+    (2**64, ValueError, r"seed: 18446744073709551616 is outside \[0, 2\*\*64\)", "too-large"),
+    (1.5, TypeError, r"seed: expected an integer, got float", "float"),
+    ("3", TypeError, r"seed: expected an integer, got str", "str"),
+    (True, TypeError, r"seed: expected an integer, got bool", "bool"),
+]
+BAD_STEPS = [
+    (-5, ValueError, r"step: -5 is outside \[0, 2\*\*32\).*modulo 2\*\*32", "negative"),
+    (2**40, ValueError, r"step: 1099511627776 is outside \[0, 2\*\*32\)", "2**40"),
+    (1.5, TypeError, r"step: expected an integer, got float", "float"),
+    ("3", TypeError, r"step: expected an integer, got str", "str"),
+    (True, TypeError, r"step: expected an integer, got bool", "bool"),
+]
+# id prefix -> (the call taking the argument as a keyword, the message's prefix)
+SEED_TAKERS = {
+    "linear": (lambda **kw: fp4_linear(X, W, **kw), "fp4_linear: "),
+    "FP4Linear": (lambda **kw: FP4Linear(16, 16, **kw), "FP4Linear: "),
+    "ef": (ErrorFeedback, ""),
+    "sw": (_sw, ""),
+}
+STEP_TAKERS = {
+    "linear": (lambda **kw: fp4_linear(X, W, **kw), "fp4_linear: "),
+    "ef/qdq": (lambda **kw: ErrorFeedback().qdq("w", torch.ones(32), **kw), ""),
+    "ef/quantize": (lambda **kw: ErrorFeedback().quantize("w", torch.ones(32), **kw), ""),
+}
+REJECTED += [
+    pytest.param(
+        functools.partial(call, **{name: value}),
+        error,
+        f"^{re.escape(prefix)}{message}",
+        id=f"{where}/{name}-{label}",
+    )
+    for name, takers, bad in (("seed", SEED_TAKERS, BAD_SEEDS), ("step", STEP_TAKERS, BAD_STEPS))
+    for where, (call, prefix) in takers.items()
+    for value, error, message, label in bad
 ]
 
 

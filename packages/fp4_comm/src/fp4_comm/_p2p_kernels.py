@@ -100,6 +100,27 @@ def data_ready(flag: int, k: int) -> bool:
     return flag >= k + 1
 
 
+# Where a lane's slots, flags and acknowledgements lie within their regions of a buffer
+# (``p2p.Layout`` places the regions): the host, the CPU model and the kernel use these.
+# ``lanes``: the layout's lanes (the kernel's ``lanes_max``).
+
+
+def slot_at(data_off: int, index: int, lanes: int, lane: int, parity: int, piece_bytes: int) -> int:
+    """Offset of slot ``parity`` of lane ``lane`` for the sender at ``index`` among the buffer
+    owner's peers (slots are kept for the other ranks only)."""
+    return data_off + ((index * lanes + lane) * 2 + parity) * piece_bytes
+
+
+def ready_at(ready_off: int, src: int, lanes: int, lane: int, parity: int) -> int:
+    """Offset of the flag that ``src`` releases when slot ``parity`` of lane ``lane`` is full."""
+    return ready_off + 8 * ((src * lanes + lane) * 2 + parity)
+
+
+def ack_at(ack_off: int, dst: int, lanes: int, lane: int) -> int:
+    """Offset of the count of lane ``lane``'s messages that ``dst`` has consumed."""
+    return ack_off + 8 * (dst * lanes + lane)
+
+
 def build_exchange(ops, jit):
     """The kernel's functions for one target; ``run_block`` is one block's whole work."""
     ld_acquire, st_release = ops.ld_acquire, ops.st_release
@@ -110,6 +131,7 @@ def build_exchange(ops, jit):
     copy_u32, copy_u8 = ops.copy_u32, ops.copy_u8
     slot_free_ = jit(slot_free)
     data_ready_ = jit(data_ready)
+    slot_at_, ready_at_, ack_at_ = jit(slot_at), jit(ready_at), jit(ack_at)
 
     @jit
     def copy_span(dst, src, n, tid, nthreads):
@@ -222,6 +244,30 @@ def build_exchange(ops, jit):
                     return False
 
     @jit
+    def pass_piece(kind, k, wait, wait_at, release_at, slot, qlo, piece_bytes, srow, rrow, s0, r0,
+                   n0, s1, r1, n1, s2, r2, n2, s3, r3, n3, tid, nthreads, shared, timeout_ns,
+                   failed, host_ctl, peer, lane, op):  # fmt: skip
+        """One side of message ``k``'s handshake for the piece at ``qlo``: thread 0 waits for
+        the word at ``wait_at`` (``wait_for``; ``shared[0]`` carries its verdict to the block),
+        the block copies the piece into ``slot`` (KIND_SEND) or out of it (KIND_RECV), and
+        thread 0 releases k + 1 at ``release_at``.  The barrier before the release orders every
+        thread's copy before it (cumulative): the receiver that acquires the flag sees the
+        whole piece, the sender that acquires the ack overwrites a slot no thread still reads.
+        False when the wait failed: the block stops."""
+        if tid == 0:
+            if not wait_for(wait_at, k, wait, timeout_ns, failed, host_ctl, peer, lane, op):
+                shared[0] = 1
+        barrier()
+        if shared[0] != 0:
+            return False
+        move_piece(kind, qlo, piece_bytes, slot, srow, rrow, s0, r0, n0, s1, r1, n1, s2, r2, n2,
+                   s3, r3, n3, tid, nthreads)  # fmt: skip
+        barrier()
+        if tid == 0:
+            st_release(release_at, k + 1)
+        return True
+
+    @jit
     def run_block(tid, nthreads, shared, block, own_base, host_ctl, rank, world, lanes_max,
                   piece_bytes, ready_off, ack_off, counters_off, failed_off, table_off,
                   data_off, lanes, mode, only_peer, timeout_ns, op, s0, r0, n0, s1, r1, n1,
@@ -274,50 +320,30 @@ def build_exchange(ops, jit):
         while q < pieces:
             qlo = q * piece_bytes
             if mode & MODE_SEND:
+                # wait until the peer consumed message sent - 2, fill the slot, raise its flag
                 parity = sent & 1
-                if tid == 0:
-                    ack = own_base + ack_off + 8 * (peer * lanes_max + lane)
-                    if not wait_for(ack, sent, WAIT_SLOT, timeout_ns, failed, host_ctl, peer,
-                                    lane, op):  # fmt: skip
-                        shared[0] = 1
-                barrier()
-                if shared[0] != 0:
+                consumed = own_base + ack_at_(ack_off, peer, lanes_max, lane)
+                flag = peer_base + ready_at_(ready_off, rank, lanes_max, lane, parity)
+                slot = peer_base + slot_at_(data_off, out_index, lanes_max, lane, parity,
+                                            piece_bytes)  # fmt: skip
+                if not pass_piece(KIND_SEND, sent, WAIT_SLOT, consumed, flag, slot, qlo,
+                                  piece_bytes, srow, rrow, s0, r0, n0, s1, r1, n1, s2, r2, n2, s3,
+                                  r3, n3, tid, nthreads, shared, timeout_ns, failed, host_ctl,
+                                  peer, lane, op):  # fmt: skip
                     return
-                slot = (
-                    peer_base
-                    + data_off
-                    + ((out_index * lanes_max + lane) * 2 + parity) * (piece_bytes)
-                )
-                move_piece(KIND_SEND, qlo, piece_bytes, slot, srow, rrow, s0, r0, n0, s1, r1,
-                           n1, s2, r2, n2, s3, r3, n3, tid, nthreads)  # fmt: skip
-                # every thread's stores before thread 0's release (cumulative through the
-                # barrier): the receiver that acquires the flag sees the whole piece
-                barrier()
-                if tid == 0:
-                    flag = peer_base + ready_off + 8 * ((rank * lanes_max + lane) * 2 + parity)
-                    st_release(flag, sent + 1)
                 sent += 1
             if mode & MODE_RECV:
+                # wait for the flag of message recvd, empty the slot, acknowledge it
                 parity = recvd & 1
-                if tid == 0:
-                    flag = own_base + ready_off + 8 * ((peer * lanes_max + lane) * 2 + parity)
-                    if not wait_for(flag, recvd, WAIT_DATA, timeout_ns, failed, host_ctl, peer,
-                                    lane, op):  # fmt: skip
-                        shared[0] = 1
-                barrier()
-                if shared[0] != 0:
+                flag = own_base + ready_at_(ready_off, peer, lanes_max, lane, parity)
+                consumed = peer_base + ack_at_(ack_off, rank, lanes_max, lane)
+                slot = own_base + slot_at_(data_off, in_index, lanes_max, lane, parity,
+                                           piece_bytes)  # fmt: skip
+                if not pass_piece(KIND_RECV, recvd, WAIT_DATA, flag, consumed, slot, qlo,
+                                  piece_bytes, srow, rrow, s0, r0, n0, s1, r1, n1, s2, r2, n2, s3,
+                                  r3, n3, tid, nthreads, shared, timeout_ns, failed, host_ctl,
+                                  peer, lane, op):  # fmt: skip
                     return
-                slot = (
-                    own_base
-                    + data_off
-                    + ((in_index * lanes_max + lane) * 2 + parity) * (piece_bytes)
-                )
-                move_piece(KIND_RECV, qlo, piece_bytes, slot, srow, rrow, s0, r0, n0, s1, r1,
-                           n1, s2, r2, n2, s3, r3, n3, tid, nthreads)  # fmt: skip
-                # every thread's loads of the slot before the ack frees it for the sender
-                barrier()
-                if tid == 0:
-                    st_release(peer_base + ack_off + 8 * (rank * lanes_max + lane), recvd + 1)
                 recvd += 1
             q += lanes
         if tid == 0:

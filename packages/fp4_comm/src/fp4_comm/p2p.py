@@ -174,13 +174,13 @@ class BufferLayout:
     def slot_off(self, owner: int, src: int, lane: int, parity: int) -> int:
         """Offset of the slot in ``owner``'s buffer that receives ``src``'s pieces."""
         index = src - 1 if src > owner else src
-        return self.data_off + ((index * self.lanes + lane) * 2 + parity) * self.piece_bytes
+        return K.slot_at(self.data_off, index, self.lanes, lane, parity, self.piece_bytes)
 
     def ready_at(self, src: int, lane: int, parity: int) -> int:
-        return self.ready_off + 8 * ((src * self.lanes + lane) * 2 + parity)
+        return K.ready_at(self.ready_off, src, self.lanes, lane, parity)
 
     def ack_at(self, dst: int, lane: int) -> int:
-        return self.ack_off + 8 * (dst * self.lanes + lane)
+        return K.ack_at(self.ack_off, dst, self.lanes, lane)
 
 
 def packed_bytes(nbytes) -> int:
