@@ -163,6 +163,7 @@ def test_error_feedback_runs_with_and_without_sequence_parallelism(runs, config)
         # the residual stream's gradient is stochastic by default under SP
         (["--sequence-parallel"], "--grad-rounding nearest"),
         (["--optimizer", "sgd"], "adamw"),
+        (["--check-finite"], "synchronizes on every op"),
     ],
 )
 def test_cuda_graph_refuses_what_it_cannot_replay(extra, why):

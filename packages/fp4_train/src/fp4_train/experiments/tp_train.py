@@ -44,6 +44,7 @@ evaluated as trained and with the codecs of ``--eval-codecs`` in place of the fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -69,6 +70,7 @@ from .corpus import (
     train_batch,
     val_batches,
 )
+from .nonfinite import check_finite
 from .records import finite_or_none, metadata, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
@@ -141,6 +143,9 @@ def parse_args(argv=None):
       help="TP, GPU: capture the whole training step (forward, backward with its collectives, "
            "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
            "time of the collectives' launches (nearest rounding only)")
+    a("--check-finite", action="store_true",
+      help="debugging: stop at the first torch operation that makes a NaN or an infinity from "
+           "finite values, naming it and where it was called (slow: every op synchronizes)")
     a("--quiet", action="store_true")
     # fmt: on
     return ap.parse_args(argv)
@@ -323,6 +328,8 @@ def check_graph_args(args, device):
                    "--grad-rounding nearest, or run eagerly)")  # fmt: skip
     if args.optimizer != "adamw":
         why.append("it needs --optimizer adamw (capturable)")
+    if args.check_finite:
+        why.append("--check-finite synchronizes on every op, which a capture cannot")
     if why:
         raise SystemExit("--cuda-graph: " + "; ".join(why))
 
@@ -447,7 +454,15 @@ class Runner:
             return torch.stack([v.detach() for v in losses]).mean()
         return torch.zeros((), device=self.device)
 
+    def _checks(self):
+        """``--check-finite``'s checks (``nonfinite.check_finite``), or nothing."""
+        return check_finite() if self.args.check_finite else contextlib.nullcontext()
+
     def step(self, inputs, targets, log_stats=False):
+        with self._checks():
+            return self._step(inputs, targets, log_stats)
+
+    def _step(self, inputs, targets, log_stats):
         self.stats = [] if log_stats else None
         self.par.stats = {} if log_stats else None
         if self.graphed:
@@ -532,24 +547,29 @@ class Runner:
         saved = self.par.forward
         if codec is not None and not self.pp:
             self.par.forward = WirePolicy(codec, saved.rounding, saved.error_feedback)
-        totals = None
         try:
-            for x, y in batches:
-                x, y = x.to(self.device), y.to(self.device)
-                if self.pp:
-                    loss = self._pp_step(x, y, train=False, codec=codec)
-                else:
-                    with self._ctx():
-                        loss = lm_loss(self.model(x), y, self.par)
-                values = self.rank_values(loss)
-                if totals is None:
-                    totals = values
-                else:
-                    totals = [a + b for a, b in zip(totals, values, strict=True)]
+            with self._checks():
+                totals = self._eval_totals(batches, codec)
         finally:
             self.par.forward = saved
             self.model.train()
         return self.mean_over_ranks([t / len(batches) for t in totals])
+
+    def _eval_totals(self, batches, codec):
+        totals = None
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            if self.pp:
+                loss = self._pp_step(x, y, train=False, codec=codec)
+            else:
+                with self._ctx():
+                    loss = lm_loss(self.model(x), y, self.par)
+            values = self.rank_values(loss)
+            if totals is None:
+                totals = values
+            else:
+                totals = [a + b for a, b in zip(totals, values, strict=True)]
+        return totals
 
     def rank_values(self, loss):
         """The loss of each rank this process runs, as floats (here: this rank's)."""
