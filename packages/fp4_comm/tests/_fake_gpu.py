@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _fake_cuda import Recorder, fake_cuda  # noqa: E402
 
 from fp4_comm import Communicator, codecs, graphs  # noqa: E402
+from fp4_comm._transport import CommTimeoutError  # noqa: E402
 from fp4_comm.nccl import NcclTransport  # noqa: E402
 
 #: the fake's raw handle of torch's current stream on cuda:0 (``_fake_cuda.Recorder.stream``)
@@ -176,6 +177,7 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs
     # The watchdog records its event per transfer; its thread, which would query them, is not
     # started (a placeholder stands in for it).
     transport._watchdog, transport._failed, transport._thread = True, None, object()
+    transport._failure = CommTimeoutError  # as the constructor leaves it
     transport._pending, transport._spare_events = _NoQueue(), _NoQueue()
     transport._stream_objects = {}
     transport._closing = False

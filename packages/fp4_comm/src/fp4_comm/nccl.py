@@ -217,9 +217,9 @@ class NcclTransport(Transport):
                 return
             time.sleep(_WATCHDOG_INTERVAL_S)
 
-    def _abort(self, why, failure=CommTimeoutError):
-        """Fail the communicator (later calls raise ``failure(why)``) and abort it in NCCL."""
-        self._failed, self._failure = why, failure
+    def _abort(self, why):
+        """Fail the communicator (later calls raise its failure with ``why``) and abort it."""
+        self._failed = why
         self._abort_nccl()
 
     def _abort_nccl(self):
@@ -242,10 +242,8 @@ class NcclTransport(Transport):
                 target=self.comm.abort, daemon=True, name=name
             )
             aborter.start()
-            deadline = time.monotonic() + (self.timeout_s or _GRAPH_DRAIN_S)
-            if _drained(graphs, deadline):
-                for graph in graphs:
-                    graph.release()
+            deadline = self._graph_deadline()
+            _release_when_drained(graphs, deadline)
         aborter.join(max(0.0, deadline - time.monotonic()))
         if aborter.is_alive():
             self._failed = (
@@ -255,6 +253,10 @@ class NcclTransport(Transport):
 
     def keep_graph(self, graph):
         self._graphs.add(graph)
+
+    def _graph_deadline(self):
+        """When an abort or close stops waiting for the graphs' replays to drain."""
+        return time.monotonic() + (self.timeout_s or _GRAPH_DRAIN_S)
 
     def all_to_all(self, pairs):
         stream, comm, u8, rank = self._stream(), self.comm, self._uint8, self.rank
@@ -357,11 +359,7 @@ class NcclTransport(Transport):
                 return
             # ncclCommDestroy waits for the graphs holding the communicator's calls to go
             with self.replay_lock:
-                graphs = list(self._graphs)
-                drained = _drained(graphs, time.monotonic() + (self.timeout_s or _GRAPH_DRAIN_S))
-                if drained:
-                    for graph in graphs:
-                        graph.release()
+                drained = _release_when_drained(list(self._graphs), self._graph_deadline())
             if not drained:
                 self._abort(
                     f"NCCL transport: close() found CUDA graphs of this communicator's calls "
@@ -373,8 +371,10 @@ class NcclTransport(Transport):
             self.comm = None
 
 
-def _drained(graphs, deadline):
-    """Whether the last replay of each graph has finished by ``deadline`` (monotonic s)."""
+def _release_when_drained(graphs, deadline):
+    """Destroy ``graphs`` once the last replay of each has finished; False, and nothing
+    destroyed (their memory may still be written), if one has not by ``deadline``
+    (monotonic s)."""
     events = []
     for graph in graphs:
         stream = graph.last_stream
@@ -386,4 +386,6 @@ def _drained(graphs, deadline):
         if time.monotonic() > deadline:
             return False
         time.sleep(_POLL_INTERVAL_S)
+    for graph in graphs:
+        graph.release()
     return True
