@@ -67,6 +67,22 @@ class _NanGrad(torch.autograd.Function):
         return g * math.nan
 
 
+class _LogShifted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.log(x - 5.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_ops_inside_a_custom_autograd_forward_are_checked():
+    with pytest.warns(UserWarning), check_finite():
+        with pytest.raises(NonFiniteError, match="torch.log made a non-finite"):
+            _LogShifted.apply(torch.ones(2, requires_grad=True))
+
+
 def test_a_nan_in_the_backward_is_named():
     x = torch.ones(3, requires_grad=True)
     with pytest.warns(UserWarning), check_finite():

@@ -7,8 +7,8 @@ methods) is checked: its floating-point tensor arguments before the call, its fl
 tensor results after.  Finite arguments and a non-finite result raise ``NonFiniteError``
 naming the function, the result's shape and dtype, how many of its elements are not finite, and
 the innermost frames of the caller's code; a non-finite argument seen first raises too, since
-it was made by code the mode does not see (another thread, a kernel launched outside torch, a
-custom autograd function's forward, or the data).  The backward runs under
+it was made by code the mode does not see (another thread, such as the emulated ranks', a kernel
+launched outside torch, or the data).  The backward runs under
 ``torch.autograd.detect_anomaly(check_nan=True)``, which names the backward function whose
 output holds a NaN and the forward call that made it.
 
@@ -46,16 +46,15 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-def _not_finite(obj):
-    """The floating-point tensors in ``obj`` (nested lists, tuples, dicts) holding a NaN or an
-    infinity, as (tensor, count) pairs."""
-    bad = []
+def _first_not_finite(obj):
+    """The first floating-point tensor in ``obj`` (nested lists, tuples, dicts) holding a NaN
+    or an infinity, and how many it holds; None if there is none."""
     for t in _tensors(obj):
         if t.is_floating_point() and t.numel():
             n = int((~torch.isfinite(t)).sum())
             if n:
-                bad.append((t, n))
-    return bad
+                return t, n
+    return None
 
 
 def _where():
@@ -89,19 +88,17 @@ class FirstNonFinite(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        given = _not_finite((args, kwargs))
-        if given:
-            t, n = given[0]
+        given = _first_not_finite((args, kwargs))
+        if given is not None:
             raise NonFiniteError(
-                f"{_name(func)} was handed a non-finite argument ({_describe(t, n)}), made "
+                f"{_name(func)} was handed a non-finite argument ({_describe(*given)}), made "
                 f"where check_finite does not look (another thread, a kernel launched outside "
-                f"torch, a custom autograd function's forward, or the data); called at:\n"
-                f"{_where()}"
+                f"torch, or the data); called at:\n{_where()}"
             )
         out = func(*args, **kwargs)
-        made = _not_finite(out)
-        if made:
-            t, n = made[0]
+        made = _first_not_finite(out)
+        if made is not None:
+            t, n = made
             source = (
                 "finite arguments"
                 if next(_tensors((args, kwargs)), None) is not None
