@@ -10,6 +10,7 @@ call.  On GPUs (``gpu``): real CUDA graphs against ``graphs="never"``, bit for b
 codec and operation, and a peer killed before a replay ending in ``CommPeerError``.
 """
 
+import contextlib
 import os
 import time
 
@@ -20,7 +21,7 @@ from test_fp4_comm_nccl_transport import _on_threads, _transports
 
 import fp4_comm
 import fp4_kernels
-from fp4_comm import Communicator, graphs
+from fp4_comm import Communicator, graphs, reference
 from fp4_comm._transport import CommTimeoutError, GlooTransport
 from fp4_comm.codecs import NVFP4Codec
 
@@ -181,6 +182,38 @@ def test_graphs_option_is_checked():
     with pytest.raises(ValueError, match="graphs='auto'.*gloo"):
         Communicator(gloo, control_group=object(), graphs="auto")
     assert Communicator(gloo, control_group=object()).graphs == "never"
+    # the emulated ranks exchange in host code, which a graph cannot replay
+    emulated = reference.EmulatedTransport(0, reference._Exchange(2, 1.0), "cuda:0")
+    assert graphs.default_graphs(emulated) == "never"
+    assert Communicator(emulated).graphs == "never"
+    with pytest.raises(ValueError, match="graphs='auto'.*EmulatedTransport cannot be captured"):
+        Communicator(emulated, graphs="auto")
+    ranks = reference.EmulatedRanks(2, "cuda:0")
+    assert [c.graphs for c in ranks.comms] == ["never", "never"]
+
+
+def test_static_input_is_allocated_without_the_deterministic_fill(monkeypatch):
+    """Deterministic mode fills new tensors with NaN; inside a capture the fill of the static
+    input would be a graph node that overwrites the input each replay copies in first."""
+    det = torch.utils.deterministic
+    seen, empty = [], torch.empty
+
+    def recording(*args, **kwargs):
+        seen.append(det.fill_uninitialized_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording)
+    before = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        det.fill_uninitialized_memory = True
+        x = graphs._unfilled((3, 5), torch.bfloat16, "cpu")
+        assert det.fill_uninitialized_memory is True  # restored
+        torch.empty(1)
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        det.fill_uninitialized_memory = before[1]
+    assert seen == [False, True] and x.shape == (3, 5) and x.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------- bytes moved: threads
@@ -252,9 +285,30 @@ def _setup_eager(comms, rank, world, timeout_s):
     comms["eager"] = Communicator.from_process_group(None, device, timeout_s, graphs="never")
 
 
-def _gpu_compare(comms, op, codec, shape, dtype):
+@contextlib.contextmanager
+def _deterministic_mode():
+    """torch.use_deterministic_algorithms, which fills every new tensor with NaN."""
+    det = torch.utils.deterministic
+    before = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        det.fill_uninitialized_memory = before[1]
+
+
+def _gpu_compare(comms, op, codec, shape, dtype, deterministic=False):
     """Five calls of ``op`` on the graphs="auto" and "never" communicators: their bits equal,
-    every result still what it was when returned, and the kind captured."""
+    every result still what it was when returned, and the kind captured (``deterministic``:
+    all of it in torch's deterministic mode)."""
+    if deterministic:
+        with _deterministic_mode():
+            bad, moved, _ = _gpu_compare(comms, op, codec, shape, dtype)
+        # this shape's kind of call (a recv's kind holds its shape as a tuple) has a graph
+        shapes = [k[1] if k[0] == "recv" else k[7] for k in comms["auto"]._graphed.kinds()]
+        return bad, moved, sum(tuple(s) == tuple(shape) for s in shapes)
     gpu, eager = comms["auto"], comms["eager"]
     assert gpu.graphs == "auto" and eager.graphs == "never"
     rank, ys, shots = gpu.rank, [], []
@@ -299,6 +353,19 @@ def gpu_cluster():
 @pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", "none", fp4_kernels.FP4Quant(64)], ids=str)
 def test_gpu_replays_equal_eager_calls_bit_for_bit(gpu_cluster, codec, op, dtype):
     out = gpu_cluster.run(_gpu_compare, op, codec, (gpu_cluster.world * 24, 256), dtype)
+    for rank, (bad, moved, captured) in enumerate(out):
+        assert bad == [] and moved == [], (rank, bad, moved)
+        if op != "send_recv" or rank < 2:
+            assert captured >= 1, rank
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [*OPS, "send_recv"])
+def test_gpu_replays_equal_eager_calls_in_deterministic_mode(gpu_cluster, op):
+    """Under torch.use_deterministic_algorithms (new tensors filled with NaN): a kind of call
+    first captured there replays the eager bits (a shape no other test uses: a new capture)."""
+    shape = (gpu_cluster.world * 24, 320)
+    out = gpu_cluster.run(_gpu_compare, op, "nvfp4", shape, torch.bfloat16, True)
     for rank, (bad, moved, captured) in enumerate(out):
         assert bad == [] and moved == [], (rank, bad, moved)
         if op != "send_recv" or rank < 2:

@@ -130,6 +130,9 @@ class Transport:
     #: Whether the ranks must agree on every call's sizes before its bytes move, whatever the
     #: communicator's ``validate`` says (see GlooTransport).
     always_validate = False
+    #: Whether a CUDA graph may capture its calls (``graphs="auto"``): its transfers are device
+    #: work queued on the caller's stream, which a replay repeats on the buffers of that call.
+    graph_capturable = True
 
     def all_to_all(self, pairs):
         raise NotImplementedError

@@ -121,7 +121,8 @@ class Communicator:
     ``graphs``: "auto" replays a kind of call made twice from a CUDA graph captured on its third
     call (the same bits, a few microseconds of host time: ``fp4_comm.graphs`` says which calls
     qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
-    on CUDA transports (NCCL, p2p), "never" over gloo.
+    on CUDA transports (NCCL, p2p), "never" over gloo and between the emulated ranks of
+    ``fp4_comm.reference`` (which no graph can capture).
     """
 
     def __init__(
@@ -140,6 +141,11 @@ class Communicator:
             raise ValueError(
                 "graphs='auto' replays CUDA graphs; this transport (gloo) moves CPU tensors and "
                 "checks every call: use graphs='never' (or None, the default)"
+            )
+        if graphs == "auto" and not transport.graph_capturable:
+            raise ValueError(
+                f"graphs='auto' replays CUDA graphs; {type(transport).__name__} cannot be "
+                "captured in one: use graphs='never' (or None, the default)"
             )
         if control_group is None and isinstance(transport, GlooTransport):
             # gloo needs every call checked (GlooTransport): over its own group where no

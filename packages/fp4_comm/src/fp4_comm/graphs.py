@@ -65,9 +65,14 @@ REPLAYABLE_CODECS = (NoneCodec, NVFP4Codec, MXFP4Codec, FP4QuantCodec)
 
 
 def default_graphs(transport) -> Graphs:
-    """ "auto" where the transport moves CUDA tensors and needs no per-call host check (NCCL,
-    p2p), "never" otherwise (gloo: CPU tensors, every call checked)."""
-    if transport.device.type == "cuda" and not transport.always_validate:
+    """ "auto" where the transport moves CUDA tensors, needs no per-call host check and may be
+    captured (NCCL, p2p), "never" otherwise (gloo: CPU tensors, every call checked; the
+    emulated ranks of ``fp4_comm.reference``: an exchange in host code)."""
+    if (
+        transport.device.type == "cuda"
+        and not transport.always_validate
+        and transport.graph_capturable
+    ):
         return "auto"
     return "never"
 
@@ -93,13 +98,14 @@ def capture(run, device, shape, dtype):
     """A CUDA graph of ``run(static_input)`` -> (graph, static input, static output), captured on
     a side stream of ``device`` (``shape`` None: ``run()``, no input).  Nothing runs: the
     caller replays it.  The static input is allocated inside the capture, from the graph's
-    private pool, so no eager allocation ever shares its memory.  Capture mode "thread_local":
+    private pool, so no eager allocation ever shares its memory (and without deterministic
+    mode's NaN fill, which would be a node of the graph: ``_unfilled``).  Capture mode "thread_local":
     the caller's other threads may go on using CUDA meanwhile."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            static = None if shape is None else torch.empty(shape, dtype=dtype, device=device)
+            static = None if shape is None else _unfilled(shape, dtype, device)
             out = run() if shape is None else run(static)
         except BaseException:
             try:
@@ -109,6 +115,20 @@ def capture(run, device, shape, dtype):
             raise
         graph.capture_end()
     return graph, static, out
+
+
+def _unfilled(shape, dtype, device):
+    """``torch.empty`` without the NaN fill of deterministic mode
+    (``torch.utils.deterministic.fill_uninitialized_memory``): inside a capture that fill is a
+    node of the graph, which would overwrite the input each replay copies in before it launches
+    the graph.  (The flag is global: an allocation of another thread at this moment goes
+    unfilled too.)"""
+    det = torch.utils.deterministic
+    fill, det.fill_uninitialized_memory = det.fill_uninitialized_memory, False
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        det.fill_uninitialized_memory = fill
 
 
 class Replay:

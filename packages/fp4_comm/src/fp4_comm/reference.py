@@ -96,7 +96,13 @@ class _Exchange:
 class EmulatedTransport(Transport):
     """Moves the encoded sections between the threads of an emulated group (one transport per
     rank, all sharing one ``_Exchange``).  Same contract as ``GlooTransport``: all_to_all sends
-    row p of every section to rank p; all_gather gives every rank all ranks' rows."""
+    row p of every section to rank p; all_gather gives every rank all ranks' rows.
+
+    Not for CUDA graphs (``graph_capturable`` False): a rank reads the others' buffers in host
+    code, between barriers, so a graph of one rank's call would replay copies from the
+    addresses the others posted at the capture, before their own replays write them."""
+
+    graph_capturable = False
 
     def __init__(self, rank: int, exchange: _Exchange, device: torch.device) -> None:
         self.rank = rank
@@ -467,8 +473,10 @@ class EmulatedRanks:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._threads = _RankThreads(self.world_size, self.device, timeout_s)
-        # No control group: the ranks' agreement is checked here, in one process.
-        self.comms = [Communicator(t, None, "never") for t in self._threads.transports]
+        # No control group: the ranks' agreement is checked here, in one process.  No CUDA
+        # graphs: the exchange is host code between the threads (EmulatedTransport).
+        self.comms = [Communicator(t, None, validate="never", graphs="never")
+                      for t in self._threads.transports]  # fmt: skip
 
     def _check_device(self, op, xs):
         if xs[0].device != self.device:
