@@ -99,8 +99,8 @@ def capture(run, device, shape, dtype):
     a side stream of ``device`` (``shape`` None: ``run()``, no input).  Nothing runs: the
     caller replays it.  The static input is allocated inside the capture, from the graph's
     private pool, so no eager allocation ever shares its memory (and without deterministic
-    mode's NaN fill, which would be a node of the graph: ``_unfilled``).  Capture mode "thread_local":
-    the caller's other threads may go on using CUDA meanwhile."""
+    mode's NaN fill, which would be a node of the graph: ``_unfilled``).  Capture mode
+    "thread_local": the caller's other threads may go on using CUDA meanwhile."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
         graph.capture_begin(capture_error_mode="thread_local")
