@@ -78,6 +78,9 @@ MULTIRANK_ENV = {
     "NCCL_MULTI_RANK_GPU_ENABLE": "1",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
+    # reproducible cuBLAS reductions (a fixed workspace) in every process, pytest's included:
+    # the emulated ranks must equal the NCCL ranks bit for bit
+    "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
 }
 # Which NCCL torch and CuPy loaded, and whether it lets ranks share a GPU.
 NCCL_CHECK = """
