@@ -9,6 +9,8 @@ so that the two paths' launches compare although their allocations differ.  On a
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -74,8 +76,8 @@ def _compare(recorder, call, inputs, new_plan=True):
     n_plans = len(_plans._PLANS)
     cold_result, cold = _launches(recorder, call, inputs)  # records the plan, then runs it
     n_cold = len(_plans._PLANS)
-    if new_plan:  # (two for FP4Quant's quantize_dequantize: encode, decode)
-        assert n_cold > n_plans
+    if new_plan:
+        assert n_cold == n_plans + 1
     warm_result, warm = _launches(recorder, call, inputs)  # the plan alone
     assert len(_plans._PLANS) == n_cold
     assert cold == ref
@@ -206,6 +208,76 @@ def test_a_launch_policy_sizes_every_kernels_carveout(fake, monkeypatch):
     with pytest.raises(ValueError, match="threads_per_sm: -1 is negative"):
         with launch_policy(threads_per_sm=-1):
             pass
+
+
+def _wire_roles(launches, named):
+    """The launches' values with each pointer read as (name, byte offset) inside a named tensor,
+    or else as ("wire", offset from the first such pointer): the one buffer a call does not
+    return, FP4Quant's wire buffer between its encoding and its decoding."""
+    ranges = [(t.data_ptr(), t.numel() * t.element_size(), name) for name, t in named.items()]
+    wire = []
+
+    def role(v):
+        if not isinstance(v, Pointer):
+            return v
+        for start, nbytes, name in ranges:
+            if start <= v < start + max(nbytes, 1):
+                return (name, v - start)
+        wire[:] = wire or [v]
+        return ("wire", v - wire[0])
+
+    return [
+        (kernel, blocks, threads, stream, tuple(role(v) for v in values))
+        for kernel, blocks, threads, stream, values in launches
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", [G64, fk.FP4Quant(128, hadamard=False)])
+def test_fp4quant_quantize_dequantize_launches_quantize_then_dequantize(fake, fmt, dtype):
+    """FP4Quant's quantize_dequantize is one host function and one plan: unplanned, at the
+    first planned call and warm, the launches of ``dequantize(quantize(x))``, the same kernels
+    with the same arguments, the payload a buffer of the call's own."""
+    x = _x(dtype=dtype)
+    with _plans.disabled():
+        fake.launches.clear()
+        q = fk.quantize(x, fmt=fmt, rounding="stochastic", seed=9, step=4)
+        out = fk.dequantize(q)
+        ref = _wire_roles(fake.launches, {"x": x, "wire": q.payload, "out": out})
+    assert len(ref) == 2
+    for planned in (False, True, True):
+        fake.launches.clear()
+        with contextlib.ExitStack() as stack:
+            if not planned:
+                stack.enter_context(_plans.disabled())
+            y = fk.quantize_dequantize(x, fmt=fmt, rounding="stochastic", seed=9, step=4)
+        assert _wire_roles(fake.launches, {"x": x, "out": y}) == ref
+        assert y.dtype == out.dtype and y.shape == out.shape
+    assert len(_plans._PLANS) == 1
+
+
+def test_fp4quant_plans_follow_the_format_fields(fake):
+    """A plan key holds an FP4Quant as its fields: equal formats share a plan, other group
+    sizes or transforms get their own, a tuple of the same fields is still refused, and the
+    result carries the caller's format object (a subclass's too)."""
+
+    class Named(fk.FP4Quant):
+        pass
+
+    x = _x()
+    q = fk.quantize(x, fmt=fk.FP4Quant(64))
+    assert len(_plans._PLANS) == 1
+    again = fk.FP4Quant(64)
+    assert fk.quantize(x, fmt=again).fmt is again and len(_plans._PLANS) == 1
+    fk.quantize(x, fmt=fk.FP4Quant(128))
+    fk.quantize(x, fmt=fk.FP4Quant(64, hadamard=False))
+    assert len(_plans._PLANS) == 3
+    with pytest.raises(TypeError, match="fmt"):
+        fk.quantize(x, fmt=(64, True))
+    sub = Named(64)
+    named = _compare(fake, lambda: fk.quantize(x, fmt=sub), {"x": x})
+    assert named.fmt is sub and named.shape == q.shape
+    fk.dequantize(named)
 
 
 def test_planned_requantized_sum_launches_what_the_unplanned_path_launches(fake):

@@ -16,6 +16,7 @@ from . import _arrays as arrays, _autograd, _plans
 from ._calls import (
     AMAX_F32_OVERFLOW,
     AMAX_NUMBER,
+    FP4QUANT_KEY,
     DequantizeCall,
     DequantizeKey,
     Geometry,
@@ -138,20 +139,24 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
             or (type(global_amax) is float and 0 <= global_amax < AMAX_F32_OVERFLOW)
         )
     ):
-        return _run_quantize_plan(plan, key, x, seed, step, global_amax)
+        return _run_quantize_plan(plan, key, fmt, x, seed, step, global_amax)
     call = _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fused, key)
     if not call.backend.gpu:
         return _quantize_result(call, _quantize_cpu(call))
     if isinstance(call.fmt, FP4Quant):
-        from .cuda.fp4quant import run_encode as host
+        from .cuda import fp4quant
+
+        host = fp4quant.run_quantize_dequantize if fused else fp4quant.run_encode
     elif fused:
         from .cuda.quantize_dequantize import run as host
     else:
         from .cuda.quantize import run as host
     if call.key is None or call.geometry.n == 0:
-        return _quantize_result(call, _plans.run_unplanned(call, host))
+        outputs = _plans.run_unplanned(call, host)
+        return outputs[0] if fused else _quantize_result(call, outputs)
     amax = call.amax_value if call.key.amax == AMAX_NUMBER else call.amax_array
-    return _run_quantize_plan(_plans.plan_for(call, host), key, x, call.seed, call.step, amax)
+    plan = _plans.plan_for(call, host)
+    return _run_quantize_plan(plan, key, fmt, x, call.seed, call.step, amax)
 
 
 def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
@@ -160,12 +165,16 @@ def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
     xk = _plans.tensor_key(x)
     if xk is None or policy is _plans.NO_PLAN:
         return None
-    if global_amax is None or is_number(global_amax):
-        ak = None if global_amax is None else AMAX_NUMBER
+    if global_amax is None:
+        ak = None
+    elif type(global_amax) is float or is_number(global_amax):  # (a float: no call)
+        ak = AMAX_NUMBER
     else:
         ak = _plans.tensor_key(global_amax)
         if ak is None:
             return None
+    if type(fmt) is FP4Quant:
+        fmt = (FP4QUANT_KEY, fmt.group_size, fmt.hadamard)
     return QuantizeKey(xk, fmt, rounding, scale_layout, ak, fused, policy)
 
 
@@ -205,21 +214,21 @@ def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fuse
     )  # fmt: skip
 
 
-def _run_quantize_plan(plan, key, x, seed, step, global_amax):
-    """One planned quantize; ``global_amax`` as its key says (None, a float or an array)."""
+def _run_quantize_plan(plan, key, fmt, x, seed, step, global_amax):
+    """One planned quantize of ``fmt`` as the caller gave it; ``global_amax`` as its key says
+    (None, a float or an array)."""
     number = key.amax == AMAX_NUMBER
     inputs = (x,) if key.amax is None or number else (x, global_amax)
     outputs = plan(
         inputs, (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(global_amax) if number else 0.0)
     )
-    if type(key.fmt) is FP4Quant:
-        payload, codes, scales = outputs
-        q = planned_tensor(codes, scales, None, key.fmt, tuple(x.shape), x.dtype, "linear", payload)
-        return dequantize(q) if key.fused else q
-    if key.fused:
+    if key.fused:  # (the host functions of a fused call return (out,), FP4Quant's too)
         return outputs[0]
+    if isinstance(fmt, FP4Quant):  # (a subclass too: its key holds it as given)
+        payload, codes, scales = outputs
+        return planned_tensor(codes, scales, None, fmt, tuple(x.shape), x.dtype, "linear", payload)
     data, scales, gs, _ = outputs
-    return planned_tensor(data, scales, gs, key.fmt, tuple(x.shape), x.dtype, key.scale_layout)
+    return planned_tensor(data, scales, gs, fmt, tuple(x.shape), x.dtype, key.scale_layout)
 
 
 def planned_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, payload=None):
@@ -254,7 +263,7 @@ def _quantize_cpu(call):
 
 def _quantize_result(call, outputs):
     """What quantize / quantize_dequantize return for ``call``'s outputs (``_quantize_cpu``'s or
-    a host function's, of the caller's kind)."""
+    an unfused host function's, of the caller's kind)."""
     geo = call.geometry
     if isinstance(call.fmt, FP4Quant):
         payload, codes, scales = outputs
@@ -286,8 +295,11 @@ def quantized_key(q, out_dtype, op):
         gk = _plans.tensor_key(q.global_scale)
         if gk is None:
             return None
+    fmt = q.fmt
+    if type(fmt) is FP4Quant:
+        fmt = (FP4QUANT_KEY, fmt.group_size, fmt.hadamard)
     return DequantizeKey(
-        op, q.fmt, repr(q.shape), q.dtype, q.scale_layout, dk, sk, gk, out_dtype, policy
+        op, fmt, repr(q.shape), q.dtype, q.scale_layout, dk, sk, gk, out_dtype, policy
     )
 
 

@@ -38,6 +38,12 @@ SPECS = {spec.name: spec for spec in (nvfp4.SPEC, mxfp4.SPEC)}  # fmt= string ->
 
 AMAX_NUMBER = "number"  # QuantizeKey.amax of a global_amax given as a number
 
+# The ``fmt`` of a plan key for an ``FP4Quant``: (FP4QUANT_KEY, group_size, hadamard), a tuple
+# that hashes and compares in C.  The dataclass itself would run its Python ``__hash__`` at each
+# of a planned call's two dict lookups (the plan and its LRU update).  The private marker keeps
+# any tuple a caller passes as ``fmt`` from equalling it.
+FP4QUANT_KEY = object()
+
 
 class Geometry(NamedTuple):
     """Sizes every path derives from (shape, block size, scale layout)."""
@@ -348,7 +354,7 @@ class QuantizeKey(NamedTuple):
     tensor key of a ``global_amax`` array) and the launch policy."""
 
     x: tuple
-    fmt: Any
+    fmt: Any  # as given; an FP4Quant as its fields (FP4QUANT_KEY)
     rounding: str
     scale_layout: str
     amax: Any
@@ -362,7 +368,7 @@ class DequantizeKey(NamedTuple):
     ints, and only the check refuses it."""
 
     op: str
-    fmt: Any
+    fmt: Any  # as given; an FP4Quant as its fields (FP4QUANT_KEY)
     shape: str
     dtype: Any
     scale_layout: str

@@ -66,6 +66,22 @@ def test_kernels_match_reference(
     _check(q, x, fmt, rounding, 2**33 + 5, 3)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("g,hadamard,dtype", [(64, True, "bfloat16"), (32, False, "float16")])
+def test_quantize_dequantize_is_the_round_trip(kernels, rng, kind, g, hadamard, dtype):
+    """``run_quantize_dequantize``, the encoding and decoding in one host function: the bits of
+    ``dequantize(quantize(x))`` on the GPU and of the CPU path, an empty tensor too."""
+    fmt = fk.FP4Quant(g, hadamard)
+    x = _data(rng, 3, 2 * g, dtype, g)
+    kw = {"fmt": fmt, "rounding": "stochastic", "seed": 2**40 + 1, "step": 6}
+    y = to_host(fk.quantize_dequantize(to_gpu(x, kind), **kw))
+    two_step = to_host(fk.dequantize(fk.quantize(to_gpu(x, kind), **kw)))
+    assert y.dtype == x.dtype and same_bits(y, two_step)
+    assert same_bits(y, fk.quantize_dequantize(x, **kw))
+    empty = to_host(fk.quantize_dequantize(to_gpu(x[:0], kind), **kw))
+    assert empty.shape == (0, 2 * g) and empty.dtype == x.dtype
+
+
 @pytest.mark.parametrize(
     "g,dtype,rounding,rows",
     [(2048, "float32", "nearest", 2), (4096, "bfloat16", "stochastic", 1),

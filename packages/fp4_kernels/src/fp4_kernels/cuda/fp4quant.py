@@ -700,6 +700,18 @@ def run_decode(ctx, call):
     return (out,)
 
 
+def run_quantize_dequantize(ctx, call):
+    """Queue ``quantize_dequantize`` of ``call`` (a checked ``_calls.QuantizeCall`` of an
+    FP4Quant, ``fused`` set): the encoding into a wire buffer of its own, then its decoding,
+    the launches of ``run_encode`` and ``run_decode`` one after the other, in one host
+    function so that a plan holds both.  Returns (out,), of the input's dtype."""
+    fmt, geo = call.fmt, call.geometry
+    _, codes, scales = run_encode(ctx, call)
+    out = ctx.empty(geo.shape, None, like_dtype=ctx.float_dtype_of_kind(call.kind))
+    decode(ctx, codes, scales, out, geo.n, call.kind, fmt.group_size, fmt.hadamard)
+    return (out,)
+
+
 def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, stochastic):
     """Queue the encoding of the ``n`` elements of ``x`` into the wire buffer's ``codes`` and
     ``scales`` views (validated and allocated by the caller) on the caller's stream."""
