@@ -237,6 +237,92 @@ def test_emulated_ranks_count_calls_and_keep_residuals_per_rank(cluster):
     assert not torch.equal(res[0], res[1])  # each rank's own
 
 
+# ---------------------------------------------------------------- group graphs (CPU stand-in)
+
+
+class _FakeGroupGraph:
+    """A stand-in "graph" of the group's call: a replay runs the call again on the ranks'
+    threads into the outputs, with the ranks' call counts left as they were (a replay runs
+    no host code)."""
+
+    def __init__(self, ranks, run, statics, outputs):
+        self.ranks, self.run, self.statics, self.outputs = ranks, run, statics, outputs
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        counts = [c._calls for c in self.ranks.comms]
+        for out, y in zip(self.outputs, self.run(self.statics), strict=True):
+            out.copy_(y)
+        for c, n in zip(self.ranks.comms, counts, strict=True):
+            c._calls = n
+
+
+def _fake_group_capture(ranks, graphs_made):
+    def capture(run, device, shapes, dtype):
+        statics = [torch.zeros(s, dtype=dtype) for s in shapes]
+        outs = [y.clone() for y in run(statics)]
+        graph = _FakeGroupGraph(ranks, run, statics, outs)
+        graphs_made.append(graph)
+        return graph, statics, outs
+
+    return capture
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(monkeypatch):
+    """EmulatedRanks(graphs="auto"), with a stand-in capture on the CPU: the third call of an
+    eligible kind is captured and later ones replay it, with the eager results (each input's
+    own) and every rank's call count as the eager group has it; stochastic rounding, error
+    feedback and statistics never replay; a failed capture leaves its kind eager."""
+    from fp4_comm import graphs
+
+    world = 3
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    graphed = reference.EmulatedRanks(world)
+    graphed.graphs = "auto"  # on the CPU, for the stand-in (a CPU group refuses "auto")
+    made = []
+    monkeypatch.setattr(graphs, "capture_group", _fake_group_capture(graphed, made))
+    eager = reference.EmulatedRanks(world)
+    calls = [("all_reduce", {"codec": "nvfp4"}), ("reduce_scatter", {"codec": "mxfp4"}),
+             ("all_gather", {"codec": _codec("fp4quant-g64")}),
+             ("all_reduce", {"codec": "none"}),
+             ("all_reduce", {"codec": "nvfp4", "rounding": "stochastic"}),
+             ("all_reduce", {"codec": "nvfp4", "error_feedback": "b"}),
+             ("reduce_scatter", {"codec": "nvfp4", "stats": True})]  # fmt: skip
+    for i in range(5):
+        for j, (op, kw) in enumerate(calls):
+            xs = [_input(i + 10 * j, 0, r, world, CASES[0]) for r in range(world)]
+            ys = getattr(graphed, op)(xs, **kw)
+            refs = getattr(eager, op)(xs, **kw)
+            if kw.get("stats"):
+                ys, refs = [y for y, _ in ys], [y for y, _ in refs]
+            for y, ref in zip(ys, refs, strict=True):
+                assert np.array_equal(_bits(y), _bits(ref)), (i, op, kw)
+    assert len(made) == 4  # the four eligible kinds, each captured once (on its third call)
+    assert [g.replays for g in made] == [3] * 4  # calls 3, 4, 5
+    assert [c._calls for c in graphed.comms] == [c._calls for c in eager.comms] == [35] * world
+    for c, e in zip(graphed.comms, eager.comms, strict=True):
+        assert torch.equal(c.error_feedback.residual("b"), e.error_feedback.residual("b"))
+
+    def failing(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "capture_group", failing)
+    xs = [torch.ones(6, 4) * (r + 1) for r in range(world)]
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for _ in range(4):
+            ys = graphed.all_reduce(xs, codec="none")
+    assert all(torch.equal(y, torch.full((6, 4), 6.0)) for y in ys)
+    with pytest.raises(ValueError, match="graphs='auto'.*cpu"):
+        reference.EmulatedRanks(2, graphs="auto")
+
+
 # ------------------------------------------------------------------ checks and failures
 
 

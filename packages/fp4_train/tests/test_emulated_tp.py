@@ -96,7 +96,8 @@ def _steps(runner, args, steps=STEPS):
     for step in range(steps):
         x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
         x, y = x.to(runner.device), y.to(runner.device)
-        losses.append(runner.rank_values(runner.step(x, y, log_stats=True)))
+        log_stats = args.stats_every > 0  # (statistics make a collective eager: no graphs)
+        losses.append(runner.rank_values(runner.step(x, y, log_stats=log_stats)))
         if step == 0:
             losses.append(["eval", runner.evaluate(val)])
     return losses, {k: _bits(v.cpu()) for k, v in runner.model.state_dict().items()}
@@ -262,6 +263,13 @@ GPU_CONFIGS = [
     ("gpu-tp-mxfp4", [*QWEN_GPU, "--codec", "mxfp4"]),  # the fused sum's kernel
     ("gpu-sp-g64", [*QWEN_GPU, "--codec", "fp4quant-g64", "--sequence-parallel"]),
     ("gpu-pp-nvfp4", [*QWEN_GPU, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+    # no statistics: the training steps' collectives replay CUDA graphs (the NCCL ranks' own,
+    # the emulated group's), forward and backward
+    (
+        "gpu-tp-g64-graphs",
+        [*QWEN_GPU, "--codec", "fp4quant-g64", "--grad-codec", "none", "--stats-every", "0"],
+    ),
+    ("gpu-tp-nvfp4-graphs", [*QWEN_GPU, "--codec", "nvfp4", "--stats-every", "0"]),
 ]
 NATIVE_STEPS = 20
 GPU_NATIVE = ("gpu-tp-native", [*QWEN_GPU, "--codec", "native"])

@@ -117,6 +117,27 @@ def capture(run, device, shape, dtype):
     return graph, static, out
 
 
+def capture_group(run, device, shapes, dtype):
+    """A CUDA graph of ``run(static_inputs)`` -> (graph, static inputs, outputs), one static
+    input per shape, for the emulated ranks of ``fp4_comm.reference``: ``run`` hands the call
+    to the ranks' threads, which queue their kernels on the capturing stream (the caller's
+    current stream, which they take as theirs).  As ``capture`` otherwise."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            statics = [_unfilled(shape, dtype, device) for shape in shapes]
+            out = run(statics)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture is invalid anyway; the original error says why
+            raise
+        graph.capture_end()
+    return graph, statics, out
+
+
 def _unfilled(shape, dtype, device):
     """``torch.empty`` without the NaN fill of deterministic mode
     (``torch.utils.deterministic.fill_uninitialized_memory``): inside a capture that fill is a

@@ -35,13 +35,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import collectives
+from . import collectives, graphs as _graphs
 from ._transport import CommTimeoutError, Transport
 from .codecs import CodecSpec, Rounding, check_int, get_codec
 from .communicator import Communicator, check_options
@@ -460,21 +461,42 @@ class EmulatedRanks:
     Every method takes the ranks' inputs as a list (rank order) and the options a
     ``Communicator`` call takes, the same for every rank; it returns every rank's result (with
     ``stats=True``, every rank's ``(result, {hop: HopStats})``).  ``comms[r]`` is rank r's
-    communicator (``comms[r].error_feedback``, ``state_dict``)."""
+    communicator (``comms[r].error_feedback``, ``state_dict``).
+
+    ``graphs`` ("auto", the default on a CUDA device; "never"): a kind of collective call that
+    a ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: nearest
+    rounding or a "none" codec, no error feedback, no statistics), made twice, is captured on
+    its third call with all k ranks in one graph: their threads queue every rank's kernels and
+    copies on the capturing stream in the order the exchanges fix, so a replay is the whole
+    group's call (the ranks' inputs copied in, one launch, the results copied out) and gives
+    the eager bits, at a few launches of host time instead of k eager calls and their
+    hand-offs between threads.  Each rank's communicator counts the replayed call as its own
+    (its default ``step``).  A single rank's call cannot be captured (``EmulatedTransport``)."""
 
     def __init__(
         self,
         world_size: int,
         device: torch.device | str = "cpu",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        graphs: _graphs.Graphs | None = None,
     ) -> None:
         self.world_size = _check_world_size(world_size)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = "auto" if cuda else "never"
+        if _graphs.check_graphs(graphs) == "auto" and not cuda:
+            raise ValueError(f"graphs='auto' replays CUDA graphs; the emulated ranks are on "
+                             f"{self.device}: use graphs='never' (or None)")  # fmt: skip
+        self.graphs = graphs
+        self._graphed = _graphs.GraphCache()  # kinds of call replayed from group graphs
+        self._kinds: dict[tuple, _GroupEntry] = {}  # kind of call -> its eager count, graph
         self._threads = _RankThreads(self.world_size, self.device, timeout_s)
-        # No control group: the ranks' agreement is checked here, in one process.  No CUDA
-        # graphs: the exchange is host code between the threads (EmulatedTransport).
+        # No control group: the ranks' agreement is checked here, in one process.  A rank's
+        # own communicator never captures (the exchange is host code between the threads);
+        # the group's calls are captured whole, above it.
         self.comms = [Communicator(t, None, validate="never", graphs="never")
                       for t in self._threads.transports]  # fmt: skip
 
@@ -489,9 +511,73 @@ class EmulatedRanks:
             raise ValueError(f"expected one tensor per rank ({self.world_size}), got {len(xs)}")
         self._check_device(op, xs)
         extra = extra or {}
+        entry = self._graph_entry(op, xs, kwargs, extra) if self.graphs == "auto" else None
+        if entry is not None:
+            if entry.replay is not None:
+                return entry.replay.run(xs, self.comms)
+            if self._capture(entry, op, xs, kwargs, extra):
+                # the capture ran every rank's call (counting it); the replay computes it
+                return entry.replay.run(xs, ())
         return self._threads.run(
             [_method(c, op, x, kwargs, extra) for c, x in zip(self.comms, xs, strict=True)]
         )
+
+    # -- group graphs (the class docstring says which calls)
+
+    def _graph_entry(self, op, xs, kwargs, extra):
+        """The entry of this kind of call if it may be replayed from a group graph (counting
+        its eager calls), else None."""
+        if torch.cuda.is_current_stream_capturing():
+            return None  # the caller's own capture takes the eager calls
+        codec, rounding = kwargs.get("codec", "nvfp4"), kwargs.get("rounding", "nearest")
+        ef_name, stats = kwargs.get("error_feedback"), kwargs.get("stats", False)
+        try:
+            kind = (op, codec, rounding, ef_name, stats, extra.get("total_dim0"),
+                    tuple(x.shape for x in xs), xs[0].dtype)  # fmt: skip
+            entry = self._kinds.get(kind)
+        except TypeError:  # a codec object that cannot be hashed: never replayed
+            return None
+        if entry is None:
+            try:
+                nbytes = sum(x.numel() for x in xs) * xs[0].element_size()
+                ok = _graphs.eligible(get_codec(codec), rounding, ef_name, stats, nbytes)
+            except (TypeError, ValueError):
+                ok = False  # the eager call names what is wrong
+            entry = self._kinds[kind] = _GroupEntry(kind, ok)
+            return None  # the first call runs eagerly (and checks the arguments)
+        if not entry.graphable:
+            return None
+        check_options(rounding, kwargs.get("seed", 0), kwargs.get("step"), ef_name)
+        if entry.replay is not None:
+            self._graphed.touch(kind)
+            return entry
+        if entry.eager < _graphs.EAGER_CALLS:
+            entry.eager += 1
+            return None
+        return entry
+
+    def _capture(self, entry, op, xs, kwargs, extra):
+        """Capture the group's call of ``entry``'s kind; False (the kind stays eager, with a
+        warning) where the capture fails."""
+        shapes, dtype = [tuple(x.shape) for x in xs], xs[0].dtype
+
+        def run(statics):
+            tasks = [_method(c, op, x, kwargs, extra)
+                     for c, x in zip(self.comms, statics, strict=True)]  # fmt: skip
+            return self._threads.run(tasks)
+
+        try:
+            graph, statics, outs = _graphs.capture_group(run, self.device, shapes, dtype)
+        except Exception as err:  # noqa: BLE001 - any capture failure: this kind stays eager
+            entry.graphable = False
+            warnings.warn(f"fp4_comm: the emulated ranks' {op} could not be captured in a CUDA "
+                          f"graph ({err}); calls of its kind run eagerly", RuntimeWarning,
+                          stacklevel=4)  # fmt: skip
+            return False
+        nbytes = sum(s.numel() for s in statics) * dtype.itemsize
+        entry.replay = _GroupReplay(graph, statics, outs, nbytes)
+        self._graphed.keep(entry.kind, entry)
+        return entry.replay is not None  # a graph bigger than the cache's bound is dropped
 
     def all_reduce(self, xs: Sequence[torch.Tensor], **kwargs: Any) -> list[Any]:
         """Every rank's ``Communicator.all_reduce(xs[r], **kwargs)``."""
@@ -536,6 +622,40 @@ class EmulatedRanks:
         if stats:
             return out[dst], out[src][1]
         return out[dst]
+
+
+class _GroupEntry:
+    """A kind of group call: whether it may be replayed, its eager calls, its graph."""
+
+    __slots__ = ("kind", "graphable", "eager", "replay")
+
+    def __init__(self, kind, graphable):
+        self.kind, self.graphable, self.eager, self.replay = kind, graphable, 1, None
+
+
+class _GroupReplay:
+    """The k ranks' call in one CUDA graph: ``run(xs, comms)`` copies each rank's input in,
+    replays on the current stream (after the last replay's stream, whose buffers it shares),
+    counts the call on every rank's communicator as its eager call would, and returns copies
+    of the ranks' results."""
+
+    __slots__ = ("graph", "inputs", "outputs", "nbytes", "_stream")
+
+    def __init__(self, graph, inputs, outputs, nbytes):
+        self.graph, self.inputs, self.outputs, self.nbytes = graph, inputs, outputs, nbytes
+        self._stream = None
+
+    def run(self, xs, comms):
+        stream = torch.cuda.current_stream(self.inputs[0].device)
+        if self._stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)
+        self._stream = stream
+        for static, x in zip(self.inputs, xs, strict=True):
+            static.copy_(x)
+        self.graph.replay()
+        for comm in comms:
+            comm._calls += 1
+        return [y.clone() for y in self.outputs]
 
 
 def _method(comm, op, x, kwargs, extra):
