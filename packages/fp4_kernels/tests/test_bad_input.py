@@ -421,33 +421,27 @@ def _np(a):
 # ------------------------------------------------------------------ tampered QuantizedTensors
 
 
+# (fmt id, field, dtype it is given, dtype the message expects)
+_WRONG_FIELD_DTYPES = [
+    ("fp4quant", "data", np.uint16, "uint8"),
+    ("fp4quant", "data", np.float32, "uint8"),
+    # the SIGSEGV case: uint8 scales of the right shape would be read as twice as many bytes
+    ("fp4quant", "scales", np.uint8, "uint16"),
+    ("mxfp4", "scales", np.int64, "uint8"),
+]
+
+
 def _tampered(place):
     """(fmt id, field replacement, expected exception, message) for hand-built tensors."""
     return [
-        (
-            "fp4quant",
-            lambda q: {"data": _as(q.data, np.uint16, place)},
-            TypeError,
-            r"q.data: dtype uint16, expected uint8",
-        ),
-        (
-            "fp4quant",
-            lambda q: {"data": _as(q.data, np.float32, place)},
-            TypeError,
-            r"q.data: dtype float32, expected uint8",
-        ),
-        # the SIGSEGV case: uint8 scales of the right shape would be read as twice as many bytes
-        (
-            "fp4quant",
-            lambda q: {"scales": _as(q.scales, np.uint8, place)},
-            TypeError,
-            r"q.scales: dtype uint8, expected uint16",
-        ),
-        (
-            "mxfp4",
-            lambda q: {"scales": _as(q.scales, np.int64, place)},
-            TypeError,
-            r"q.scales: dtype int64, expected uint8",
+        *(
+            (
+                fmt_id,
+                lambda q, field=field, dtype=dtype: {field: _as(getattr(q, field), dtype, place)},
+                TypeError,
+                rf"q.{field}: dtype {np.dtype(dtype).name}, expected {expected}",
+            )
+            for fmt_id, field, dtype, expected in _WRONG_FIELD_DTYPES
         ),
         (
             "nvfp4",
