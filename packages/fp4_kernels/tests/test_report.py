@@ -410,18 +410,19 @@ def _unreadable_subdirectory(tmp_path, rng):
     return model, model / "locked"
 
 
-def _check_locked_is_listed(model, tmp_path, capsys):
+def _check_one_skipped(model, tmp_path, measured, skipped, reason):
+    """The report of the directory ``model`` measures the files ``measured`` and names the one
+    file ``skipped`` under "skipped", with ``reason``."""
     rc, out = _run([str(model)], tmp_path)
     assert rc == 0
     data = _strict_json(out / "report.json")
-    assert [m["file"] for m in data["matrices"]] == ["m.safetensors"]
-    assert data["skipped"] == [
-        {
-            "file": "locked/",
-            "tensor": None,
-            "reason": "a directory that cannot be read (Permission denied): not searched",
-        }
-    ]
+    assert [m["file"] for m in data["matrices"]] == measured
+    assert data["skipped"] == [{"file": skipped, "tensor": None, "reason": reason}]
+
+
+def _check_locked_is_listed(model, tmp_path, capsys):
+    reason = "a directory that cannot be read (Permission denied): not searched"
+    _check_one_skipped(model, tmp_path, ["m.safetensors"], "locked/", reason)
     assert "locked/: a directory that cannot be read (Permission denied)" in capsys.readouterr().out
 
 
@@ -494,17 +495,13 @@ def test_unreadable_file_says_permission_denied(tmp_path, rng, capsys, monkeypat
         err = capsys.readouterr().err
         assert rc == 2 and "Permission denied" in err and "No such file" not in err
         assert f"{str(locked)!r}: cannot open it (Permission denied)" in err
-        rc, out = _run([str(tmp_path / "model")], tmp_path)
-        assert rc == 0
-        data = _strict_json(out / "report.json")
-        assert [m["file"] for m in data["matrices"]] == ["ok.safetensors"]
-        assert data["skipped"] == [
-            {
-                "file": "locked.safetensors",
-                "tensor": None,
-                "reason": "cannot open it (Permission denied)",
-            }
-        ]
+        _check_one_skipped(
+            tmp_path / "model",
+            tmp_path,
+            ["ok.safetensors"],
+            "locked.safetensors",
+            "cannot open it (Permission denied)",
+        )
     finally:
         locked.chmod(0o644)
 
