@@ -781,23 +781,25 @@ REJECTED = [
     ),
 ]
 
-# Every entry point that takes the stochastic-rounding seed or step checks it alike: an int
-# (not a bool) in [0, 2**64) or [0, 2**32), the message naming the argument (after the entry
-# point's name where it gives one).  (bad value, exception type, message regex, id)
-BAD_SEEDS = [
-    (-1, ValueError, r"seed: -1 is outside \[0, 2\*\*64\)", "negative"),
-    (2**64, ValueError, r"seed: 18446744073709551616 is outside \[0, 2\*\*64\)", "too-large"),
-    (1.5, TypeError, r"seed: expected an integer, got float", "float"),
-    ("3", TypeError, r"seed: expected an integer, got str", "str"),
-    (True, TypeError, r"seed: expected an integer, got bool", "bool"),
-]
-BAD_STEPS = [
-    (-5, ValueError, r"step: -5 is outside \[0, 2\*\*32\).*modulo 2\*\*32", "negative"),
-    (2**40, ValueError, r"step: 1099511627776 is outside \[0, 2\*\*32\)", "2**40"),
-    (1.5, TypeError, r"step: expected an integer, got float", "float"),
-    ("3", TypeError, r"step: expected an integer, got str", "str"),
-    (True, TypeError, r"step: expected an integer, got bool", "bool"),
-]
+
+def _bad_counter_values(name, bits, negative, too_large, too_large_id, hint=""):
+    """Every entry point that takes the stochastic-rounding seed or step checks it alike: an int
+    (not a bool) in [0, 2**bits), the message naming the argument (after the entry point's name
+    where it gives one).  (bad value, exception type, message regex, id)"""
+    outside = rf"is outside \[0, 2\*\*{bits}\)"
+    return [
+        (negative, ValueError, rf"{name}: {negative} {outside}{hint}", "negative"),
+        (too_large, ValueError, rf"{name}: {too_large} {outside}", too_large_id),
+        *(
+            (value, TypeError, rf"{name}: expected an integer, got {type(value).__name__}",
+             type(value).__name__)
+            for value in (1.5, "3", True)
+        ),
+    ]  # fmt: skip
+
+
+BAD_SEEDS = _bad_counter_values("seed", 64, -1, 2**64, "too-large")
+BAD_STEPS = _bad_counter_values("step", 32, -5, 2**40, "2**40", hint=r".*modulo 2\*\*32")
 # id prefix -> (the call taking the argument as a keyword, the message's prefix)
 SEED_TAKERS = {
     "linear": (lambda **kw: fp4_linear(X, W, **kw), "fp4_linear: "),
