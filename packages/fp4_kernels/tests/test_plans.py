@@ -41,12 +41,16 @@ def _tensors(result):
     return [("out", result)]
 
 
-def _roles(launches, named):
+def _roles(launches, named, unnamed=None):
     """The launches' values with each pointer (an array's data field) read as (name, byte offset)
-    inside a named tensor, or else as the order of its first appearance (scratch buffers that
-    the call does not return)."""
+    inside a named tensor, or else as ``unnamed(pointer)`` (default: ("scratch", the order of
+    its first appearance): buffers that the call does not return)."""
     ranges = [(t.data_ptr(), t.numel() * t.element_size(), name) for name, t in named]
-    anonymous = {}
+    if unnamed is None:
+        anonymous = {}
+
+        def unnamed(v):
+            return ("scratch", anonymous.setdefault(v, len(anonymous)))
 
     def role(v):
         if not isinstance(v, Pointer):
@@ -54,7 +58,7 @@ def _roles(launches, named):
         for start, nbytes, name in ranges:
             if start <= v < start + max(nbytes, 1):
                 return (name, v - start)
-        return ("scratch", anonymous.setdefault(v, len(anonymous)))
+        return unnamed(v)
 
     return [
         (kernel, blocks, threads, stream, tuple(role(v) for v in values))
@@ -211,25 +215,16 @@ def test_a_launch_policy_sizes_every_kernels_carveout(fake, monkeypatch):
 
 
 def _wire_roles(launches, named):
-    """The launches' values with each pointer read as (name, byte offset) inside a named tensor,
-    or else as ("wire", offset from the first such pointer): the one buffer a call does not
-    return, FP4Quant's wire buffer between its encoding and its decoding."""
-    ranges = [(t.data_ptr(), t.numel() * t.element_size(), name) for name, t in named.items()]
+    """``_roles`` with a pointer outside the named tensors read as ("wire", offset from the
+    first such pointer): the one buffer a call does not return, FP4Quant's wire buffer between
+    its encoding and its decoding."""
     wire = []
 
-    def role(v):
-        if not isinstance(v, Pointer):
-            return v
-        for start, nbytes, name in ranges:
-            if start <= v < start + max(nbytes, 1):
-                return (name, v - start)
+    def unnamed(v):
         wire[:] = wire or [v]
         return ("wire", v - wire[0])
 
-    return [
-        (kernel, blocks, threads, stream, tuple(role(v) for v in values))
-        for kernel, blocks, threads, stream, values in launches
-    ]
+    return _roles(launches, list(named.items()), unnamed)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
