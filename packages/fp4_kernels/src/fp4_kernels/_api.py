@@ -17,6 +17,7 @@ from ._calls import (
     AMAX_F32_OVERFLOW,
     AMAX_NUMBER,
     FP4QUANT_KEY,
+    STEP_LIMIT,
     DequantizeCall,
     DequantizeKey,
     Geometry,
@@ -27,6 +28,7 @@ from ._calls import (
     check_int,
     checked_amax,
     checked_amax_array,
+    checked_step_array,
     format_spec,
     is_number,
     normalize_dtype,
@@ -124,7 +126,7 @@ def quantize_dequantize(
 
 
 def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
-    key = _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused)
+    key = _quantize_key(x, fmt, rounding, step, global_amax, scale_layout, fused)
     plan = _plans.get(key)
     # (a value the full checks would refuse, a float amax beyond float32's range among them,
     # takes the checked path below, which names it)
@@ -132,8 +134,7 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         plan is not None
         and type(seed) is int
         and 0 <= seed < 2**64
-        and type(step) is int
-        and 0 <= step < 2**32
+        and ((type(step) is int and 0 <= step < STEP_LIMIT) or key.step is not None)
         and (
             key.amax != AMAX_NUMBER
             or (type(global_amax) is float and 0 <= global_amax < AMAX_F32_OVERFLOW)
@@ -156,15 +157,17 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         return outputs[0] if fused else _quantize_result(call, outputs)
     amax = call.amax_value if call.key.amax == AMAX_NUMBER else call.amax_array
     plan = _plans.plan_for(call, host)
-    return _run_quantize_plan(plan, key, fmt, x, call.seed, call.step, amax)
+    step = call.step if call.step_array is None else call.step_array
+    return _run_quantize_plan(plan, key, fmt, x, call.seed, step, amax)
 
 
-def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
+def _quantize_key(x, fmt, rounding, step, global_amax, scale_layout, fused):
     """The plan key of a torch CUDA call (``_plans``), or None."""
     policy = _plans.plan_policy()
     xk = _plans.tensor_key(x)
     if xk is None or policy is _plans.NO_PLAN:
         return None
+    sk = None if type(step) is int else _plans.tensor_key(step)  # (an int: no call)
     if global_amax is None:
         ak = None
     elif type(global_amax) is float or is_number(global_amax):  # (a float: no call)
@@ -175,7 +178,7 @@ def _quantize_key(x, fmt, rounding, global_amax, scale_layout, fused):
             return None
     if type(fmt) is FP4Quant:
         fmt = (FP4QUANT_KEY, fmt.group_size, fmt.hadamard)
-    return QuantizeKey(xk, fmt, rounding, scale_layout, ak, fused, policy)
+    return QuantizeKey(xk, fmt, rounding, scale_layout, ak, fused, policy, sk)
 
 
 def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fused, key):
@@ -184,12 +187,15 @@ def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fuse
     check_choice(rounding, "rounding", ROUNDINGS)
     check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
     seed = check_int(seed, "seed", 0, 2**64)
-    step = check_int(step, "step", 0, 2**32)
+    step_is_array = hasattr(step, "shape") and not isinstance(step, np.generic)
+    if not step_is_array:
+        step = check_int(step, "step", 0, STEP_LIMIT)
     if isinstance(spec, FP4Quant):
         block, what = spec.group_size, "FP4Quant group size"
     else:
         block, what = spec.block_size, f"{spec.name.upper()} block size"
     backend, dt, shape = check_input(x, block, what)
+    step, step_array = _checked_step(step, backend) if step_is_array else (step, None)
     amax_value, amax_array = -1.0, None
     if isinstance(spec, FP4Quant):
         if global_amax is not None:
@@ -210,15 +216,27 @@ def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fuse
     return QuantizeCall(
         x=x, backend=backend, dtype=dt, fmt=spec, geometry=Geometry.of(shape, block, scale_layout),
         stochastic=rounding == "stochastic", seed=seed, step=step, amax_value=amax_value,
-        amax_array=amax_array, fused=fused, key=key,
+        amax_array=amax_array, fused=fused, key=key, step_array=step_array,
     )  # fmt: skip
 
 
+def _checked_step(step, backend):
+    """(step, step_array) of a ``step`` given as an array: on the GPU the array, which the
+    kernels read (step 0); on the CPU its value, checked as an int step."""
+    checked_step_array(step, backend)
+    if backend.gpu:
+        return 0, step
+    value = int(np.asarray(arrays.to_numpy(step)).reshape(-1)[0])
+    return check_int(value, "step", 0, STEP_LIMIT), None
+
+
 def _run_quantize_plan(plan, key, fmt, x, seed, step, global_amax):
-    """One planned quantize of ``fmt`` as the caller gave it; ``global_amax`` as its key says
-    (None, a float or an array)."""
+    """One planned quantize of ``fmt`` as the caller gave it; ``global_amax`` and ``step`` as
+    its key says (None, a float or an array; an int or an array)."""
     number = key.amax == AMAX_NUMBER
     inputs = (x,) if key.amax is None or number else (x, global_amax)
+    if key.step is not None:
+        inputs, step = (*inputs, step), 0
     outputs = plan(
         inputs, (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(global_amax) if number else 0.0)
     )

@@ -345,6 +345,31 @@ def checked_amax_array(a, backend):
     return a
 
 
+STEP_LIMIT = 2**32  # the Philox counter's step is a uint32
+
+
+def checked_step_array(a, backend):
+    """``step`` given as an array: one int64 element, C-contiguous, where ``x`` lives;
+    ValueError naming ``step`` otherwise."""
+    try:
+        b = backend_of(a, "step")
+    except TypeError:
+        raise ValueError(
+            "step: expected an int in [0, 2**32) or a one-element int64 array where x lives, "
+            f"got {type(a).__name__}"
+        ) from None
+    same_place(a, backend, "step", "x")
+    dt = element_dtype(a, b)
+    if dt != "int64":
+        raise ValueError(f"step: an array of dtype {dt}; pass a one-element int64 array")
+    shape = tuple(int(d) for d in a.shape)
+    if math.prod(shape) != 1:
+        raise ValueError(f"step: an array of shape {shape}; pass a one-element int64 array")
+    if not is_c_contiguous(a, b):
+        raise ValueError("step: the array must be C-contiguous")
+    return a
+
+
 # ---------------------------------------------------------------------- plan keys
 
 
@@ -360,6 +385,7 @@ class QuantizeKey(NamedTuple):
     amax: Any
     fused: bool
     policy: Any
+    step: Any = None  # the tensor key of a ``step`` array; None: an int step
 
 
 class DequantizeKey(NamedTuple):
@@ -420,9 +446,11 @@ class QuantizeCall(CallDescriptor):
     """A checked quantize (``fused``: quantize_dequantize) of ``x``.
 
     ``amax_value`` is ``global_amax`` given as a number (< 0: not given), ``amax_array`` given as
-    a one-element array where x lives; neither: the amax of x (NVFP4)."""
+    a one-element array where x lives; neither: the amax of x (NVFP4).  ``step_array``: the
+    step given as a one-element int64 array on the GPU (read by the kernels; ``step`` is then
+    0), None: ``step`` is the step."""
 
-    ARRAYS = ("x", "amax_array")
+    ARRAYS = ("x", "amax_array", "step_array")
 
     x: Any
     backend: Backend
@@ -437,6 +465,7 @@ class QuantizeCall(CallDescriptor):
     fused: bool = False
     key: QuantizeKey | None = None
     out: Any = None
+    step_array: Any = None
 
     def traced(self, tracer):
         traced, _ = super().traced(tracer)
@@ -447,7 +476,9 @@ class QuantizeCall(CallDescriptor):
             step=_plans.PROBE_STEP,
             amax_value=_plans.PROBE_AMAX if number else -1.0,
         )
-        return traced, _plans.SEED_STEP_PROBES + ((_plans.AMAX_PROBE,) if number else ())
+        # a step array is an input of the plan: its probe is not in the launches
+        probes = _plans.SEED_STEP_PROBES if self.step_array is None else _plans.SEED_PROBES
+        return traced, probes + ((_plans.AMAX_PROBE,) if number else ())
 
 
 @dataclass(frozen=True)

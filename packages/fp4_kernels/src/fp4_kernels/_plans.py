@@ -63,6 +63,7 @@ _PROBES = (
     (np.dtype(np.float32), float(np.float32(PROBE_AMAX))),
 )
 SEED_STEP_PROBES = (0, 1, 2)
+SEED_PROBES = (0, 1)
 AMAX_PROBE = 3
 
 

@@ -304,3 +304,21 @@ def test_requantized_sum_kernel_compiles_clean():
     assert "add.f32" in ptx or "add.rn.f32" in ptx
     ptx = compile_ptx(requantized_sum_mxfp4_kernel(False), (U8,) + sig[1:])
     _check_block_kernel(ptx)
+
+
+STEP_REF = types.Array(types.int64, 1, "C")  # a device step: one int64 element
+
+
+@pytest.mark.parametrize("fmt", [FMT_NVFP4, FMT_MXFP4])
+def test_device_step_variants_compile_clean(fmt):
+    """The step read from a one-element int64 array: the same kernel (Philox, registers only,
+    float32 only)."""
+    for kernel, sig, body in (
+        (quantize_kernel(1, fmt, True, False, False, device_step=True), QUANTIZE_SIG, False),
+        (fake_quantize_kernel(1, fmt, True, device_step=True), FAKE_QUANTIZE_SIG, True),
+        (fp4quant_encode_kernel(1, 64, True, True, device_step=True), ENCODE_SIG, True),
+        (fp4quant_encode_kernel(1, 2048, True, True, True, True, False, True), ENCODE_SIG, True),
+    ):
+        ptx = compile_ptx(kernel, sig[:-1] + (STEP_REF,))
+        (_check_block_kernel_body if body else _check_block_kernel)(ptx)
+        assert "mul.wide.u32" in ptx  # Philox

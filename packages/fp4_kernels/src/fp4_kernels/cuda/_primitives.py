@@ -606,3 +606,25 @@ def group_max(v, lanes):
             v = w
         off *= 2
     return v
+
+
+def kernel_of(body, device_step=False):
+    """The kernel of the Python function ``body``, whose last argument is the Philox counter's
+    ``step`` (uint32): ``cuda.jit(body)`` itself, or with ``device_step`` a kernel of the same
+    arguments whose last one is a one-element int64 array holding the step (its low 32 bits
+    taken), read by the kernel at launch: what a CUDA graph replays with a step written into
+    that array before each replay.  The step-in-memory kernel calls ``body`` as an inlined
+    device function, so the scalar kernel is compiled exactly as before."""
+    if not device_step:
+        return cuda.jit(body)
+    inner = device_jit(body)
+    names = body.__code__.co_varnames[: body.__code__.co_argcount - 1]
+    args = ", ".join(names)
+    # a kernel of body's own parameter names (numba kernels take no *args)
+    source = (
+        f"def {body.__name__}_device_step({args}, step_ref):\n"
+        f"    inner({args}, np.uint32(step_ref[0] & 0xFFFFFFFF))\n"
+    )
+    scope = {"inner": inner, "np": np}
+    exec(compile(source, f"<{body.__qualname__} with the step in memory>", "exec"), scope)
+    return cuda.jit(scope[f"{body.__name__}_device_step"])

@@ -31,6 +31,7 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    kernel_of,
     max_abs_nan,
     prmt,
     u32_as_f32,
@@ -262,14 +263,15 @@ def make_encode_runs(group_size, hadamard, stochastic):
 
 @functools.cache
 def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True, smem=False,
-                           prefetch=False):  # fmt: skip
+                           prefetch=False, device_step=False):  # fmt: skip
     """Arguments: x (uint32 words; the element array itself when not 16-byte aligned), codes
     (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
-    seed_hi, step (uint32).  ``smem``: the transform's shared-memory network; ``prefetch``
+    seed_hi, step (uint32; with ``device_step``, a one-element int64 array holding it:
+    ``_primitives.kernel_of``).  ``smem``: the transform's shared-memory network; ``prefetch``
     (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
     issued before this tile's work."""
     if hadamard and smem:
-        return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch)
+        return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch, device_step)
     load_chunks, _ = make_chunk_io(kind, aligned)
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
@@ -278,7 +280,6 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     cta_amax = make_cta_amax(warps_per_group)
     encode_runs = make_encode_runs(group_size, hadamard, stochastic)
 
-    @cuda.jit
     def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
         tid = cuda.threadIdx.x
         lane = tid % WARP_SIZE
@@ -327,7 +328,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
             encode_runs(v, m, codes, scales16, n, t * tile, base, lane, warp, seed_lo,
                         seed_hi, step)  # fmt: skip
 
-    return kernel
+    return kernel_of(kernel, device_step)
 
 
 @functools.cache
@@ -488,7 +489,7 @@ def _make_smem_encode_runs(group_size, final, run, stochastic):
     return functools.reduce(chain, [run_step(r) for r in range(n_runs)])
 
 
-def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
+def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch, device_step):
     """The encode with the transform's "smem" network (``fp4quant_encode_kernel``'s
     arguments): the group amax and the codes taken in the network's final layout (runs of 8
     consecutive elements; of 4 at g = 8192).  Each group's scale is computed once per thread,
@@ -517,7 +518,6 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
     group_scales = _make_group_scales(group_size, final, run, warps_per_group)
     encode_runs = _make_smem_encode_runs(group_size, final, run, stochastic)
 
-    @cuda.jit
     def kernel(x, codes, scales16, n, seed_lo, seed_hi, step):
         tid = cuda.threadIdx.x
         lane = tid % WARP_SIZE
@@ -547,7 +547,7 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch):
                         U64(tile0 + e_out) >> U64(run_bits), tile0 + tile <= n, seed_lo,
                         seed_hi, step)  # fmt: skip
 
-    return kernel
+    return kernel_of(kernel, device_step)
 
 
 def _make_code_tile_loader(group_size, first, final, run):
@@ -685,7 +685,8 @@ def run_encode(ctx, call):
     g, n = fmt.group_size, geo.n
     payload = ctx.empty((n // 2 + 2 * (n // g),), np.uint8)
     codes, scales = payload_views(payload, geo.shape, n, g, ctx.backend.lib)
-    encode(ctx, call.x, codes, scales, n, call.seed, call.step, call.kind, g, fmt.hadamard,
+    step = call.step if call.step_array is None else call.step_array
+    encode(ctx, call.x, codes, scales, n, call.seed, step, call.kind, g, fmt.hadamard,
            call.stochastic)  # fmt: skip
     return payload, codes, scales
 
@@ -714,20 +715,27 @@ def run_quantize_dequantize(ctx, call):
 
 def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, stochastic):
     """Queue the encoding of the ``n`` elements of ``x`` into the wire buffer's ``codes`` and
-    ``scales`` views (validated and allocated by the caller) on the caller's stream."""
+    ``scales`` views (validated and allocated by the caller) on the caller's stream; ``step``
+    an int or a one-element int64 array holding it (read by the kernel)."""
     if n == 0:
         return
+    device_step = not isinstance(step, int)
+    if device_step:
+        seed_step = launch.seed_step_args(ctx, seed, 0, step)
+    else:
+        seed_step = launch.seed_step_args(ctx, seed, step)
     xw, aligned = ctx.words_view(x, kind)
     _, run = _group_layout(group_size, hadamard)
     smem, prefetch, blocks, threads = _network_grid(group_size, kind, hadamard, n, ctx.device_id)
     launch.launch(
-        fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned, smem, prefetch),
+        fp4quant_encode_kernel(
+            kind, group_size, hadamard, stochastic, aligned, smem, prefetch, device_step
+        ),
         blocks,
         threads,
         ctx,
         (xw, ctx.view(codes, np.uint32 if run == CHUNK else np.uint16),
-         ctx.view(scales, np.uint16), np.int64(n), np.uint32(seed & 0xFFFFFFFF),
-         np.uint32(seed >> 32), np.uint32(step)),
+         ctx.view(scales, np.uint16), np.int64(n), *seed_step),
     )  # fmt: skip
 
 

@@ -122,6 +122,15 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
     return blocks
 
 
+def seed_step_args(ctx, seed, step, step_array=None):
+    """The Philox key and counter arguments of an encoding kernel: ``seed``'s low and high
+    words (uint32), then ``step`` (uint32) or, where the call gave its step as a one-element
+    int64 array (``step_array``), a view of that array: the argument of the kernel variant
+    compiled with ``device_step``, which reads the step at launch."""
+    last = np.uint32(step) if step_array is None else ctx.view(step_array)
+    return np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32), last
+
+
 def max_blocks(default_per_sm, device_id):
     """The largest grid an op with a partials buffer may launch (its size)."""
     cap = current_policy().max_blocks

@@ -35,6 +35,7 @@ from ._primitives import (
     OPS,
     device_jit,
     group_max,
+    kernel_of,
     store_v2,
 )
 from ._words import U32, U64, make_words_io, store_v4, words_per
@@ -151,7 +152,9 @@ def make_quantize_item(kind, fmt, stochastic, swizzled, fused, aligned, lanes):
 
 
 @functools.cache
-def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=1):
+def quantize_kernel(
+    kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=1, device_step=False
+):
     """Build (once per configuration) the quantize kernel of the format ``fmt`` (a
     ``FormatSpec``); ``fused`` also writes x_hat.
 
@@ -162,7 +165,8 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
     (uint8), out (uint32; written only when fused), n_items (a lane's parts of blocks:
     n / (block / lanes)), kb, padded_kb, amax_parts (float32), n_parts, amax_value (float32;
     < 0: reduce the partials), global_scale (float32, 1 element, written by thread 0), seed_lo,
-    seed_hi, step (uint32).
+    seed_hi, step (uint32; with ``device_step``, a one-element int64 array holding it:
+    ``_primitives.kernel_of``).
     """
     part = fmt.block_size // lanes  # elements a thread takes
     n_words = words_per(kind, part)
@@ -170,7 +174,6 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
     tensor_scale = make_tensor_scale(fmt)
     quantize_item = make_quantize_item(kind, fmt, stochastic, swizzled, fused, aligned, lanes)
 
-    @cuda.jit
     def kernel(
         x, codes, scales, out, n_items, kb, padded_kb, amax_parts, n_parts, amax_value,
         global_scale, seed_lo, seed_hi, step,
@@ -193,7 +196,7 @@ def quantize_kernel(kind, fmt, stochastic, swizzled, fused, aligned=True, lanes=
                 quantize_item(x, codes, scales, out, item, item < n_items, kb, padded_kb, s6,
                               s_dec, seed_lo, seed_hi, step, w, p, v)  # fmt: skip
 
-    return kernel
+    return kernel_of(kernel, device_step)
 
 
 # ---------------------------------------------------------------------- host side
@@ -225,11 +228,13 @@ def run(ctx, call):
         raise ValueError(
             f"lanes_per_block: {lanes} threads cannot share a {fmt.block_size}-element block"
         )
-    kern = quantize_kernel(kind, fmt, call.stochastic, geo.swizzled, call.fused, aligned, lanes)
+    device_step = call.step_array is not None
+    kern = quantize_kernel(
+        kind, fmt, call.stochastic, geo.swizzled, call.fused, aligned, lanes, device_step
+    )
     threads = launch.threads_for(LAUNCH.threads)
     codes = ctx.view(data, np.uint32)
     n_items = n_blocks * lanes
-    seed = call.seed
     launch.launch(
         kern,
         launch.grid_for(n_items, threads),
@@ -244,9 +249,7 @@ def run(ctx, call):
             np.int64(geo.kb),
             np.int64(geo.padded_kb),
             *tensor_scale,
-            np.uint32(seed & 0xFFFFFFFF),
-            np.uint32(seed >> 32),
-            np.uint32(call.step),
+            *launch.seed_step_args(ctx, call.seed, call.step, call.step_array),
         ),
     )
     return data, scales, gs, out

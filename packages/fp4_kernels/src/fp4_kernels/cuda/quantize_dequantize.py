@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from . import launch
-from ._primitives import OPS, device_jit, f32_as_u32, group_max, prmt, u32_as_f32
+from ._primitives import OPS, device_jit, f32_as_u32, group_max, kernel_of, prmt, u32_as_f32
 from ._words import U32, U64, make_words_io, words_per
 from .e2m1 import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
 from .launch_table import LAUNCHES
@@ -101,19 +101,19 @@ def make_fake_quantize_item(kind, fmt, stochastic, aligned):
 
 
 @functools.cache
-def fake_quantize_kernel(kind, fmt, stochastic, aligned=True):
+def fake_quantize_kernel(kind, fmt, stochastic, aligned=True, device_step=False):
     """Build (once per configuration) the fake-quantization kernel of ``fmt`` (a
     ``FormatSpec``).  Arguments: x (uint32 words; the element array itself when not
     ``aligned`` to 16 bytes), out (uint32 words), n_items (n / 8), amax_parts (float32),
     n_parts, amax_value (float32; < 0: reduce the partials), global_scale (float32, 1 element,
-    written by thread 0), seed_lo, seed_hi, step (uint32)."""
+    written by thread 0), seed_lo, seed_hi, step (uint32; with ``device_step``, a
+    one-element int64 array holding it: ``_primitives.kernel_of``)."""
     if UNROLL != 2:
         raise ValueError(f"quantize_dequantize: the kernel takes 2 items a pass, not {UNROLL}")
     n_words = words_per(kind, ITEM)
     tensor_scale = make_tensor_scale(fmt)
     load, block_bits, fake_quantize = make_fake_quantize_item(kind, fmt, stochastic, aligned)
 
-    @cuda.jit
     def kernel(x, out, n_items, amax_parts, n_parts, amax_value, global_scale, seed_lo,
                seed_hi, step):  # fmt: skip
         s6, s_dec = tensor_scale(amax_value, amax_parts, n_parts, global_scale)
@@ -137,7 +137,7 @@ def fake_quantize_kernel(kind, fmt, stochastic, aligned=True):
             if i1 < n_items:
                 fake_quantize(out, i1, w1, b1, s6, s_dec, seed_lo, seed_hi, step, v)
 
-    return kernel
+    return kernel_of(kernel, device_step)
 
 
 # ---------------------------------------------------------------------- host side
@@ -160,9 +160,8 @@ def run(ctx, call):
     xw, aligned = ctx.words_view(call.x, kind)
     tensor_scale = amax_op.tensor_scale_args(ctx, call, xw, aligned, scratch)
     threads = launch.threads_for(LAUNCH.threads)
-    seed = call.seed
     launch.launch(
-        fake_quantize_kernel(kind, fmt, call.stochastic, aligned),
+        fake_quantize_kernel(kind, fmt, call.stochastic, aligned, call.step_array is not None),
         launch.grid_for(n_items, threads * UNROLL),
         threads,
         ctx,
@@ -171,9 +170,7 @@ def run(ctx, call):
             ctx.view(out, np.uint32),
             np.int64(n_items),
             *tensor_scale,
-            np.uint32(seed & 0xFFFFFFFF),
-            np.uint32(seed >> 32),
-            np.uint32(call.step),
+            *launch.seed_step_args(ctx, call.seed, call.step, call.step_array),
         ),
     )
     return (out,)
