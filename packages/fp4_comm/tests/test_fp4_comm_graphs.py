@@ -12,8 +12,10 @@ codec and operation, and a peer killed before a replay ending in ``CommPeerError
 
 import contextlib
 import os
+import threading
 import time
 
+import _fake_gpu
 import pytest
 import torch
 from _fake_gpu import fake_gpu_communicator, fake_graphs
@@ -41,17 +43,26 @@ def _call(comm, op, x, **kw):
 
 
 @pytest.mark.parametrize("op", [*OPS, "send", "recv"])
-def test_third_call_of_a_kind_is_captured_and_later_ones_replay(op):
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"rounding": "stochastic"}, {"error_feedback": "grad"}],
+    ids=["nearest", "stochastic", "error_feedback"],
+)
+def test_third_call_of_a_kind_is_captured_and_later_ones_replay(op, kw):
+    if kw.get("error_feedback") and op not in ("all_reduce", "reduce_scatter"):
+        pytest.skip("error feedback is an option of the reductions")
+    if op == "recv":
+        kw = {}  # the receiver draws nothing
     x = torch.randn(8, 64)
     with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, null, _, _):
         if op == "recv":
             comm.send(x, 1)  # what the receiver's check compares with (the fake's answer)
         for i in range(graphs.EAGER_CALLS):
-            _call(comm, op, x)
+            _call(comm, op, x, **kw)
             assert cap.graphs == [], i
         eager_nccl = len(null.calls)
         for _ in range(3):
-            _call(comm, op, x)
+            _call(comm, op, x, **kw)
         assert len(cap.graphs) == 1 and cap.graphs[0].replays == 3
         # the replays ran the captured call (the stand-in graph reruns it) and nothing else
         assert len(null.calls) > eager_nccl
@@ -60,13 +71,8 @@ def test_third_call_of_a_kind_is_captured_and_later_ones_replay(op):
 
 @pytest.mark.parametrize(
     "kw",
-    [
-        {"rounding": "stochastic"},
-        {"error_feedback": "grad"},
-        {"stats": True},
-        {"codec": _OwnNVFP4()},
-    ],
-    ids=["stochastic", "error_feedback", "stats", "other-codec"],
+    [{"stats": True}, {"codec": _OwnNVFP4()}],
+    ids=["stats", "other-codec"],
 )
 def test_ineligible_calls_never_replay(kw):
     x = torch.randn(8, 64)
@@ -270,6 +276,96 @@ def test_replays_equal_eager_calls_bit_for_bit_and_are_never_overwritten(world, 
             assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (r, _CALLS[i])
             # still what the call returned: no later call wrote into it
             assert torch.equal(y.view(torch.int16), shot.view(torch.int16)), (r, _CALLS[i])
+
+
+def _capture_keeping_residuals(fake):
+    """``fake`` (a ``FakeCapture``, whose capture runs the call once, as a real capture does
+    not) with the error-feedback state of the capturing rank's communicator put back after
+    that run (``load_state_dict``: in place), so that the replay that follows is the call's
+    only update of the residuals, as on a GPU."""
+    owners = {}  # thread -> its communicator
+
+    def capture(run, device, shape, dtype):
+        ef = owners[threading.get_ident()].error_feedback
+        saved = ef.state_dict()
+        try:
+            return fake(run, device, shape, dtype)
+        finally:
+            ef.load_state_dict(saved)
+
+    return capture, owners
+
+
+def _threaded_steps(world, graphs_mode, calls, monkeypatch):
+    """Every rank's results of ``calls`` over the threaded NCCL stand-in: (op, shape, seed of
+    the data, keyword arguments) or ("reset", name); and the captures' stand-in graphs."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    transports = _transports(world)
+    fake = _fake_gpu.FakeCapture()
+    capture, owners = _capture_keeping_residuals(fake)
+    monkeypatch.setattr(graphs, "capture", capture)
+
+    def run(rank):
+        comm = owners[threading.get_ident()] = Communicator(
+            transports[rank], validate="never", graphs=graphs_mode
+        )
+        out = []
+        for call in calls:
+            if call[0] == "reset":
+                comm.error_feedback.reset(call[1])
+                continue
+            op, shape, seed, kw = call
+            g = torch.Generator().manual_seed(seed * 31 + rank)
+            x = torch.randn(shape, generator=g).to(torch.bfloat16)
+            out.append(getattr(comm, op)(x, **kw))
+        return out, {n: comm.error_feedback.residual(n) for n in comm.error_feedback.names()}
+
+    return _on_threads(world, run), fake
+
+
+_SR, _EF = {"rounding": "stochastic", "seed": 9}, {"error_feedback": "g"}
+_STEP_CALLS = (
+    [(op, (6, 64), i, dict(_SR, codec="nvfp4")) for i in range(6) for op in OPS]
+    + [("all_reduce", (4, 96), i, dict(_EF, codec="mxfp4")) for i in range(5)]
+    + [("reset", "g")]  # in place: the graph goes on replaying, from residual 0
+    + [("all_reduce", (4, 96), i, dict(_EF, codec="mxfp4")) for i in range(5, 8)]
+    + [("reduce_scatter", (4, 128), i, dict(_SR, error_feedback="h",
+                                             codec=fp4_kernels.FP4Quant(64))) for i in range(6)]
+    + [("all_reduce", (6, 64), 40, dict(_SR, codec="nvfp4", step=12345))]
+    + [("all_reduce", (6, 64), 41, dict(_SR, codec="nvfp4", seed=10))]  # another seed: eager
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stochastic_and_error_feedback_replays_equal_eager_calls(world, monkeypatch):
+    eager, cap = _threaded_steps(world, "never", _STEP_CALLS, monkeypatch)
+    assert cap.graphs == []
+    replayed, cap = _threaded_steps(world, "auto", _STEP_CALLS, monkeypatch)
+    # 3 SR kinds, the EF kind, the SR + EF kind: captured on every rank, replayed from the
+    # third call on, but for the call of another seed
+    assert len(cap.graphs) == world * 5
+    assert sum(g.replays for g in cap.graphs) == world * (3 * 4 + 6 + 4 + 1)
+    for r in range(world):
+        (ys, res), (want, want_res) = replayed[r], eager[r]
+        for i, (y, ref) in enumerate(zip(ys, want, strict=True)):
+            assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (r, i)
+        assert res.keys() == want_res.keys() == {"g", "h"}
+        for name in res:
+            assert _same_bytes(res[name], want_res[name]), (r, name)
+
+
+def test_a_replaced_residual_drops_the_graph(monkeypatch):
+    kind_a = ("all_reduce", (4, 64), 0, dict(_EF, codec="nvfp4"))
+    calls = [kind_a] * 4 + [("reset", "g"), ("all_reduce", (2, 64), 1, dict(_EF, codec="nvfp4")),
+                            ("reset", "g")] + [kind_a] * 3  # fmt: skip
+    eager, _ = _threaded_steps(2, "never", calls, monkeypatch)
+    replayed, cap = _threaded_steps(2, "auto", calls, monkeypatch)
+    # kind A's residual has new storage after the call of another shape under its name: its
+    # graph (2 replays before) is dropped, and its later calls run eagerly
+    assert [g.replays for g in cap.graphs] == [2, 2]
+    for r in range(2):
+        for y, ref in zip(replayed[r][0], eager[r][0], strict=True):
+            assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
 
 
 # ---------------------------------------------------------------- GPUs

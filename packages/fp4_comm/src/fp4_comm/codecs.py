@@ -88,7 +88,9 @@ class Codec(ABC):
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:
-        """``x`` (chunks, n) contiguous float -> sections, uint8 (chunks, section_nbytes(n)[i])."""
+        """``x`` (chunks, n) contiguous float -> sections, uint8 (chunks, section_nbytes(n)[i]).
+        ``step``: an int, or (the built-in codecs) a one-element int64 tensor where ``x``
+        lives that holds it, read by the kernels (``fp4_kernels.quantize``; CUDA graphs)."""
 
     @abstractmethod
     def decode(
@@ -549,7 +551,8 @@ def _encode_args(codec, x, rounding, seed, step):
     what = f"{type(codec).__name__}.encode"
     check_rounding(rounding)
     check_int(seed, "seed", SEED_LIMIT)
-    check_int(step, "step", STEP_LIMIT)
+    if not isinstance(step, torch.Tensor):  # a step tensor: fp4_kernels.quantize checks it
+        check_int(step, "step", STEP_LIMIT)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x: expected a torch tensor, got {type(x).__name__}")
     if x.is_nested or x.layout != torch.strided or x.is_meta or x.is_neg():

@@ -51,7 +51,7 @@ class Options:
     codec: Codec
     rounding: str = "nearest"
     seed: int = 0
-    step: int = 0
+    step: int | torch.Tensor = 0  # or a one-element int64 tensor holding it (CUDA graphs)
     error_feedback: object = None  # ErrorFeedback
     error_feedback_name: str | None = None
     stats: bool = False
@@ -62,6 +62,12 @@ def rank_seed(seed: int, rank: int, hop: str) -> int:
     """The stochastic-rounding key of one rank and hop: ranks must not draw the same random
     words, or their rounding errors would be correlated instead of averaging out."""
     return (seed + (1 + rank + (HOPS.index(hop) << 20)) * _KEY_STRIDE) % 2**64
+
+
+def wire_step(step):
+    """The step the encode kernels take: an int modulo 2^32, or the one-element int64 tensor
+    holding it (``graphs.device_step``), which they read as it is."""
+    return step % 2**32 if type(step) is int else step
 
 
 def _section_spans(codec: Codec, chunks: int, n: int, start: int = 0):
@@ -105,7 +111,7 @@ def _encode(payload, rank, hop, opts: Options, valid):
     if ef_name is not None:
         payload = opts.error_feedback.corrected(ef_name, ef_hop, payload)
     sections = codec.encode(
-        payload, opts.rounding, rank_seed(opts.seed, rank, hop), opts.step % 2**32
+        payload, opts.rounding, rank_seed(opts.seed, rank, hop), wire_step(opts.step)
     )
     if opts.stats or ef_name is not None:
         local = codec.decode(sections, payload.shape[1])
@@ -253,7 +259,7 @@ class _Plan:
     def _encode(self, payload, hop, key_offset, opts, valid):
         if self.plain:
             seed = (opts.seed + key_offset) % 2**64
-            return self.codec.encode_unchecked(payload, self.rounding, seed, opts.step % 2**32)
+            return self.codec.encode_unchecked(payload, self.rounding, seed, wire_step(opts.step))
         return _encode(payload, self.rank, hop, opts, valid)
 
     def _all_to_all(self, transport, sections, recv):

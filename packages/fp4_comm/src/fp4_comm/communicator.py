@@ -546,12 +546,15 @@ class Communicator:
         if torch.cuda.is_current_stream_capturing():
             return False
         if entry.replay is not None:
-            self._graphed.touch(kind)
-            return True
+            return self._replay_fits(entry, kind, opts)
+        plan, transport = entry.plan, self.transport
+        if _graphs.draws_random_words(plan.codec, opts.rounding):
+            # the eager calls before the capture and the capture itself read the step from
+            # memory, as the replays will (the kernels compiled and planned before a capture)
+            opts.step = _graphs.device_step(opts.step, self.device)
         if entry.eager < _graphs.EAGER_CALLS:
             entry.eager += 1
             return False
-        plan, transport = entry.plan, self.transport
         if op == "recv":
             run, shape = (lambda: plan.run(transport, opts, peer)), None
         elif op == "send":
@@ -568,10 +571,30 @@ class Communicator:
             warnings.warn(why + "calls of its kind run eagerly", RuntimeWarning, stacklevel=4)
             return False
         nbytes = (out if static is None else static).numel() * plan.dtype.itemsize
-        entry.replay = _graphs.Replay(graph, static, out, nbytes, self.device)
+        step = opts.step if isinstance(opts.step, torch.Tensor) else None  # the graph's own
+        entry.replay = _graphs.Replay(graph, static, out, nbytes, self.device, step, opts.seed,
+                                      self._residuals_in_use(opts))  # fmt: skip
         transport.keep_graph(entry.replay)
         self._graphed.keep(kind, entry)
         return entry.replay is not None  # a graph bigger than the cache's bound is dropped
+
+    def _residuals_in_use(self, opts):
+        name = opts.error_feedback_name
+        return () if name is None else self.error_feedback.in_use(name)
+
+    def _replay_fits(self, entry, kind, opts):
+        """Whether this call replays the kind's graph: its seed is the captured one (else it
+        runs eagerly), and its error-feedback tensors are those captured (else the graph is
+        dropped and the kind runs eagerly from then on)."""
+        if not entry.replay.fits(opts.seed):
+            return False
+        if not _graphs.same_tensors(entry.replay.residuals, self._residuals_in_use(opts)):
+            self._graphed.drop(kind)
+            return False
+        if opts.error_feedback_name is not None:
+            self.error_feedback.resume(opts.error_feedback_name)
+        self._graphed.touch(kind)
+        return True
 
     def _validated_for_good(self):
         """Whether the check just made leaves this kind of call in ``_validated`` (it is then
@@ -607,7 +630,7 @@ class Communicator:
         )  # fmt: skip
         if entry.graphable and self._graph_ready(entry, kind, op, x, opts, peer):
             try:
-                return entry.replay.replay(self.transport, x)
+                return entry.replay.replay(self.transport, x, step)
             except CommPeerError as err:
                 _reraise_with_op(err, op)
         try:

@@ -15,6 +15,13 @@ later payload of the buffer would make that block NaN forever.  Such a block's r
 reset to 0 instead and counted (``nonfinite_blocks``; on CPU tensors also a RuntimeWarning):
 the step that overflowed gives non-finite values, as it would without compression (a
 GradScaler skips it), and the next step starts that block afresh.
+
+CUDA graphs: a residual tensor, once made, keeps its storage.  ``store`` overwrites it in
+place, ``reset`` fills it in place with -0.0 (x + (-0.0) is x, bit for bit, -0 included: the
+value of a fresh start) and ``load_state_dict`` copies into it, so a collective replayed from a
+graph reads and writes the tensors it was captured with.  Only a residual that a payload of
+another shape replaces (after a ``reset``), or one that ``load_state_dict`` brings with another
+shape, gets new storage; ``in_use`` lets a graph's owner see that.
 """
 
 from __future__ import annotations
@@ -38,11 +45,19 @@ class ErrorFeedback:
         # Blocks reset for holding NaN/Inf, per (name, hop): int64 0-d tensors on the residual's
         # device, so that counting needs no host synchronization on a GPU.
         self._nonfinite: dict[tuple[str, str], torch.Tensor] = {}
+        # Keys reset since their last use: their tensors hold -0.0 and 0, kept for graphs.
+        self._cleared: set[tuple[str, str]] = set()
 
     def corrected(self, name: str, hop: Hop, x: torch.Tensor) -> torch.Tensor:
         """``x`` (float, any shape) plus the stored residual of (name, hop), in float32; a new
         tensor.  The first call of a name starts from residual 0."""
-        e = self._residuals.get((name, hop))
+        key = (name, hop)
+        e = self._residuals.get(key)
+        if key in self._cleared:
+            self._cleared.discard(key)
+            if e.shape != x.shape or e.device != x.device:  # a new buffer under a reset name
+                del self._residuals[key], self._nonfinite[key]
+                e = None
         if e is None:
             return x.clone() if x.dtype == torch.float32 else x.float()
         if e.shape != x.shape or e.device != x.device:
@@ -71,6 +86,7 @@ class ErrorFeedback:
         and needs no host synchronization)."""
         key = (name, hop)
         e = self._residuals.get(key)
+        self._cleared.discard(key)
         if e is None:
             e = self._residuals[key] = corrected.sub_(decoded)
         else:
@@ -97,8 +113,22 @@ class ErrorFeedback:
             )
 
     def residual(self, name: str, hop: Hop = "worker") -> torch.Tensor | None:
-        """The stored residual (None before the first use of the name)."""
-        return self._residuals.get((name, hop))
+        """The stored residual (None before the first use of the name, and after its reset)."""
+        return None if (name, hop) in self._cleared else self._residuals.get((name, hop))
+
+    def in_use(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The residual and count tensors of ``name``, every hop that has one (reset ones
+        included): what a collective captured in a CUDA graph reads and writes in place.  A
+        graph whose tensors are no longer these (``is``) must not be replayed."""
+        out = []
+        for key in sorted(k for k in self._residuals if k[0] == name):
+            out += [self._residuals[key], self._nonfinite[key]]
+        return tuple(out)
+
+    def resume(self, name: str) -> None:
+        """Take the reset residuals of ``name`` back in use, as a call of the name does: what
+        a replayed graph's call, which updates them in place, tells this object."""
+        self._cleared -= {k for k in self._cleared if k[0] == name}
 
     def nonfinite_blocks(self, name: str | None = None) -> int:
         """How many blocks of ``name`` (every name if None) had their residual reset for holding
@@ -107,18 +137,18 @@ class ErrorFeedback:
         return sum(int(n) for (k, _), n in self._nonfinite.items() if name is None or k == name)
 
     def reset(self, name: str | None = None) -> None:
-        """Forget the residuals and counts of ``name`` (every name if None)."""
-        if name is None:
-            self._residuals.clear()
-            self._nonfinite.clear()
-        else:
-            for store in (self._residuals, self._nonfinite):
-                for key in [k for k in store if k[0] == name]:
-                    del store[key]
+        """Forget the residuals and counts of ``name`` (every name if None): the next call of
+        the name starts from residual 0.  In place (the module's docstring says why): the
+        tensors are filled with -0.0 and 0 on their stream, and kept for a payload of their
+        shape; one of another shape replaces them."""
+        for key in [k for k in self._residuals if name is None or k[0] == name]:
+            self._residuals[key].fill_(-0.0)
+            self._nonfinite[key].zero_()
+            self._cleared.add(key)
 
     def names(self) -> list[str]:
         """The buffer names that have a residual, sorted."""
-        return sorted({k[0] for k in self._residuals})
+        return sorted({k[0] for k in self._residuals if k not in self._cleared})
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -128,17 +158,18 @@ class ErrorFeedback:
         weights_only=True)`` reads: ``load_state_dict`` of it into a new ``ErrorFeedback``
         continues with the very same bits."""
         residuals: dict[str, dict[str, torch.Tensor]] = {}
-        for (name, hop), e in self._residuals.items():
-            residuals.setdefault(name, {})[hop] = e.detach().clone()
         counts: dict[str, dict[str, int]] = {}
-        for (name, hop), n in self._nonfinite.items():
-            counts.setdefault(name, {})[hop] = int(n)
+        for (name, hop), e in self._residuals.items():
+            if (name, hop) not in self._cleared:
+                residuals.setdefault(name, {})[hop] = e.detach().clone()
+                counts.setdefault(name, {})[hop] = int(self._nonfinite[(name, hop)])
         return {"residuals": residuals, "nonfinite_blocks": counts}
 
     def load_state_dict(self, state: dict) -> None:
         """Replace every residual and count with those of ``state`` (from ``state_dict``;
         tensors are copied, and stay on the device they come on: ``torch.load``'s
-        ``map_location`` moves them)."""
+        ``map_location`` moves them).  A residual of the same shape and device as the one held
+        is copied into it (in place, on the stream); names ``state`` lacks are reset."""
         what = "ErrorFeedback.load_state_dict"
         if not isinstance(state, dict) or set(state) != {"residuals", "nonfinite_blocks"}:
             keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
@@ -152,7 +183,7 @@ class ErrorFeedback:
                 kind = getattr(e, "dtype", type(e).__name__)
                 raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is {kind}, not a "
                                 "float32 tensor")  # fmt: skip
-            residuals[(name, hop)] = e.detach().clone().contiguous()
+            residuals[(name, hop)] = e
         for key, n in _entries(state["nonfinite_blocks"], "nonfinite_blocks"):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise TypeError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] is {n!r}, "
@@ -160,8 +191,22 @@ class ErrorFeedback:
             if key not in residuals:
                 raise ValueError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] has no "
                                  "residual")  # fmt: skip
-            counts[key] = torch.tensor(n, dtype=torch.int64, device=residuals[key].device)
-        self._residuals, self._nonfinite = residuals, counts
+            counts[key] = n
+        self.reset()
+        for key, e in residuals.items():
+            self._load(key, e, counts.get(key, 0))
+
+    def _load(self, key, e, count):
+        """Hold ``e`` (a float32 tensor) and ``count`` for ``key``: copied into the tensors
+        held where their shape and device allow."""
+        held = self._residuals.get(key)
+        if held is not None and held.shape == e.shape and held.device == e.device:
+            held.copy_(e)
+            self._nonfinite[key].fill_(count)
+        else:
+            self._residuals[key] = e.detach().clone().contiguous()
+            self._nonfinite[key] = torch.tensor(count, dtype=torch.int64, device=e.device)
+        self._cleared.discard(key)
 
 
 def _entries(d, where):

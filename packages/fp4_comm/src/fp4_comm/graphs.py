@@ -2,21 +2,30 @@
 
 An eager compressed collective launches a dozen kernels and NCCL calls through some hundred
 Python calls; NCCL's own collective is one.  Under ``Communicator(graphs="auto")`` (the default
-on CUDA transports) a kind of call (operation, shape, dtype, codec, rounding, error feedback and
-statistics off, peer, device) made ``EAGER_CALLS`` times eagerly is captured once into a CUDA
-graph, and its later calls replay it: the input copied into the graph's static input buffer,
-one ``cudaGraphLaunch``, and the result copied out, all queued on the caller's current stream.
+on CUDA transports) a kind of call (operation, shape, dtype, codec, rounding, error-feedback
+name, statistics off, peer, device) made ``EAGER_CALLS`` times eagerly is captured once into a
+CUDA graph, and its later calls replay it: the input copied into the graph's static input
+buffer, one ``cudaGraphLaunch``, and the result copied out, all queued on the caller's current
+stream.
 
-Which calls replay (``eligible``): nearest rounding (stochastic rounding draws its random words
-at counter ``step``, which a graph would freeze) or a "none" codec (which draws none); no error
-feedback (``ErrorFeedback.reset`` and ``load_state_dict`` replace the residual tensors that a
-graph would keep reading); no statistics (host-side values); one of fp4_comm's own codecs
-(another codec's encode may hold host state a graph would freeze); an input (the output of a
-``recv``) of at most ``GRAPH_MAX_BYTES``; torch tensors (CuPy arrays run eagerly).  A call made
-while the caller's stream is itself being captured runs the eager path (it is then part of the
-caller's graph).  Replays give the eager path's bits: the same kernels on the same values with
-the same arguments (seed and step are arguments of the encode kernels, and unused by nearest
-rounding).
+Which calls replay (``eligible``): no statistics (host-side values); one of fp4_comm's own
+codecs (another codec's encode may hold host state a graph would freeze); an input (the output
+of a ``recv``) of at most ``GRAPH_MAX_BYTES``; torch tensors (CuPy arrays run eagerly).  A call
+made while the caller's stream is itself being captured runs the eager path (it is then part of
+the caller's graph).  Replays give the eager path's bits: the same kernels on the same values
+with the same arguments.
+
+Stochastic rounding (of an FP4 codec: ``draws_random_words``): the encode kernels read the
+Philox counter ``step`` from a one-element int64 tensor that the graph owns
+(``fp4_kernels.quantize``'s device step), and each replay first fills it with the call's step
+on the caller's stream, so the random words are the eager call's.  The eager calls of such a
+kind pass their step the same way (``device_step``: a tensor of their own), so the kernels a
+capture records are compiled and planned before it.  The seed is fixed at capture: a call with
+another seed runs eagerly.  Error feedback: the residuals are updated in place
+(``ErrorFeedback``: ``reset`` and ``load_state_dict`` too), and a graph keeps the residual
+tensors it was captured with (``ErrorFeedback.in_use``); if they have been replaced (a payload
+of another shape under the name after a reset, a loaded state of another shape), the kind's
+graph is dropped and its calls run eagerly.
 
 Every rank decides alike: the decision depends on the kind of call and on how many calls of it
 were made (the plan cache's count, which sees the same sequence of calls on every rank), never
@@ -84,14 +93,26 @@ def check_graphs(graphs) -> Graphs:
 
 
 def eligible(codec, rounding, ef_name, stats, nbytes) -> bool:
-    """Whether a kind of call may be replayed from a graph (the module's docstring says why)."""
-    return (
-        type(codec) in REPLAYABLE_CODECS
-        and (rounding == "nearest" or type(codec) is NoneCodec)
-        and ef_name is None
-        and not stats
-        and 0 < nbytes <= GRAPH_MAX_BYTES
-    )
+    """Whether a kind of call may be replayed from a graph (the module's docstring says why);
+    every rounding and error feedback may."""
+    return type(codec) in REPLAYABLE_CODECS and not stats and 0 < nbytes <= GRAPH_MAX_BYTES
+
+
+def draws_random_words(codec, rounding) -> bool:
+    """Whether a call's encode reads its seed and step: stochastic rounding of an FP4 codec
+    (the "none" codec rounds by casting)."""
+    return rounding == "stochastic" and type(codec) is not NoneCodec
+
+
+def device_step(step, device) -> torch.Tensor:
+    """``step`` (an int in [0, 2^32)) as the one-element int64 tensor on ``device`` that the
+    encode kernels read it from (``fp4_kernels.quantize``); filled on the current stream."""
+    return torch.full((1,), step, dtype=torch.int64, device=device)
+
+
+def same_tensors(a, b) -> bool:
+    """Whether two tuples hold the very same tensors (``is``), in order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def capture(run, device, shape, dtype):
@@ -157,13 +178,22 @@ class Replay:
     copy of the output (None for a send).  Kept by its transport (``Transport.keep_graph``),
     which may ``release()`` it: NCCL's abort and destroy wait for its graph to go."""
 
-    __slots__ = ("graph", "input", "output", "nbytes", "device", "_raw", "_stream",
-                 "__weakref__")  # fmt: skip
+    __slots__ = ("graph", "input", "output", "nbytes", "device", "step", "seed", "residuals",
+                 "_raw", "_stream", "__weakref__")  # fmt: skip
 
-    def __init__(self, graph, static_input, output, nbytes, device):
+    def __init__(self, graph, static_input, output, nbytes, device, step=None, seed=0,
+                 residuals=()):  # fmt: skip
         self.graph, self.input, self.output = graph, static_input, output
         self.nbytes, self.device = nbytes, device
+        # the step tensor the graph's encodes read (None: they draw no random words), the seed
+        # captured with it, and the error-feedback tensors the graph reads and writes
+        self.step, self.seed, self.residuals = step, seed, residuals
         self._raw = self._stream = None  # the stream of the last replay
+
+    def fits(self, seed) -> bool:
+        """Whether a call of seed ``seed`` may replay this graph (its seed is the captured one,
+        or its encodes draw no random words)."""
+        return self.step is None or seed == self.seed
 
     @property
     def last_stream(self):
@@ -177,7 +207,9 @@ class Replay:
             self.graph.reset()
             self.graph = None
 
-    def replay(self, transport, x=None):
+    def replay(self, transport, x=None, step=0):
+        """The call of input ``x`` (None: a ``recv``) and ``step`` (the random words' counter,
+        written into the graph's step tensor first)."""
         with transport.replay_lock:
             transport.before_replay()  # a failed transport raises its CommPeerError here
             if self.graph is None:
@@ -191,6 +223,8 @@ class Replay:
                     if self._stream is not None:
                         stream.wait_stream(self._stream)
                     self._raw, self._stream = raw, stream
+            if self.step is not None:
+                self.step.fill_(step)
             if self.input is not None:
                 self.input.copy_(x)
             self.graph.replay()
