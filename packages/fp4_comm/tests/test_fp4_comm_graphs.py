@@ -354,6 +354,24 @@ def test_stochastic_and_error_feedback_replays_equal_eager_calls(world, monkeypa
             assert _same_bytes(res[name], want_res[name]), (r, name)
 
 
+def test_a_step_tensor_gives_the_bits_of_its_int_step(monkeypatch):
+    calls = [("all_reduce", (6, 64), 3, dict(_SR, codec="nvfp4", step=step))
+             for step in (7, torch.tensor([7]), 2**32 - 1, torch.tensor([2**32 - 1]))]  # fmt: skip
+    (outs, _), *_ = _threaded_steps(2, "never", calls, monkeypatch)[0]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert torch.equal(outs[2].view(torch.int16), outs[3].view(torch.int16))
+    assert not torch.equal(outs[0].view(torch.int16), outs[2].view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "step", [torch.tensor([7], dtype=torch.int32), torch.tensor([7, 8]), torch.tensor([7.0])]
+)
+def test_a_bad_step_tensor_is_refused_naming_step(step):
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        with pytest.raises(ValueError, match="^step: a tensor step must be a one-element int64"):
+            comm.all_reduce(torch.randn(8, 64), rounding="stochastic", step=step)
+
+
 def test_a_replaced_residual_drops_the_graph(monkeypatch):
     kind_a = ("all_reduce", (4, 64), 0, dict(_EF, codec="nvfp4"))
     calls = [kind_a] * 4 + [("reset", "g"), ("all_reduce", (2, 64), 1, dict(_EF, codec="nvfp4")),

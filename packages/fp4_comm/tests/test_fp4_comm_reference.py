@@ -259,9 +259,16 @@ class _FakeGroupGraph:
 
 
 def _fake_group_capture(ranks, graphs_made):
+    """The stand-in capture: the template outputs from one run of the call, after which the
+    ranks' error-feedback state is put back (in place: ``load_state_dict``), so that the
+    replay that follows is the call's only update of the residuals, as on a GPU."""
+
     def capture(run, device, shapes, dtype):
         statics = [torch.zeros(s, dtype=dtype) for s in shapes]
+        saved = [c.error_feedback.state_dict() for c in ranks.comms]
         outs = [y.clone() for y in run(statics)]
+        for c, state in zip(ranks.comms, saved, strict=True):
+            c.error_feedback.load_state_dict(state)
         graph = _FakeGroupGraph(ranks, run, statics, outs)
         graphs_made.append(graph)
         return graph, statics, outs
@@ -278,7 +285,8 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
     """EmulatedRanks(graphs="auto"), with a stand-in capture on the CPU: the third call of an
     eligible kind is captured and later ones replay it, with the eager results (each input's
     own) and every rank's call count as the eager group has it; stochastic rounding, error
-    feedback and statistics never replay; a failed capture leaves its kind eager."""
+    feedback replay too (each rank's step written into the graph's step tensors, the
+    residuals updated in place), statistics never; a failed capture leaves its kind eager."""
     from fp4_comm import graphs
 
     world = 3
@@ -294,6 +302,8 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
              ("all_reduce", {"codec": "none"}),
              ("all_reduce", {"codec": "nvfp4", "rounding": "stochastic"}),
              ("all_reduce", {"codec": "nvfp4", "error_feedback": "b"}),
+             ("reduce_scatter", {"codec": _codec("fp4quant-g64"), "rounding": "stochastic",
+                                 "error_feedback": "c", "seed": 4}),
              ("reduce_scatter", {"codec": "nvfp4", "stats": True})]  # fmt: skip
     for i in range(5):
         for j, (op, kw) in enumerate(calls):
@@ -304,11 +314,12 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
                 ys, refs = [y for y, _ in ys], [y for y, _ in refs]
             for y, ref in zip(ys, refs, strict=True):
                 assert np.array_equal(_bits(y), _bits(ref)), (i, op, kw)
-    assert len(made) == 4  # the four eligible kinds, each captured once (on its third call)
-    assert [g.replays for g in made] == [3] * 4  # calls 3, 4, 5
-    assert [c._calls for c in graphed.comms] == [c._calls for c in eager.comms] == [35] * world
+    assert len(made) == 7  # the seven eligible kinds, each captured once (on its third call)
+    assert [g.replays for g in made] == [3] * 7  # calls 3, 4, 5
+    assert [c._calls for c in graphed.comms] == [c._calls for c in eager.comms] == [40] * world
     for c, e in zip(graphed.comms, eager.comms, strict=True):
-        assert torch.equal(c.error_feedback.residual("b"), e.error_feedback.residual("b"))
+        for name in ("b", "c"):
+            assert torch.equal(c.error_feedback.residual(name), e.error_feedback.residual(name))
 
     def failing(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -321,6 +332,42 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
     assert all(torch.equal(y, torch.full((6, 4), 6.0)) for y in ys)
     with pytest.raises(ValueError, match="graphs='auto'.*cpu"):
         reference.EmulatedRanks(2, graphs="auto")
+
+
+def test_group_graphs_of_another_seed_or_replaced_residuals_run_eagerly(monkeypatch):
+    """A call of another seed than captured runs eagerly (the graph stays); a reset refills
+    the residuals in place (the graph goes on replaying), but a payload of another shape
+    under the name replaces them: the graph is dropped."""
+    from fp4_comm import graphs
+
+    world = 2
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    graphed, eager = reference.EmulatedRanks(world), reference.EmulatedRanks(world)
+    graphed.graphs = "auto"  # on the CPU, for the stand-in
+    made = []
+    monkeypatch.setattr(graphs, "capture_group", _fake_group_capture(graphed, made))
+    sr = {"codec": "nvfp4", "rounding": "stochastic", "error_feedback": "e", "seed": 1}
+    plan = [(8, sr)] * 4 + [(8, dict(sr, seed=2)), "reset", (8, sr), "reset", (4, sr), "reset",
+                            (8, sr), (8, sr)]  # fmt: skip
+    for i, call in enumerate(plan):
+        if call == "reset":
+            for ranks in (graphed, eager):
+                for c in ranks.comms:
+                    c.error_feedback.reset("e")
+            continue
+        rows, kw = call
+        xs = [torch.randn(rows, 64, generator=torch.Generator().manual_seed(10 * i + r))
+              for r in range(world)]  # fmt: skip
+        for y, ref in zip(graphed.all_reduce(xs, **kw), eager.all_reduce(xs, **kw), strict=True):
+            assert np.array_equal(_bits(y), _bits(ref)), (i, kw)
+        if i == 5:  # after the reset in place: replayed
+            assert made[0].replays == 3
+    # calls 3 and 4 and the one after the first reset replayed; seed 2 ran eagerly; the rows
+    # of 4 replaced the residuals, and the later calls of 8 rows did not replay
+    assert made[0].replays == 3
+    for c, e in zip(graphed.comms, eager.comms, strict=True):
+        assert torch.equal(c.error_feedback.residual("e"), e.error_feedback.residual("e"))
 
 
 # ------------------------------------------------------------------ checks and failures

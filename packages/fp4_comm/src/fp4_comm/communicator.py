@@ -83,7 +83,7 @@ def check_options(
     (before anything moves, so a bad option on every rank leaves the group in step)."""
     check_rounding(rounding)
     check_int(seed, "seed", SEED_LIMIT)
-    if step is not None:
+    if step is not None and not isinstance(step, torch.Tensor):  # a tensor: Communicator's
         check_int(step, "step", STEP_LIMIT)
     if error_feedback is not None and not isinstance(error_feedback, str):
         raise TypeError(
@@ -107,7 +107,9 @@ class Communicator:
     - ``seed``: an int, 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter, an int,
       0 <= step < 2^32; default: the number of collectives this communicator has run, modulo
       2^32 (the same on every rank).  Out of range or not an int: ValueError / TypeError, as
-      ``fp4_kernels.quantize`` says.
+      ``fp4_kernels.quantize`` says.  Or a one-element int64 tensor on the communicator's
+      device holding it, which the encode kernels read when they run (its value is not
+      checked: the kernels take its low 32 bits): a step that a CUDA graph's replays change.
     - ``error_feedback``: a buffer name (reduce_scatter, all_reduce): the residual of each
       quantization of that buffer is added before its next one (``comm.error_feedback``; a
       block that held NaN or Inf starts again from residual 0).
@@ -467,7 +469,11 @@ class Communicator:
                 entry is not None
                 and type(seed) is int
                 and 0 <= seed < SEED_LIMIT
-                and (step is None or (type(step) is int and 0 <= step < STEP_LIMIT))
+                and (
+                    step is None
+                    or (type(step) is int and 0 <= step < STEP_LIMIT)
+                    or self._is_step_tensor(step)
+                )
                 and (peer is None or type(peer) is int)
                 and (total_dim0 is None or type(total_dim0) is int)
             ):
@@ -480,7 +486,14 @@ class Communicator:
         seed = operator.index(seed)
         if step is None:
             step = (call if peer is None else default_step) % STEP_LIMIT
-        step = operator.index(step)
+        elif isinstance(step, torch.Tensor):
+            if not self._is_step_tensor(step):
+                raise ValueError(
+                    f"step: a tensor step must be a one-element int64 tensor on {self.device}, "
+                    f"got {step.dtype} of shape {tuple(step.shape)} on {step.device}"
+                )
+        else:
+            step = operator.index(step)
         if peer is not None:
             peer = self._check_peer(peer, f"{op}: dst")
         if total_dim0 is not None:
@@ -510,6 +523,14 @@ class Communicator:
             if stats:
                 return out, collectives.collected_stats(opts)
             return out
+
+    def _is_step_tensor(self, step):
+        return (
+            type(step) is torch.Tensor
+            and step.dtype == torch.int64
+            and step.numel() == 1
+            and step.device == self.device
+        )
 
     # -- plans: the host work of a kind of call done once (collectives.py)
 

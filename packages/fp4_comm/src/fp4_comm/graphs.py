@@ -105,9 +105,21 @@ def draws_random_words(codec, rounding) -> bool:
 
 
 def device_step(step, device) -> torch.Tensor:
-    """``step`` (an int in [0, 2^32)) as the one-element int64 tensor on ``device`` that the
-    encode kernels read it from (``fp4_kernels.quantize``); filled on the current stream."""
+    """``step`` (an int in [0, 2^32), or a one-element int64 tensor holding it) as a new
+    one-element int64 tensor on ``device`` that the encode kernels read it from
+    (``fp4_kernels.quantize``); written on the current stream."""
+    if isinstance(step, torch.Tensor):
+        return step.reshape(1).clone()
     return torch.full((1,), step, dtype=torch.int64, device=device)
+
+
+def write_step(target, step) -> None:
+    """Write ``step`` (an int, or a one-element int64 tensor) into the step tensor ``target``
+    on the current stream (no host synchronization)."""
+    if isinstance(step, torch.Tensor):
+        target.copy_(step.reshape(1))
+    else:
+        target.fill_(step)
 
 
 def same_tensors(a, b) -> bool:
@@ -224,7 +236,7 @@ class Replay:
                         stream.wait_stream(self._stream)
                     self._raw, self._stream = raw, stream
             if self.step is not None:
-                self.step.fill_(step)
+                write_step(self.step, step)
             if self.input is not None:
                 self.input.copy_(x)
             self.graph.replay()

@@ -44,7 +44,7 @@ import torch
 
 from . import collectives, graphs as _graphs
 from ._transport import CommTimeoutError, Transport
-from .codecs import CodecSpec, Rounding, check_int, get_codec
+from .codecs import STEP_LIMIT, CodecSpec, Rounding, check_int, get_codec
 from .communicator import Communicator, check_options
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
@@ -464,14 +464,18 @@ class EmulatedRanks:
     communicator (``comms[r].error_feedback``, ``state_dict``).
 
     ``graphs`` ("auto", the default on a CUDA device; "never"): a kind of collective call that
-    a ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: nearest
-    rounding or a "none" codec, no error feedback, no statistics), made twice, is captured on
-    its third call with all k ranks in one graph: their threads queue every rank's kernels and
-    copies on the capturing stream in the order the exchanges fix, so a replay is the whole
-    group's call (the ranks' inputs copied in, one launch, the results copied out) and gives
-    the eager bits, at a few launches of host time instead of k eager calls and their
-    hand-offs between threads.  Each rank's communicator counts the replayed call as its own
-    (its default ``step``).  A single rank's call cannot be captured (``EmulatedTransport``)."""
+    a ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: no
+    statistics, fp4_comm's own codecs), made twice, is captured on its third call with all k
+    ranks in one graph: their threads queue every rank's kernels and copies on the capturing
+    stream in the order the exchanges fix, so a replay is the whole group's call (the ranks'
+    inputs copied in, one launch, the results copied out) and gives the eager bits, at a few
+    launches of host time instead of k eager calls and their hand-offs between threads.  Each
+    rank's communicator counts the replayed call as its own (its default ``step``).  As for a
+    ``Communicator``'s graphs: stochastic rounding reads each rank's step from a tensor the
+    graph owns, written before each replay (the eager calls of such a kind pass their steps
+    the same way); a call of another seed than captured runs eagerly; a graph whose
+    error-feedback residuals were replaced is dropped.  A single rank's call cannot be
+    captured (``EmulatedTransport``)."""
 
     def __init__(
         self,
@@ -512,15 +516,55 @@ class EmulatedRanks:
         self._check_device(op, xs)
         extra = extra or {}
         entry = self._graph_entry(op, xs, kwargs, extra) if self.graphs == "auto" else None
-        if entry is not None:
-            if entry.replay is not None:
-                return entry.replay.run(xs, self.comms)
-            if self._capture(entry, op, xs, kwargs, extra):
+        if entry is not None and entry.replay is not None:
+            if self._replay_fits(entry, kwargs):
+                return entry.replay.run(xs, self.comms, self._steps(kwargs))
+            entry = None  # this call runs eagerly
+        per_rank = self._rank_kwargs(entry, kwargs)
+        if entry is not None and entry.eager > _graphs.EAGER_CALLS:
+            if self._capture(entry, op, xs, per_rank, extra):
                 # the capture ran every rank's call (counting it); the replay computes it
-                return entry.replay.run(xs, ())
+                return entry.replay.run(xs, (), None)
         return self._threads.run(
-            [_method(c, op, x, kwargs, extra) for c, x in zip(self.comms, xs, strict=True)]
+            [
+                _method(c, op, x, kw, extra)
+                for c, x, kw in zip(self.comms, xs, per_rank, strict=True)
+            ]
         )
+
+    def _steps(self, kwargs):
+        """Each rank's step of this call: the one given, or its communicator's call count."""
+        step = kwargs.get("step")
+        return [c._calls % STEP_LIMIT if step is None else step for c in self.comms]
+
+    def _rank_kwargs(self, entry, kwargs):
+        """Each rank's options: with its step as a tensor (``graphs.device_step``) for a kind
+        that a graph replays with stochastic rounding, as its replays will read it."""
+        if entry is None or not entry.random:
+            return [kwargs] * self.world_size
+        return [dict(kwargs, step=_graphs.device_step(s, self.device))
+                for s in self._steps(kwargs)]  # fmt: skip
+
+    def _residuals(self, kwargs):
+        """Every rank's error-feedback tensors of this call's buffer (``in_use``)."""
+        name = kwargs.get("error_feedback")
+        if name is None:
+            return ()
+        return tuple(t for c in self.comms for t in c.error_feedback.in_use(name))
+
+    def _replay_fits(self, entry, kwargs):
+        """As ``Communicator``'s: the captured seed (else eager), the captured residuals (else
+        the graph is dropped)."""
+        if not entry.replay.fits(kwargs.get("seed", 0)):
+            return False
+        if not _graphs.same_tensors(entry.replay.residuals, self._residuals(kwargs)):
+            self._graphed.drop(entry.kind)
+            return False
+        name = kwargs.get("error_feedback")
+        for c in self.comms if name is not None else ():
+            c.error_feedback.resume(name)
+        self._graphed.touch(entry.kind)
+        return True
 
     # -- group graphs (the class docstring says which calls)
 
@@ -539,31 +583,29 @@ class EmulatedRanks:
             return None
         if entry is None:
             try:
+                c = get_codec(codec)
                 nbytes = sum(x.numel() for x in xs) * xs[0].element_size()
-                ok = _graphs.eligible(get_codec(codec), rounding, ef_name, stats, nbytes)
+                ok = _graphs.eligible(c, rounding, ef_name, stats, nbytes)
             except (TypeError, ValueError):
                 ok = False  # the eager call names what is wrong
-            entry = self._kinds[kind] = _GroupEntry(kind, ok)
+            random = ok and _graphs.draws_random_words(c, rounding)
+            entry = self._kinds[kind] = _GroupEntry(kind, ok, random)
             return None  # the first call runs eagerly (and checks the arguments)
         if not entry.graphable:
             return None
         check_options(rounding, kwargs.get("seed", 0), kwargs.get("step"), ef_name)
-        if entry.replay is not None:
-            self._graphed.touch(kind)
-            return entry
-        if entry.eager < _graphs.EAGER_CALLS:
-            entry.eager += 1
-            return None
+        if entry.replay is None:
+            entry.eager += 1  # beyond EAGER_CALLS: this call captures
         return entry
 
-    def _capture(self, entry, op, xs, kwargs, extra):
-        """Capture the group's call of ``entry``'s kind; False (the kind stays eager, with a
-        warning) where the capture fails."""
+    def _capture(self, entry, op, xs, per_rank, extra):
+        """Capture the group's call of ``entry``'s kind (``per_rank``: each rank's options);
+        False (the kind stays eager, with a warning) where the capture fails."""
         shapes, dtype = [tuple(x.shape) for x in xs], xs[0].dtype
 
         def run(statics):
-            tasks = [_method(c, op, x, kwargs, extra)
-                     for c, x in zip(self.comms, statics, strict=True)]  # fmt: skip
+            tasks = [_method(c, op, x, kw, extra)
+                     for c, x, kw in zip(self.comms, statics, per_rank, strict=True)]  # fmt: skip
             return self._threads.run(tasks)
 
         try:
@@ -575,7 +617,9 @@ class EmulatedRanks:
                           stacklevel=4)  # fmt: skip
             return False
         nbytes = sum(s.numel() for s in statics) * dtype.itemsize
-        entry.replay = _GroupReplay(graph, statics, outs, nbytes)
+        steps = [kw["step"] for kw in per_rank] if entry.random else None  # the graph's own
+        entry.replay = _GroupReplay(graph, statics, outs, nbytes, steps, per_rank[0].get("seed", 0),
+                                    self._residuals(per_rank[0]))  # fmt: skip
         self._graphed.keep(entry.kind, entry)
         return entry.replay is not None  # a graph bigger than the cache's bound is dropped
 
@@ -627,29 +671,40 @@ class EmulatedRanks:
 class _GroupEntry:
     """A kind of group call: whether it may be replayed, its eager calls, its graph."""
 
-    __slots__ = ("kind", "graphable", "eager", "replay")
+    __slots__ = ("kind", "graphable", "random", "eager", "replay")
 
-    def __init__(self, kind, graphable):
+    def __init__(self, kind, graphable, random=False):
         self.kind, self.graphable, self.eager, self.replay = kind, graphable, 1, None
+        self.random = random  # its encodes draw random words (``graphs.draws_random_words``)
 
 
 class _GroupReplay:
-    """The k ranks' call in one CUDA graph: ``run(xs, comms)`` copies each rank's input in,
-    replays on the current stream (after the last replay's stream, whose buffers it shares),
-    counts the call on every rank's communicator as its eager call would, and returns copies
-    of the ranks' results."""
+    """The k ranks' call in one CUDA graph: ``run(xs, comms, steps)`` writes each rank's step
+    into the graph's step tensors (stochastic rounding; ``steps`` None: already there), copies
+    each rank's input in, replays on the current stream (after the last replay's stream, whose
+    buffers it shares), counts the call on every rank's communicator as its eager call would,
+    and returns copies of the ranks' results.  ``seed`` and ``residuals``: what the graph was
+    captured with (``fits``, ``Communicator``'s graphs)."""
 
-    __slots__ = ("graph", "inputs", "outputs", "nbytes", "_stream")
+    __slots__ = ("graph", "inputs", "outputs", "nbytes", "steps", "seed", "residuals",
+                 "_stream")  # fmt: skip
 
-    def __init__(self, graph, inputs, outputs, nbytes):
+    def __init__(self, graph, inputs, outputs, nbytes, steps=None, seed=0, residuals=()):
         self.graph, self.inputs, self.outputs, self.nbytes = graph, inputs, outputs, nbytes
+        self.steps, self.seed, self.residuals = steps, seed, residuals
         self._stream = None
 
-    def run(self, xs, comms):
+    def fits(self, seed):
+        return self.steps is None or seed == self.seed
+
+    def run(self, xs, comms, steps):
         stream = torch.cuda.current_stream(self.inputs[0].device)
         if self._stream is not None and stream != self._stream:
             stream.wait_stream(self._stream)
         self._stream = stream
+        if self.steps is not None and steps is not None:
+            for target, step in zip(self.steps, steps, strict=True):
+                _graphs.write_step(target, step)
         for static, x in zip(self.inputs, xs, strict=True):
             static.copy_(x)
         self.graph.replay()
