@@ -437,8 +437,9 @@ class Communicator:
         Collective: every rank captures the same ops in the same order, and replays them in
         the same order.  A warm-up call first (it compiles the kernels and checks the
         arguments across ranks); the capture itself skips the check.  ``step`` is fixed at
-        capture (stochastic rounding draws the same words on every replay unless ``step`` is
-        left to vary per capture); error-feedback residuals are updated in place by replays.
+        capture (stochastic rounding draws the same words on every replay) unless it is a
+        one-element int64 tensor, which every replay reads (write the next step into it
+        before a replay); error-feedback residuals are updated in place by replays.
         """
         return CapturedCollective(self, op, x, kwargs)
 
