@@ -297,8 +297,9 @@ def _run_error_feedback(comms, xs, codec_name, steps, name):
         y = comm.all_reduce(xs[comm.rank], codec=codec_name, error_feedback=name)
         total += y.double().numpy()
     residuals = [comm.error_feedback.residual(name, hop) for hop in ("worker", "server")]
-    comm.error_feedback.reset(name)
-    return total / steps, [None if r is None else r.double().numpy() for r in residuals]
+    residuals = [None if r is None else r.double().numpy() for r in residuals]
+    comm.error_feedback.reset(name)  # (in place: the tensors read above now hold -0.0)
+    return total / steps, residuals
 
 
 @pytest.mark.parametrize("codec_name", ["nvfp4", "mxfp4"])

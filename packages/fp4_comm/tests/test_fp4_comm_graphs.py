@@ -473,6 +473,54 @@ def test_gpu_replays_equal_eager_calls_bit_for_bit(gpu_cluster, codec, op, dtype
             assert captured >= 1, rank
 
 
+def _gpu_compare_steps(comms, op, codec, shape, kw):
+    """Seven calls of ``op`` with ``kw`` (stochastic rounding and / or error feedback) on the
+    graphs="auto" and "never" communicators, a reset of the residuals after the fourth and a
+    call of another seed as the sixth: (calls whose bits differ, residuals that differ, the
+    kind's graph replays)."""
+    gpu, eager = comms["auto"], comms["eager"]
+    bad, name = [], kw.get("error_feedback")
+    for i in range(7):
+        g = torch.Generator().manual_seed(i * 89 + gpu.rank)
+        x = torch.randn(shape, generator=g).to(torch.bfloat16).to(gpu.device)
+        call_kw = dict(kw, seed=kw.get("seed", 0) + (i == 5))
+        y = getattr(gpu, op)(x, codec=codec, **call_kw)
+        ref = getattr(eager, op)(x, codec=codec, **call_kw)
+        if not _same_bytes(y, ref):
+            bad.append(i)
+        if i == 3 and name is not None:
+            gpu.error_feedback.reset(name)
+            eager.error_feedback.reset(name)
+    torch.cuda.synchronize()
+    residuals = []
+    if name is not None:
+        for hop in ("worker", "server"):
+            a, b = gpu.error_feedback.residual(name, hop), eager.error_feedback.residual(name, hop)
+            if (a is None) != (b is None) or (a is not None and not _same_bytes(a, b)):
+                residuals.append(hop)
+    mine = (op, codec, kw.get("rounding", "nearest"), name)
+    kinds = [k for k in gpu._graphed.kinds() if k[:4] == mine and tuple(k[7]) == shape]
+    return bad, residuals, len(kinds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("codec", ["nvfp4", "mxfp4", fp4_kernels.FP4Quant(64)], ids=str)
+@pytest.mark.parametrize("what", ["sr", "ef", "sr+ef"])
+def test_gpu_stochastic_and_error_feedback_replays_equal_eager(gpu_cluster, what, codec, op):
+    if "ef" in what and op == "all_gather":
+        pytest.skip("error feedback is an option of the reductions")
+    kw = {"seed": 11}
+    if "sr" in what:
+        kw["rounding"] = "stochastic"
+    if "ef" in what:
+        kw["error_feedback"] = f"{what}-{codec}-{op}"
+    shape = (gpu_cluster.world * 16, 320)
+    out = gpu_cluster.run(_gpu_compare_steps, op, codec, shape, kw)
+    for rank, (bad, residuals, captured) in enumerate(out):
+        assert bad == [] and residuals == [] and captured == 1, (rank, bad, residuals)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", [*OPS, "send_recv"])
 def test_gpu_replays_equal_eager_calls_in_deterministic_mode(gpu_cluster, op):
