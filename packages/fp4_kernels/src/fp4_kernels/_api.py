@@ -73,7 +73,11 @@ def quantize(
             distance p (unbiased up to 2^-17 of a grid step).  16 random bits an element come
             from Philox4x32-10 with key = seed and counter = (element index // 8, step):
             independent of the launch configuration and identical on the GPU and the CPU.
-        seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step).
+        seed: 0 <= seed < 2**64.  step: 0 <= step < 2**32 (e.g. the training step), or a
+            one-element int64 array where ``x`` lives holding it: on the GPU the kernels read
+            it when they run (its low 32 bits; not checked, no host synchronization), so a
+            CUDA graph that captured the call replays it with the step written there since;
+            on the CPU its value is read and checked.  The same bits as the int step.
         global_amax: NVFP4 only: the amax that sets the tensor scale (for a scale shared across
             ranks or steps); a non-negative float within float32's range (<= 3.4028235e38:
             the tensor scale is computed in float32), or a one-element float32 array on the
