@@ -6,8 +6,11 @@ ineligible ones never are, the bounds, ``close()``, a failed transport, a caller
 Over the threaded host-memory NCCL stand-in, which moves the bytes: replayed results equal the
 eager ones bit for bit, every rank captures at the same call (a rank that captured alone would
 pair its capture's transfers with another call's), and a result is never overwritten by a later
-call.  On GPUs (``gpu``): real CUDA graphs against ``graphs="never"``, bit for bit, for every
-codec and operation, and a peer killed before a replay ending in ``CommPeerError``.
+call; stochastic rounding and error feedback replay with the eager bits (the step written into
+the graph's step tensor, residuals reset in place), a call of another seed runs eagerly, and a
+replaced residual drops its graph.  On GPUs (``gpu``): real CUDA graphs against
+``graphs="never"``, bit for bit, for every codec and operation, stochastic rounding and error
+feedback included, and a peer killed before a replay ending in ``CommPeerError``.
 """
 
 import contextlib
