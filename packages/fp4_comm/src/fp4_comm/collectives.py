@@ -113,8 +113,18 @@ def _encode(payload, rank, hop, opts: Options, valid):
             sat = codec.saturated(sections, payload.shape[1])
             opts.collected[hop] = hop_stats(payload, local, sat, valid)
         if ef_name is not None:
+            # store() consumes the corrected payload (the residual is computed in its memory);
+            # a codec whose sections are that memory (a float32 wire of the float32 payload)
+            # must send a copy, or the wire would carry the residual instead of the values
+            if _shares_memory(sections, payload):
+                sections = [s.clone() for s in sections]
             opts.error_feedback.store(ef_name, ef_hop, payload, local, codec.granularity)
     return sections
+
+
+def _shares_memory(sections, t):
+    base = t.untyped_storage().data_ptr()
+    return any(s.untyped_storage().data_ptr() == base for s in sections)
 
 
 def _sum_rows(d):
