@@ -19,6 +19,7 @@ import fp4_comm
 import fp4_kernels
 from fp4_comm import _p2p_kernels as K
 from fp4_comm._p2p_model import ModelWorld
+from fp4_comm.collectives import resolve_all_reduce_algorithm
 from fp4_comm.p2p import (
     LANE_MIN_BYTES,
     PIECE_ALIGN,
@@ -330,29 +331,39 @@ def _collectives(comm, world, codec, dtype, shape):
     return [o.numpy() for o in out]
 
 
-def _gloo_collectives(comms, world, codec, dtype, shape):
+def _gloo_collectives(comms, world, codec, dtype, shape, algorithm):
     comm = comms[world]
-    return None if comm is None else _collectives(comm, world, codec, dtype, shape)
+    if comm is None:
+        return None
+    comm = fp4_comm.Communicator(comm.transport, comm.control_group,
+                                 all_reduce_algorithm=algorithm)  # fmt: skip
+    return _collectives(comm, world, codec, dtype, shape)
 
 
-def _model_comms(world):
+def _model_comms(world, algorithm="auto"):
     model = ModelWorld(
         world, timeout_s=60.0, lanes=2, buffer_bytes=max(1, world - 1) * 2 * 2 * 1024
     )
-    comms = [fp4_comm.Communicator(t, None, validate="never") for t in model.transports]
+    comms = [fp4_comm.Communicator(t, None, validate="never", all_reduce_algorithm=algorithm)
+             for t in model.transports]  # fmt: skip
     return model, comms
 
 
 @pytest.mark.parametrize(
-    ("world", "codec", "dtype"),
-    [(3, c, torch.bfloat16) for c in CODECS]
-    + [(2, "nvfp4", torch.float32), (4, "mxfp4", torch.float16)],
+    ("world", "codec", "dtype", "algorithm"),
+    [(3, c, torch.bfloat16, "auto") for c in CODECS]
+    + [(2, "nvfp4", torch.float32, "two_shot"), (4, "mxfp4", torch.float16, "two_shot")]
+    + [(2, "mxfp4", torch.bfloat16, "one_shot"), (4, "nvfp4", torch.float32, "one_shot")],
     ids=str,
 )
-def test_model_collectives_equal_the_gloo_path(cluster, world, codec, dtype):
+def test_model_collectives_equal_the_gloo_path(cluster, world, codec, dtype, algorithm):
     shape = (world * 13 + 1, 96)  # padding everywhere; uneven reduce_scatter shards
-    gloo = cluster.run(_gloo_collectives, world, codec, dtype, shape)[:world]
-    model, comms = _model_comms(world)
+    # "auto" over p2p: one-shot for this small message (gloo's "auto" would be two-shot)
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    resolved = resolve_all_reduce_algorithm(algorithm, True, world, nbytes)
+    assert resolved == ("two_shot" if algorithm == "two_shot" else "one_shot")
+    gloo = cluster.run(_gloo_collectives, world, codec, dtype, shape, resolved)[:world]
+    model, comms = _model_comms(world, algorithm)
     got = model.run(
         lambda t: _collectives(comms[t.rank], world, codec, dtype, shape), timeout_s=300
     )

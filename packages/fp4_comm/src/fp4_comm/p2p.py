@@ -499,6 +499,8 @@ class P2PTransport(Transport):
     pieces); ``lanes`` the most blocks a peer.  ValueError on every rank where the ranks cannot
     all map each other's memory (another node, no peer access): use NCCL there."""
 
+    one_shot_auto = True
+
     def __init__(
         self,
         control_group: dist.ProcessGroup | None,
