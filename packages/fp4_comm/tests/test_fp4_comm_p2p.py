@@ -236,6 +236,39 @@ def test_model_moves_every_byte_in_order(world, lanes):
     assert model.violations == []
 
 
+def _gather_as(t, dtypes, n=300):
+    """all_gathers of one section, its dtype per call; what each call gathered (or the
+    ValueError's message)."""
+    out = []
+    for c, dtype in enumerate(dtypes):
+        # the same shapes whatever the dtype: one kind of call for the transport's plans
+        send = (torch.arange(n) + 7 * t.rank + c).to(dtype)
+        recv = torch.zeros(t.world_size, n, dtype=dtype)
+        try:
+            t.all_gather([(send, recv)])
+        except ValueError as err:
+            out.append(str(err))
+            continue
+        out.append(recv.view(torch.uint8).clone())
+    return out
+
+
+def test_a_planned_kind_takes_one_byte_sections_of_any_dtype_and_no_wider_ones():
+    # int8 sections move as bytes, on the call that plans the kind and on the planned calls
+    # after it; a float32 section of the planned shape is refused there too (its bytes are
+    # not the planned ones), not moved as if it were bytes
+    model = ModelWorld(2, lanes=1)
+    dtypes = [torch.int8, torch.uint8, torch.int8, torch.uint8, torch.float32]
+    got = model.run(_gather_as, dtypes)
+    want = [torch.stack([(torch.arange(300) + 7 * p + c).to(dtypes[c]).view(torch.uint8)
+                         for p in range(2)]) for c in range(4)]  # fmt: skip
+    for r in range(2):
+        for c in range(4):
+            assert torch.equal(got[r][c], want[c]), (r, c, got[r][c])
+        assert "one-byte" in got[r][4] and "float32" in got[r][4]
+    assert model.violations == []
+
+
 def test_model_slot_check_sees_a_store_into_an_unconsumed_slot():
     # the check the model runs on every store: a slot whose flag says message 4 is there,
     # with 4 messages (0..3) consumed, must not be written (4 unconsumed); with 5, it may

@@ -12,7 +12,8 @@ peer access between GPUs); rank r uses GPU r % device_count.  Environment:
 
 In this process: ``P2PTransport.loopback`` (ranks of one process, one stream each) for the
 kernel alone at every size.  Worker processes: every byte of every size, every collective and
-codec against the gloo path (and NCCL), back-to-back calls of changing shapes, CUDA-graph
+codec against the gloo path (and NCCL), the all-reduce algorithms (one-shot, two-shot, "auto")
+against ``fp4_comm.reference``, back-to-back calls of changing shapes, CUDA-graph
 capture and replay, two communicators at once, send / recv, and the faults: a rank that skips a
 call and a rank that is killed end in CommTimeoutError naming it, within the timeout.
 """

@@ -278,3 +278,55 @@ def test_reduce_scatter_rounds_the_float32_sum_once(world, shape, dtype):
     for j in range(world):
         assert got[j].dtype == dtype and got[j].shape == ref[j][0].shape
         assert torch.equal(got[j].view(torch.int16), ref[j][0].view(torch.int16))
+
+
+def _p2p_calls(fn):
+    """Python functions of fp4_comm/p2p.py that one ``fn()`` calls, by name."""
+    import sys
+
+    names = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith("fp4_comm/p2p.py"):
+            names[frame.f_code.co_name] = names.get(frame.f_code.co_name, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_warm_p2p_call_launches_its_packed_plan_with_the_calls_addresses(world, algorithm):
+    # the p2p kernel's parameters are packed once per kind of launch: a warm call writes its
+    # sections' addresses into them and launches, three Python functions of the transport a
+    # launch (the operation, _move, the plan key's comprehension)
+    from fp4_comm import _p2p_kernels as K
+
+    with fake_gpu_communicator(world, transport="p2p", all_reduce_algorithm=algorithm) as (
+        comm, launcher, _, _,
+    ):  # fmt: skip
+        t = comm.transport
+        x = torch.randn(world * 64, 32)
+        comm.all_reduce(x, codec="nvfp4")
+        launcher.calls.clear()
+        names = _p2p_calls(lambda: comm.all_reduce(x, codec="nvfp4"))
+        ops = [K.OP_ALL_GATHER] if algorithm == "one_shot" else [K.OP_ALL_TO_ALL, K.OP_ALL_GATHER]
+        assert len(launcher.calls) == len(ops)
+        first = K.PARAMS.index("send0")
+        for (grid, params), op in zip(launcher.calls, ops, strict=True):
+            values = dict(zip(K.PARAMS, params, strict=True))
+            assert tuple(params[: len(t._fixed)]) == t._fixed
+            assert values["op"] == op and values["only_peer"] == -1
+            assert values["timeout_ns"] == t._timeout_ns and grid == world * values["lanes"]
+            sections = params[first:]
+            used = [sections[i : i + 3] for i in range(0, len(sections), 3) if sections[i + 2]]
+            assert len(used) == 3  # NVFP4: codes, block scales, the tensor scale
+            assert all(s and r for s, r, _ in used)  # this call's addresses
+        transport = {"all_to_all", "all_gather"}
+        assert sum(n for k, n in names.items() if k in transport) == len(ops)
+        assert names.get("_move") == len(ops) and names.get("<listcomp>") == len(ops)
+        assert sum(names.values()) == 3 * len(ops), names

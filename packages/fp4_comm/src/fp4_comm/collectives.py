@@ -308,6 +308,15 @@ class _Plan:
                 out.append((sections, self.codec.decoder(sections, c, dtype)))
         return out
 
+    def _row(self, x, bufs):
+        """The input as one (1, c) row: a view of it where it needs no padding, else its
+        zero-padded copy in the plan's stage buffer (``self.stage``, ``self.n``)."""
+        if self.stage is None:
+            return x.contiguous().view(1, self.n)
+        payload = bufs[self.stage]
+        payload[0, : self.n].view(self.shape).copy_(x)
+        return payload
+
     def _key_offset(self, hop):
         """rank_seed(seed, rank, hop) == (seed + this) % 2**64."""
         return rank_seed(0, self.rank, hop)
@@ -384,11 +393,7 @@ class OneShotAllReducePlan(_Plan):
 
     def run(self, transport, x, opts: Options):
         bufs = self.buffers()
-        if self.stage is None:
-            payload = x.contiguous().view(1, self.n)
-        else:
-            payload = bufs[self.stage]
-            payload[0, : self.n].view(self.shape).copy_(x)
+        payload = self._row(x, bufs)
         sections = self._encode(payload, "reduce_scatter", self.key, opts, self.valid)
         recv, decode = bufs[self.gather]
         transport.all_gather(list(zip(sections, recv, strict=True)))
@@ -464,11 +469,7 @@ class AllGatherPlan(_Plan):
 
     def run(self, transport, x, opts: Options):
         bufs, W, m = self.buffers(), self.world, self.m
-        if self.stage is None:
-            payload = x.contiguous().view(1, self.n)
-        else:
-            payload = bufs[self.stage]
-            payload[0, : self.n].view(self.shape).copy_(x)
+        payload = self._row(x, bufs)
         sections = self._encode(payload, "all_gather", self.key, opts, self.valid)
         recv, decode = bufs[self.gather]
         transport.all_gather(list(zip(sections, recv, strict=True)))
