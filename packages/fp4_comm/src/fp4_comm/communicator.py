@@ -352,7 +352,9 @@ class Communicator:
         stats: bool = False,
     ) -> TensorLike | tuple[TensorLike, dict[str, HopStats]]:
         """Sum of ``x`` over the ranks: same shape and dtype as ``x``, the same bits on every
-        rank.  Any size (zeros pad it to W chunks of whole blocks)."""
+        rank.  Any size (zeros pad it to whole blocks).  One-shot or two-shot as the
+        communicator's ``all_reduce_algorithm`` says (their bits differ where the codec loses
+        information: ``fp4_comm.collectives``)."""
         return self._run("all_reduce", x, codec, rounding, seed, step, error_feedback, stats)
 
     def reduce_scatter(
