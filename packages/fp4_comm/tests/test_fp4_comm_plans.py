@@ -121,6 +121,20 @@ def test_buffers_that_results_view_are_not_kept(codec, dtype):
         del y1, y2
 
 
+@pytest.mark.parametrize("codec", ["none", "none-float32", "nvfp4"])
+def test_the_one_shot_all_reduce_keeps_its_buffers_also_for_none_codecs(codec):
+    # its result is the rank-order sum, new memory: no result views its receive buffer
+    x = torch.randn(16, 48).to(torch.float32 if codec == "none-float32" else torch.bfloat16)
+    with fake_gpu_communicator(2, all_reduce_algorithm="one_shot") as (comm, null, _, _):
+        y1 = comm.all_reduce(x, codec=codec)
+        first = _recv_pointers(null)
+        y2 = comm.all_reduce(x, codec=codec)
+        assert _recv_pointers(null) == first and len(first) == len(
+            get_codec(codec).section_nbytes(768)
+        )
+        assert y1.data_ptr() not in first and y2.data_ptr() not in first
+
+
 def test_validate_first_checks_each_kind_of_call_once():
     x, x2 = torch.randn(8, 32), torch.randn(4, 32)
     with fake_gpu_communicator(2) as (comm, _, control, _):
@@ -174,12 +188,17 @@ def test_per_call_values_of_a_planned_kind_are_still_checked():
 # ---------------------------------------------------------------------- bytes that move
 
 
-def _communicators(world):
-    return [Communicator(t, control_group=None, validate="never") for t in _transports(world)]
+def _communicators(world, op=None):
+    """Communicators over the threaded stand-in (``op`` "all_reduce_one_shot": their
+    all-reduce is the one-shot one)."""
+    algorithm = "one_shot" if op == "all_reduce_one_shot" else "two_shot"
+    return [Communicator(t, control_group=None, validate="never", all_reduce_algorithm=algorithm)
+            for t in _transports(world)]  # fmt: skip
 
 
 CALLS = {
     "all_reduce": lambda comm, x, codec: comm.all_reduce(x, codec=codec),
+    "all_reduce_one_shot": lambda comm, x, codec: comm.all_reduce(x, codec=codec),
     "reduce_scatter": lambda comm, x, codec: comm.reduce_scatter(x, codec=codec),
     "all_gather": lambda comm, x, codec: comm.all_gather(x, codec=codec),
 }
@@ -190,7 +209,7 @@ CALLS = {
 def test_results_survive_the_next_call_of_their_kind(op, codec):
     world = 2
     first, second = _inputs(world, (4, 64), seed=3), _inputs(world, (4, 64), seed=4)
-    comms = _communicators(world)
+    comms = _communicators(world, op)
     call = CALLS[op]
 
     def run(rank):
@@ -201,7 +220,7 @@ def test_results_survive_the_next_call_of_their_kind(op, codec):
 
     results = _on_threads(world, run)
     # ranks whose call is the first of its kind (its plan made anew)
-    anew = _communicators(world)
+    anew = _communicators(world, op)
     fresh = _on_threads(world, lambda r: call(anew[r], second[r], codec))
     for (y1, kept, y2), y2_fresh in zip(results, fresh, strict=True):
         assert torch.equal(y1.view(torch.int32), kept.view(torch.int32))

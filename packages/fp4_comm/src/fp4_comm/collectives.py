@@ -389,6 +389,9 @@ class OneShotAllReducePlan(_Plan):
         self.stage = self._stage((1, c), dtype) if self.n != c else None
         self.key = self._key_offset("reduce_scatter")
         self.valid = _prefix(self.n)
+        # the sum of two or more ranks is new memory (_sum_to), whatever the decode returns:
+        # the buffers may be kept then, for the "none" codecs too
+        self.returns_views_of_buffers = self.world == 1
         self._done()
 
     def run(self, transport, x, opts: Options):
