@@ -65,14 +65,8 @@ if SIMULATOR:
         words[i + 2] = c
         words[i + 3] = d
 
-    def load_shared_v4(sm, i):
-        return sm[i], sm[i + 1], sm[i + 2], sm[i + 3]
-
-    def store_shared_v4(sm, i, a, b, c, d):
-        sm[i] = a
-        sm[i + 1] = b
-        sm[i + 2] = c
-        sm[i + 3] = d
+    # the simulator's shared arrays are numpy arrays too: the same element accesses
+    load_shared_v4, store_shared_v4 = load_v4, store_v4
 
     def store_v2(words, i, a, b):
         words[i] = a
