@@ -31,6 +31,7 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    group_max,
     max_abs_nan,
     prmt,
     u32_as_f32,
@@ -76,13 +77,7 @@ def _make_lanes_max(group_size):
 
     @device_jit
     def lanes_max(m):
-        off = 1
-        while off < lanes:
-            o = cuda.shfl_xor_sync(FULL_MASK, m, off)
-            if o > m:
-                m = o
-            off *= 2
-        return m
+        return group_max(m, lanes)
 
     return lanes_max
 
