@@ -46,6 +46,7 @@ from ..formats.hadamard import inv_sqrt_group_size, stage_order
 from . import launch
 from ._primitives import (
     FULL_MASK,
+    OPS,
     SHARED_ALIGNMENT,
     WARP_SIZE,
     device_jit,
@@ -103,15 +104,11 @@ def slot(e):
 
 def _register_stage(stride):
     """Butterflies between registers i and i + stride (i's stride bit clear)."""
+    butterflies = OPS.butterflies  # the CPU path's stage too (``_scalar.hadamard``)
 
     @device_jit
     def stage(v, lane):
-        for i in range(REGISTERS):
-            if i & stride == 0:
-                a = v[i]
-                b = v[i + stride]
-                v[i] = a + b
-                v[i + stride] = a - b
+        butterflies(v, REGISTERS, stride)
 
     return stage
 
