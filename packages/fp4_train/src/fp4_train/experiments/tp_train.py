@@ -621,7 +621,6 @@ def train(args, comm, device=None, make_runner=None):
     world = runner.world_size
     steps, evals, wire = [], [], []
     tokens_per_step = args.batch * args.seq_len  # the model replica's, over all its ranks
-    flops = flops_per_token(args, vocab) * tokens_per_step
     for step in range(args.steps):
         x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
         x, y = x.to(device), y.to(device)
@@ -658,12 +657,6 @@ def train(args, comm, device=None, make_runner=None):
             final_evals[spec] = runner.evaluate(val, codec_of(spec, args))
     if runner.timed is not None:
         runner.timed.take_ms()
-    timed = steps[args.timing_warmup :] or steps
-    step_ms = sum(s["step_ms"] for s in timed) / len(timed)
-    comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
-    final = evals[-1]["val_loss"]
-    tflops = flops / world / (step_ms / 1e3) / 1e12
-    peak = _peak_tflops(device)
     return {
         "name": run_name(args),
         "config": {k: _plain(v) for k, v in vars(args).items()},
@@ -673,22 +666,37 @@ def train(args, comm, device=None, make_runner=None):
         "world_size": world,
         "corpus_tokens": len(train_tokens) + len(val_tokens),
         "vocab": vocab,
-        "summary": {
-            "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
-            "step_ms": step_ms,
-            "comm_ms": comm_ms,
-            "comm_share": comm_ms / step_ms,
-            "model_tflop_per_step": flops / 1e12,
-            "tflops_per_rank": tflops,
-            "mfu": None if peak is None else tflops / peak,
-            "final_val_loss": final,
-            "final_val_ppl": math.exp(final),
-            "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
-            "final_evals": final_evals,
-        },
+        "summary": _summary(args, vocab, world, device, steps, evals, final_evals),
         "evals": evals,
         "steps": steps,
         "wire": wire,
+    }
+
+
+def _summary(args, vocab, world, device, steps, evals, final_evals):
+    """The run's figures: step and communication times averaged over the steps after
+    ``args.timing_warmup``, throughput, model FLOP/s (and MFU where the GPU's peak is known),
+    the final losses."""
+    tokens_per_step = args.batch * args.seq_len
+    flops = flops_per_token(args, vocab) * tokens_per_step
+    timed = steps[args.timing_warmup :] or steps
+    step_ms = sum(s["step_ms"] for s in timed) / len(timed)
+    comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
+    final = evals[-1]["val_loss"]
+    tflops = flops / world / (step_ms / 1e3) / 1e12
+    peak = _peak_tflops(device)
+    return {
+        "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+        "step_ms": step_ms,
+        "comm_ms": comm_ms,
+        "comm_share": comm_ms / step_ms,
+        "model_tflop_per_step": flops / 1e12,
+        "tflops_per_rank": tflops,
+        "mfu": None if peak is None else tflops / peak,
+        "final_val_loss": final,
+        "final_val_ppl": math.exp(final),
+        "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
+        "final_evals": final_evals,
     }
 
 
