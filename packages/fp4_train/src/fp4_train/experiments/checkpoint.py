@@ -51,11 +51,14 @@ def save(path: Path, state: dict) -> None:
     """``torch.save(state)`` to ``path`` atomically (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; a failed write's partial file
 
 
 def load(path: Path) -> dict:
@@ -132,7 +135,8 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 class Schedule:
     """When a run writes its checkpoint and when it stops (``--checkpoint-every-s``,
     ``--stop-at-step``, ``--stop-at-s``), decided after each step.  The clock starts at
-    construction.  With several processes (``group``: their gloo control group) rank 0's clock
+    construction.  With several processes (``group``: their gloo control group, set before
+    the first step) rank 0's clock
     decides and the others follow it (a broadcast after each step, only where a time limit
     is set), so that every rank writes and stops after the same step."""
 

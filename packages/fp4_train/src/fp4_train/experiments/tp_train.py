@@ -696,8 +696,9 @@ def train(args, comm, device=None, make_runner=None):
         torch.set_num_threads(args.threads)
     if args.deterministic:
         set_deterministic()
+    schedule = checkpoint.Schedule(args)  # the clock of --stop-at-s starts here
     run = Training(args, comm, device, make_runner)
-    schedule = checkpoint.Schedule(args, run.group)
+    schedule.group = run.group
     for step in range(len(run.steps), args.steps):
         run.step(step)
         save, stop = schedule.after(step + 1)
