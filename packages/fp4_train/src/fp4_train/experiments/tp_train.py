@@ -39,6 +39,11 @@ compressed payload (``WireStats``), averaged per site and direction.  The final 
 evaluated as trained and with the codecs of ``--eval-codecs`` in place of the forward codec
 (default ``none-float32``: an exact boundary).  Rank 0 writes ``<out>/<name>.json`` and
 ``.csv``; ``tp_summary`` and ``boundary_study`` read them.
+
+Long runs in pieces: ``--checkpoint PATH`` is resumed from where it exists and written at a
+stop, every ``--checkpoint-every-s`` and at the end; ``--stop-at-s`` (``--stop-at-step``)
+stops with it written and exit status 75; the resumed run gives the bits of one that was not
+stopped (on a GPU with ``--deterministic``).  ``checkpoint`` says what it holds.
 """
 
 from __future__ import annotations
@@ -727,17 +732,18 @@ class Training:
         self.runner = (Runner(args, comm, device, self.vocab) if make_runner is None
                        else make_runner(args, device, self.vocab))  # fmt: skip
         self.rank = 0 if comm is None else comm.rank
-        processes = 1 if comm is None else comm.world_size
+        self.processes = processes = 1 if comm is None else comm.world_size
         self.group = comm.control_group if processes > 1 else None
         self.steps, self.evals, self.wire = [], [], []
         self.wall_s, self.pieces = 0.0, 1
         self.path = None
         if args.checkpoint is not None:
             self.path = checkpoint.shard_path(args.checkpoint, self.rank, processes)
-            self.resume(processes)
+            self.resume()
 
-    def resume(self, processes):
+    def resume(self):
         """Continue from this rank's checkpoint where it exists (every rank, or none)."""
+        processes = self.processes
         state = checkpoint.load(self.path) if self.path.exists() else None
         done = -1 if state is None else len(state["records"]["steps"])
         if self.group is not None:
@@ -769,7 +775,7 @@ class Training:
         """Write this rank's checkpoint."""
         checkpoint.save(self.path, {
             "format": checkpoint.FORMAT, "config": checkpoint.config_of(self.args),
-            "world_size": 1 if self.group is None else dist.get_world_size(self.group),
+            "world_size": self.processes,
             "runner": self.runner.state_dict(), "rng": checkpoint.rng_state(self.device),
             "records": {"steps": self.steps, "evals": self.evals, "wire": self.wire},
             "wall_s": self.elapsed_s(), "pieces": self.pieces,
@@ -810,7 +816,7 @@ class Training:
                      and self.evals[-1]["step"] == step + 1 else ""), flush=True)  # fmt: skip
 
     def record(self):
-        """The finished run's record (the final checkpoint evaluated with ``--eval-codecs``)."""
+        """The finished run's record (the final weights evaluated with ``--eval-codecs`` too)."""
         args, runner, steps = self.args, self.runner, self.steps
         final_evals = {"as_trained": self.evals[-1]["val_loss"]}
         for spec in args.eval_codecs:
