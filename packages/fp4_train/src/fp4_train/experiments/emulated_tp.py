@@ -11,7 +11,10 @@ throughput averaged after 10 steps.  Added: ``--tp K`` (the emulated tensor-para
 ``--tp 1`` is the plain model on one device, no emulation; ``--parallel pp`` emulates its two
 stages whatever ``--tp`` says), ``--tokens-per-step`` (sets ``--batch`` to it over the sequence
 length), ``--seeds`` (several runs, one after another, in this process; runs whose summary is
-in ``--out`` are skipped unless ``--force``).
+in ``--out`` are skipped unless ``--force``).  ``tp_train``'s ``--checkpoint`` and
+``--stop-at-s`` run it in pieces (exit status 75: stopped, resumable; with several seeds each
+run keeps its checkpoint in ``<checkpoint>/<run name>``); the summary of a resumed run is the
+whole run's, ``wall_s`` summed over its ``pieces``.
 
 How.  ``tp_train.Runner`` with its parallel group replaced: an
 ``fp4_comm.emulated.EmulatedTensorParallelGroup`` over ``fp4_comm.reference.EmulatedRanks``
