@@ -327,6 +327,31 @@ def test_checkpoint_arguments_are_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+SDP = ("flash_sdp", "mem_efficient_sdp", "cudnn_sdp")
+
+
+@pytest.fixture
+def determinism(monkeypatch):
+    """``tp_train.set_deterministic``'s process-wide switches, put back after the test."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    enabled = {name: getattr(torch.backends.cuda, f"{name}_enabled")() for name in SDP}
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for name, on in enabled.items():
+        getattr(torch.backends.cuda, f"enable_{name}")(on)
+
+
+def test_deterministic_mode_turns_its_switches(determinism):
+    tp_train.set_deterministic()
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not any(getattr(torch.backends.cuda, f"{n}_enabled")() for n in SDP)
+    assert torch.backends.cuda.math_sdp_enabled()
+
+
 # ------------------------------------------------------------------ emulated_sweep in pieces
 
 TINY = ["--model", "byte", "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len",
@@ -381,7 +406,7 @@ def test_a_sweep_piece_gets_its_checkpoint_and_the_time_left():
 
 
 @pytest.mark.gpu
-def test_emulated_tp_resumes_bit_for_bit_on_the_gpu(tmp_path):
+def test_emulated_tp_resumes_bit_for_bit_on_the_gpu(tmp_path, determinism):
     """On CUDA (bfloat16 autocast, deterministic kernels): 2 emulated ranks, NVFP4 with SR and
     error feedback, stopped after 2 of 4 steps and resumed, against the run not stopped."""
     if not torch.cuda.is_available():

@@ -681,7 +681,8 @@ def set_deterministic():
     """``--deterministic``: deterministic kernels (an op that has none raises), cuBLAS with
     a fixed workspace (its reductions then do not depend on the stream's history), and the
     math attention (the fused attentions' backward adds with atomics).  Costs time: the math
-    attention materializes the score matrix, and some deterministic kernels are slower."""
+    attention materializes the score matrix, some deterministic kernels are slower, and torch
+    fills the memory it allocates uninitialized (``torch.empty``) in this mode."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.enable_flash_sdp(False)
