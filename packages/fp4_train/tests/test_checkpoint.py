@@ -196,6 +196,14 @@ def test_the_entry_point_stops_at_its_time_limit_with_status_75_and_resumes(tmp,
     assert json.loads(next(out.glob("*.json")).read_text())["pieces"] == STEPS
 
 
+def test_several_seeds_keep_a_checkpoint_each(tmp_path):
+    assert emulated_tp.checkpoint_path(None, "run", True) is None
+    assert emulated_tp.checkpoint_path(tmp_path / "c", "run", False) == tmp_path / "c"
+    assert emulated_tp.checkpoint_path(tmp_path / "c", "run", True) == tmp_path / "c" / "run"
+    with pytest.raises(SystemExit, match="with several --seeds give a folder"):
+        emulated_tp.checkpoint_path(tmp_path / "c.pt", "run", True)
+
+
 def test_resuming_with_other_arguments_names_them(tmp, uninterrupted):
     match = r"--lr 0\.003 there, 0\.002 here.*arguments it was started with"
     with pytest.raises(ValueError, match=match):
