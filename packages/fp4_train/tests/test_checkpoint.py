@@ -222,7 +222,10 @@ def _gloo_worker(rank, corpus, folder):
         whole = tp_train.main([*cmd, "--checkpoint", f"{folder}/{name}-whole"])
         pieces = f"{folder}/{name}-pieces"
         try:
-            tp_train.main([*cmd, "--checkpoint", pieces, "--stop-at-step", str(STOP)])
+            # a checkpoint after every step, and a time limit not reached: rank 0's clock
+            # decides both, broadcast to the other rank after each step
+            tp_train.main([*cmd, "--checkpoint", pieces, "--stop-at-step", str(STOP),
+                           "--checkpoint-every-s", "1e-9", "--stop-at-s", "1e6"])  # fmt: skip
         except SystemExit as stop:
             res[f"{name} status"] = stop.code
         resumed = tp_train.main([*cmd, "--checkpoint", pieces])
