@@ -825,14 +825,7 @@ class Training:
                 final_evals[spec] = runner.evaluate(self.val, codec_of(spec, args))
         if runner.timed is not None:
             runner.timed.take_ms()
-        timed = steps[args.timing_warmup :] or steps
-        step_ms = sum(s["step_ms"] for s in timed) / len(timed)
-        comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
-        final, world = self.evals[-1]["val_loss"], runner.world_size
-        tokens_per_step = args.batch * args.seq_len
-        flops = flops_per_token(args, self.vocab) * tokens_per_step
-        tflops = flops / world / (step_ms / 1e3) / 1e12
-        peak = _peak_tflops(self.device)
+        world = runner.world_size
         return {
             "name": run_name(args),
             "config": {k: plain(v) for k, v in vars(args).items()},
@@ -844,23 +837,40 @@ class Training:
             "vocab": self.vocab,
             "wall_s": self.elapsed_s(),
             "pieces": self.pieces,
-            "summary": {
-                "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
-                "step_ms": step_ms,
-                "comm_ms": comm_ms,
-                "comm_share": comm_ms / step_ms,
-                "model_tflop_per_step": flops / 1e12,
-                "tflops_per_rank": tflops,
-                "mfu": None if peak is None else tflops / peak,
-                "final_val_loss": final,
-                "final_val_ppl": math.exp(final),
-                "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
-                "final_evals": final_evals,
-            },
+            "summary": _summary(
+                args, self.vocab, world, self.device, steps, self.evals, final_evals
+            ),
             "evals": self.evals,
             "steps": steps,
             "wire": self.wire,
         }
+
+
+def _summary(args, vocab, world, device, steps, evals, final_evals):
+    """The run's figures: step and communication times averaged over the steps after
+    ``args.timing_warmup``, throughput, model FLOP/s (and MFU where the GPU's peak is known),
+    the final losses."""
+    tokens_per_step = args.batch * args.seq_len
+    flops = flops_per_token(args, vocab) * tokens_per_step
+    timed = steps[args.timing_warmup :] or steps
+    step_ms = sum(s["step_ms"] for s in timed) / len(timed)
+    comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
+    final = evals[-1]["val_loss"]
+    tflops = flops / world / (step_ms / 1e3) / 1e12
+    peak = _peak_tflops(device)
+    return {
+        "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+        "step_ms": step_ms,
+        "comm_ms": comm_ms,
+        "comm_share": comm_ms / step_ms,
+        "model_tflop_per_step": flops / 1e12,
+        "tflops_per_rank": tflops,
+        "mfu": None if peak is None else tflops / peak,
+        "final_val_loss": final,
+        "final_val_ppl": math.exp(final),
+        "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
+        "final_evals": final_evals,
+    }
 
 
 def main(argv=None):
