@@ -2,14 +2,18 @@
 
     python benchmarks/comm_host_overhead.py [--world 2 4] [--ops all_reduce reduce_scatter
         all_gather send recv] [--codecs nvfp4 mxfp4 fp4quant64 none] [--elements 8192]
-        [--kernels] [--profile] [--ops-detail] [--graphs never auto] [--out DIR]
+        [--kernels] [--profile] [--ops-detail] [--graphs never auto] [--transport nccl p2p]
+        [--algorithm auto one_shot two_shot] [--out DIR]
 
 Rank 0 of ``--world`` ranks on a pretend GPU (``packages/fp4_comm/tests/_fake_gpu.py``): every
 torch tensor says it lives on ``cuda:0``, so the communicator's checks, the collective's plan,
 fp4_kernels' checks and launch plans, the allocations (on the CPU) and the argument packing run
 as on a GPU machine; kernel launches are recorded, not run; the transport is the real
 ``NcclTransport`` over a stand-in for ``cupy.cuda.nccl`` that records each call and moves
-nothing (nothing waits for a peer).  Arguments are checked across ranks as ``validate="first"``
+nothing (nothing waits for a peer), or with ``--transport p2p`` the real ``P2PTransport`` over
+host memory whose ``cuLaunchKernel`` is a stand-in that records each launch ("nccl" column:
+the NCCL calls, or the p2p kernel's launches).  ``--algorithm``: the communicator's
+``all_reduce_algorithm`` per row.  Arguments are checked across ranks as ``validate="first"``
 says: once, in the warm-up.  ``--graphs``: the communicator's ``graphs`` per row ("never":
 every call eager; "auto", the default on a GPU: the warm calls replay a CUDA graph, whose launch
 the stand-in graph counts as one call and does not run).
@@ -163,7 +167,8 @@ def host_us(fn):
     return min(walls), statistics.median(walls), min(cpus)
 
 
-def measure(world, op, codec, elements, profile=False, graphs="never"):
+def measure(world, op, codec, elements, profile=False, graphs="never", transport="nccl",
+            algorithm="auto"):  # fmt: skip
     """One row: the counts and times of a warm call of ``op`` with ``codec`` on ``world``."""
     import contextlib
 
@@ -171,7 +176,9 @@ def measure(world, op, codec, elements, profile=False, graphs="never"):
     with contextlib.ExitStack() as stack:
         stack.enter_context(fakes.fake_graphs(rerun=False))
         comm, null, _, recorder = stack.enter_context(
-            fakes.fake_gpu_communicator(world, graphs=graphs)
+            fakes.fake_gpu_communicator(
+                world, graphs=graphs, transport=transport, all_reduce_algorithm=algorithm
+            )  # fmt: skip
         )
         fn = make_call(comm, op, _codec(codec), elements)
         for _ in range(20):
@@ -186,7 +193,8 @@ def measure(world, op, codec, elements, profile=False, graphs="never"):
         prof = profile_of(fn) if profile else None
         t_min, t_med, cpu = host_us(fn)
     row = {
-        "world": world, "op": op, "codec": codec, "graphs": graphs, "python_calls": calls,
+        "world": world, "op": op, "codec": codec, "graphs": graphs, "transport": transport,
+        "algorithm": algorithm, "python_calls": calls,
         "fp4_kernels_calls": kernel_calls, "cpu_us": cpu,
         "torch_kernels": torch_ops["kernels"], "torch_allocations": torch_ops["allocations"],
         "torch_views": torch_ops["views"], "fp4_launches": launches, "nccl_calls": nccl,
@@ -264,6 +272,11 @@ def main():
                     help="also the fp4_kernels calls the collectives make, each alone")  # fmt: skip
     ap.add_argument("--graphs", nargs="+", default=["never", "auto"], choices=["never", "auto"],
                     help="the communicator's graphs option, a row each")  # fmt: skip
+    ap.add_argument("--transport", nargs="+", default=["nccl"], choices=["nccl", "p2p"],
+                    help="the transport, a row each")  # fmt: skip
+    ap.add_argument("--algorithm", nargs="+", default=["auto"],
+                    choices=["auto", "one_shot", "two_shot"],
+                    help="the communicator's all_reduce_algorithm, a row each")  # fmt: skip
     ap.add_argument("--out", default=None, help="also write comm_host_overhead.txt")
     args = ap.parse_args()
     import torch
@@ -275,16 +288,20 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
-    emit(f"{'W':>2s} {'op':15s} {'codec':11s} {'graphs':6s} {'python':>6s} {'(fk)':>5s} "
+    emit(f"{'W':>2s} {'op':15s} {'codec':11s} {'graphs':6s} {'via':4s} {'all_reduce':10s} "
+         f"{'python':>6s} {'(fk)':>5s} "
          f"{'torch':>5s} {'alloc':>5s} {'views':>5s} {'fp4':>3s} {'nccl':>4s} {'cpu us':>7s} "
          f"{'us min':>7s} "
          f"{'us med':>7s}")  # fmt: skip
     for world in args.world:
         for op in args.ops:
-            for codec, graphs in itertools.product(args.codecs, args.graphs):
-                row, prof = measure(world, op, codec, args.elements, args.profile, graphs)
+            rows = itertools.product(args.codecs, args.graphs, args.transport, args.algorithm)
+            for codec, graphs, via, algorithm in rows:
+                row, prof = measure(world, op, codec, args.elements, args.profile, graphs, via,
+                                    algorithm)  # fmt: skip
                 emit(
-                    f"{world:2d} {op:15s} {codec:11s} {graphs:6s} {row['python_calls']:6.0f} "
+                    f"{world:2d} {op:15s} {codec:11s} {graphs:6s} {via:4s} {algorithm:10s} "
+                    f"{row['python_calls']:6.0f} "
                     f"{row['fp4_kernels_calls']:5.0f} {row['torch_kernels']:5d} "
                     f"{row['torch_allocations']:5d} {row['torch_views']:5d} "
                     f"{row['fp4_launches']:3d} {row['nccl_calls']:4d} {row['cpu_us']:7.1f} "

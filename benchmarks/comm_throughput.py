@@ -1,7 +1,8 @@
 """fp4_comm collectives against NCCL bf16 on the same communicator, in the same run.
 
     torchrun --nproc-per-node 2 benchmarks/comm_throughput.py [--sizes-mb 1 4 16 64 256 1024]
-        [--ops all_reduce all_gather reduce_scatter send_recv] [--graphs auto|never] [--out DIR]
+        [--ops all_reduce all_gather reduce_scatter send_recv] [--graphs auto|never]
+        [--transport nccl|p2p] [--all-reduce-algorithm auto|one_shot|two_shot] [--out DIR]
 
 For each size (bytes of the bf16 tensor: the all-reduce tensor, the all-gather output, the
 reduce-scatter input, the tensor sent), operation and codec ("nccl-bf16": NCCL's own collective
@@ -24,7 +25,9 @@ on bf16, the baseline; "none": bf16 through fp4_comm's path; "nvfp4", "mxfp4", "
 
 fp4_comm's calls go through the communicator's default path (``graphs="never"``: every call
 eager) unless ``--graphs auto`` (repeated calls replayed from CUDA graphs) says otherwise; the
-rows record which.
+rows record which.  ``--transport p2p``: fp4_comm's calls over the peer-to-peer transport
+(``nccl-bf16`` stays NCCL's, on a second communicator); ``--all-reduce-algorithm``: the
+communicator's (default "auto": one-shot over p2p for at most 4 ranks and 512 KiB).
 
 Inputs are N(0, 1) bf16, rotated among 3 buffers per rank.  Run with NCCL_P2P_DISABLE=1 (and
 NCCL_SHM_DISABLE=1) to model slower links.  Rank 0 writes comm_throughput.json and .md (device,
@@ -189,6 +192,10 @@ def main():
                     help="write rank 0's cProfile of queued calls per row to --out")  # fmt: skip
     ap.add_argument("--graphs", choices=["auto", "never"], default=None,
                     help="the communicator's graphs option (default: its default)")  # fmt: skip
+    ap.add_argument("--transport", choices=["nccl", "p2p"], default="nccl",
+                    help="fp4_comm's transport (the nccl-bf16 baseline is NCCL's)")  # fmt: skip
+    ap.add_argument("--all-reduce-algorithm", choices=["auto", "one_shot", "two_shot"],
+                    default="auto", help="the communicator's all_reduce_algorithm")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -200,10 +207,16 @@ def main():
     # multi-rank mode, NCCL_MULTI_RANK_GPU_ENABLE=1)
     device = fp4_comm.local_device()
     torch.cuda.set_device(device)
-    comm = fp4_comm.Communicator.from_env(device=device, validate="first", graphs=args.graphs)
+    comm = fp4_comm.Communicator.from_env(
+        device=device, validate="first", graphs=args.graphs, transport=args.transport,
+        all_reduce_algorithm=args.all_reduce_algorithm,
+    )  # fmt: skip
     world, rank = comm.world_size, comm.rank
     dev = comm.device
-    base = NcclBaseline(comm)
+    nccl = comm
+    if args.transport != "nccl":
+        nccl = fp4_comm.Communicator.from_env(device=device, validate="first", transport="nccl")
+    base = NcclBaseline(nccl)
     rows = []
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
 
@@ -278,6 +291,8 @@ def _measure_op(comm, base, op, n, codecs, reps, host_reps, gen, profile_dir=Non
             "algbw_gbps": size_b / graph_ms / 1e6,
             "busbw_gbps": size_b / graph_ms / 1e6 * BUS_FACTOR[op](world),
             "sqnr_db": err, "graphs": comm.graphs,
+            "transport": type(comm.transport).__name__,
+            "all_reduce_algorithm": comm.all_reduce_algorithm,
         }  # fmt: skip
         if codec == "nccl-bf16":
             baseline = row

@@ -149,6 +149,20 @@ def distributed(timeout_s):
                    for e in every):  # fmt: skip
                 raise AssertionError(f"{codec}: ranks hold different bits")
             _say(rank, f"{stage}: {codec}: all_reduce, all_gather, reduce_scatter {tuple(s.shape)}")
+        stage = "all-reduce algorithms"
+        auto = comm.all_reduce(x, codec="nvfp4")  # a small input: "auto" is one-shot here
+        for algorithm in ("one_shot", "two_shot"):
+            c = fp4_comm.Communicator(comm.transport, comm.control_group, "first",
+                                      all_reduce_algorithm=algorithm)  # fmt: skip
+            y = c.all_reduce(x, codec="nvfp4")
+            comm.synchronize()
+            every = [None] * world
+            dist.all_gather_object(every, y.cpu())
+            if any(not torch.equal(e, every[0]) for e in every):
+                raise AssertionError(f"{algorithm}: ranks hold different bits")
+            if algorithm == "one_shot" and not torch.equal(y, auto):
+                raise AssertionError("auto at this size is not the one-shot all-reduce")
+            _say(rank, f"{stage}: {algorithm}: the same bits on every rank")
         stage = "CUDA graph capture and replay"
         captured = comm.capture("all_reduce", x, codec="nvfp4")
         for _ in range(3):

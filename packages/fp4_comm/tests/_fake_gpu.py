@@ -4,9 +4,11 @@
 live on ``cuda:0`` (fp4_kernels' ``tests/_fake_cuda.py``: checks, launch plans, allocation on
 the CPU and argument packing run as on a GPU, kernel launches are recorded or dropped), the
 transport is the real ``NcclTransport`` over ``NullNccl``, a stand-in for ``cupy.cuda.nccl``
-that records each call and moves no byte, and the argument checks' exchanges over the control
-group answer as if every rank agreed.  Nothing waits for a peer, so it measures and checks the
-host work of one rank's calls: what they queue, what they allocate, what they check.
+that records each call and moves no byte (or, ``transport="p2p"``, the real ``P2PTransport``
+over host memory, whose ``cuLaunchKernel`` is ``NullLauncher``: launches recorded, none run),
+and the argument checks' exchanges over the control group answer as if every rank agreed.
+Nothing waits for a peer, so it measures and checks the host work of one rank's calls: what
+they queue, what they allocate, what they check.
 
 Used by ``test_fp4_comm_plans.py`` and ``benchmarks/comm_host_overhead.py``.
 """
@@ -14,6 +16,7 @@ Used by ``test_fp4_comm_plans.py`` and ``benchmarks/comm_host_overhead.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from threading import Lock
@@ -30,6 +33,7 @@ from _fake_cuda import Recorder, fake_cuda  # noqa: E402
 from fp4_comm import Communicator, codecs, graphs  # noqa: E402
 from fp4_comm._transport import CommTimeoutError  # noqa: E402
 from fp4_comm.nccl import NcclTransport  # noqa: E402
+from fp4_comm.p2p import BufferLayout, P2PTransport  # noqa: E402
 
 #: the fake's raw handle of torch's current stream on cuda:0 (``_fake_cuda.Recorder.stream``)
 FAKE_STREAM = Recorder().stream(0)
@@ -58,6 +62,60 @@ class NullNccl:
 
     def allGather(self, send_ptr, recv_ptr, count, dtype, stream):  # noqa: N802
         self.calls.append(("allGather", send_ptr, recv_ptr, count, stream))
+
+
+class NullLauncher:
+    """The p2p transport's kernel and ``cuLaunchKernel``: each launch recorded in ``calls`` as
+    (grid, the kernel's parameters), none run."""
+
+    handle = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, handle, grid, gy, gz, threads, by, bz, shared_bytes, stream, ptrs, extra):
+        import ctypes
+
+        self.calls.append((grid, [ctypes.c_int64.from_address(p).value for p in ptrs]))
+        return 0
+
+
+class _P2PMemory:
+    """A p2p rank's buffer and host page, in host memory (no kernel ever reads them here)."""
+
+    def __init__(self, nbytes):
+        import numpy as np
+
+        self._array = np.zeros(nbytes, np.uint8)
+        self._page = np.zeros(512, np.int64)
+        self.base = self._array.ctypes.data
+        self.host_ctl = self.host_ctl_device = self._page.ctypes.data
+
+    def write(self, offset, data):
+        self._array[offset : offset + len(data)] = bytearray(data)
+
+    def free(self):
+        pass
+
+
+class _P2PStream:
+    """The p2p transport's stream on cuda:0, as ``p2p._CudaStream`` asks torch for it."""
+
+    def __init__(self):
+        self.current = functools.partial(torch._C._cuda_getCurrentRawStream, 0)
+
+
+def _null_p2p(world, rank):
+    """(P2PTransport on a pretend cuda:0, its NullLauncher)."""
+    launcher = NullLauncher()
+    layout = BufferLayout.for_buffer(world, 8, 1 << 20)
+    memory = _P2PMemory(layout.total_bytes)
+    transport = P2PTransport.__new__(P2PTransport)
+    transport._assemble(rank, world, torch.device("cuda", 0), layout, memory,
+                        [memory.base] * world, 60.0, launcher, _P2PStream(),
+                        watchdog=False)  # fmt: skip
+    transport._control = None
+    return transport, launcher
 
 
 class ControlGroup:
@@ -164,10 +222,14 @@ def fake_graphs(rerun=True):
 
 
 @contextlib.contextmanager
-def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs="never"):
+def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs="never",
+                          transport="nccl", **options):  # fmt: skip
     """(Communicator, NullNccl, ControlGroup, Recorder) of rank ``rank`` of ``world`` ranks on a
     pretend ``cuda:0``; ``recorder``: fp4_kernels' launch recorder (default: launches dropped);
-    ``graphs``: the communicator's (captures need ``fake_graphs`` here)."""
+    ``graphs``: the communicator's (captures need ``fake_graphs`` here).  ``transport="p2p"``:
+    over ``P2PTransport``, with its ``NullLauncher`` in the place of ``NullNccl``.
+    ``options``: the Communicator's other arguments (``all_reduce_algorithm``)."""
+    mover = transport
     null = NullNccl()
     transport = NcclTransport.__new__(NcclTransport)  # no CuPy, no process group
     transport._nccl = transport.comm = null
@@ -199,7 +261,10 @@ def fake_gpu_communicator(world, rank=0, validate="first", recorder=None, graphs
     with fake_cuda(recorder), contextlib.ExitStack() as patches:
         for obj, name, value in pretend:
             patches.enter_context(mock.patch.object(obj, name, value, create=True))
-        comm = Communicator(transport, control_group=control, validate=validate, graphs=graphs)
+        if mover == "p2p":
+            transport, null = _null_p2p(world, rank)
+        comm = Communicator(transport, control_group=control, validate=validate, graphs=graphs,
+                            **options)  # fmt: skip
         yield comm, null, control, recorder
 
 

@@ -136,8 +136,11 @@ def _run_diverging(comms, validate, case):
     comm = comms[2]
     if comm is None:
         return None
+    # "algorithm": the ranks' communicators take different all-reduce algorithms
+    algorithm = ("one_shot", "two_shot")[comm.rank] if case == "algorithm" else "auto"
     comm = fp4_comm.Communicator.from_process_group(comm.transport.group, "cpu", 30.0,
-                                                    validate=validate)  # fmt: skip
+                                                    validate=validate,
+                                                    all_reduce_algorithm=algorithm)  # fmt: skip
     r = comm.rank
     rows = torch.arange(100.0, 164.0).reshape(2, 32) + 1000 * r
     out = []
@@ -160,21 +163,26 @@ def _run_diverging(comms, validate, case):
         call(lambda: comm.all_reduce(rows if r == 0 else rows.bfloat16(), codec="nvfp4"))
     elif case == "sizes":  # byte counts differ: gloo would abort the receiving process
         call(lambda: comm.all_reduce(torch.ones(64 if r == 0 else 4096), codec="mxfp4"))
+    elif case == "algorithm":  # one-shot gathers, two-shot exchanges: other bytes
+        call(lambda: comm.all_reduce(rows, codec="nvfp4"))
     # afterwards the group still works, and gives the right data
     call(lambda: comm.all_gather(rows, codec="none-float32"))
     return out
 
 
 @pytest.mark.parametrize("validate", ["always", "first", "never"])
-@pytest.mark.parametrize("case", ["shape", "both_seen", "same_bytes", "sizes"])
+@pytest.mark.parametrize("case", ["shape", "both_seen", "same_bytes", "sizes", "algorithm"])
 def test_ranks_whose_calls_differ_get_value_error_whatever_validate_says(cluster, validate, case):
     out = cluster.run(_run_diverging, validate, case)[:2]  # a dead worker fails the run
     rows = torch.arange(100.0, 164.0).reshape(2, 32)
     gathered = torch.cat([rows, rows + 1000]).tolist()
-    agreeing = {"shape": 1, "both_seen": 2, "same_bytes": 1, "sizes": 0}[case]
+    agreeing = {"shape": 1, "both_seen": 2, "same_bytes": 1, "sizes": 0, "algorithm": 0}[case]
     for calls in out:
         assert [c[0] for c in calls] == ["ok"] * agreeing + ["ValueError", "ok"], calls
         assert "the ranks disagree" in calls[agreeing][1]
+        if case == "algorithm":
+            assert calls[0][1].startswith("all_reduce: ")
+            assert "all_reduce_algorithm differs" in calls[0][1]
         assert calls[-1][1] == gathered  # and nothing of the failed call leaked into it
 
 

@@ -187,3 +187,25 @@ def test_communicator_state_dict_resumes_bit_identically(cluster, codec, roundin
     for same, same_without_state in cluster.run(_resume, codec, rounding, 3, 3)[:2]:
         assert same
         assert not same_without_state  # the residuals (and the step counter) matter
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("codec", ["none-float32", "none-float16", "none"])
+def test_error_feedback_over_a_none_codec_sums_the_values(op, codec):
+    # A float32 wire encodes the float32 corrected payload as the very same memory; storing
+    # the residual (corrected - decoded, in place) must not zero what goes on the wire.
+    from fp4_comm import reference
+
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(4, 6, generator=gen) for _ in range(2)]
+    residuals = [ErrorFeedback(), ErrorFeedback()]
+    got = getattr(reference, op)(xs, codec=codec, error_feedback="g", residuals=residuals)
+    want = getattr(reference, op)(xs, codec=codec)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    if codec == "none-float32":  # lossless: the sum itself, and residual 0
+        total = xs[0] + xs[1]
+        full = torch.cat(got) if op == "reduce_scatter" else got[0]
+        assert torch.equal(full, total)
+        for ef in residuals:
+            assert not ef.residual("g").any()

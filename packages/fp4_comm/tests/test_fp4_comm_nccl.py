@@ -324,18 +324,30 @@ def test_multi_gpu_missing_rank_times_out_last(multi):
     assert message and "aborted" in message
 
 
-def test_single_gpu_capture_with_error_feedback(single):
+def _replays_match_the_cpu_path(single, codec, name, refill=None):
+    """all_reduce of a (16, 256) input with error feedback ``name``, captured on the GPU and
+    replayed three times, each replay against the CPU path's call on the same input (after
+    ``refill(x, k)`` where given; a non-finite input warns there): residual updates, the
+    warm-up call's one (the capture itself runs nothing) and one a replay, are mirrored call
+    for call, so every replay has the CPU path's bits.  The last replay's result."""
     gpu, cpu = single
     x = _x((16, 256)).cuda()
-    captured = gpu.capture("all_reduce", x, codec="nvfp4", step=1, error_feedback="cap")
-    # Residual updates: the warm-up call made one (the capture itself runs nothing), each
-    # replay makes one; the CPU path mirrors them call for call.
-    cpu.all_reduce(x.cpu(), codec="nvfp4", step=1, error_feedback="cap")
-    for _ in range(3):
+    kw = {"codec": codec, "step": 1, "error_feedback": name}
+    captured = gpu.capture("all_reduce", x, **kw)
+    cpu.all_reduce(x.cpu(), **kw)
+    for k in range(3):
+        if refill is not None:
+            refill(x, k)
         y = captured.replay()
-        ref = cpu.all_reduce(x.cpu(), codec="nvfp4", step=1, error_feedback="cap")
+        with _no_warning() if torch.isfinite(x).all() else pytest.warns(RuntimeWarning):
+            ref = cpu.all_reduce(x.cpu(), **kw)
         torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(ref))
+        assert _same_bits(y, ref), k
+    return y
+
+
+def test_single_gpu_capture_with_error_feedback(single):
+    _replays_match_the_cpu_path(single, "nvfp4", "cap")
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=str)
@@ -362,18 +374,13 @@ def test_single_gpu_error_feedback_resets_non_finite_blocks_as_the_cpu_path(sing
 
 def test_single_gpu_capture_resets_non_finite_blocks(single):
     gpu, cpu = single
-    x = _x((16, 256)).cuda()
-    captured = gpu.capture("all_reduce", x, codec="mxfp4", step=1, error_feedback="cap-nan")
-    cpu.all_reduce(x.cpu(), codec="mxfp4", step=1, error_feedback="cap-nan")
-    for k in range(3):
+
+    def refill(x, k):
         x.copy_(_x((16, 256), seed=k + 1))
         if k == 1:
             x[0, 0] = float("inf")
-        y = captured.replay()
-        with pytest.warns(RuntimeWarning) if k == 1 else _no_warning():
-            ref = cpu.all_reduce(x.cpu(), codec="mxfp4", step=1, error_feedback="cap-nan")
-        torch.cuda.synchronize()
-        assert _same_bits(y, ref), k
+
+    y = _replays_match_the_cpu_path(single, "mxfp4", "cap-nan", refill)
     assert torch.isfinite(y).all()
     counts = gpu.error_feedback.nonfinite_blocks("cap-nan")
     assert counts == cpu.error_feedback.nonfinite_blocks("cap-nan") > 0

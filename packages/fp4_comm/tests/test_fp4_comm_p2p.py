@@ -19,6 +19,7 @@ import fp4_comm
 import fp4_kernels
 from fp4_comm import _p2p_kernels as K
 from fp4_comm._p2p_model import ModelWorld
+from fp4_comm.collectives import resolve_all_reduce_algorithm
 from fp4_comm.p2p import (
     LANE_MIN_BYTES,
     PIECE_ALIGN,
@@ -235,6 +236,39 @@ def test_model_moves_every_byte_in_order(world, lanes):
     assert model.violations == []
 
 
+def _gather_as(t, dtypes, n=300):
+    """all_gathers of one section, its dtype per call; what each call gathered (or the
+    ValueError's message)."""
+    out = []
+    for c, dtype in enumerate(dtypes):
+        # the same shapes whatever the dtype: one kind of call for the transport's plans
+        send = (torch.arange(n) + 7 * t.rank + c).to(dtype)
+        recv = torch.zeros(t.world_size, n, dtype=dtype)
+        try:
+            t.all_gather([(send, recv)])
+        except ValueError as err:
+            out.append(str(err))
+            continue
+        out.append(recv.view(torch.uint8).clone())
+    return out
+
+
+def test_a_planned_kind_takes_one_byte_sections_of_any_dtype_and_no_wider_ones():
+    # int8 sections move as bytes, on the call that plans the kind and on the planned calls
+    # after it; a float32 section of the planned shape is refused there too (its bytes are
+    # not the planned ones), not moved as if it were bytes
+    model = ModelWorld(2, lanes=1)
+    dtypes = [torch.int8, torch.uint8, torch.int8, torch.uint8, torch.float32]
+    got = model.run(_gather_as, dtypes)
+    want = [torch.stack([(torch.arange(300) + 7 * p + c).to(dtypes[c]).view(torch.uint8)
+                         for p in range(2)]) for c in range(4)]  # fmt: skip
+    for r in range(2):
+        for c in range(4):
+            assert torch.equal(got[r][c], want[c]), (r, c, got[r][c])
+        assert "one-byte" in got[r][4] and "float32" in got[r][4]
+    assert model.violations == []
+
+
 def test_model_slot_check_sees_a_store_into_an_unconsumed_slot():
     # the check the model runs on every store: a slot whose flag says message 4 is there,
     # with 4 messages (0..3) consumed, must not be written (4 unconsumed); with 5, it may
@@ -330,29 +364,39 @@ def _collectives(comm, world, codec, dtype, shape):
     return [o.numpy() for o in out]
 
 
-def _gloo_collectives(comms, world, codec, dtype, shape):
+def _gloo_collectives(comms, world, codec, dtype, shape, algorithm):
     comm = comms[world]
-    return None if comm is None else _collectives(comm, world, codec, dtype, shape)
+    if comm is None:
+        return None
+    comm = fp4_comm.Communicator(comm.transport, comm.control_group,
+                                 all_reduce_algorithm=algorithm)  # fmt: skip
+    return _collectives(comm, world, codec, dtype, shape)
 
 
-def _model_comms(world):
+def _model_comms(world, algorithm="auto"):
     model = ModelWorld(
         world, timeout_s=60.0, lanes=2, buffer_bytes=max(1, world - 1) * 2 * 2 * 1024
     )
-    comms = [fp4_comm.Communicator(t, None, validate="never") for t in model.transports]
+    comms = [fp4_comm.Communicator(t, None, validate="never", all_reduce_algorithm=algorithm)
+             for t in model.transports]  # fmt: skip
     return model, comms
 
 
 @pytest.mark.parametrize(
-    ("world", "codec", "dtype"),
-    [(3, c, torch.bfloat16) for c in CODECS]
-    + [(2, "nvfp4", torch.float32), (4, "mxfp4", torch.float16)],
+    ("world", "codec", "dtype", "algorithm"),
+    [(3, c, torch.bfloat16, "auto") for c in CODECS]
+    + [(2, "nvfp4", torch.float32, "two_shot"), (4, "mxfp4", torch.float16, "two_shot")]
+    + [(2, "mxfp4", torch.bfloat16, "one_shot"), (4, "nvfp4", torch.float32, "one_shot")],
     ids=str,
 )
-def test_model_collectives_equal_the_gloo_path(cluster, world, codec, dtype):
+def test_model_collectives_equal_the_gloo_path(cluster, world, codec, dtype, algorithm):
     shape = (world * 13 + 1, 96)  # padding everywhere; uneven reduce_scatter shards
-    gloo = cluster.run(_gloo_collectives, world, codec, dtype, shape)[:world]
-    model, comms = _model_comms(world)
+    # "auto" over p2p: one-shot for this small message (gloo's "auto" would be two-shot)
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    resolved = resolve_all_reduce_algorithm(algorithm, True, world, nbytes)
+    assert resolved == ("two_shot" if algorithm == "two_shot" else "one_shot")
+    gloo = cluster.run(_gloo_collectives, world, codec, dtype, shape, resolved)[:world]
+    model, comms = _model_comms(world, algorithm)
     got = model.run(
         lambda t: _collectives(comms[t.rank], world, codec, dtype, shape), timeout_s=300
     )

@@ -12,7 +12,8 @@ peer access between GPUs); rank r uses GPU r % device_count.  Environment:
 
 In this process: ``P2PTransport.loopback`` (ranks of one process, one stream each) for the
 kernel alone at every size.  Worker processes: every byte of every size, every collective and
-codec against the gloo path (and NCCL), back-to-back calls of changing shapes, CUDA-graph
+codec against the gloo path (and NCCL), the all-reduce algorithms (one-shot, two-shot, "auto")
+against ``fp4_comm.reference``, back-to-back calls of changing shapes, CUDA-graph
 capture and replay, two communicators at once, send / recv, and the faults: a rank that skips a
 call and a rank that is killed end in CommTimeoutError naming it, within the timeout.
 """
@@ -30,6 +31,7 @@ import torch
 
 import fp4_comm
 import fp4_kernels
+from fp4_comm.collectives import resolve_all_reduce_algorithm
 
 pytestmark = pytest.mark.gpu
 
@@ -217,10 +219,63 @@ def _equal_paths(comms, codec, rounding, dtype, shape):
 def _gloo(comms, codec, rounding, dtype, shape):
     comm = comms[max(k for k in comms if isinstance(k, int))]
     x = _x(shape, dtype, seed=comm.rank)
+    # the all-reduce algorithm that "auto" chooses over p2p for this size, on gloo's transport
+    nbytes = x.numel() * x.element_size()
+    algorithm = resolve_all_reduce_algorithm("auto", True, comm.world_size, nbytes)
+    comm = fp4_comm.Communicator(comm.transport, comm.control_group,
+                                 all_reduce_algorithm=algorithm)  # fmt: skip
     return [
         getattr(comm, op)(x, codec=codec, rounding=rounding, seed=1, step=2)
         for op in ("all_reduce", "reduce_scatter", "all_gather")
     ]
+
+
+def _algorithms(comms, cases):
+    """Each case's all-reduce on this rank by a p2p communicator of each algorithm (over the
+    same transport), and by the default one ("auto")."""
+    base = comms["p2p"]
+    by_algorithm = {
+        a: fp4_comm.Communicator(base.transport, base.control_group, validate="first",
+                                 all_reduce_algorithm=a)
+        for a in ("one_shot", "two_shot")
+    }  # fmt: skip
+    by_algorithm["auto"] = base
+    out = []
+    for algorithm, codec, rounding, dtype, shape in cases:
+        x = _x(shape, dtype, seed=base.rank).to(base.device)
+        y = by_algorithm[algorithm].all_reduce(x, codec=codec, rounding=rounding, seed=1, step=2)
+        out.append(_bits(y))
+    base.synchronize()
+    return out
+
+
+#: (algorithm, codec, rounding, dtype, shape): both algorithms with every codec, and "auto"
+#: on both sides of its threshold (512 KiB of input: one-shot, 2 bytes more: two-shot).
+ALGORITHM_CASES = [
+    (a, c, r, d, (RANKS * 13 + 1, 96))
+    for a in ("one_shot", "two_shot")
+    for c in CODECS
+    for r, d in (("nearest", torch.float32), ("stochastic", torch.bfloat16))
+] + [
+    ("auto", "nvfp4", "nearest", torch.bfloat16, (256 << 10,)),
+    ("auto", "nvfp4", "nearest", torch.bfloat16, ((256 << 10) + 1,)),
+]  # fmt: skip
+
+
+def test_p2p_all_reduce_algorithms_equal_the_reference(cluster):
+    """one_shot and two_shot at FP4_COMM_TEST_RANKS ranks (run with 2 and with 4): every rank
+    holds the same bits, equal to fp4_comm.reference's all-reduce of that algorithm (on this
+    process's GPU); "auto" equals the reference's choice for the p2p transport."""
+    from fp4_comm import reference
+
+    res = cluster.run(_algorithms, ALGORITHM_CASES, timeout_s=600)
+    for i, (algorithm, codec, rounding, dtype, shape) in enumerate(ALGORITHM_CASES):
+        xs = [_x(shape, dtype, seed=r).cuda() for r in range(RANKS)]
+        want = reference.all_reduce(xs, codec=codec, rounding=rounding, seed=1, step=2,
+                                    algorithm=algorithm, transport="p2p")  # fmt: skip
+        for r in range(RANKS):
+            assert np.array_equal(res[r][i], _bits(want[r])), (r, algorithm, codec, rounding)
+            assert np.array_equal(res[r][i], res[0][i]), (r, algorithm, codec)
 
 
 @pytest.mark.parametrize("extra_rows", [0, 1], ids=["even", "uneven"])

@@ -121,6 +121,20 @@ def test_buffers_that_results_view_are_not_kept(codec, dtype):
         del y1, y2
 
 
+@pytest.mark.parametrize("codec", ["none", "none-float32", "nvfp4"])
+def test_the_one_shot_all_reduce_keeps_its_buffers_also_for_none_codecs(codec):
+    # its result is the rank-order sum, new memory: no result views its receive buffer
+    x = torch.randn(16, 48).to(torch.float32 if codec == "none-float32" else torch.bfloat16)
+    with fake_gpu_communicator(2, all_reduce_algorithm="one_shot") as (comm, null, _, _):
+        y1 = comm.all_reduce(x, codec=codec)
+        first = _recv_pointers(null)
+        y2 = comm.all_reduce(x, codec=codec)
+        assert _recv_pointers(null) == first and len(first) == len(
+            get_codec(codec).section_nbytes(768)
+        )
+        assert y1.data_ptr() not in first and y2.data_ptr() not in first
+
+
 def test_validate_first_checks_each_kind_of_call_once():
     x, x2 = torch.randn(8, 32), torch.randn(4, 32)
     with fake_gpu_communicator(2) as (comm, _, control, _):
@@ -174,12 +188,17 @@ def test_per_call_values_of_a_planned_kind_are_still_checked():
 # ---------------------------------------------------------------------- bytes that move
 
 
-def _communicators(world):
-    return [Communicator(t, control_group=None, validate="never") for t in _transports(world)]
+def _communicators(world, op=None):
+    """Communicators over the threaded stand-in (``op`` "all_reduce_one_shot": their
+    all-reduce is the one-shot one)."""
+    algorithm = "one_shot" if op == "all_reduce_one_shot" else "two_shot"
+    return [Communicator(t, control_group=None, validate="never", all_reduce_algorithm=algorithm)
+            for t in _transports(world)]  # fmt: skip
 
 
 CALLS = {
     "all_reduce": lambda comm, x, codec: comm.all_reduce(x, codec=codec),
+    "all_reduce_one_shot": lambda comm, x, codec: comm.all_reduce(x, codec=codec),
     "reduce_scatter": lambda comm, x, codec: comm.reduce_scatter(x, codec=codec),
     "all_gather": lambda comm, x, codec: comm.all_gather(x, codec=codec),
 }
@@ -190,7 +209,7 @@ CALLS = {
 def test_results_survive_the_next_call_of_their_kind(op, codec):
     world = 2
     first, second = _inputs(world, (4, 64), seed=3), _inputs(world, (4, 64), seed=4)
-    comms = _communicators(world)
+    comms = _communicators(world, op)
     call = CALLS[op]
 
     def run(rank):
@@ -201,7 +220,7 @@ def test_results_survive_the_next_call_of_their_kind(op, codec):
 
     results = _on_threads(world, run)
     # ranks whose call is the first of its kind (its plan made anew)
-    anew = _communicators(world)
+    anew = _communicators(world, op)
     fresh = _on_threads(world, lambda r: call(anew[r], second[r], codec))
     for (y1, kept, y2), y2_fresh in zip(results, fresh, strict=True):
         assert torch.equal(y1.view(torch.int32), kept.view(torch.int32))
@@ -278,3 +297,55 @@ def test_reduce_scatter_rounds_the_float32_sum_once(world, shape, dtype):
     for j in range(world):
         assert got[j].dtype == dtype and got[j].shape == ref[j][0].shape
         assert torch.equal(got[j].view(torch.int16), ref[j][0].view(torch.int16))
+
+
+def _p2p_calls(fn):
+    """Python functions of fp4_comm/p2p.py that one ``fn()`` calls, by name."""
+    import sys
+
+    names = {}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith("fp4_comm/p2p.py"):
+            names[frame.f_code.co_name] = names.get(frame.f_code.co_name, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_warm_p2p_call_launches_its_packed_plan_with_the_calls_addresses(world, algorithm):
+    # the p2p kernel's parameters are packed once per kind of launch: a warm call writes its
+    # sections' addresses into them and launches, three Python functions of the transport a
+    # launch (the operation, _move, the plan key's comprehension)
+    from fp4_comm import _p2p_kernels as K
+
+    with fake_gpu_communicator(world, transport="p2p", all_reduce_algorithm=algorithm) as (
+        comm, launcher, _, _,
+    ):  # fmt: skip
+        t = comm.transport
+        x = torch.randn(world * 64, 32)
+        comm.all_reduce(x, codec="nvfp4")
+        launcher.calls.clear()
+        names = _p2p_calls(lambda: comm.all_reduce(x, codec="nvfp4"))
+        ops = [K.OP_ALL_GATHER] if algorithm == "one_shot" else [K.OP_ALL_TO_ALL, K.OP_ALL_GATHER]
+        assert len(launcher.calls) == len(ops)
+        first = K.PARAMS.index("send0")
+        for (grid, params), op in zip(launcher.calls, ops, strict=True):
+            values = dict(zip(K.PARAMS, params, strict=True))
+            assert tuple(params[: len(t._fixed)]) == t._fixed
+            assert values["op"] == op and values["only_peer"] == -1
+            assert values["timeout_ns"] == t._timeout_ns and grid == world * values["lanes"]
+            sections = params[first:]
+            used = [sections[i : i + 3] for i in range(0, len(sections), 3) if sections[i + 2]]
+            assert len(used) == 3  # NVFP4: codes, block scales, the tensor scale
+            assert all(s and r for s, r, _ in used)  # this call's addresses
+        transport = {"all_to_all", "all_gather"}
+        assert sum(n for k, n in names.items() if k in transport) == len(ops)
+        assert names.get("_move") == len(ops) and names.get("<listcomp>") == len(ops)
+        assert sum(names.values()) == 3 * len(ops), names

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+import fp4_comm
+import fp4_comm._transport
 import fp4_kernels
 from fp4_comm import CommTimeoutError, ErrorFeedback, reference
 from fp4_comm.collectives import shard_rows
@@ -46,6 +48,7 @@ def _cases():
             dtype = "bfloat16" if rounding == "stochastic" else "float32"
             for ef in (False, True):
                 cases.append(("all_reduce", codec, rounding, ef, dtype, (37, 40), None))
+                cases.append(("all_reduce_one_shot", codec, rounding, ef, dtype, (37, 40), None))
                 cases.append(("reduce_scatter", codec, rounding, ef, dtype, (13, 24), None))
             cases.append(("all_gather", codec, rounding, False, dtype, (3, 40), None))
             cases.append(("all_gather", codec, rounding, False, dtype, (None, 24), 7))
@@ -79,14 +82,23 @@ def _calls(case):
 
 
 def _run_cases(comms, world, cases, device="cpu"):
-    """Every case on this rank of ``comms[world]`` (or the NCCL communicator)."""
+    """Every case on this rank of ``comms[world]`` (or the NCCL communicator); the one-shot
+    all-reduce cases on a communicator over the same transport that asks for it."""
     comm = comms[world] if device == "cpu" else comms["cuda"]
     if comm is None:
         return None
     r = comm.rank
+    import fp4_comm
+
+    one_shot = fp4_comm.Communicator(comm.transport, comm.control_group, comm.validate,
+                                     all_reduce_algorithm="one_shot")  # fmt: skip
     out = []
     for i, case in enumerate(cases):
         op, codec, rounding, ef, *_ = case
+        if op == "all_reduce_one_shot":
+            comm, op = one_shot, "all_reduce"
+        else:
+            comm = comms[world] if device == "cpu" else comms["cuda"]
         kw = {"codec": _codec(codec), "rounding": rounding, "seed": SEED}
         results = []
         for call in range(_calls(case)):
@@ -113,7 +125,8 @@ def _run_cases(comms, world, cases, device="cpu"):
             else:
                 results.append((_bits(y), None))
         out.append(results)
-    comm.error_feedback.reset()
+    for c in (one_shot, comms[world] if device == "cpu" else comms["cuda"]):
+        c.error_feedback.reset()
     return out
 
 
@@ -134,12 +147,14 @@ def _reference_cases(world, cases, device="cpu"):
                 per_rank[0].append((None, _stats(hops)))
                 per_rank[world - 1].append((_bits(y), None))
                 continue
-            extra = {}
-            if op in ("all_reduce", "reduce_scatter") and ef:
-                extra = {"error_feedback": "x", "residuals": residuals}
+            fn, extra = op, {}
+            if op == "all_reduce_one_shot":
+                fn, extra = "all_reduce", {"algorithm": "one_shot"}
+            if fn in ("all_reduce", "reduce_scatter") and ef:
+                extra.update(error_feedback="x", residuals=residuals)
             if op == "all_gather" and case[6] is not None:
                 extra["total_dim0"] = case[6]
-            ys = getattr(reference, op)(xs, **kw, step=step, stats=ef, **extra)
+            ys = getattr(reference, fn)(xs, **kw, step=step, stats=ef, **extra)
             if ef:
                 ys, hops = ys
                 for r in range(world):
@@ -177,12 +192,102 @@ def test_the_cases_reach_every_path():
     ops = {(c[0], c[1], c[2], c[3]) for c in CASES}
     for codec in CODECS:
         for rounding in ROUNDINGS:
-            for op in ("all_reduce", "reduce_scatter"):
+            for op in ("all_reduce", "all_reduce_one_shot", "reduce_scatter"):
                 assert {(op, codec, rounding, ef) for ef in (False, True)} <= ops
             assert ("send", codec, rounding, False) in ops
     assert any(c[0] == "all_gather" and c[6] for c in CASES)
     # the fused MXFP4 sum: nearest, no error feedback, no statistics
     assert ("all_reduce", "mxfp4", "nearest", False) in ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", CODECS)
+def test_one_shot_all_reduce_is_one_encode_per_rank_summed_in_rank_order(codec, dtype):
+    """The one-shot all-reduce against its definition written out with the codec: each rank
+    encodes its whole (zero-padded) input with its "reduce_scatter" key, every rank decodes
+    the W payloads and adds them in float32 in rank order, one rounding to the dtype.  And it
+    is not the two-shot result (which encodes the sum again) where the codec loses bits."""
+    from fp4_comm.codecs import get_codec, padded_chunk
+    from fp4_comm.collectives import rank_seed
+
+    world, n = 3, 37 * 40
+    c = get_codec(_codec(codec))
+    xs = [_input(7, 0, r, world, CASES[0]).to(dtype) for r in range(world)]
+    got = reference.all_reduce(xs, codec=_codec(codec), rounding="stochastic", seed=SEED,
+                               step=STEP, algorithm="one_shot")  # fmt: skip
+    width = padded_chunk(n, 1, c.granularity)
+    acc = None
+    for r, x in enumerate(xs):
+        payload = torch.zeros(1, width, dtype=dtype)
+        payload[0, :n] = x.reshape(-1)
+        enc = c.encode(payload, "stochastic", rank_seed(SEED, r, "reduce_scatter"), STEP)
+        d = c.decode(enc, width, torch.float32)[0, :n]
+        acc = d.clone() if acc is None else acc + d
+    want = acc.to(dtype).view(xs[0].shape)
+    for y in got:
+        assert torch.equal(_as_bits(y), _as_bits(want))
+    two_shot = reference.all_reduce(xs, codec=_codec(codec), rounding="stochastic", seed=SEED,
+                                    step=STEP, algorithm="two_shot")  # fmt: skip
+    lossless = codec == "none-float32" or (codec == "none" and dtype == torch.bfloat16)
+    assert torch.equal(_as_bits(two_shot[0]), _as_bits(want)) == lossless
+
+
+def _as_bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize(("transport", "world", "nbytes", "want"), [
+    ("p2p", 2, 512 << 10, "one_shot"),
+    ("p2p", 4, 512 << 10, "one_shot"),
+    ("p2p", 4, (512 << 10) + 2, "two_shot"),
+    ("p2p", 5, 1024, "two_shot"),
+    ("nccl", 2, 1024, "two_shot"),
+    ("gloo", 2, 1024, "two_shot"),
+])  # fmt: skip
+def test_auto_takes_one_shot_for_small_messages_on_few_p2p_ranks(transport, world, nbytes, want):
+    from fp4_comm import collectives
+
+    xs = [torch.ones(nbytes // 2, dtype=torch.bfloat16) for _ in range(world)]
+    # the input (not its padding) decides; "auto" follows the named transport
+    auto = reference.all_reduce(xs, codec="nvfp4", algorithm="auto", transport=transport)
+    chosen = reference.all_reduce(xs, codec="nvfp4", algorithm=want)
+    other = "two_shot" if want == "one_shot" else "one_shot"
+    assert collectives.resolve_all_reduce_algorithm("auto", transport == "p2p", world,
+                                                    nbytes) == want  # fmt: skip
+    assert collectives.resolve_all_reduce_algorithm(other, transport == "p2p", world,
+                                                    nbytes) == other  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(auto, chosen, strict=True))
+
+
+def test_emulated_ranks_take_the_algorithm_and_equal_the_reference():
+    xs = [_input(3, 0, r, 2, CASES[0]).to(torch.bfloat16) for r in range(2)]
+    for algorithm in ("one_shot", "two_shot"):
+        ranks = reference.EmulatedRanks(2, all_reduce_algorithm=algorithm)
+        got = ranks.all_reduce(xs, codec="nvfp4", rounding="stochastic", seed=SEED, step=STEP)
+        want = reference.all_reduce(xs, codec="nvfp4", rounding="stochastic", seed=SEED,
+                                    step=STEP, algorithm=algorithm)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # "auto" on emulated p2p ranks: one-shot for this small message
+    ranks = reference.EmulatedRanks(2, transport="p2p")
+    got = ranks.all_reduce(xs, codec="nvfp4", step=0)
+    want = reference.all_reduce(xs, codec="nvfp4", algorithm="one_shot")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: reference.EmulatedRanks(2, all_reduce_algorithm="three_shot"),
+    lambda: reference.EmulatedRanks(2, transport="ucx"),
+    lambda: reference.all_reduce([torch.ones(4)] * 2, algorithm="one-shot"),
+    lambda: reference.all_reduce([torch.ones(4)] * 2, transport="mpi"),
+    lambda: fp4_comm.Communicator(_StubTransport(), all_reduce_algorithm=None),
+])  # fmt: skip
+def test_a_bad_algorithm_or_transport_name_is_a_value_error_naming_it(call):
+    with pytest.raises(ValueError, match="all_reduce_algorithm: |transport: "):
+        call()
+
+
+class _StubTransport(fp4_comm._transport.Transport):
+    rank, world_size, device = 0, 1, torch.device("cpu")
 
 
 # ------------------------------------------------------------------ the stateful group

@@ -1,6 +1,7 @@
-"""The package's shape, kept by tests: short functions, private names kept private, and the
-host path of a torch CUDA call from the public function to ``cuLaunchKernel`` (the number of
-source files and Python calls it passes through, ``_fake_cuda.call_path``)."""
+"""The packages' shape, kept by tests: short functions and private names kept private in the
+three packages' sources (``packages/*/src``), and the host path of a torch CUDA call from the
+public function to ``cuLaunchKernel`` (the number of source files and Python calls it passes
+through, ``_fake_cuda.call_path``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import pytest
 
 import fp4_kernels
 
-PACKAGE = Path(fp4_kernels.__file__).resolve().parent
-SOURCES = sorted(PACKAGE.rglob("*.py"))
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SRC = REPO_ROOT / "packages"
+SOURCES = sorted(SRC.glob("*/src/**/*.py"))
+PACKAGES = {path.parent.name for path in SRC.glob("*/src/*/__init__.py")}
 MAX_FUNCTION_LINES = 80
+
+
+def _name(path):
+    return path.relative_to(SRC).as_posix()
 
 
 def _functions(path):
@@ -23,12 +30,16 @@ def _functions(path):
             yield node
 
 
+def test_the_checks_read_every_package():
+    assert PACKAGES == {"fp4_kernels", "fp4_comm", "fp4_train"}
+    assert {path.relative_to(SRC).parts[0] for path in SOURCES} == PACKAGES
+
+
 def test_no_function_is_longer_than_80_lines():
-    """Every function of the package, nested ones and kernel builders included (a builder's
+    """Every function of the packages, nested ones and kernel builders included (a builder's
     device functions count in its length)."""
     long = [
-        f"{path.relative_to(PACKAGE).as_posix()}:{fn.lineno} {fn.name} "
-        f"({fn.end_lineno - fn.lineno + 1} lines)"
+        f"{_name(path)}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1} lines)"
         for path in SOURCES
         for fn in _functions(path)
         if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
@@ -36,16 +47,41 @@ def test_no_function_is_longer_than_80_lines():
     assert not long, "functions over 80 lines: " + ", ".join(long)
 
 
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _private_imports(path):
-    """``from module import _name`` of a private name of another module (a private module
-    itself, ``from . import _arrays``, is a module of this package and fine)."""
+    """``from module import _name`` of a private name of another module of the same package (a
+    private module itself, ``from . import _arrays``, is a module of this package and fine),
+    and any private module or name of another package (``from fp4_kernels._plans import x``,
+    ``import fp4_kernels._plans``, ``fp4_kernels._plans``): the packages use each other's
+    public names only."""
+    package = path.relative_to(SRC).parts[0]
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
+            other = node.level == 0 and _other_package(node.module, package)
             for alias in node.names:
-                private = alias.name.startswith("_") and not alias.name.startswith("__")
-                if private and not _is_module(path, node, alias.name):
-                    yield f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno} {alias.name}"
+                dotted = f"{node.module}.{alias.name}" if other else alias.name
+                if other and any(map(_private, dotted.split("."))):
+                    yield f"{_name(path)}:{node.lineno} {dotted}"
+                elif not other and _private(alias.name) and not _is_module(path, node, alias.name):
+                    yield f"{_name(path)}:{node.lineno} {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _other_package(alias.name, package) and any(
+                    map(_private, alias.name.split("."))
+                ):
+                    yield f"{_name(path)}:{node.lineno} {alias.name}"
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            if isinstance(node.value, ast.Name) and _other_package(node.value.id, package):
+                yield f"{_name(path)}:{node.lineno} {node.value.id}.{node.attr}"
+
+
+def _other_package(module, package):
+    top = (module or "").split(".")[0]
+    return top in PACKAGES and top != package
 
 
 def _is_module(path, node, name):
@@ -75,6 +111,26 @@ def test_the_checks_see_a_long_function_and_a_private_import(tmp_path):
     assert found == [
         "_hidden",
         "shown",
+    ]
+
+
+def test_the_checks_see_another_packages_private_names(monkeypatch, tmp_path):
+    monkeypatch.setattr(f"{__name__}.SRC", tmp_path)
+    src = tmp_path / "fp4_comm" / "src" / "fp4_comm" / "m.py"
+    src.parent.mkdir(parents=True)
+    src.write_text(
+        "import fp4_kernels\n"
+        "import fp4_kernels._plans\n"
+        "from fp4_kernels import _arrays, quantize\n"
+        "from fp4_kernels.cuda._primitives import WARP_SIZE\n"
+        "from fp4_kernels.formats import nvfp4\n"
+        "x = fp4_kernels._plans.clear, fp4_kernels.quantize\n"
+    )
+    assert [hit.split(" ")[1] for hit in _private_imports(src)] == [
+        "fp4_kernels._plans",
+        "fp4_kernels._arrays",
+        "fp4_kernels.cuda._primitives.WARP_SIZE",
+        "fp4_kernels._plans",
     ]
 
 

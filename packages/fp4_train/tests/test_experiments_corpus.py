@@ -163,3 +163,18 @@ def test_the_shipped_ci_slice():
 def test_xz_copy_is_the_same_bytes(built):
     out, _, _, _ = built
     assert lzma.decompress((out / "train.bin.xz").read_bytes()) == (out / "train.bin").read_bytes()
+
+
+def test_compare_with_study_names_the_versions_that_differ():
+    study = json.loads(build_corpus.STUDY_MANIFEST.read_text())
+    same = json.loads(json.dumps(study))
+    assert build_corpus.compare_with_study(same, study) == [
+        "the same token files and vocabulary as the study's corpus"
+    ]
+    other = json.loads(json.dumps(study))
+    other["splits"]["val"]["sha256"] = "0" * 64
+    other["sources"]["perl-doc"]["version"] = "5.36.0-7+deb12u3"
+    lines = build_corpus.compare_with_study(other, study)
+    assert lines[0].startswith("NOT the study's corpus")
+    assert len(lines) == 2 and "perl-doc: 5.36.0-7+deb12u3 installed" in lines[1]
+    assert study["sources"]["perl-doc"]["version"] in lines[1]

@@ -121,17 +121,40 @@ def ack_at(ack_off: int, dst: int, lanes: int, lane: int) -> int:
     return ack_off + 8 * (dst * lanes + lane)
 
 
+def block_target(block: int, lanes: int, only_peer: int) -> tuple[int, int]:
+    """(peer, lane) of block ``block`` of a launch: one block per (peer, lane), peer-major, or
+    with ``only_peer`` >= 0 one block per lane of that peer."""
+    if only_peer < 0:
+        peer = block // lanes
+        lane = block - peer * lanes
+    else:
+        peer = only_peer
+        lane = block
+    return peer, lane
+
+
+def packed_pieces(piece_bytes: int, n0: int, n1: int, n2: int, n3: int) -> int:
+    """Pieces of ``piece_bytes`` in the packed message of sections of n0 .. n3 bytes a row, each
+    starting on a 16-byte boundary (SECTION_ALIGN)."""
+    total = (
+        (n0 + 15) // 16 * 16 + (n1 + 15) // 16 * 16 + (n2 + 15) // 16 * 16 + (n3 + 15) // 16 * 16
+    )
+    return (total + piece_bytes - 1) // piece_bytes
+
+
 def build_exchange(ops, jit):
     """The kernel's functions for one target; ``run_block`` is one block's whole work."""
-    ld_acquire, st_release = ops.ld_acquire, ops.st_release
-    ld_relaxed, st_relaxed = ops.ld_relaxed, ops.st_relaxed
-    ld_plain, st_plain = ops.ld_plain, ops.st_plain
-    cas, fence_sys, globaltimer, barrier = ops.cas, ops.fence_sys, ops.globaltimer, ops.barrier
+    moves = _build_moves(ops, jit)
+    waits = _build_waits(ops, jit)
+    pass_piece = _build_pass(ops, jit, moves.move_piece, waits.wait_for)
+    run_block = _build_block(ops, jit, moves.move_piece, pass_piece)
+    return SimpleNamespace(**vars(moves), **vars(waits), run_block=run_block)
+
+
+def _build_moves(ops, jit):
+    """``copy_span``, and ``move_section`` / ``move_piece``: a piece's part of each section."""
     copy_v4x4, copy_v4, copy_v2 = ops.copy_v4x4, ops.copy_v4, ops.copy_v2
     copy_u32, copy_u8 = ops.copy_u32, ops.copy_u8
-    slot_free_ = jit(slot_free)
-    data_ready_ = jit(data_ready)
-    slot_at_, ready_at_, ack_at_ = jit(slot_at), jit(ready_at), jit(ack_at)
 
     @jit
     def copy_span(dst, src, n, tid, nthreads):
@@ -199,6 +222,16 @@ def build_exchange(ops, jit):
         o += (n2 + 15) // 16 * 16
         move_section(kind, qlo, qhi, o, n3, s3 + srow * n3, r3 + rrow * n3, slot, tid, nthreads)
 
+    return SimpleNamespace(copy_span=copy_span, move_section=move_section, move_piece=move_piece)
+
+
+def _build_waits(ops, jit):
+    """``wait_for`` a peer's flag, with a deadline, and the failure ``report``."""
+    ld_acquire, ld_relaxed, st_relaxed = ops.ld_acquire, ops.ld_relaxed, ops.st_relaxed
+    cas, fence_sys, globaltimer = ops.cas, ops.fence_sys, ops.globaltimer
+    slot_free_ = jit(slot_free)
+    data_ready_ = jit(data_ready)
+
     @jit
     def report(failed, host_ctl, status, peer, wait, lane, op, expected, seen, waited):
         """The first failure of this rank (one compare-and-swap on the failure word decides
@@ -243,6 +276,13 @@ def build_exchange(ops, jit):
                            seen, waited)  # fmt: skip
                     return False
 
+    return SimpleNamespace(report=report, wait_for=wait_for)
+
+
+def _build_pass(ops, jit, move_piece, wait_for):
+    """``pass_piece``: one side of a message's handshake for one piece."""
+    st_release, barrier = ops.st_release, ops.barrier
+
     @jit
     def pass_piece(kind, k, wait, wait_at, release_at, slot, qlo, piece_bytes, srow, rrow, s0, r0,
                    n0, s1, r1, n1, s2, r2, n2, s3, r3, n3, tid, nthreads, shared, timeout_ns,
@@ -267,6 +307,16 @@ def build_exchange(ops, jit):
             st_release(release_at, k + 1)
         return True
 
+    return pass_piece
+
+
+def _build_block(ops, jit, move_piece, pass_piece):
+    """``run_block``: one block's pieces to and from its peer."""
+    ld_relaxed, barrier = ops.ld_relaxed, ops.barrier
+    ld_plain, st_plain = ops.ld_plain, ops.st_plain
+    slot_at_, ready_at_, ack_at_ = jit(slot_at), jit(ready_at), jit(ack_at)
+    block_target_, packed_pieces_ = jit(block_target), jit(packed_pieces)
+
     @jit
     def run_block(tid, nthreads, shared, block, own_base, host_ctl, rank, world, lanes_max,
                   piece_bytes, ready_off, ack_off, counters_off, failed_off, table_off,
@@ -279,12 +329,7 @@ def build_exchange(ops, jit):
         k - 2, copy, barrier, release the slot's flag = k + 1.  Receiving it: acquire the flag
         = k + 1, copy out, barrier, release the ack = k + 1 in the sender's buffer.
         ``shared[0]`` carries thread 0's verdict on a wait to the block (1: stop)."""
-        if only_peer < 0:
-            peer = block // lanes
-            lane = block - peer * lanes
-        else:
-            peer = only_peer
-            lane = block
+        peer, lane = block_target_(block, lanes, only_peer)
         failed = own_base + failed_off
         if tid == 0:
             # an earlier failure of this rank: the launches queued after it end at once
@@ -292,13 +337,7 @@ def build_exchange(ops, jit):
         barrier()
         if shared[0] != 0:
             return
-        total = (
-            (n0 + 15) // 16 * 16
-            + (n1 + 15) // 16 * 16
-            + (n2 + 15) // 16 * 16
-            + ((n3 + 15) // 16 * 16)
-        )
-        pieces = (total + piece_bytes - 1) // piece_bytes
+        pieces = packed_pieces_(piece_bytes, n0, n1, n2, n3)
         srow = peer if mode & MODE_SEND_ROW_IS_PEER else 0
         rrow = peer if mode & MODE_RECV_ROW_IS_PEER else 0
         if peer == rank:
@@ -350,14 +389,7 @@ def build_exchange(ops, jit):
             st_plain(sent_at, sent)
             st_plain(recvd_at, recvd)
 
-    return SimpleNamespace(
-        copy_span=copy_span,
-        move_section=move_section,
-        move_piece=move_piece,
-        report=report,
-        wait_for=wait_for,
-        run_block=run_block,
-    )
+    return run_block
 
 
 # ---------------------------------------------------------------------- the CUDA target

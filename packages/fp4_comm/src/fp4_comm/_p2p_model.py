@@ -16,8 +16,10 @@ not consumed yet is recorded in ``violations``.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -47,7 +49,7 @@ class _HostMemory:
 class _ModelStream:
     """Launches are synchronous in the model: nothing is ever queued."""
 
-    def __call__(self):
+    def current(self):
         return 0
 
     def wait(self, timeout_s, check):
@@ -82,10 +84,14 @@ class ModelWorld:
             self.transports.append(t)
 
     def _launcher(self, rank):
-        def launch(grid, values, stream):
+        """What ``P2PTransport`` launches with: ``launch`` takes ``cuLaunchKernel``'s
+        arguments and runs the grid's blocks on the parameters the pointers point at."""
+
+        def launch(handle, grid, gy, gz, threads, by, bz, shared_bytes, stream, pointers, extra):
             self.launches += 1
             if rank in self.dead:
-                return
+                return 0
+            values = [ctypes.c_int64.from_address(p).value for p in pointers]
             errors = []
 
             def block(b):
@@ -101,8 +107,9 @@ class ModelWorld:
                 t.join()
             if errors:
                 raise errors[0]
+            return 0
 
-        return launch
+        return SimpleNamespace(handle=0, launch=launch)
 
     def _on_store(self, addr, n):
         """A store of ``n`` bytes at ``addr``: where it falls into a receive slot, the slot's

@@ -133,6 +133,10 @@ class Transport:
     #: Whether a CUDA graph may capture its calls (``graphs="auto"``): its transfers are device
     #: work queued on the caller's stream, which a replay repeats on the buffers of that call.
     graph_capturable = True
+    #: Whether ``all_reduce_algorithm="auto"`` takes the one-shot all-reduce for small
+    #: messages on few ranks (``collectives.resolve_all_reduce_algorithm``): where one
+    #: exchange costs little more than its bytes (the peer-to-peer transport's kernel).
+    one_shot_auto = False
 
     def all_to_all(self, pairs):
         raise NotImplementedError

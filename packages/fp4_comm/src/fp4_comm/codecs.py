@@ -149,15 +149,15 @@ class Codec(ABC):
         return f"{type(self).__name__}()"
 
 
-class _CheckedCodec(Codec):
-    """The built-in codecs' ``encode`` / ``decode``: the argument checks (``_encode_args`` /
+class CheckedCodec(Codec):
+    """The built-in codecs' ``encode`` / ``decode``: the argument checks (``check_encode_args`` /
     ``_decode_args``: the empty result where there is no element), then the format's work on
     checked, non-empty arguments (``_encode_checked`` / ``_decode_checked``)."""
 
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
+        empty = check_encode_args(self, x, rounding, seed, step)
         if empty is not None:
             return empty
         return self._encode_checked(x, rounding, seed, step)
@@ -183,7 +183,7 @@ def _bytes_per_chunk(t, chunks):
     return t.contiguous().view(torch.uint8).reshape(chunks, -1)
 
 
-class NoneCodec(_CheckedCodec):
+class NoneCodec(CheckedCodec):
     """The values as they are, in ``dtype`` (default bfloat16, the usual baseline)."""
 
     granularity = 1
@@ -196,7 +196,7 @@ class NoneCodec(_CheckedCodec):
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
 
     def section_nbytes(self, n: int) -> tuple[int, ...]:
-        return (_check_n(self, n) * self.itemsize,)
+        return (check_n(self, n) * self.itemsize,)
 
     def encode_unchecked(
         self, x: torch.Tensor, rounding: Rounding, seed: int, step: int
@@ -230,7 +230,7 @@ class NoneCodec(_CheckedCodec):
         return f"NoneCodec({_dtype_name(self.dtype)!r})"
 
 
-class _FP4BlockCodec(_CheckedCodec):
+class _FP4BlockCodec(CheckedCodec):
     fmt: str
 
     def __init__(self) -> None:
@@ -238,7 +238,7 @@ class _FP4BlockCodec(_CheckedCodec):
         self.name = self.fmt
 
     def _code_and_scale_nbytes(self, n):
-        n = _check_n(self, n)
+        n = check_n(self, n)
         return (n // 2, n // self.granularity)
 
     def _encode_checked(self, x, rounding, seed, step):
@@ -408,7 +408,7 @@ class MXFP4Codec(_FP4BlockCodec):
         return bound + (np.abs(x) + bound) * REL_HALF_ULP[dtype]
 
 
-class FP4QuantCodec(_CheckedCodec):
+class FP4QuantCodec(CheckedCodec):
     """FP4Quant on the wire: codes (n/2 bytes) and bfloat16 group scales (2n/g bytes).
 
     ``fp4_kernels.FP4Quant`` lays one tensor out as codes then scales in one payload; the
@@ -421,7 +421,7 @@ class FP4QuantCodec(_CheckedCodec):
         self.name = f"fp4quant-g{group_size}" + ("" if hadamard else "-nohadamard")
 
     def section_nbytes(self, n: int) -> tuple[int, ...]:
-        n = _check_n(self, n)
+        n = check_n(self, n)
         return (n // 2, 2 * (n // self.granularity))
 
     decode_copies = True  # dequantize writes a new tensor
@@ -462,7 +462,7 @@ class FP4QuantCodec(_CheckedCodec):
         stages = g.bit_length() - 1 if self.fmt.hadamard else 0
         groups = np.abs(x.astype(np.float64)).reshape(-1, g)
         amax_x = groups.max(axis=1)
-        t = _hadamard_f64(x.astype(np.float64).reshape(-1, g)) if self.fmt.hadamard else groups
+        t = hadamard_f64(x.astype(np.float64).reshape(-1, g)) if self.fmt.hadamard else groups
         # float32 butterflies: each of the log2(g) stages rounds partial sums no larger than
         # g * amax_x, and every output collects one rounding per stage of that size.
         transform_err = stages * FLOAT32_REL_HALF_ULP * g * amax_x
@@ -495,7 +495,7 @@ class FP4QuantCodec(_CheckedCodec):
         return f"FP4QuantCodec(group_size={self.granularity}, hadamard={self.fmt.hadamard})"
 
 
-def _hadamard_f64(groups):
+def hadamard_f64(groups):
     """Unnormalized Walsh-Hadamard transform of each row, in float64 (the exact reference)."""
     t = groups.copy()
     g = t.shape[1]
@@ -538,7 +538,9 @@ def check_int(value, name: str, limit: int) -> int:
     return v
 
 
-def _check_n(codec, n):
+def check_n(codec, n):
+    """``n``, the elements a chunk, as an int that is a multiple of ``codec.granularity``
+    (errors name the codec)."""
     what = f"{type(codec).__name__}: n"
     n = check_int(n, what, 2**63)
     if n % codec.granularity:
@@ -546,7 +548,7 @@ def _check_n(codec, n):
     return n
 
 
-def _encode_args(codec, x, rounding, seed, step):
+def check_encode_args(codec, x, rounding, seed, step):
     """Check ``encode``'s arguments; the (empty) sections where ``x`` has no element, else None."""
     what = f"{type(codec).__name__}.encode"
     check_rounding(rounding)
@@ -567,7 +569,7 @@ def _encode_args(codec, x, rounding, seed, step):
                         "or float16")  # fmt: skip
     if x.dim() != 2:
         raise ValueError(f"{what}: x: expected (chunks, n), got shape {tuple(x.shape)}")
-    n = _check_n(codec, x.shape[1])
+    n = check_n(codec, x.shape[1])
     if not x.is_contiguous():
         raise ValueError(f"{what}: x must be contiguous; call .contiguous()")
     if x.numel() == 0:

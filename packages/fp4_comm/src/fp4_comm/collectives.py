@@ -13,6 +13,16 @@ all_reduce (W ranks, payload of W chunks):
     5. all-gather of the encoded reduced chunks
     6. every rank decodes the same W encoded chunks: bit-identical results on all ranks.
 
+That is the two-shot all-reduce (``all_reduce_algorithm="two_shot"``).  The one-shot one
+(``"one_shot"``): each rank encodes its whole payload once, an all-gather gives every rank
+every rank's payload, and every rank decodes the W payloads and adds them in rank order in
+float32, rounding once to the input's dtype.  One quantization instead of two (no encode of
+the sum), so its bits differ from the two-shot's; W times the bytes a rank receives, one
+exchange instead of two: the faster one for small messages on few ranks.  Both give identical
+bits on every rank.  ``"auto"`` (``resolve_all_reduce_algorithm``): one-shot where the
+transport says so (the peer-to-peer one) for at most ONE_SHOT_MAX_RANKS ranks and
+ONE_SHOT_MAX_BYTES of input, two-shot otherwise.
+
 reduce_scatter is steps 1-3; all_gather is steps 4-6 on each rank's own tensor.  Both split
 dim 0 as ``shard_rows`` says: ceil(d0 / W) rows per rank, the last ranks fewer or none (dim 0
 padded with zero rows to a multiple of W, as a ``reduce_scatter_tensor`` of the padded tensor,
@@ -44,6 +54,31 @@ SECTION_ALIGN_BYTES = 16
 # The golden-ratio increment (2^64 / phi): rank and hop give distinct, well-spread Philox keys.
 _KEY_STRIDE = 0x9E3779B97F4A7C15
 HOPS = ("reduce_scatter", "all_gather", "send")
+ALL_REDUCE_ALGORITHMS = ("auto", "one_shot", "two_shot")
+#: "auto" takes the one-shot all-reduce on transports that ask for it (``Transport.
+#: one_shot_auto``: the peer-to-peer one) up to this many ranks and bytes of input (as vLLM's
+#: custom all-reduce, whose one-shot kernel serves messages below 512 KB on up to 4 GPUs).
+ONE_SHOT_MAX_RANKS = 4
+ONE_SHOT_MAX_BYTES = 512 << 10
+
+
+def check_all_reduce_algorithm(algorithm) -> str:
+    """``algorithm`` if it is one of ALL_REDUCE_ALGORITHMS, else ValueError naming it."""
+    if not isinstance(algorithm, str) or algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(
+            f"all_reduce_algorithm: {algorithm!r} is not one of 'auto', 'one_shot', 'two_shot'"
+        )
+    return algorithm
+
+
+def resolve_all_reduce_algorithm(algorithm: str, one_shot_auto: bool, world: int, nbytes: int):
+    """The algorithm ("one_shot" or "two_shot") that ``algorithm`` means for an all-reduce of
+    ``nbytes`` bytes of input over ``world`` ranks of a transport whose ``one_shot_auto`` is
+    given."""
+    if algorithm != "auto":
+        return algorithm
+    small = world <= ONE_SHOT_MAX_RANKS and nbytes <= ONE_SHOT_MAX_BYTES
+    return "one_shot" if one_shot_auto and small else "two_shot"
 
 
 @dataclass
@@ -119,8 +154,18 @@ def _encode(payload, rank, hop, opts: Options, valid):
             sat = codec.saturated(sections, payload.shape[1])
             opts.collected[hop] = hop_stats(payload, local, sat, valid)
         if ef_name is not None:
+            # store() consumes the corrected payload (the residual is computed in its memory);
+            # a codec whose sections are that memory (a float32 wire of the float32 payload)
+            # must send a copy, or the wire would carry the residual instead of the values
+            if _shares_memory(sections, payload):
+                sections = [s.clone() for s in sections]
             opts.error_feedback.store(ef_name, ef_hop, payload, local, codec.granularity)
     return sections
+
+
+def _shares_memory(sections, t):
+    base = t.untyped_storage().data_ptr()
+    return any(s.untyped_storage().data_ptr() == base for s in sections)
 
 
 def _sum_rows(d):
@@ -130,6 +175,20 @@ def _sum_rows(d):
     for i in range(2, d.shape[0]):
         acc += d[i]
     return acc
+
+
+def _sum_to(d, dtype):
+    """The rows of the float32 (W, k) ``d`` added in rank order, in ``dtype``: float32 adds,
+    then one rounding to the dtype (the last add writes it straight into the result, as
+    ``(... + d[W-1]).to(dtype)``)."""
+    W = d.shape[0]
+    if W == 1 or dtype == torch.float32:
+        return _sum_rows(d).to(dtype)
+    acc = d[0]
+    for i in range(1, W - 1):
+        acc = acc + d[i] if i == 1 else acc.add_(d[i])
+    out = torch.empty(d.shape[1], dtype=dtype, device=d.device)
+    return torch.add(acc, d[W - 1], out=out)
 
 
 def _fused_reduction(opts: Options):
@@ -182,6 +241,9 @@ class _Plan:
 
     #: buffers that this kind of call returns views of: never kept (see above)
     returns_views_of_buffers = True
+    #: the operation the ranks compare before a call (``Communicator``), where it is not the
+    #: call's own: the one-shot all-reduce moves other bytes than the two-shot one
+    check_op: str | None = None
 
     def __init__(self, transport, opts: Options, dtype):
         self.codec, self.rounding, self.dtype = opts.codec, opts.rounding, dtype
@@ -252,6 +314,15 @@ class _Plan:
                 out.append((sections, self.codec.decoder(sections, c, dtype)))
         return out
 
+    def _row(self, x, bufs):
+        """The input as one (1, c) row: a view of it where it needs no padding, else its
+        zero-padded copy in the plan's stage buffer (``self.stage``, ``self.n``)."""
+        if self.stage is None:
+            return x.contiguous().view(1, self.n)
+        payload = bufs[self.stage]
+        payload[0, : self.n].view(self.shape).copy_(x)
+        return payload
+
     def _key_offset(self, hop):
         """rank_seed(seed, rank, hop) == (seed + this) % 2**64."""
         return rank_seed(0, self.rank, hop)
@@ -308,6 +379,36 @@ class AllReducePlan(_Plan):
         return y.view(self.shape) if self.stage is None else y.view(-1)[: self.n].view(self.shape)
 
 
+class OneShotAllReducePlan(_Plan):
+    """``all_reduce`` of (shape, dtype), one-shot (the module's docstring): the whole payload
+    encoded once (the "reduce_scatter" hop: its stochastic-rounding key, its statistics, the
+    worker residual of error feedback), gathered by every rank, decoded and added in rank
+    order in float32, rounded once to the dtype."""
+
+    check_op = "all_reduce_one_shot"
+
+    def __init__(self, transport, opts: Options, shape, dtype):
+        super().__init__(transport, opts, dtype)
+        self.shape, self.n = tuple(shape), _numel(shape)
+        self.c = c = padded_chunk(self.n, 1, self.codec.granularity)
+        self.gather = self._receive(self.world, c, torch.float32)
+        self.stage = self._stage((1, c), dtype) if self.n != c else None
+        self.key = self._key_offset("reduce_scatter")
+        self.valid = _prefix(self.n)
+        # the sum of two or more ranks is new memory (_sum_to), whatever the decode returns:
+        # the buffers may be kept then, for the "none" codecs too
+        self.returns_views_of_buffers = self.world == 1
+        self._done()
+
+    def run(self, transport, x, opts: Options):
+        bufs = self.buffers()
+        payload = self._row(x, bufs)
+        sections = self._encode(payload, "reduce_scatter", self.key, opts, self.valid)
+        recv, decode = bufs[self.gather]
+        transport.all_gather(list(zip(sections, recv, strict=True)))
+        return _sum_to(decode()[:, : self.n], self.dtype).view(self.shape)
+
+
 class ReduceScatterPlan(_Plan):
     """``reduce_scatter`` of (shape, dtype)."""
 
@@ -351,21 +452,7 @@ class ReduceScatterPlan(_Plan):
         sections = self._encode(payload, "reduce_scatter", self.key, opts, self.valid)
         recv, decode = bufs[self.spread]
         self._all_to_all(transport, sections, recv)
-        return self._sum(decode())
-
-    def _sum(self, d):
-        """The rows of the float32 (W, c) ``d`` added in rank order, over the elements this
-        rank keeps, in the input's dtype: float32 adds, then one rounding to the dtype (the
-        last add writes it straight into the result, as ``(... + d[W-1]).to(dtype)``)."""
-        W, keep, dtype = self.world, self.keep, self.dtype
-        d = d[:, :keep]
-        if W == 1 or dtype == torch.float32:
-            return _sum_rows(d).to(dtype).view(self.out_shape)
-        acc = d[0]
-        for i in range(1, W - 1):
-            acc = acc + d[i] if i == 1 else acc.add_(d[i])
-        out = torch.empty(keep, dtype=dtype, device=d.device)
-        return torch.add(acc, d[W - 1], out=out).view(self.out_shape)
+        return _sum_to(decode()[:, : self.keep], self.dtype).view(self.out_shape)
 
 
 class AllGatherPlan(_Plan):
@@ -391,11 +478,7 @@ class AllGatherPlan(_Plan):
 
     def run(self, transport, x, opts: Options):
         bufs, W, m = self.buffers(), self.world, self.m
-        if self.stage is None:
-            payload = x.contiguous().view(1, self.n)
-        else:
-            payload = bufs[self.stage]
-            payload[0, : self.n].view(self.shape).copy_(x)
+        payload = self._row(x, bufs)
         sections = self._encode(payload, "all_gather", self.key, opts, self.valid)
         recv, decode = bufs[self.gather]
         transport.all_gather(list(zip(sections, recv, strict=True)))
@@ -448,6 +531,7 @@ class RecvPlan(_Plan):
         return y.view(self.shape) if self.n == self.c else y.view(-1)[: self.n].view(self.shape)
 
 
+#: The plan class of each operation (all_reduce: the two-shot one; ``all_reduce_plan``).
 PLANS = {
     "all_reduce": AllReducePlan,
     "reduce_scatter": ReduceScatterPlan,
@@ -460,9 +544,21 @@ PLANS = {
 # ---------------------------------------------------------------------- one call, no plan kept
 
 
-def all_reduce(transport, x, opts: Options):
+ALL_REDUCE_PLANS = {"one_shot": OneShotAllReducePlan, "two_shot": AllReducePlan}
+
+
+def all_reduce_plan(algorithm: str, transport, nbytes: int):
+    """The plan class of an all-reduce of ``nbytes`` bytes of input over ``transport`` for
+    ``algorithm`` ("auto", "one_shot", "two_shot"; checked by the caller)."""
+    one_shot_auto = getattr(transport, "one_shot_auto", False)
+    resolved = resolve_all_reduce_algorithm(algorithm, one_shot_auto, transport.world_size, nbytes)
+    return ALL_REDUCE_PLANS[resolved]
+
+
+def all_reduce(transport, x, opts: Options, algorithm: str = "two_shot"):
     """Sum of ``x`` over the ranks, same shape and dtype, identical bits on every rank."""
-    return AllReducePlan(transport, opts, x.shape, x.dtype).run(transport, x, opts)
+    cls = all_reduce_plan(algorithm, transport, x.numel() * x.element_size())
+    return cls(transport, opts, x.shape, x.dtype).run(transport, x, opts)
 
 
 def shard_rows(dim0: int, world_size: int) -> list[int]:

@@ -56,9 +56,17 @@ TensorLike = Any
 DeviceLike = torch.device | str | int
 Validate = Literal["always", "first", "never"]
 TransportName = Literal["nccl", "gloo", "p2p"]
+AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot"]
 
 VALIDATE = ("always", "first", "never")
-_OPS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "send": 4, "recv": 4}
+_OPS = {
+    "all_reduce": 1,
+    "reduce_scatter": 2,
+    "all_gather": 3,
+    "send": 4,
+    "recv": 4,
+    "all_reduce_one_shot": 5,
+}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Kinds of call whose plans a communicator keeps (least recently used dropped first).
 PLAN_CACHE_SIZE = 64
@@ -125,6 +133,13 @@ class Communicator:
     qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
     on CUDA transports (NCCL, p2p), "never" over gloo and between the emulated ranks of
     ``fp4_comm.reference`` (which no graph can capture).
+
+    ``all_reduce_algorithm``: "two_shot" (reduce-scatter, requantize the sum, all-gather),
+    "one_shot" (every rank gathers every rank's encoded input and adds them: one quantization,
+    so other bits than two-shot's; W times the bytes received), or "auto" (default): one-shot
+    on the p2p transport for at most 4 ranks and inputs of at most 512 KiB, two-shot otherwise
+    (``fp4_comm.collectives``).  Both run over every transport; every rank must choose the
+    same (the ranks' check compares the algorithm an all-reduce resolves to).
     """
 
     def __init__(
@@ -133,9 +148,11 @@ class Communicator:
         control_group: dist.ProcessGroup | None = None,
         validate: Validate = "always",
         graphs: Graphs | None = None,
+        all_reduce_algorithm: AllReduceAlgorithm = "auto",
     ) -> None:
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
+        collectives.check_all_reduce_algorithm(all_reduce_algorithm)
         if graphs is None:
             graphs = _graphs.default_graphs(transport)
         _graphs.check_graphs(graphs)
@@ -157,6 +174,7 @@ class Communicator:
         self.control_group = control_group
         self.validate = validate
         self.graphs = graphs
+        self.all_reduce_algorithm = all_reduce_algorithm
         self.error_feedback = ErrorFeedback()
         self._graphed = _graphs.GraphCache()  # kinds of call replayed from CUDA graphs
         self._validated: set[tuple] = set()
@@ -175,6 +193,7 @@ class Communicator:
         validate: Validate = "always",
         transport: TransportName | None = None,
         graphs: Graphs | None = None,
+        all_reduce_algorithm: AllReduceAlgorithm = "auto",
     ) -> Communicator:
         """A communicator over the ranks of ``group`` (default: the default group).
 
@@ -186,7 +205,7 @@ class Communicator:
         ``transport``: "nccl" (default for a CUDA device), "gloo" (for "cpu"), or "p2p": CUDA
         tensors moved by fp4_comm's own kernel through CUDA IPC buffers, for ranks on one node
         whose GPUs can map each other's memory (``fp4_comm.p2p``; ValueError on every rank
-        where they cannot).  ``graphs``: as in the constructor.
+        where they cannot).  ``graphs`` and ``all_reduce_algorithm``: as in the constructor.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -197,6 +216,7 @@ class Communicator:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
         if graphs is not None:
             _graphs.check_graphs(graphs)
+        collectives.check_all_reduce_algorithm(all_reduce_algorithm)
         _check_timeout(timeout_s)
         if device is None:
             device = (
@@ -229,7 +249,7 @@ class Communicator:
             mover = GlooTransport(control)
         else:
             raise ValueError(f"device: {device} is neither a CUDA device nor the CPU")
-        return cls(mover, control, validate, graphs)
+        return cls(mover, control, validate, graphs, all_reduce_algorithm)
 
     @classmethod
     def from_env(
@@ -239,12 +259,13 @@ class Communicator:
         validate: Validate = "always",
         transport: TransportName | None = None,
         graphs: Graphs | None = None,
+        all_reduce_algorithm: AllReduceAlgorithm = "auto",
     ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU ``LOCAL_RANK % torch.cuda.device_count()`` (``local_device``:
         ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA.
-        ``transport`` and ``graphs`` as in ``from_process_group``."""
+        ``transport``, ``graphs`` and ``all_reduce_algorithm`` as in ``from_process_group``."""
         _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
@@ -253,7 +274,10 @@ class Communicator:
         if device is None and torch.cuda.is_available():
             device = local_device()
             torch.cuda.set_device(device)
-        return cls.from_process_group(None, device, timeout_s, validate, transport, graphs)
+        collectives.check_all_reduce_algorithm(all_reduce_algorithm)
+        return cls.from_process_group(
+            None, device, timeout_s, validate, transport, graphs, all_reduce_algorithm
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -330,7 +354,9 @@ class Communicator:
         stats: bool = False,
     ) -> TensorLike | tuple[TensorLike, dict[str, HopStats]]:
         """Sum of ``x`` over the ranks: same shape and dtype as ``x``, the same bits on every
-        rank.  Any size (zeros pad it to W chunks of whole blocks)."""
+        rank.  Any size (zeros pad it to whole blocks).  One-shot or two-shot as the
+        communicator's ``all_reduce_algorithm`` says (their bits differ where the codec loses
+        information: ``fp4_comm.collectives``)."""
         return self._run("all_reduce", x, codec, rounding, seed, step, error_feedback, stats)
 
     def reduce_scatter(
@@ -488,11 +514,7 @@ class Communicator:
         if step is None:
             step = (call if peer is None else default_step) % STEP_LIMIT
         elif isinstance(step, torch.Tensor):
-            if not self._is_step_tensor(step):
-                raise ValueError(
-                    f"step: a tensor step must be a one-element int64 tensor on {self.device}, "
-                    f"got {step.dtype} of shape {tuple(step.shape)} on {step.device}"
-                )
+            self._check_step_tensor(step)
         else:
             step = operator.index(step)
         if peer is not None:
@@ -503,13 +525,15 @@ class Communicator:
             t = back.tensor
             self._check_input(op, t)
             t = t.resolve_neg()  # a negative view: the values it stands for
-            self._validate_call(op, t, codec, rounding, peer, total_dim0, call)
+            plan_class = self._plan_class(op, t)
+            self._validate_call(plan_class.check_op or op, t, codec, rounding, peer, total_dim0,
+                                call)  # fmt: skip
             opts = collectives.Options(
                 codec, rounding, seed, step, self.error_feedback if ef_name else None,
                 ef_name, stats,
             )  # fmt: skip
             extra = (total_dim0,) if op == "all_gather" else ()
-            plan = collectives.PLANS[op](self.transport, opts, t.shape, t.dtype, *extra)
+            plan = plan_class(self.transport, opts, t.shape, t.dtype, *extra)
             if type(x) is torch.Tensor:  # CuPy arrays come through _stream_of: not kept
                 nbytes = t.numel() * t.element_size()
                 self._keep_plan(kind, plan, (codec, rounding, ef_name, stats, nbytes))
@@ -525,6 +549,13 @@ class Communicator:
                 return out, collectives.collected_stats(opts)
             return out
 
+    def _check_step_tensor(self, step):
+        if not self._is_step_tensor(step):
+            raise ValueError(
+                f"step: a tensor step must be a one-element int64 tensor on {self.device}, "
+                f"got {step.dtype} of shape {tuple(step.shape)} on {step.device}"
+            )
+
     def _is_step_tensor(self, step):
         return (
             type(step) is torch.Tensor
@@ -534,6 +565,13 @@ class Communicator:
         )
 
     # -- plans: the host work of a kind of call done once (collectives.py)
+
+    def _plan_class(self, op, t):
+        """The plan of ``op`` on ``t``: all_reduce's as ``all_reduce_algorithm`` says."""
+        if op != "all_reduce":
+            return collectives.PLANS[op]
+        nbytes = t.numel() * t.element_size()
+        return collectives.all_reduce_plan(self.all_reduce_algorithm, self.transport, nbytes)
 
     def _planned(self, kind):
         """The kept plan of this kind of call, or None (also for arguments that cannot be
@@ -644,7 +682,8 @@ class Communicator:
         replays, or is captured (``fp4_comm.graphs``), or the plan runs eagerly."""
         plan = entry.plan
         if self._needs_check(entry):
-            self._validate_call(op, x, plan.codec, rounding, peer, total_dim0, call)
+            self._validate_call(plan.check_op or op, x, plan.codec, rounding, peer, total_dim0,
+                                call)  # fmt: skip
             entry.validated = entry.validated or self._validated_for_good()
         opts = collectives.Options(
             plan.codec, rounding, seed, step, self.error_feedback if ef_name else None, ef_name,
@@ -766,6 +805,7 @@ class Communicator:
         key = tuple(sig[:_CALL] + sig[_CALL + 1 :])
         if not self._should_validate(key):
             return
+        op = op.removesuffix("_one_shot")  # the user's name of the call in the messages
         mine = torch.tensor(sig, dtype=torch.int64)
         every = torch.empty(self.world_size * _SIG_LEN, dtype=torch.int64)
         try:
@@ -899,6 +939,12 @@ def _describe(rows):
 
 
 def _hint(rows):
+    ops = {r[0] for r in rows}
+    if ops == {_OPS["all_reduce"], _OPS["all_reduce_one_shot"]}:
+        return (
+            "\nop id 1 is the two-shot all-reduce, 5 the one-shot one: the ranks' "
+            "all_reduce_algorithm differs (give every rank's Communicator the same)"
+        )
     calls = {r[_CALL] for r in rows}
     rest = {tuple(r[:_CALL] + r[_CALL + 1 :]) for r in rows}
     if len(calls) > 1 and len(rest) == 1:

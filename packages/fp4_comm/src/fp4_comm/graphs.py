@@ -134,20 +134,12 @@ def capture(run, device, shape, dtype):
     private pool, so no eager allocation ever shares its memory (and without deterministic
     mode's NaN fill, which would be a node of the graph: ``_unfilled``).  Capture mode
     "thread_local": the caller's other threads may go on using CUDA meanwhile."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            static = None if shape is None else _unfilled(shape, dtype, device)
-            out = run() if shape is None else run(static)
-        except BaseException:
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # the capture is invalid anyway; the original error says why
-            raise
-        graph.capture_end()
-    return graph, static, out
+
+    def call():
+        static = None if shape is None else _unfilled(shape, dtype, device)
+        return static, run() if shape is None else run(static)
+
+    return _captured(call, device)
 
 
 def capture_group(run, device, shapes, dtype):
@@ -155,12 +147,23 @@ def capture_group(run, device, shapes, dtype):
     input per shape, for the emulated ranks of ``fp4_comm.reference``: ``run`` hands the call
     to the ranks' threads, which queue their kernels on the capturing stream (the caller's
     current stream, which they take as theirs).  As ``capture`` otherwise."""
+
+    def call():
+        statics = [_unfilled(shape, dtype, device) for shape in shapes]
+        return statics, run(statics)
+
+    return _captured(call, device)
+
+
+def _captured(call, device):
+    """(graph, inputs, out) where ``call()`` -> (inputs, out) runs inside the capture of
+    ``graph`` on a side stream of ``device`` (``capture``); a failed capture is ended before
+    its error goes on."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            statics = [_unfilled(shape, dtype, device) for shape in shapes]
-            out = run(statics)
+            inputs, out = call()
         except BaseException:
             try:
                 graph.capture_end()
@@ -168,7 +171,7 @@ def capture_group(run, device, shapes, dtype):
                 pass  # the capture is invalid anyway; the original error says why
             raise
         graph.capture_end()
-    return graph, statics, out
+    return graph, inputs, out
 
 
 def _unfilled(shape, dtype, device):

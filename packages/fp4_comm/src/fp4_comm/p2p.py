@@ -12,22 +12,26 @@ Design
 ``P2PTransport`` implements the ``Transport`` interface (``all_to_all``, ``all_gather``,
 ``send``, ``recv``), so ``collectives.py`` runs its algorithms unchanged over it: the codecs,
 padding, rank-order float32 sums and the bits of every result are those of the NCCL and gloo
-paths, because a transport only moves bytes and this one moves them exactly.  (A fused one-shot
-all-reduce that encodes straight into the peer's buffer would need its own reference for bits;
-it is not built.)
+paths for the same all-reduce algorithm, because a transport only moves bytes and this one
+moves them exactly.  ``one_shot_auto``: ``all_reduce_algorithm="auto"`` takes the one-shot
+all-reduce (an all-gather of each rank's encoded input, ``collectives.py``) over this
+transport for small inputs on few ranks.  (A one-shot kernel that encodes straight into the
+peers' buffers is not built.)
 
 Each rank allocates one device buffer (``BufferLayout``) when the communicator is made: flags,
 acknowledgements, its own message counters and the table of the peers' buffer addresses, then
 the receive slots.  Its CUDA IPC handle goes to the other ranks over the communicator's gloo
 control group; each opens the others' buffers once.  A call launches one kernel,
 ``_p2p_kernels.exchange``, on the caller's current stream: no host synchronization, nothing
-allocated.  Its blocks are (peer, lane) pairs.  A message (the row of each codec section meant
-for one peer, the sections packed at 16-byte offsets) is cut into pieces of one slot; piece q
-travels on lane q % lanes, so every lane is a first-in first-out channel of its own between two
-ranks, with its own counters, flags and two slots in the receiver's buffer.  A block pushes its
-pieces into the peer's slots (stores over NVLink, or within the GPU when both ranks share one)
-and takes the peer's pieces out of its own slots.  Messages larger than the buffer go through
-in as many pieces as they need.  ``send`` / ``recv`` use the same channels in one direction.
+allocated; its parameters are packed once per kind of launch (``_Exchange``), a call writes
+its sections' addresses into them.  Its blocks are (peer, lane) pairs.  A message (the row
+of each codec section meant for one peer, the sections packed at 16-byte offsets) is cut into
+pieces of one slot; piece q travels on lane q % lanes, so every lane is a first-in first-out
+channel of its own between two ranks, with its own counters, flags and two slots in the
+receiver's buffer.  A block pushes its pieces into the peer's slots (stores over NVLink, or
+within the GPU when both ranks share one) and takes the peer's pieces out of its own slots.
+Messages larger than the buffer go through in as many pieces as they need.  ``send`` /
+``recv`` use the same channels in one direction.
 
 Protocol (message k of one lane from rank s to rank r; k counts every message of that lane
 over the communicator's life, in device memory):
@@ -187,11 +191,6 @@ def packed_bytes(nbytes) -> int:
     """Bytes of one packed message: each section's row padded to 16 bytes, in order (the
     kernel computes the same from its four sizes)."""
     return sum(K.align_up(n, K.SECTION_ALIGN) for n in nbytes)
-
-
-class _Plan(NamedTuple):
-    launch: Launch | None
-    nbytes: tuple[int, ...]
 
 
 class Launch(NamedTuple):
@@ -385,34 +384,38 @@ def _exchange_kernel(cc: tuple[int, int]):
 
 
 class _KernelLauncher:
-    """The exchange kernel on one device: its parameters packed into a buffer laid out once,
-    each launch one ``struct.pack_into`` and one ``cuLaunchKernel`` (a few microseconds)."""
+    """The exchange kernel on one device: its handle and ``cuLaunchKernel`` (ctypes), which a
+    call invokes itself with the parameters its plan packed (``_Exchange``)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         cc = torch.cuda.get_device_capability(device)
         self.kernel = _exchange_kernel(tuple(cc))  # keeps the library loaded
         self.handle = int(self.kernel.handle)
-        self.struct = struct.Struct(f"={len(K.PARAMS)}q")
-        self.buffer = ctypes.create_string_buffer(self.struct.size)
-        base = ctypes.addressof(self.buffer)
+        self.launch = _cu_launch_kernel()
+
+
+class _Exchange:
+    """One kind of launch (operation, peer, section shapes), packed once: the kernel's
+    parameters as int64 words with everything that does not change between calls in place,
+    and the array of their addresses that ``cuLaunchKernel`` takes.  A call writes its
+    tensors' addresses into ``params`` and launches (the driver copies the parameters at the
+    launch, so the next call may overwrite them).  ``grid`` 0: nothing to move."""
+
+    __slots__ = ("grid", "params", "pointers", "nbytes")
+
+    def __init__(self, launch: Launch | None, values, nbytes):
+        self.grid = 0 if launch is None else launch.grid
+        self.nbytes = tuple(nbytes)
+        self.params = (ctypes.c_int64 * len(K.PARAMS))(*values)
+        base = ctypes.addressof(self.params)
         self.pointers = (ctypes.c_void_p * len(K.PARAMS))(
             *[base + 8 * i for i in range(len(K.PARAMS))]
         )
-        self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
 
-    def __call__(self, grid: int, values, stream: int) -> None:
-        launch = _cu_launch_kernel()
-        with self.lock:
-            self.struct.pack_into(self.buffer, 0, *values)
-            rc = launch(self.handle, grid, 1, 1, K.THREADS, 1, 1, 0, stream, self.pointers, None)
-            if rc in _CONTEXT_ERRORS:
-                # this thread's current context is another device's: launch on ours
-                with torch.cuda.device(self.device):
-                    rc = launch(self.handle, grid, 1, 1, K.THREADS, 1, 1, 0, stream,
-                                self.pointers, None)  # fmt: skip
-        if rc:
-            raise RuntimeError(f"p2p transport: cuLaunchKernel failed with CUresult {rc}")
+
+# Where the first section's parameters (send0, recv0, nbytes0) start among PARAMS.
+_SECTION_PARAMS = K.PARAMS.index("send0")
 
 
 @functools.cache
@@ -498,6 +501,8 @@ class P2PTransport(Transport):
     ``buffer_bytes`` is the size of this rank's receive slots (messages larger than it go in
     pieces); ``lanes`` the most blocks a peer.  ValueError on every rank where the ranks cannot
     all map each other's memory (another node, no peer access): use NCCL there."""
+
+    one_shot_auto = True
 
     def __init__(
         self,
@@ -592,22 +597,26 @@ class P2PTransport(Transport):
 
     def _assemble(self, rank, world, device, layout, memory, bases, timeout_s, launcher,
                   stream, watchdog):  # fmt: skip
-        """Set up from the parts (the constructor, ``loopback``, the CPU model)."""
+        """Set up from the parts (the constructor, ``loopback``, the CPU model).  ``launcher``:
+        ``handle`` and ``launch`` (``cuLaunchKernel``'s signature); ``stream``: ``current()``
+        (the raw handle of the caller's current stream), ``wait`` and ``drain``."""
         self.rank, self.world_size, self.device = rank, world, device
         self.timeout_s = _check_timeout(timeout_s)
         self.layout = layout
         self._memory = memory
         self._closed = False
         memory.write(layout.table_off, struct.pack(f"={world}q", *bases))
-        self._launch = launcher
+        self._launcher = launcher
+        self._kernel, self._cu_launch = launcher.handle, launcher.launch
         self._stream = stream
+        self._current_stream = stream.current
         self._fixed = (
             memory.base, memory.host_ctl_device, rank, world, layout.lanes, layout.piece_bytes,
             layout.ready_off, layout.ack_off, layout.counters_off, layout.failed_off,
             layout.table_off, layout.data_off,
         )  # fmt: skip
         self._timeout_ns = int(self.timeout_s * 1e9)
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, _Exchange] = {}
         self._status = ctypes.c_int64.from_address(memory.host_ctl + 8 * K.REPORT_STATUS)
         self._abort_word = ctypes.c_int64.from_address(memory.host_ctl + 8 * K.HOST_ABORT)
         self._failed: str | None = None
@@ -633,33 +642,51 @@ class P2PTransport(Transport):
     def _move(self, pairs, mode, peer, op):
         if self._failed is not None or self._status.value != 0 or self._closed:
             self._raise_if_failed()
-        stream = None
-        for start in range(0, len(pairs), K.MAX_SECTIONS):
-            group = pairs[start : start + K.MAX_SECTIONS]
-            # the plan of these section shapes: checked once (dtype, layout), then a lookup
-            key = (mode, peer, *[(None if s is None else s.shape, None if r is None else r.shape)
-                                 for s, r in group])  # fmt: skip
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = self._plan(group, mode, peer)
-            if plan.launch is None:
-                continue
-            values = [*self._fixed, plan.launch.lanes, mode, peer, self._timeout_ns, op]
-            for (send, recv), n in zip(group, plan.nbytes, strict=True):
-                # the plan holds for tensors of these shapes laid out contiguously
-                if not ((send is None or send.is_contiguous())
-                        and (recv is None or recv.is_contiguous())):  # fmt: skip
-                    raise ValueError("p2p transport: sections must be contiguous tensors")
-                values += (0 if send is None else send.data_ptr(),
-                           0 if recv is None else recv.data_ptr(), n)  # fmt: skip
-            values += (0, 0, 0) * (K.MAX_SECTIONS - len(group))
-            if stream is None:
-                stream = self._stream()
-            self._launch(plan.launch.grid, values, stream)
+        if len(pairs) > K.MAX_SECTIONS:
+            for start in range(0, len(pairs), K.MAX_SECTIONS):
+                self._move(pairs[start : start + K.MAX_SECTIONS], mode, peer, op)
+            return
+        # the plan of these section shapes and dtypes (the mode fixes the operation): checked
+        # and packed once (every parameter but the addresses), then a lookup
+        key = (mode, peer, *[(s is not None and (s.shape, s.dtype),
+                              r is not None and (r.shape, r.dtype)) for s, r in pairs])  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(pairs, mode, peer, op)
+        if plan.grid:
+            params, i = plan.params, _SECTION_PARAMS
+            for send, recv in pairs:
+                # the plan holds for tensors of these shapes laid out contiguously; where the
+                # mode moves no send (recv) side, its address stays the plan's 0
+                if send is not None:
+                    if not send.is_contiguous():
+                        raise ValueError("p2p transport: sections must be contiguous tensors")
+                    params[i] = send.data_ptr()
+                if recv is not None:
+                    if not recv.is_contiguous():
+                        raise ValueError("p2p transport: sections must be contiguous tensors")
+                    params[i + 1] = recv.data_ptr()
+                i += 3
+            stream = self._current_stream()
+            rc = self._cu_launch(self._kernel, plan.grid, 1, 1, K.THREADS, 1, 1, 0, stream,
+                                 plan.pointers, None)  # fmt: skip
+            if rc:
+                self._launch_again(rc, plan, stream)
         if self._watchdog and self._thread is None:
             name = f"fp4_comm p2p watchdog rank {self.rank}"
             self._thread = threading.Thread(target=self._watch_loop, daemon=True, name=name)
             self._thread.start()
+
+    def _launch_again(self, rc, plan, stream):
+        """A launch that failed with ``rc``: where this thread's current context is another
+        device's, launch again on ours; RuntimeError if that fails too, or for any other
+        error."""
+        if rc in _CONTEXT_ERRORS:
+            with torch.cuda.device(self.device):
+                rc = self._cu_launch(self._kernel, plan.grid, 1, 1, K.THREADS, 1, 1, 0, stream,
+                                     plan.pointers, None)  # fmt: skip
+        if rc:
+            raise RuntimeError(f"p2p transport: cuLaunchKernel failed with CUresult {rc}")
 
     def before_replay(self) -> None:
         # A replay runs the captured kernels, whose waits have their deadlines on the device
@@ -667,14 +694,16 @@ class P2PTransport(Transport):
         if self._failed is not None or self._status.value != 0 or self._closed:
             self._raise_if_failed()
 
-    def _plan(self, group, mode, peer):
-        """The launch of one group of sections, their tensors checked: uint8 and the shapes the
-        operation moves (other shapes would move other bytes than asked)."""
+    def _plan(self, group, mode, peer, op):
+        """The launch of one group of sections, packed (``_Exchange``), their tensors checked:
+        one-byte elements (uint8, int8: bytes, as the other transports move them) and the
+        shapes the operation moves (other shapes would move other bytes than asked)."""
         nbytes = []
         for send, recv in group:
             for t in (send, recv):
-                if t is not None and t.dtype != torch.uint8:
-                    raise ValueError(f"p2p transport: sections must be uint8, got {t.dtype}")
+                if t is not None and t.element_size() != 1:
+                    raise ValueError(f"p2p transport: sections must be tensors of one-byte "
+                                     f"elements (uint8), got {t.dtype}")  # fmt: skip
             if mode == K.MODE_ALL_TO_ALL:
                 n = send.shape[1] if send.dim() == 2 else -1
                 ok = send.shape[0] == self.world_size and recv.shape == send.shape
@@ -689,7 +718,13 @@ class P2PTransport(Transport):
                 raise ValueError(f"p2p transport: section shapes {shapes} do not fit operation "
                                  f"mode {mode} on {self.world_size} ranks")  # fmt: skip
             nbytes.append(n)
-        return _Plan(plan_launch(self.layout, nbytes, peer), tuple(nbytes))
+        launch = plan_launch(self.layout, nbytes, peer)
+        lanes = 0 if launch is None else launch.lanes
+        values = [*self._fixed, lanes, mode, peer, self._timeout_ns, op]
+        for n in nbytes:
+            values += (0, 0, n)  # the addresses: written by each call
+        values += (0, 0, 0) * (K.MAX_SECTIONS - len(nbytes))
+        return _Exchange(launch, values, nbytes)
 
     # ------------------------------------------------------------------ faults
 
@@ -772,9 +807,8 @@ class _CudaStream:
 
     def __init__(self, device):
         self.device = device
-
-    def __call__(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # current(): the raw handle of the current stream on the device, one C call
+        self.current = functools.partial(torch._C._cuda_getCurrentRawStream, device.index)
 
     def wait(self, timeout_s, check) -> bool:
         """Poll an event on the current stream until done (True) or ``timeout_s`` (False);

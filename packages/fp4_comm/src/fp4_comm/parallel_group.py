@@ -148,34 +148,35 @@ class TensorParallelGroup:
         elif torch.is_grad_enabled() and fwd.error_feedback:
             # a validation pass must not move the residuals
             kw["error_feedback"] = f"{site}.out"
+        if kind == "exit" and self.sequence_parallel:  # the gradient is all-gathered
+            kw["grad_codec"] = bwd.codec
+            if bwd.rounding is not None:
+                kw["grad_rounding"] = bwd.rounding
         return kw  # fmt: skip
 
     def enter(self, x: torch.Tensor, site: str) -> torch.Tensor:
         """A block's input, replicated (or, with SP, gathered) before its column-parallel
         linear.  ``site``: a name unique to the call site (error-feedback buffers)."""
-        if self.size == 1:
-            return x
-        if self.native:
-            return self._native(x, False)
-        kw = self._kwargs(site, "enter")
-        if self.sequence_parallel:
-            return self._collective("gather_from_sequence_parallel", x, kw)
-        return self._collective("copy_to_tensor_parallel", x, kw)
+        return self._edge(x, site, "enter")
 
     def exit(self, x: torch.Tensor, site: str) -> torch.Tensor:
         """A row-parallel linear's partial output, summed over the ranks (with SP: and
         scattered along the sequence)."""
+        return self._edge(x, site, "exit")
+
+    # the collective at each edge of a tensor-parallel region: (without SP, with SP)
+    _EDGE_FUNCTIONS = {
+        "enter": ("copy_to_tensor_parallel", "gather_from_sequence_parallel"),
+        "exit": ("reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"),
+    }
+
+    def _edge(self, x, site, kind):
         if self.size == 1:
             return x
         if self.native:
-            return self._native(x, True)
-        kw = self._kwargs(site, "exit")
-        if self.sequence_parallel:
-            kw["grad_codec"] = self.backward.codec
-            if self.backward.rounding is not None:
-                kw["grad_rounding"] = self.backward.rounding
-            return self._collective("reduce_scatter_to_sequence_parallel", x, kw)
-        return self._collective("reduce_from_tensor_parallel", x, kw)
+            return self._native(x, kind == "exit")
+        function = self._EDGE_FUNCTIONS[kind][bool(self.sequence_parallel)]
+        return self._collective(function, x, self._kwargs(site, kind))
 
     def _collective(self, function, x, kw):
         # ``function`` of ``fp4_comm.tensor_parallel`` over this rank's communicator (the

@@ -55,6 +55,7 @@ DEFAULT_TIMEOUT_S = 300.0
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POLL_S = 0.01  # a receiver looks this often whether a failed sender will never send
 _JOIN_S = 10.0  # how long a stopping group waits for a rank's thread to finish its task
+_TRANSPORTS = ("nccl", "gloo", "p2p")
 
 
 class _Exchange:
@@ -357,6 +358,15 @@ def _options(codec, rounding, seed, step, error_feedback, residuals, world_size,
     ]
 
 
+def _check_transport_name(transport):
+    if transport not in _TRANSPORTS:
+        raise ValueError(
+            f"transport: {transport!r} is not one of 'nccl', 'gloo', 'p2p' (the transport "
+            "whose all_reduce_algorithm='auto' choice to follow)"
+        )
+    return transport
+
+
 def _run_ranks(collective, xs, opts, stats, *extra):
     """``collective(transport_r, xs[r], opts[r], *extra)`` on every rank's thread: the ranks'
     results (``stats``: and each rank's {hop: HopStats})."""
@@ -379,13 +389,22 @@ def all_reduce(
     error_feedback: str | None = None,
     residuals: Sequence[ErrorFeedback] | None = None,
     stats: bool = False,
+    algorithm: str = "auto",
+    transport: str = "nccl",
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[dict[str, HopStats]]]:
     """Every rank's result of ``Communicator.all_reduce`` when rank r passes ``xs[r]`` (same
     options as there; ``step`` explicit; ``error_feedback``: a buffer name, whose residuals are
-    ``residuals[r]`` on rank r).  ``stats``: also each rank's {hop: HopStats}."""
+    ``residuals[r]`` on rank r).  ``stats``: also each rank's {hop: HopStats}.
+    ``algorithm``: the communicator's ``all_reduce_algorithm`` ("auto", "one_shot",
+    "two_shot"); "auto" chooses as a communicator over ``transport`` ("nccl", "gloo", "p2p")
+    would."""
     check_rank_tensors("all_reduce", xs)
+    collectives.check_all_reduce_algorithm(algorithm)
+    nbytes = xs[0].numel() * xs[0].element_size()
+    one_shot_auto = _check_transport_name(transport) == "p2p"
+    algorithm = collectives.resolve_all_reduce_algorithm(algorithm, one_shot_auto, len(xs), nbytes)
     opts = _options(codec, rounding, seed, step, error_feedback, residuals, len(xs), stats)
-    return _run_ranks(collectives.all_reduce, xs, opts, stats)
+    return _run_ranks(collectives.all_reduce, xs, opts, stats, algorithm)
 
 
 def reduce_scatter(
@@ -475,7 +494,11 @@ class EmulatedRanks:
     graph owns, written before each replay (the eager calls of such a kind pass their steps
     the same way); a call of another seed than captured runs eagerly; a graph whose
     error-feedback residuals were replaced is dropped.  A single rank's call cannot be
-    captured (``EmulatedTransport``)."""
+    captured (``EmulatedTransport``).
+
+    ``all_reduce_algorithm`` as ``Communicator``'s; ``transport`` ("nccl", the default, "gloo"
+    or "p2p"): the one whose "auto" choice the ranks follow, so that they compute what
+    communicators over it compute."""
 
     def __init__(
         self,
@@ -483,8 +506,12 @@ class EmulatedRanks:
         device: torch.device | str = "cpu",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         graphs: _graphs.Graphs | None = None,
+        all_reduce_algorithm: str = "auto",
+        transport: str = "nccl",
     ) -> None:
         self.world_size = _check_world_size(world_size)
+        collectives.check_all_reduce_algorithm(all_reduce_algorithm)
+        one_shot_auto = _check_transport_name(transport) == "p2p"
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -498,11 +525,16 @@ class EmulatedRanks:
         self._graphed = _graphs.GraphCache()  # kinds of call replayed from group graphs
         self._kinds: dict[tuple, _GroupEntry] = {}  # kind of call -> its eager count, graph
         self._threads = _RankThreads(self.world_size, self.device, timeout_s)
+        for t in self._threads.transports:
+            t.one_shot_auto = one_shot_auto
         # No control group: the ranks' agreement is checked here, in one process.  A rank's
         # own communicator never captures (the exchange is host code between the threads);
         # the group's calls are captured whole, above it.
-        self.comms = [Communicator(t, None, validate="never", graphs="never")
-                      for t in self._threads.transports]  # fmt: skip
+        self.comms = [
+            Communicator(t, None, validate="never", graphs="never",
+                         all_reduce_algorithm=all_reduce_algorithm)
+            for t in self._threads.transports
+        ]  # fmt: skip
 
     def _check_device(self, op, xs):
         if xs[0].device != self.device:

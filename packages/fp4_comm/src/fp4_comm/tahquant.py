@@ -79,11 +79,11 @@ import torch
 
 from .codecs import (
     REL_HALF_ULP,
+    CheckedCodec,
     Rounding,
-    _check_n,
-    _CheckedCodec,
-    _encode_args,
-    _hadamard_f64,
+    check_encode_args,
+    check_n,
+    hadamard_f64,
 )
 
 TILE_SIZE = 64  # channels of a tile (forward)
@@ -276,16 +276,16 @@ def _nan_fp16(like):
     return torch.full_like(like, FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
 
 
-class _OneSectionNearestCodec(_CheckedCodec):
+class _OneSectionNearestCodec(CheckedCodec):
     """What TAH-Quant's two codecs share: ``encode`` / ``decode`` run the codecs' argument
-    checks (``codecs._encode_args`` / ``_decode_args``: the empty result where there is no
+    checks (``codecs.check_encode_args`` / ``_decode_args``: the empty result where there is no
     element), then TAH-Quant's own (nearest rounding only, checked before an empty ``x``
     returns), then the format's work on one section of (chunks, bytes) per chunk."""
 
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:
-        empty = _encode_args(self, x, rounding, seed, step)
+        empty = check_encode_args(self, x, rounding, seed, step)
         if rounding != "nearest":
             raise ValueError(
                 f"{type(self).__name__}.encode: rounding {rounding!r}: TAH-Quant rounds to "
@@ -338,7 +338,7 @@ class TAHQuantCodec(_OneSectionNearestCodec):
 
     def layout(self, n: int) -> dict[str, tuple[int, int]]:
         """Byte ranges (start, stop) of each part of one chunk of ``n`` elements."""
-        n = _check_n(self, n)
+        n = check_n(self, n)
         T = n // self.token_size
         n_low = T * (100 - HIGH_PERCENT) // 100
         tiles = n // TILE_SIZE
@@ -465,7 +465,7 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         first = swapped[..., 0].copy()
         swapped[..., 0] = np.take_along_axis(xt, piv[..., None], -1)[..., 0]
         np.put_along_axis(swapped, piv[..., None], first[..., None], -1)
-        rot = _hadamard_f64(swapped.reshape(-1, TILE_SIZE)).reshape(xt.shape) / 8.0
+        rot = hadamard_f64(swapped.reshape(-1, TILE_SIZE)).reshape(xt.shape) / 8.0
         v = np.where(transform[..., None], rot, xt)
         # float32 butterflies: each of 6 stages rounds partial sums of at most 64 amax, and an
         # output collects one rounding per stage; /8 after.
@@ -503,7 +503,7 @@ class TAHQuantGradCodec(_OneSectionNearestCodec):
     name = "tahquant-grad"
 
     def section_nbytes(self, n: int) -> tuple[int, ...]:
-        n = _check_n(self, n)
+        n = check_n(self, n)
         return (n * GRAD_BITS // 8 + 2 * (n // GRAD_TILE_SIZE),)
 
     def _encode_parts(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import zlib
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import numpy as np
@@ -31,7 +32,7 @@ STEP_LIMIT = 2**32  # stochastic rounding's step counter: one 32-bit Philox coun
 
 def check_seed(seed: Any, name: str = "seed") -> int:
     """``seed`` as an int in [0, 2**64) (fp4_kernels' rule); TypeError / ValueError otherwise."""
-    v = _index(seed, name)
+    v = check_integer(seed, name)
     if not 0 <= v < 2**64:
         raise ValueError(f"{name}: {v} is outside [0, 2**64)")
     return v
@@ -39,7 +40,7 @@ def check_seed(seed: Any, name: str = "seed") -> int:
 
 def check_step(step: Any, name: str = "step") -> int:
     """``step`` as an int in [0, 2**32) (fp4_kernels' rule); TypeError / ValueError otherwise."""
-    v = _index(step, name)
+    v = check_integer(step, name)
     if not 0 <= v < STEP_LIMIT:
         raise ValueError(
             f"{name}: {v} is outside [0, 2**32) (stochastic rounding's counter is 32 bits; "
@@ -67,7 +68,9 @@ def check_storage(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.resolve_neg()
 
 
-def _index(value, name):
+def check_integer(value: Any, name: str) -> int:
+    """``value`` as an int (``operator.index``: an int, a numpy integer, a 0-d integer tensor);
+    TypeError naming ``name`` for anything else, bool included."""
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an integer, got bool")
     try:
@@ -262,7 +265,7 @@ class ErrorFeedback:
 
     def _checked_state(self, state):
         """(seed, residuals, steps) of ``state``, checked and copied; this object unchanged."""
-        _require_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
+        check_state_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
         for key in ("fmt", "rounding"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -280,7 +283,9 @@ class ErrorFeedback:
         return seed, residuals, steps
 
 
-def _require_keys(state, keys, what):
+def check_state_keys(state: Any, keys: Iterable[str], what: str) -> None:
+    """TypeError unless ``state`` is a dict, ValueError naming the missing ones unless it holds
+    ``keys``: the checks of a ``load_state_dict`` (``what``: the class whose state it is)."""
     if not isinstance(state, dict):
         raise TypeError(
             f"state: expected the dict that {what}.state_dict() returns, got {type(state).__name__}"

@@ -28,7 +28,14 @@ import torch
 import fp4_kernels
 from fp4_kernels.formats import e2m1
 
-from .error_feedback import STEP_LIMIT, _index, check_seed, check_step, check_storage, philox_key
+from .error_feedback import (
+    STEP_LIMIT,
+    check_integer,
+    check_seed,
+    check_step,
+    check_storage,
+    philox_key,
+)
 from .gemm import fp4_gemm
 
 BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
@@ -237,7 +244,7 @@ class FP4Linear(torch.nn.Module):
         super().__init__()
         features = []
         for name, n in (("in_features", in_features), ("out_features", out_features)):
-            n = _index(n, f"FP4Linear: {name}")
+            n = check_integer(n, f"FP4Linear: {name}")
             if n <= 0 or n % BLOCK:
                 raise ValueError(f"FP4Linear: {name}={n} is not a positive multiple of {BLOCK}")
             features.append(n)

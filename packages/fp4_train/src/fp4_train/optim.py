@@ -37,9 +37,9 @@ from fp4_kernels.formats import e2m1
 
 from .error_feedback import (
     ErrorFeedback,
-    _index,
-    _require_keys,
+    check_integer,
     check_seed,
+    check_state_keys,
     check_storage,
     philox_key,
 )
@@ -375,7 +375,7 @@ class FP4StoredWeights:
         ``FP4StoredWeights.state_dict()``.  Everything is checked before anything is replaced:
         after an error this object is as it was."""
         keys = ("rounding", "fmt", "seed", "step_count", "shapes", "packed", "optimizer")
-        _require_keys(state, keys, "FP4StoredWeights")
+        check_state_keys(state, keys, "FP4StoredWeights")
         shapes = [tuple(s) for s in state["shapes"]]
         if len(shapes) != len(self.shapes) or len(state["packed"]) != len(self.shapes):
             raise ValueError(
@@ -420,7 +420,7 @@ class FP4StoredWeights:
             fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
             packed.append(q)
         seed = check_seed(state["seed"], "state['seed']")
-        step_count = _index(state["step_count"], "state['step_count']")
+        step_count = check_integer(state["step_count"], "state['step_count']")
         if step_count < 0:
             raise ValueError(f"state['step_count']: {step_count} is negative")
         residuals = None

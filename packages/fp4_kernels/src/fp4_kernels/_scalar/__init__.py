@@ -13,7 +13,8 @@ scales.  The modules, in the order they build on each other:
 - ``e4m3``, ``e8m0``: the NVFP4 and MXFP4 block-scale codecs;
 - ``nvfp4``, ``mxfp4``, ``fp4quant``: each format's scale arithmetic;
 - ``scale_layout``: the swizzled scale layout's offsets;
-- ``philox``: Philox4x32-10, the random bits of stochastic rounding.
+- ``philox``: Philox4x32-10, the random bits of stochastic rounding;
+- ``hadamard``: the Walsh–Hadamard transform's butterfly stage (on an array of float32).
 
 Rules that keep the targets bit-identical (numba types a Python float literal as float64 and a
 Python int literal as int64):
@@ -36,7 +37,19 @@ from __future__ import annotations
 
 import types
 
-from . import arith, e2m1, e4m3, e8m0, floats, fp4quant, mxfp4, nvfp4, philox, scale_layout
+from . import (
+    arith,
+    e2m1,
+    e4m3,
+    e8m0,
+    floats,
+    fp4quant,
+    hadamard,
+    mxfp4,
+    nvfp4,
+    philox,
+    scale_layout,
+)
 from .arith import F32_ONE
 from .e2m1 import E2M1_CODE_BIAS, INV_E2M1_MAX, SR_BASE_BITS
 from .floats import KIND_BF16, KIND_F16, KIND_F32
@@ -46,7 +59,7 @@ __all__ = [
     "SR_BASE_BITS", "compile_ops",
 ]  # fmt: skip
 
-MODULES = (arith, floats, e2m1, e4m3, e8m0, nvfp4, mxfp4, fp4quant, scale_layout, philox)
+MODULES = (arith, floats, e2m1, e4m3, e8m0, nvfp4, mxfp4, fp4quant, scale_layout, philox, hadamard)
 
 
 def compile_ops(jit, primitives):

@@ -1,9 +1,10 @@
 """The CPU path of the Walsh–Hadamard transform and the FP4Quant codec, with ``numba.njit``.
 
-The butterflies run in ``formats.hadamard.stage_order(g)``, the GPU kernels' order, with the same
-float32 operations (``lo + hi``, ``lo - hi``), and the codec uses the same scalar functions
-(``_scalar``), so codes and scales are bit-identical to the GPU's and the transform's output
-too.  Inputs and outputs are flat arrays of raw bits (see ``cpu.codec``).
+The butterflies run in ``formats.hadamard.stage_order(g)``, the GPU kernels' order, each stage
+the GPU register stages' own function (``_scalar.hadamard.butterflies``: ``lo + hi``,
+``lo - hi`` in float32), and the codec uses the same scalar functions (``_scalar``), so codes
+and scales are bit-identical to the GPU's and the transform's output too.  Inputs and outputs
+are flat arrays of raw bits (see ``cpu.codec``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .._calls import payload_views
 from ..formats import hadamard as spec
 from ..formats.hadamard import stage_order
 from ._primitives import (  # the compiled scalar functions
+    butterflies,
     cpu_jit,
     e2m1_decode,
     e2m1_encode,
@@ -42,12 +44,7 @@ def fwht_group(buf, strides):
     """Unnormalized butterflies over one group in ``buf`` (float32), stage strides in order."""
     g = buf.shape[0]
     for h in strides:
-        for i in range(g):
-            if i & h == 0:
-                a = buf[i]
-                b = buf[i + h]
-                buf[i] = a + b
-                buf[i + h] = a - b
+        butterflies(buf, g, h)
 
 
 @cpu_jit

@@ -65,14 +65,8 @@ if SIMULATOR:
         words[i + 2] = c
         words[i + 3] = d
 
-    def load_shared_v4(sm, i):
-        return sm[i], sm[i + 1], sm[i + 2], sm[i + 3]
-
-    def store_shared_v4(sm, i, a, b, c, d):
-        sm[i] = a
-        sm[i + 1] = b
-        sm[i + 2] = c
-        sm[i + 3] = d
+    # the simulator's shared arrays are numpy arrays too: the same element accesses
+    load_shared_v4, store_shared_v4 = load_v4, store_v4
 
     def store_v2(words, i, a, b):
         words[i] = a
@@ -217,37 +211,38 @@ if not SIMULATOR:
 
         return codegen
 
-    _F32_ASM = (ir.FloatType(), "f")
-    _U32_ASM = (ir.IntType(32), "r")
+    _F32_ASM = (types.float32, ir.FloatType(), "f")
+    _U32_ASM = (types.uint32, ir.IntType(32), "r")
 
-    @intrinsic
-    def sat_mul(typingctx, a, b):
-        """a * b rounded to nearest even and clamped to [0, 1], NaN -> +0 (FMUL.SAT)."""
-        if a != types.float32 or b != types.float32:
-            return None
-        return types.float32(a, b), _asm_codegen("mul.rn.sat.f32", *_F32_ASM, 2)
+    def _one_instruction(ptx, operand, n_args):
+        """The intrinsic ``ptx $0, $1, ...;``: ``n_args`` operands and the result of one type
+        (``operand``: ``_F32_ASM`` or ``_U32_ASM``); other argument types do not match it."""
+        numba_type, ll_type, constraint = operand
 
-    @intrinsic
-    def sat_fma(typingctx, a, b, c):
-        """fma(a, b, c) rounded to nearest even and clamped to [0, 1], NaN -> +0 (FFMA.SAT)."""
-        if a != types.float32 or b != types.float32 or c != types.float32:
-            return None
-        return types.float32(a, b, c), _asm_codegen("fma.rn.sat.f32", *_F32_ASM, 3)
+        def typer(*args):
+            if any(a != numba_type for a in args):
+                return None
+            return numba_type(*args), _asm_codegen(ptx, ll_type, constraint, n_args)
 
-    @intrinsic
-    def add_rm(typingctx, a, b):
-        """a + b rounded toward -inf (FADD.RM): with 2^23 - 128 added to a V in [128, 256) it
-        is the float 2^23 + floor(V) - 128, the integer in the low mantissa bits."""
-        if a != types.float32 or b != types.float32:
-            return None
-        return types.float32(a, b), _asm_codegen("add.rm.f32", *_F32_ASM, 2)
+        # @intrinsic reads the typer's parameters: one fixed signature per arity
+        if n_args == 2:
+            return intrinsic(lambda typingctx, a, b: typer(a, b))
+        return intrinsic(lambda typingctx, a, b, c: typer(a, b, c))
 
-    @intrinsic
-    def max_f32(typingctx, a, b):
-        """The larger of two float32 (FMNMX; of a NaN and a number, the number)."""
-        if a != types.float32 or b != types.float32:
-            return None
-        return types.float32(a, b), _asm_codegen("max.f32", *_F32_ASM, 2)
+    # a * b rounded to nearest even and clamped to [0, 1], NaN -> +0 (FMUL.SAT)
+    sat_mul = _one_instruction("mul.rn.sat.f32", _F32_ASM, 2)
+    # fma(a, b, c) rounded to nearest even and clamped to [0, 1], NaN -> +0 (FFMA.SAT)
+    sat_fma = _one_instruction("fma.rn.sat.f32", _F32_ASM, 3)
+    # a + b rounded toward -inf (FADD.RM): with 2^23 - 128 added to a V in [128, 256) it is the
+    # float 2^23 + floor(V) - 128, the integer in the low mantissa bits
+    add_rm = _one_instruction("add.rm.f32", _F32_ASM, 2)
+    # the larger of two float32 (FMNMX; of a NaN and a number, the number)
+    max_f32 = _one_instruction("max.f32", _F32_ASM, 2)
+    # byte permute (PRMT): byte k of the result is byte (selector nibble k & 7) of b:a, or that
+    # byte's sign bit replicated when the nibble has bit 3 set
+    prmt = _one_instruction("prmt.b32", _U32_ASM, 3)
+    # the larger of each unsigned 16-bit half (VIMNMX.U16x2, sm_90)
+    max_u16x2 = _one_instruction("max.u16x2", _U32_ASM, 2)
 
     @intrinsic
     def mul_wide_u32(typingctx, a, b):
@@ -267,14 +262,6 @@ if not SIMULATOR:
         return types.UniTuple(types.uint32, 2)(a, b), codegen
 
     @intrinsic
-    def prmt(typingctx, a, b, selector):
-        """Byte permute (PRMT): byte k of the result is byte (selector nibble k & 7) of b:a, or
-        that byte's sign bit replicated when the nibble has bit 3 set."""
-        if a != types.uint32 or b != types.uint32 or selector != types.uint32:
-            return None
-        return types.uint32(a, b, selector), _asm_codegen("prmt.b32", *_U32_ASM, 3)
-
-    @intrinsic
     def max_abs_nan(typingctx, m, x):
         """``max.NaN.f32`` of ``m`` and ``|x|`` (FMNMX.NAN with the operand's absolute-value
         modifier: one instruction): NaN (0x7FFFFFFF) when either is NaN, else the larger."""
@@ -291,13 +278,6 @@ if not SIMULATOR:
             return builder.call(asm, list(args))
 
         return types.float32(m, x), codegen
-
-    @intrinsic
-    def max_u16x2(typingctx, a, b):
-        """The larger of each unsigned 16-bit half (VIMNMX.U16x2, sm_90)."""
-        if a != types.uint32 or b != types.uint32:
-            return None
-        return types.uint32(a, b), _asm_codegen("max.u16x2", *_U32_ASM, 2)
 
     def _vector_load(n):
         @intrinsic

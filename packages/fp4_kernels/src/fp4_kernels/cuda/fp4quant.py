@@ -31,6 +31,7 @@ from ._primitives import (
     WARP_SIZE,
     device_jit,
     f32_as_u32,
+    group_max,
     kernel_of,
     max_abs_nan,
     prmt,
@@ -55,6 +56,7 @@ from .hadamard import (
     group_grid,
     make_butterflies,
     make_chunk_io,
+    make_register_store,
     smem_words,
 )
 from .launch_table import LAUNCHES
@@ -77,13 +79,7 @@ def _make_lanes_max(group_size):
 
     @device_jit
     def lanes_max(m):
-        off = 1
-        while off < lanes:
-            o = cuda.shfl_xor_sync(FULL_MASK, m, off)
-            if o > m:
-                m = o
-            off *= 2
-        return m
+        return group_max(m, lanes)
 
     return lanes_max
 
@@ -339,10 +335,10 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=
     butterflies."""
     if hadamard and smem:
         return _smem_decode_kernel(out_kind, group_size, prefetch)
-    _, store_run = make_chunk_io(out_kind)
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
     k, run = _group_layout(group_size, hadamard)
+    store_registers = make_register_store(out_kind, k, run)
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
 
     @device_jit
@@ -388,12 +384,7 @@ def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=
             # exchanged layout (a CTA is one group) every register has the group's scale
             for i in range(REGISTERS):
                 v[i] = v[i] * sc[0 if k > 0 else i // CHUNK]
-            for i0 in range(0, REGISTERS, run):
-                if k > 0:
-                    e = t * tile + exchanged_element(i0, lane, warp, k)
-                else:
-                    e = base + 256 * (i0 // CHUNK)
-                store_run(out, e, n, v, i0, run)
+            store_registers(out, v, t, tile, base, lane, warp, n)
 
     return kernel
 

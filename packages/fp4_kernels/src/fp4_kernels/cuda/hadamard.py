@@ -46,6 +46,7 @@ from ..formats.hadamard import inv_sqrt_group_size, stage_order
 from . import launch
 from ._primitives import (
     FULL_MASK,
+    OPS,
     SHARED_ALIGNMENT,
     WARP_SIZE,
     device_jit,
@@ -103,15 +104,11 @@ def slot(e):
 
 def _register_stage(stride):
     """Butterflies between registers i and i + stride (i's stride bit clear)."""
+    butterflies = OPS.butterflies  # the CPU path's stage too (``_scalar.hadamard``)
 
     @device_jit
     def stage(v, lane):
-        for i in range(REGISTERS):
-            if i & stride == 0:
-                a = v[i]
-                b = v[i + stride]
-                v[i] = a + b
-                v[i + stride] = a - b
+        butterflies(v, REGISTERS, stride)
 
     return stage
 
@@ -249,6 +246,33 @@ def make_chunk_io(kind, aligned=True):
     return load_chunks, store_run
 
 
+def make_register_store(kind, k, run):
+    """``store_registers(out, v, t, tile, base, lane, warp, n)``: the thread's registers after
+    the butterflies to ``out`` as ``kind`` in runs of ``run`` consecutive elements, the
+    registers in the exchanged layout (``exchanged_element``) when ``k`` > 0, else in the tile
+    layout (element ``base`` of the thread's chunk 0 in tile ``t``); nothing past ``n``."""
+    store_run = make_chunk_io(kind)[1]
+
+    @device_jit
+    def store_registers(out, v, t, tile, base, lane, warp, n):
+        for i0 in range(0, REGISTERS, run):
+            if k > 0:
+                e = t * tile + exchanged_element(i0, lane, warp, k)
+            else:
+                e = base + 256 * (i0 // CHUNK)
+            store_run(out, e, n, v, i0, run)
+
+    return store_registers
+
+
+@device_jit
+def scale_registers(v, scale):
+    """``v[i] * scale`` in place: the transform's one rounding, after its last add (a plain
+    multiply that nothing follows, so never part of an FMA)."""
+    for i in range(REGISTERS):
+        v[i] = v[i] * scale
+
+
 @device_jit
 def flip_signs(v, mask):
     """Negate register i where bit i of ``mask`` is set (an exact sign-bit flip)."""
@@ -305,13 +329,14 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
     fwht(x * signs) * fp32(1/sqrt(g)), inverse fwht(y) * fp32(1/sqrt(g)) * signs, rounded once
     to the kind.  ``sign_words``: the signs as bits (``formats.hadamard.sign_words``), read
     only when ``signed``."""
-    load_chunks, store_run = make_chunk_io(kind, aligned)
+    load_chunks = make_chunk_io(kind, aligned)[0]
     before, cross_warp = make_butterflies(group_size)
     n_smem = smem_words(group_size)
     scale = inv_sqrt_group_size(group_size)
     g_mask = group_size - 1
     k = cross_warp_bits(group_size)
     run = 4 if k == 3 else CHUNK  # consecutive elements per register run after the stages
+    store_registers = make_register_store(kind, k, run)
 
     @cuda.jit
     def kernel(x, out, n, sign_words):
@@ -337,16 +362,10 @@ def hadamard_kernel(kind, group_size, inverse, signed, aligned=True):
                 flip_signs(v, mask_in)
             before(v, lane)
             cross_warp(v, lane, warp, sm)
-            for i in range(REGISTERS):
-                v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
+            scale_registers(v, scale)
             if signed and inverse:
                 flip_signs(v, mask_out)
-            for i0 in range(0, REGISTERS, run):
-                if k > 0:
-                    e = t * tile + exchanged_element(i0, lane, warp, k)
-                else:
-                    e = base + 256 * (i0 // CHUNK)
-                store_run(out, e, n, v, i0, run)
+            store_registers(out, v, t, tile, base, lane, warp, n)
 
     return kernel
 
@@ -855,8 +874,7 @@ def smem_hadamard_kernel(kind, group_size, inverse, signed, aligned=True, prefet
             if signed and not inverse and not word_flips:
                 flip_signs_per_tile(v, mask_in)
             network(v, lane, warp, sm)
-            for i in range(REGISTERS):
-                v[i] = v[i] * scale  # after the last add: a plain multiply, never an FMA
+            scale_registers(v, scale)
             if signed and inverse:
                 flip_signs_per_tile(v, mask_out)
             if (t + 1) * tile <= n:  # the whole tile: one address, constant offsets

@@ -13,6 +13,8 @@ with a command line (``python -m fp4_train.experiments.<module> --help``).
 - ``emulated_tp``: the same training with the k ranks (or the two pipeline stages) emulated in
   one process on one device, bit for bit the k-process run; ``emulated_sweep`` runs its presets
   several processes at a time, ``emulated_summary`` builds the table;
+- ``checkpoint``: the checkpoints that resume a ``tp_train`` / ``emulated_tp`` run bit for bit
+  (``--checkpoint``, ``--stop-at-s``: a long run in pieces);
 - ``corpus``, ``transformer``, ``qwen``, ``records``: the data, the models (byte-level, and a
   Qwen2-style decoder) and the result files they share.
 

@@ -1,9 +1,12 @@
 """Build the training corpus from Debian documentation packages: text, a validation split, a
 byte-level BPE vocabulary and uint16 token files, deterministically and offline.
 
-    apt-get install linux-doc-6.1 python3.11-doc python-django-doc perl-doc \\
+    apt-get update && apt-get install linux-doc-6.1 python3.11-doc python-django-doc perl-doc \\
         postgresql-doc-15 git-doc
     python -m fp4_train.experiments.build_corpus --out .data/corpus
+
+The last lines it prints say whether the token files are those the study's runs trained on
+(``STUDY_MANIFEST``; the same package versions give the same bytes) or which versions differ.
 
 Sources (``SOURCES``): the documentation these packages install, as their authors wrote it
 (reStructuredText, POD and AsciiDoc sources; HTML where the package ships nothing else), each
@@ -404,6 +407,27 @@ def build(out: Path, vocab_size: int = VOCAB_SIZE, slice_dir: Path | None = None
     return manifest
 
 
+#: the manifest of the corpus the study's runs trained on (docs/tp_training.md, Results)
+STUDY_MANIFEST = Path(__file__).parent / "data" / "corpus_manifest.json"
+
+
+def compare_with_study(manifest: dict, study: dict) -> list[str]:
+    """Lines saying whether ``manifest`` describes the same token files as the study's corpus
+    (``STUDY_MANIFEST``) and, where not, which package versions differ: a runs' losses compare
+    only on the same tokens."""
+    ours, theirs = manifest["splits"], study["splits"]
+    if all(ours[s]["sha256"] == theirs[s]["sha256"] for s in theirs) and (
+            manifest["tokenizer"]["sha256"] == study["tokenizer"]["sha256"]):  # fmt: skip
+        return ["the same token files and vocabulary as the study's corpus"]
+    lines = ["NOT the study's corpus: its losses do not compare with the study's runs"]
+    for name, src in study["sources"].items():
+        got = manifest["sources"].get(name, {}).get("version")
+        if got != src["version"]:
+            lines.append(f"  {name}: {got} installed, the study's corpus used {src['version']} "
+                         "(apt-get update, then install that version)")  # fmt: skip
+    return lines
+
+
 def _dumps(obj):
     s = io.StringIO()
     json.dump(obj, s, indent=1, sort_keys=True)
@@ -423,6 +447,8 @@ def main(argv=None):
     for name, s in m["splits"].items():
         print(f"{name}: {s['documents']} documents, {s['text_bytes'] / 1e6:.1f} MB text, "
               f"{s['tokens']} tokens, {s['xz']['bytes'] / 2**20:.2f} MiB xz")  # fmt: skip
+    if args.vocab_size == VOCAB_SIZE:
+        print("\n".join(compare_with_study(m, json.loads(STUDY_MANIFEST.read_text()))))
     return 0
 
 

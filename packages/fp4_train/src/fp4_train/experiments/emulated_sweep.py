@@ -13,6 +13,17 @@ processes share the GPU (a 125 M model with 4 emulated ranks takes a few GB of i
 each writes its log to ``<out>/logs``.  ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
+Runs longer than one sitting: with ``--checkpoint-dir DIR`` every run resumes from and writes
+its checkpoint ``DIR/<run name>`` (``emulated_tp --checkpoint``), and ``--stop-at-s S`` stops
+each run after its first step that ends S seconds or more after the sweep started (the run
+writes its checkpoint and exits with status 75, ``checkpoint.EX_TEMPFAIL``); no run starts
+with less than ``--min-piece-s`` left.  The sweep then lists the runs finished, resumable and
+not started, and exits with status 75 while any is left; the same command again resumes the
+unfinished runs and skips the finished ones (their summaries are in ``--out``; their
+checkpoints are removed unless ``--keep-checkpoints``).  A run's clock starts after its
+imports, and it stops only at a step's end, then writes its checkpoint: leave S that much
+short of a hard limit.
+
 Presets, in the order the study takes them: ``tp4`` (TP = 4, every codec and policy),
 ``tp8`` (TP = 8: bf16, FP4Quant g = 64 and 256, TAH-Quant), ``pp2`` and ``sp4`` (the pipeline
 boundary and SP with TP = 4, the policies of the CPU study), ``600m`` (the 0.6 B model, one
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +48,7 @@ from pathlib import Path
 import fp4_comm
 
 from . import emulated_tp
+from .checkpoint import EX_TEMPFAIL
 
 MODULE = "fp4_train.experiments.emulated_tp"
 # What every run of the study shares: the 125 M model, 16 k tokens a step (16 sequences of
@@ -47,6 +60,9 @@ G64, G256 = "fp4quant-g64", "fp4quant-g256"
 SR = ["--rounding", "stochastic"]
 EF = ["--error-feedback"]
 TAH = "tahquant"
+# --stop-at-s: the least time worth starting a run for (start-up, loading or building the
+# model, a few steps, writing the checkpoint)
+MIN_PIECE_S = 60.0
 
 
 def tah(width):
@@ -111,12 +127,25 @@ def parse_args(argv=None):
                     help="start no run that would end later than this after the start")  # fmt: skip
     ap.add_argument("--estimate-s", type=float, default=None,
                     help="a run's length before one has ended (default: no estimate)")  # fmt: skip
+    ap.add_argument("--checkpoint-dir", type=Path, default=None,
+                    help="each run resumes from and writes <dir>/<run name> (emulated_tp "
+                         "--checkpoint); a finished run's is removed")  # fmt: skip
+    ap.add_argument("--stop-at-s", type=float, default=None,
+                    help="stop every run after its first step that ends S seconds or more "
+                         "after the sweep's start, with its checkpoint written (resumable: "
+                         "the next invocation continues it); needs --checkpoint-dir")  # fmt: skip
+    ap.add_argument("--min-piece-s", type=float, default=MIN_PIECE_S,
+                    help="with --stop-at-s: start no run with less time left")  # fmt: skip
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep a finished run's checkpoint (its final state)")  # fmt: skip
     ap.add_argument("--force", action="store_true", help="rerun runs whose summary exists")
     ap.add_argument("--list", action="store_true", help="print the runs; run nothing")
     ap.add_argument("extra", nargs="*", help="after --: added to every run")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs: at least 1")
+    if args.stop_at_s is not None and args.checkpoint_dir is None:
+        ap.error("--stop-at-s stops runs with their checkpoint written: give --checkpoint-dir")
     return args
 
 
@@ -146,9 +175,100 @@ def runs(args):
             if not available(argv):
                 unavailable.append(f"{name} s{seed}")
                 continue
-            own, run_args = emulated_tp.parse_args(argv)
+            # (each piece gets its own --checkpoint, which stop arguments after -- need)
+            ckpt = [] if args.checkpoint_dir is None else ["--checkpoint", str(args.checkpoint_dir)]
+            own, run_args = emulated_tp.parse_args([*argv, *ckpt])
             out.append((emulated_tp.run_name(run_args, own.tp), argv))
     return out, unavailable
+
+
+def piece_args(args, run_name, elapsed_s):
+    """The arguments of one piece of run ``run_name`` started ``elapsed_s`` into the sweep:
+    its checkpoint in ``--checkpoint-dir``, and the time left before ``--stop-at-s``."""
+    if args.checkpoint_dir is None:
+        return []
+    extra = ["--checkpoint", str(args.checkpoint_dir / run_name)]
+    if args.stop_at_s is not None:
+        extra += ["--stop-at-s", f"{args.stop_at_s - elapsed_s:.1f}"]
+    return extra
+
+
+class Sweep:
+    """The runs of one invocation: started ``--jobs`` at a time, each polled until it exits
+    (0: finished; ``EX_TEMPFAIL``: stopped at ``--stop-at-s``, resumable; else failed)."""
+
+    def __init__(self, args, todo):
+        self.args, self.pending = args, list(todo)
+        self.logs = args.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
+        self.start, self.longest = time.monotonic(), args.estimate_s
+        self.running, self.left_out = {}, []
+        self.finished, self.resumable, self.failed = [], [], []
+
+    def fits(self, elapsed):
+        """Whether a run started now fits ``--budget-s`` and ``--stop-at-s``."""
+        args = self.args
+        if args.budget_s is not None and self.longest is not None and (
+                elapsed + self.longest > args.budget_s):  # fmt: skip
+            return False
+        return args.stop_at_s is None or elapsed + args.min_piece_s <= args.stop_at_s
+
+    def start_runs(self):
+        while self.pending and len(self.running) < self.args.jobs:
+            elapsed = time.monotonic() - self.start
+            if not self.fits(elapsed):
+                self.left_out += [n for n, _ in self.pending]
+                self.pending = []
+                return
+            run_name, run_argv = self.pending.pop(0)
+            log = (self.logs / f"{run_name}.log").open("a")
+            cmd = [sys.executable, "-m", MODULE, *run_argv,
+                   *piece_args(self.args, run_name, elapsed)]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.running[proc] = (run_name, time.monotonic(), log)
+            print(f"started {run_name}", flush=True)
+
+    def poll(self):
+        for proc in list(self.running):
+            code = proc.poll()
+            if code is None:
+                continue
+            run_name, t0, log = self.running.pop(proc)
+            log.close()
+            took = time.monotonic() - t0
+            if code == EX_TEMPFAIL:
+                self.resumable.append(run_name)
+                print(f"stopped {run_name} after {took:.0f} s (resumable)", flush=True)
+                continue
+            self.longest = took if self.longest is None else max(self.longest, took)
+            (self.failed if code else self.finished).append(run_name)
+            print(f"{'failed' if code else 'done'} {run_name} in {took:.0f} s", flush=True)
+            if not code and self.args.checkpoint_dir is not None and not self.args.keep_checkpoints:
+                shutil.rmtree(self.args.checkpoint_dir / run_name, ignore_errors=True)
+
+    def run(self):
+        while self.pending or self.running:
+            self.start_runs()
+            self.poll()
+            time.sleep(0.5)
+
+    def report(self):
+        """Print what became of each run; the exit status: 1 if one failed, ``EX_TEMPFAIL``
+        if one is left to a later invocation, else 0."""
+        for run_name in self.finished:
+            print(f"finished: {run_name}")
+        ckpt = self.args.checkpoint_dir
+        for run_name in self.resumable:
+            print(f"resumable: {run_name} (checkpoint {ckpt / run_name}; run the sweep again)")
+        why = "time limit" if self.args.stop_at_s is not None else "budget"
+        for run_name in self.left_out:
+            print(f"left out ({why}): {run_name}")
+        for run_name in self.failed:
+            print(f"failed: {run_name} (log: {self.logs / (run_name + '.log')})")
+        if self.failed:
+            return 1
+        return EX_TEMPFAIL if self.resumable or self.left_out else 0
 
 
 def main(argv=None):
@@ -161,44 +281,9 @@ def main(argv=None):
         for run_name, run_argv in todo:
             print(run_name, shlex.join([sys.executable, "-m", MODULE, *run_argv]))
         return 0
-    logs = args.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
-    start = time.monotonic()
-    longest = args.estimate_s
-    running, left_out, failed = {}, [], []
-    pending = list(todo)
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            elapsed = time.monotonic() - start
-            if args.budget_s is not None and longest is not None and (
-                    elapsed + longest > args.budget_s):  # fmt: skip
-                left_out += [n for n, _ in pending]
-                pending = []
-                break
-            run_name, run_argv = pending.pop(0)
-            log = (logs / f"{run_name}.log").open("w")
-            cmd = [sys.executable, "-m", MODULE, *run_argv]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[proc] = (run_name, time.monotonic(), log)
-            print(f"started {run_name}", flush=True)
-        for proc in list(running):
-            code = proc.poll()
-            if code is None:
-                continue
-            run_name, t0, log = running.pop(proc)
-            log.close()
-            took = time.monotonic() - t0
-            longest = took if longest is None else max(longest, took)
-            if code:
-                failed.append(run_name)
-            print(f"{'failed' if code else 'done'} {run_name} in {took:.0f} s", flush=True)
-        time.sleep(0.5)
-    for run_name in left_out:
-        print(f"left out (budget): {run_name}")
-    for run_name in failed:
-        print(f"failed: {run_name} (log: {logs / (run_name + '.log')})")
-    return 1 if failed else 0
+    sweep = Sweep(args, todo)
+    sweep.run()
+    return sweep.report()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ throughput averaged after 10 steps.  Added: ``--tp K`` (the emulated tensor-para
 ``--tp 1`` is the plain model on one device, no emulation; ``--parallel pp`` emulates its two
 stages whatever ``--tp`` says), ``--tokens-per-step`` (sets ``--batch`` to it over the sequence
 length), ``--seeds`` (several runs, one after another, in this process; runs whose summary is
-in ``--out`` are skipped unless ``--force``).
+in ``--out`` are skipped unless ``--force``).  ``tp_train``'s ``--checkpoint`` and
+``--stop-at-s`` run it in pieces (exit status 75: stopped, resumable; with several seeds each
+run keeps its checkpoint in ``<checkpoint>/<run name>``); the summary of a resumed run is the
+whole run's, ``wall_s`` summed over its ``pieces``.
 
 How.  ``tp_train.Runner`` with its parallel group replaced: an
 ``fp4_comm.emulated.EmulatedTensorParallelGroup`` over ``fp4_comm.reference.EmulatedRanks``
@@ -34,7 +37,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 from torch import nn
@@ -44,6 +46,7 @@ from fp4_comm.emulated import EmulatedTensorParallelGroup, is_per_rank, pipeline
 from fp4_comm.reference import EmulatedRanks
 
 from . import tp_train
+from .checkpoint import EX_TEMPFAIL
 from .records import finite_or_none, metadata, write_json
 from .transformer import lm_loss
 
@@ -105,6 +108,9 @@ class EmulatedRunner(tp_train.Runner):
                 # boundary, then the first stage's backward of micro-batch i
                 (loss / m).backward()
         return torch.stack([v.detach() for v in losses]).mean()
+
+    def communicators(self):
+        return self.ranks.comms
 
     def rank_values(self, loss):
         if is_per_rank(loss):
@@ -239,17 +245,21 @@ def _device(args):
 
 
 def run(args, tp, curve_points=CURVE_POINTS):
-    """One run: its compact summary."""
+    """One run: its compact summary, or None where it stopped at ``--stop-at-step`` /
+    ``--stop-at-s`` with its checkpoint written (``tp_train.train``)."""
     device = _device(args)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
     record = tp_train.train(args, None, device, make_runner(tp))
+    if record is None:
+        return None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    summary = summarize(record, args, tp, time.perf_counter() - start, curve_points)
-    # what a run holds of the GPU at most: how many fit on it at once
+    # wall seconds over every piece of a resumed run (each piece's start-up included)
+    summary = summarize(record, args, tp, record["wall_s"], curve_points)
+    summary["pieces"] = record["pieces"]
+    # what a run holds of the GPU at most (of its last piece): how many fit on it at once
     summary["max_memory_gb"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
@@ -257,17 +267,31 @@ def run(args, tp, curve_points=CURVE_POINTS):
     return summary
 
 
+def checkpoint_path(path, name, several):
+    """Where run ``name`` keeps its checkpoint: ``--checkpoint`` (``path``) itself, or with
+    several seeds a folder of that name inside it."""
+    if path is None or not several:
+        return path
+    if path.suffix == ".pt":
+        raise SystemExit(f"--checkpoint {path}: with several --seeds give a folder (each run "
+                         "keeps its checkpoint in <folder>/<run name>)")  # fmt: skip
+    return path / name
+
+
 def main(argv=None):
     own, args = parse_args(argv)
-    summaries = []
-    for seed in own.seeds or [args.seed]:
+    summaries, seeds, base = [], own.seeds or [args.seed], args.checkpoint
+    for seed in seeds:
         args.seed = seed
         name = run_name(args, own.tp)
         path = None if args.out is None else args.out / f"{name}.json"
         if path is not None and path.exists() and not own.force:
             print(f"{name}: {path} exists, skipped (--force reruns it)", flush=True)
             continue
+        args.checkpoint = checkpoint_path(base, name, len(seeds) > 1)
         summary = run(args, own.tp, own.curve_points)
+        if summary is None:  # stopped at its limit, the checkpoint written: resumable
+            raise SystemExit(EX_TEMPFAIL)
         if path is not None:
             write_json(path, summary)
         if not args.quiet:

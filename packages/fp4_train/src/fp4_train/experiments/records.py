@@ -44,6 +44,15 @@ def finite_or_none(value):
     return value if value is None or math.isfinite(value) else None
 
 
+def plain(value):
+    """``value`` with paths as strings and tuples as lists (argparse's values, for JSON)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [plain(x) for x in value]
+    return value
+
+
 def write_json(path, obj):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

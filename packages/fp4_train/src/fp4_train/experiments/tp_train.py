@@ -39,6 +39,11 @@ compressed payload (``WireStats``), averaged per site and direction.  The final 
 evaluated as trained and with the codecs of ``--eval-codecs`` in place of the forward codec
 (default ``none-float32``: an exact boundary).  Rank 0 writes ``<out>/<name>.json`` and
 ``.csv``; ``tp_summary`` and ``boundary_study`` read them.
+
+Long runs in pieces: ``--checkpoint PATH`` is resumed from where it exists and written at a
+stop, every ``--checkpoint-every-s`` and at the end; ``--stop-at-s`` (``--stop-at-step``)
+stops with it written and exit status 75; the resumed run gives the bits of one that was not
+stopped (on a GPU with ``--deterministic``).  ``checkpoint`` says what it holds.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from fp4_comm import TensorParallelGroup, TimedCommunicator, WirePolicy, pipelin
 from fp4_comm.codecs import ROUNDINGS
 from fp4_comm.tensor_parallel import RESIDUAL_GRAD_ROUNDING
 
-from . import qwen
+from . import checkpoint, qwen
 from .corpus import (
     DEFAULT_CORPUS,
     DEFAULT_TOKENS,
@@ -71,7 +76,7 @@ from .corpus import (
     val_batches,
 )
 from .nonfinite import check_finite
-from .records import finite_or_none, metadata, write_csv, write_json
+from .records import finite_or_none, metadata, plain, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
 CODECS = ("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native")
@@ -148,7 +153,46 @@ def parse_args(argv=None):
            "finite values, naming it and where it was called (slow: every op synchronizes)")
     a("--quiet", action="store_true")
     # fmt: on
-    return ap.parse_args(argv)
+    _checkpoint_arguments(a)
+    args = ap.parse_args(argv)
+    _check_checkpoint_arguments(ap, args)
+    return args
+
+
+def _checkpoint_arguments(a):
+    # fmt: off
+    a("--checkpoint", type=Path, default=None,
+      help="resume from this checkpoint where it exists, and write it (a folder of one file "
+           "per process, or with one process a file ending in .pt): at --checkpoint-every-s, "
+           "at a stop and at the end")
+    a("--checkpoint-every-s", type=float, default=0.0,
+      help="write the checkpoint every S seconds (0: only at a stop and at the end)")
+    a("--stop-at-step", type=int, default=None,
+      help="stop after N steps (the record's steps 0 .. N-1) with the checkpoint written")
+    a("--stop-at-s", type=float, default=None,
+      help="stop after the first step that ends S seconds or more after the start, with the "
+           "checkpoint written; the entry point then exits with status 75 (resumable)")
+    a("--deterministic", action="store_true",
+      help="deterministic GPU kernels (torch.use_deterministic_algorithms, a fixed cuBLAS "
+           "workspace, the math attention): slower, but a run and its resumed pieces give "
+           "the same bits (the CPU is deterministic without it)")
+    # fmt: on
+
+
+def _check_checkpoint_arguments(ap, args):
+    if args.checkpoint_every_s < 0:
+        ap.error(f"--checkpoint-every-s {args.checkpoint_every_s}: at least 0")
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        ap.error(f"--stop-at-step {args.stop_at_step}: at least 1")
+    if args.stop_at_s is not None and args.stop_at_s <= 0:
+        ap.error(f"--stop-at-s {args.stop_at_s}: more than 0")
+    stops = args.stop_at_step is not None or args.stop_at_s is not None
+    if args.checkpoint is None and (stops or args.checkpoint_every_s):
+        ap.error("--stop-at-step / --stop-at-s / --checkpoint-every-s write a checkpoint: "
+                 "give it a place with --checkpoint PATH")  # fmt: skip
+    if args.checkpoint is not None and args.cuda_graph:
+        ap.error("--checkpoint: not with --cuda-graph (a resumed run would capture its graph "
+                 "without the eager warm-up steps); run eagerly to checkpoint")  # fmt: skip
 
 
 def _codec_spec(spec):
@@ -369,6 +413,36 @@ class Runner:
         dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         self.autocast = dtype == "bfloat16"
         self.graph, self.steps_done = None, 0
+
+    # --- checkpoints
+    def communicators(self):
+        """The communicators whose call counters and residuals are part of the run's state."""
+        return [] if self.timed is None else [self.timed.comm]
+
+    def state_dict(self):
+        """What the later steps depend on, of this rank: weights, optimizer, schedule, and
+        each communicator's counters and error-feedback residuals."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": None if self.sched is None else self.sched.state_dict(),
+            "steps_done": self.steps_done,
+            "communicators": [c.state_dict() for c in self.communicators()],
+        }
+
+    def load_state_dict(self, state):
+        """Continue from ``state_dict()`` (its tensors anywhere: they are copied here)."""
+        comms = self.communicators()
+        if len(state["communicators"]) != len(comms):
+            raise ValueError(f"the checkpoint holds {len(state['communicators'])} "
+                             f"communicators' state, this run has {len(comms)}")  # fmt: skip
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.sched is not None:
+            self.sched.load_state_dict(state["scheduler"])
+        self.steps_done = state["steps_done"]
+        for comm, saved in zip(comms, state["communicators"], strict=True):
+            comm.load_state_dict(checkpoint.to_device(saved, self.device))
 
     def _check_pipeline(self):
         if "native" in (self.forward.codec, self.backward.codec):
@@ -603,27 +677,115 @@ def _peak_tflops(device):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def set_deterministic():
+    """``--deterministic``: deterministic kernels (an op that has none raises), cuBLAS with
+    a fixed workspace (its reductions then do not depend on the stream's history), and the
+    math attention (the fused attentions' backward adds with atomics).  Costs time: the math
+    attention materializes the score matrix, some deterministic kernels are slower, and torch
+    fills the memory it allocates uninitialized (``torch.empty``) in this mode."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def train(args, comm, device=None, make_runner=None):
-    """Run one configuration on this rank (every rank of ``comm`` calls it); the record.
+    """Run one configuration on this rank (every rank of ``comm`` calls it); the record, or
+    None where it stopped (``--stop-at-step``, ``--stop-at-s``) with its checkpoint written:
+    a call with the same arguments resumes it from ``--checkpoint``.
     ``make_runner(args, device, vocab)``: the runner (default: ``Runner`` over ``comm``)."""
     device = device or (comm.device if comm is not None else torch.device("cpu"))
     if comm is not None:
         comm.error_feedback.reset()  # a run starts without residuals left by an earlier one
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    train_tokens, val_tokens, vocab = load_data(args)
-    val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
-    if make_runner is None:
-        runner = Runner(args, comm, device, vocab)
-    else:
-        runner = make_runner(args, device, vocab)
-    rank = 0 if comm is None else comm.rank
-    world = runner.world_size
-    steps, evals, wire = [], [], []
-    tokens_per_step = args.batch * args.seq_len  # the model replica's, over all its ranks
-    flops = flops_per_token(args, vocab) * tokens_per_step
-    for step in range(args.steps):
-        x, y = train_batch(train_tokens, step, args.batch, args.seq_len, args.seed)
+    if args.deterministic:
+        set_deterministic()
+    schedule = checkpoint.Schedule(args)  # the clock of --stop-at-s starts here
+    run = Training(args, comm, device, make_runner)
+    schedule.group = run.group
+    for step in range(len(run.steps), args.steps):
+        run.step(step)
+        save, stop = schedule.after(step + 1)
+        if stop and step + 1 < args.steps:
+            run.save()
+            if run.rank == 0 and not args.quiet:
+                print(f"stopped after step {step + 1} of {args.steps}: resume from "
+                      f"{args.checkpoint} with the same arguments", flush=True)  # fmt: skip
+            return None
+        if save:
+            run.save()
+    if args.checkpoint is not None:
+        run.save()
+    return run.record()
+
+
+class Training:
+    """One run's training loop on this rank: its runner and data, what it has recorded, its
+    checkpoint (``--checkpoint``: read back here where it exists)."""
+
+    def __init__(self, args, comm, device, make_runner=None):
+        self.args, self.device, self.start = args, device, time.monotonic()
+        self.train_tokens, val_tokens, self.vocab = load_data(args)
+        self.corpus_tokens = len(self.train_tokens) + len(val_tokens)
+        self.val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
+        self.runner = (Runner(args, comm, device, self.vocab) if make_runner is None
+                       else make_runner(args, device, self.vocab))  # fmt: skip
+        self.rank = 0 if comm is None else comm.rank
+        self.processes = processes = 1 if comm is None else comm.world_size
+        self.group = comm.control_group if processes > 1 else None
+        self.steps, self.evals, self.wire = [], [], []
+        self.wall_s, self.pieces = 0.0, 1
+        self.path = None
+        if args.checkpoint is not None:
+            self.path = checkpoint.shard_path(args.checkpoint, self.rank, processes)
+            self.resume()
+
+    def resume(self):
+        """Continue from this rank's checkpoint where it exists (every rank, or none)."""
+        processes = self.processes
+        state = checkpoint.load(self.path) if self.path.exists() else None
+        done = -1 if state is None else len(state["records"]["steps"])
+        if self.group is not None:
+            every = [None] * processes
+            dist.all_gather_object(every, done, group=self.group)
+            if len(set(every)) > 1:
+                raise ValueError(
+                    f"checkpoint {self.args.checkpoint}: the ranks' shards are at steps "
+                    f"{every} (-1: none); resuming needs them at one step"
+                )
+        if state is None:
+            return
+        if state["format"] != checkpoint.FORMAT or state["world_size"] != processes:
+            raise ValueError(f"checkpoint {self.path}: format {state['format']} of "
+                             f"{state['world_size']} processes; this run reads format "
+                             f"{checkpoint.FORMAT} of {processes}")  # fmt: skip
+        checkpoint.check_config(state["config"], self.args, self.path)
+        self.runner.load_state_dict(state["runner"])
+        checkpoint.set_rng_state(state["rng"], self.device)
+        records = state["records"]
+        self.steps, self.evals, self.wire = records["steps"], records["evals"], records["wire"]
+        self.wall_s, self.pieces = state["wall_s"], state["pieces"] + 1
+
+    def elapsed_s(self):
+        """Wall seconds of the run so far, over all its pieces."""
+        return self.wall_s + time.monotonic() - self.start
+
+    def save(self):
+        """Write this rank's checkpoint."""
+        checkpoint.save(self.path, {
+            "format": checkpoint.FORMAT, "config": checkpoint.config_of(self.args),
+            "world_size": self.processes,
+            "runner": self.runner.state_dict(), "rng": checkpoint.rng_state(self.device),
+            "records": {"steps": self.steps, "evals": self.evals, "wire": self.wire},
+            "wall_s": self.elapsed_s(), "pieces": self.pieces,
+        })  # fmt: skip
+
+    def step(self, step):
+        """Training step ``step``: its record, and the evaluation that follows it if due."""
+        args, runner, device = self.args, self.runner, self.device
+        x, y = train_batch(self.train_tokens, step, args.batch, args.seq_len, args.seed)
         x, y = x.to(device), y.to(device)
         log_stats = bool(args.stats_every) and step % args.stats_every == 0 and not (
             runner.graphed)  # fmt: skip
@@ -636,28 +798,60 @@ def train(args, comm, device=None, make_runner=None):
         replayed = runner.graph is not None
         comm_ms = runner.timed.take_ms(replayed) if runner.timed is not None else 0.0
         loss = runner.mean_over_ranks(runner.rank_values(loss))
-        steps.append({
+        tokens_per_step = args.batch * args.seq_len  # the model replica's, over all its ranks
+        self.steps.append({
             "step": step, "loss": loss, "lr": lr,
             "step_ms": step_ms, "comm_ms": comm_ms,
-            "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+            "tokens_per_s_per_rank": tokens_per_step / runner.world_size / (step_ms / 1e3),
         })  # fmt: skip
         if log_stats:
-            wire += [{"step": step, **w} for w in runner.wire_stats()]
+            self.wire += [{"step": step, **w} for w in runner.wire_stats()]
         last = step == args.steps - 1
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
-            evals.append({"step": step + 1, "val_loss": runner.evaluate(val)})
+            self.evals.append({"step": step + 1, "val_loss": runner.evaluate(self.val)})
             if runner.timed is not None:
                 runner.timed.take_ms()  # evaluation is not training communication
-        if rank == 0 and not args.quiet and (step % 10 == 0 or last):
+        if self.rank == 0 and not args.quiet and (step % 10 == 0 or last):
             print(f"step {step:5d} loss {loss:.4f} {step_ms:7.1f} ms/step, comm {comm_ms:6.1f} ms"
-                  + (f"  val {evals[-1]['val_loss']:.4f}" if evals and evals[-1]["step"] == step + 1
-                     else ""), flush=True)  # fmt: skip
-    final_evals = {"as_trained": evals[-1]["val_loss"]}
-    for spec in args.eval_codecs:
-        if spec != args.codec and spec != "native":
-            final_evals[spec] = runner.evaluate(val, codec_of(spec, args))
-    if runner.timed is not None:
-        runner.timed.take_ms()
+                  + (f"  val {self.evals[-1]['val_loss']:.4f}" if self.evals
+                     and self.evals[-1]["step"] == step + 1 else ""), flush=True)  # fmt: skip
+
+    def record(self):
+        """The finished run's record (the final weights evaluated with ``--eval-codecs`` too)."""
+        args, runner, steps = self.args, self.runner, self.steps
+        final_evals = {"as_trained": self.evals[-1]["val_loss"]}
+        for spec in args.eval_codecs:
+            if spec != args.codec and spec != "native":
+                final_evals[spec] = runner.evaluate(self.val, codec_of(spec, args))
+        if runner.timed is not None:
+            runner.timed.take_ms()
+        world = runner.world_size
+        return {
+            "name": run_name(args),
+            "config": {k: plain(v) for k, v in vars(args).items()},
+            "codec": codec_label(args.codec, args),
+            "grad_codec": codec_label(args.grad_codec or args.codec, args),
+            "grad_rounding": grad_rounding(args, args.parallel == "pp" or args.sequence_parallel),
+            "world_size": world,
+            "corpus_tokens": self.corpus_tokens,
+            "vocab": self.vocab,
+            "wall_s": self.elapsed_s(),
+            "pieces": self.pieces,
+            "summary": _summary(
+                args, self.vocab, world, self.device, steps, self.evals, final_evals
+            ),
+            "evals": self.evals,
+            "steps": steps,
+            "wire": self.wire,
+        }
+
+
+def _summary(args, vocab, world, device, steps, evals, final_evals):
+    """The run's figures: step and communication times averaged over the steps after
+    ``args.timing_warmup``, throughput, model FLOP/s (and MFU where the GPU's peak is known),
+    the final losses."""
+    tokens_per_step = args.batch * args.seq_len
+    flops = flops_per_token(args, vocab) * tokens_per_step
     timed = steps[args.timing_warmup :] or steps
     step_ms = sum(s["step_ms"] for s in timed) / len(timed)
     comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
@@ -665,39 +859,18 @@ def train(args, comm, device=None, make_runner=None):
     tflops = flops / world / (step_ms / 1e3) / 1e12
     peak = _peak_tflops(device)
     return {
-        "name": run_name(args),
-        "config": {k: _plain(v) for k, v in vars(args).items()},
-        "codec": codec_label(args.codec, args),
-        "grad_codec": codec_label(args.grad_codec or args.codec, args),
-        "grad_rounding": grad_rounding(args, args.parallel == "pp" or args.sequence_parallel),
-        "world_size": world,
-        "corpus_tokens": len(train_tokens) + len(val_tokens),
-        "vocab": vocab,
-        "summary": {
-            "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
-            "step_ms": step_ms,
-            "comm_ms": comm_ms,
-            "comm_share": comm_ms / step_ms,
-            "model_tflop_per_step": flops / 1e12,
-            "tflops_per_rank": tflops,
-            "mfu": None if peak is None else tflops / peak,
-            "final_val_loss": final,
-            "final_val_ppl": math.exp(final),
-            "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
-            "final_evals": final_evals,
-        },
-        "evals": evals,
-        "steps": steps,
-        "wire": wire,
+        "tokens_per_s_per_rank": tokens_per_step / world / (step_ms / 1e3),
+        "step_ms": step_ms,
+        "comm_ms": comm_ms,
+        "comm_share": comm_ms / step_ms,
+        "model_tflop_per_step": flops / 1e12,
+        "tflops_per_rank": tflops,
+        "mfu": None if peak is None else tflops / peak,
+        "final_val_loss": final,
+        "final_val_ppl": math.exp(final),
+        "final_train_loss": sum(s["loss"] for s in steps[-10:]) / len(steps[-10:]),
+        "final_evals": final_evals,
     }
-
-
-def _plain(v):
-    if isinstance(v, Path):
-        return str(v)
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
 
 
 def main(argv=None):
@@ -708,6 +881,8 @@ def main(argv=None):
         device = "cpu"
     comm = fp4_comm.Communicator.from_env(device=device, validate="first")
     record = train(args, comm)
+    if record is None:  # stopped at its limit, the checkpoint written
+        raise SystemExit(checkpoint.EX_TEMPFAIL)
     record["meta"] = metadata(str(comm.device))
     if comm.rank == 0 and args.out is not None:
         write_json(args.out / f"{record['name']}.json", record)
