@@ -1,6 +1,7 @@
 """Where one step of emulated tensor parallelism spends its time: the GPU's kernels or the host.
 
-    python benchmarks/emulated_step_profile.py [--tp 4] [--codec none] [--model qwen-125m]
+    python benchmarks/emulated_step_profile.py [--tp 4] [--codec none] [--model qwen-125m] \
+        [--rounding stochastic] [--error-feedback]
 
 On a GPU: the ``fp4_train.experiments.emulated_tp`` runner of ``--tp`` emulated ranks (16
 sequences of 1024 tokens of random ids, bf16 autocast) warms up, then reports the wall time of a
@@ -24,6 +25,8 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--codec", default="none")
     ap.add_argument("--model", default="qwen-125m")
+    ap.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
+    ap.add_argument("--error-feedback", action="store_true")
     ap.add_argument("--rows", type=int, default=14, help="rows of each table")
     args = ap.parse_args(argv)
 
@@ -39,7 +42,8 @@ def main(argv=None):
         "--model", args.model, "--batch", "16", "--seq-len", "1024", "--steps", "20",
         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
         "--stats-every", "0", "--timing-warmup", "0", "--quiet", "--device", "cuda",
-        "--codec", args.codec,
+        "--codec", args.codec, "--rounding", args.rounding,
+        *(["--error-feedback"] if args.error_feedback else []),
     ])  # fmt: skip
     device = torch.device("cuda")
     runner = emulated_tp.EmulatedRunner(run_args, device, 16384, args.tp)
@@ -66,7 +70,8 @@ def main(argv=None):
         torch.cuda.synchronize()
     table = prof.key_averages()
     kernel_ms = sum(e.self_device_time_total for e in table) / 2 / 1e3
-    print(f"{args.model}, tp {args.tp}, codec {args.codec}: wall {wall_ms:.1f} ms a step, "
+    print(f"{args.model}, tp {args.tp}, codec {args.codec}, {args.rounding}"
+          f"{', error feedback' if args.error_feedback else ''}: wall {wall_ms:.1f} ms a step, "
           f"kernels {kernel_ms:.1f} ms ({kernel_ms / wall_ms:.0%} of the wall time)")  # fmt: skip
     for key in ("self_device_time_total", "self_cpu_time_total"):
         print(table.table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
