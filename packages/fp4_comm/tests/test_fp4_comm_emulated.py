@@ -100,6 +100,9 @@ def _run_real(comms, world, fwd, bwd, sp, autocast):
     if comm is None:
         return None
     saved, comm._calls = comm._calls, 0  # counted from 0, as the emulated ranks count
+    # residuals from 0, as the emulated ranks' (an earlier test on these workers may have left
+    # some under the same names)
+    comm.error_feedback.reset()
     par = TensorParallelGroup(comm, fwd, bwd, seed=7, sequence_parallel=sp)
     try:
         out = _steps(par, Model(par), autocast)
