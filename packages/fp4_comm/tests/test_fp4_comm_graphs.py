@@ -396,7 +396,8 @@ def test_graph_cache_bounds_are_checked():
         with pytest.raises(ValueError, match=r"graph_cache: .* is not \(max_graphs, max_bytes\)"):
             graphs.graph_cache(bad)
     cache = graphs.graph_cache(None)
-    assert (cache.max_graphs, cache.max_bytes) == (graphs.GRAPH_CACHE_SIZE, graphs.GRAPH_CACHE_BYTES)
+    defaults = (graphs.GRAPH_CACHE_SIZE, graphs.GRAPH_CACHE_BYTES)
+    assert (cache.max_graphs, cache.max_bytes) == defaults
     with fake_gpu_communicator(2) as (comm, _, _, _):
         with pytest.raises(ValueError, match="graph_cache: max_graphs: 0"):
             Communicator(comm.transport, graph_cache=(0, 1 << 20))
