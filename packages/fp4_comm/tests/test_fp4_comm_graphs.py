@@ -385,7 +385,7 @@ def test_error_feedback_sites_replay_when_the_graph_cache_holds_them(bounds, mon
     assert sorted(g.replays for g in cap.graphs) == [1] * dropped + [3] * (2 * kept)
 
 
-def test_graph_cache_bounds_are_checked():
+def test_graph_cache_bounds_are_checked(monkeypatch):
     for bad, match in [((0, 1), "max_graphs: 0"), ((1, -5), "max_bytes: -5"),
                        ((True, 1), "max_graphs: True"), ((2.0, 1), "max_graphs: 2.0")]:  # fmt: skip
         with pytest.raises(ValueError, match=f"^{match} is not a positive int"):
@@ -404,6 +404,12 @@ def test_graph_cache_bounds_are_checked():
         assert Communicator(comm.transport, graph_cache=[64, 1 << 30])._graphed.max_graphs == 64
     with pytest.raises(ValueError, match="graph_cache: max_bytes: 0"):
         reference.EmulatedRanks(2, graph_cache=(4, 0))
+    # from_process_group checks before it makes its group; from_env passes the bounds on
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="graph_cache: max_graphs: -1"):
+        Communicator.from_process_group(device="cpu", graph_cache=(-1, 1))
+    monkeypatch.setattr(Communicator, "from_process_group", classmethod(lambda cls, *a: a[-1]))
+    assert Communicator.from_env(device="cpu", graph_cache=(64, 1 << 30)) == (64, 1 << 30)
 
 
 def test_a_step_tensor_gives_the_bits_of_its_int_step(monkeypatch):
