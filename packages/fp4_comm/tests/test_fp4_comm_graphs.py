@@ -124,10 +124,13 @@ def test_no_capture_or_replay_inside_the_callers_capture(monkeypatch):
     assert cap.graphs[0].replays == 2
 
 
-def test_graph_cache_is_bounded_and_dropped_kinds_stay_eager(monkeypatch):
-    monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 2)
+def test_graph_cache_is_bounded_and_dropped_kinds_stay_eager():
     shapes = [(8, 64), (16, 64), (24, 64)]
-    with fake_graphs() as cap, fake_gpu_communicator(2, graphs="auto") as (comm, _, _, _):
+    bounds = (2, graphs.GRAPH_CACHE_BYTES)
+    with (
+        fake_graphs() as cap,
+        fake_gpu_communicator(2, graphs="auto", graph_cache=bounds) as (comm, _, _, _),
+    ):
         for shape in shapes:
             for _ in range(3):
                 comm.all_reduce(torch.randn(shape))
@@ -137,7 +140,7 @@ def test_graph_cache_is_bounded_and_dropped_kinds_stay_eager(monkeypatch):
             comm.all_reduce(torch.randn(shapes[0]))
         assert len(cap.graphs) == 3 and cap.graphs[0].replays == 1
         # the bytes bound: one more kind whose input pushes the total past it drops the oldest
-        monkeypatch.setattr(graphs, "GRAPH_CACHE_BYTES", 40 * 64 * 4)
+        comm._graphed.max_bytes = 40 * 64 * 4
         for _ in range(3):
             comm.all_reduce(torch.randn(32, 64))
         assert [k[7] for k in comm._graphed.kinds()] == [torch.Size((32, 64))]
@@ -228,14 +231,15 @@ def test_static_input_is_allocated_without_the_deterministic_fill(monkeypatch):
 # ---------------------------------------------------------------- bytes moved: threads
 
 
-def _threaded(world, graphs_mode, calls, monkeypatch):
+def _threaded(world, graphs_mode, calls, monkeypatch, graph_cache=None):
     """Every rank's results of ``calls`` (op, codec, shape, seed) on communicators over the
     threaded NCCL stand-in, and each rank's captured kinds."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     transports = _transports(world)
 
     def run(rank):
-        comm = Communicator(transports[rank], validate="never", graphs=graphs_mode)
+        comm = Communicator(transports[rank], validate="never", graphs=graphs_mode,
+                            graph_cache=graph_cache)  # fmt: skip
         out, shots = [], []
         for op, codec, shape, seed in calls:
             g = torch.Generator().manual_seed(seed * 31 + rank)
@@ -265,10 +269,10 @@ _CALLS = [
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_replays_equal_eager_calls_bit_for_bit_and_are_never_overwritten(world, monkeypatch):
-    monkeypatch.setattr(graphs, "GRAPH_CACHE_SIZE", 16)  # the 12 kinds below, all kept
     eager, cap = _threaded(world, "never", _CALLS, monkeypatch)
     assert cap.graphs == []
-    replayed, cap = _threaded(world, "auto", _CALLS, monkeypatch)
+    bounds = (16, graphs.GRAPH_CACHE_BYTES)  # the 12 kinds below, all kept
+    replayed, cap = _threaded(world, "auto", _CALLS, monkeypatch, graph_cache=bounds)
     assert len(cap.graphs) == world * 12  # 3 ops x 4 codecs, on every rank
     assert sum(g.replays for g in cap.graphs) == world * 12 * 3
     kinds = [k for _, _, k in replayed]
@@ -299,7 +303,7 @@ def _capture_keeping_residuals(fake):
     return capture, owners
 
 
-def _threaded_steps(world, graphs_mode, calls, monkeypatch):
+def _threaded_steps(world, graphs_mode, calls, monkeypatch, graph_cache=None):
     """Every rank's results of ``calls`` over the threaded NCCL stand-in: (op, shape, seed of
     the data, keyword arguments) or ("reset", name); and the captures' stand-in graphs."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -310,7 +314,7 @@ def _threaded_steps(world, graphs_mode, calls, monkeypatch):
 
     def run(rank):
         comm = owners[threading.get_ident()] = Communicator(
-            transports[rank], validate="never", graphs=graphs_mode
+            transports[rank], validate="never", graphs=graphs_mode, graph_cache=graph_cache
         )
         out = []
         for call in calls:
@@ -355,6 +359,57 @@ def test_stochastic_and_error_feedback_replays_equal_eager_calls(world, monkeypa
         assert res.keys() == want_res.keys() == {"g", "h"}
         for name in res:
             assert _same_bytes(res[name], want_res[name]), (r, name)
+
+
+# a model's error-feedback sums: a kind per name (call site), called in turn once a step
+_SITES = 10
+_SITE_CALLS = [("all_reduce", (4, 96), 100 * i + j, {"codec": "mxfp4", "error_feedback": f"s{j}"})
+               for i in range(5) for j in range(_SITES)]  # fmt: skip
+
+
+@pytest.mark.parametrize("bounds", [None, (_SITES, graphs.GRAPH_CACHE_BYTES)])
+def test_error_feedback_sites_replay_when_the_graph_cache_holds_them(bounds, monkeypatch):
+    """More error-feedback sites than the default cache holds: each is captured on its third
+    call, the oldest dropped as the later ones are kept, and the dropped ones run eagerly from
+    then on; a cache with a place for every site replays them all.  Both give the eager bits."""
+    eager, _ = _threaded_steps(2, "never", _SITE_CALLS, monkeypatch)
+    results, cap = _threaded_steps(2, "auto", _SITE_CALLS, monkeypatch, bounds)
+    for (ys, res), (refs, ref_res) in zip(results, eager, strict=True):
+        assert all(torch.equal(y.view(torch.int16), r.view(torch.int16))
+                   for y, r in zip(ys, refs, strict=True))  # fmt: skip
+        assert all(torch.equal(res[n], ref_res[n]) for n in ref_res)
+    kept = _SITES if bounds else graphs.GRAPH_CACHE_SIZE
+    assert len(cap.graphs) == 2 * _SITES  # every site captured once, on every rank
+    # the kept kinds replay at calls 3, 4 and 5; a dropped one at its capture only
+    dropped = 2 * (_SITES - kept)
+    assert sorted(g.replays for g in cap.graphs) == [1] * dropped + [3] * (2 * kept)
+
+
+def test_graph_cache_bounds_are_checked(monkeypatch):
+    for bad, match in [((0, 1), "max_graphs: 0"), ((1, -5), "max_bytes: -5"),
+                       ((True, 1), "max_graphs: True"), ((2.0, 1), "max_graphs: 2.0")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{match} is not a positive int"):
+            graphs.GraphCache(*bad)
+        with pytest.raises(ValueError, match=f"^graph_cache: {match} is not a positive int"):
+            graphs.graph_cache(bad)
+    for bad in [8, (8,), (8, 1, 1), "big"]:
+        with pytest.raises(ValueError, match=r"graph_cache: .* is not \(max_graphs, max_bytes\)"):
+            graphs.graph_cache(bad)
+    cache = graphs.graph_cache(None)
+    defaults = (graphs.GRAPH_CACHE_SIZE, graphs.GRAPH_CACHE_BYTES)
+    assert (cache.max_graphs, cache.max_bytes) == defaults
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        with pytest.raises(ValueError, match="graph_cache: max_graphs: 0"):
+            Communicator(comm.transport, graph_cache=(0, 1 << 20))
+        assert Communicator(comm.transport, graph_cache=[64, 1 << 30])._graphed.max_graphs == 64
+    with pytest.raises(ValueError, match="graph_cache: max_bytes: 0"):
+        reference.EmulatedRanks(2, graph_cache=(4, 0))
+    # from_process_group checks before it makes its group; from_env passes the bounds on
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="graph_cache: max_graphs: -1"):
+        Communicator.from_process_group(device="cpu", graph_cache=(-1, 1))
+    monkeypatch.setattr(Communicator, "from_process_group", classmethod(lambda cls, *a: a[-1]))
+    assert Communicator.from_env(device="cpu", graph_cache=(64, 1 << 30)) == (64, 1 << 30)
 
 
 def test_a_step_tensor_gives_the_bits_of_its_int_step(monkeypatch):

@@ -475,6 +475,35 @@ def test_group_graphs_of_another_seed_or_replaced_residuals_run_eagerly(monkeypa
         assert torch.equal(c.error_feedback.residual("e"), e.error_feedback.residual("e"))
 
 
+@pytest.mark.parametrize("bounds", [None, (10, 1 << 20)])
+def test_group_graphs_of_more_error_feedback_sites_than_the_cache_holds(bounds, monkeypatch):
+    """Ten error-feedback names called in turn (a model's sums, once a step): the default
+    cache keeps the last eight captured, the two dropped run eagerly from then on; with
+    ``graph_cache`` room for ten, every one replays.  Both give the eager bits."""
+    from fp4_comm import graphs
+
+    world, sites = 2, 10
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    graphed = reference.EmulatedRanks(world, graph_cache=bounds)
+    eager = reference.EmulatedRanks(world)
+    graphed.graphs = "auto"  # on the CPU, for the stand-in
+    made = []
+    monkeypatch.setattr(graphs, "capture_group", _fake_group_capture(graphed, made))
+    for i in range(5):
+        for j in range(sites):
+            kw = {"codec": "nvfp4", "error_feedback": f"s{j}"}
+            xs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(100 * i + 10 * j + r))
+                  for r in range(world)]  # fmt: skip
+            for y, ref in zip(graphed.all_reduce(xs, **kw), eager.all_reduce(xs, **kw),
+                              strict=True):  # fmt: skip
+                assert np.array_equal(_bits(y), _bits(ref)), (i, j)
+    kept = sites if bounds else graphs.GRAPH_CACHE_SIZE
+    assert len(graphed._graphed) == kept and len(made) == sites
+    # kept: replayed at calls 3, 4 and 5; dropped: at its capture only
+    assert [g.replays for g in made] == [1] * (sites - kept) + [3] * kept
+
+
 # ------------------------------------------------------------------ checks and failures
 
 

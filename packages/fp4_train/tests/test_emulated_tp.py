@@ -162,6 +162,18 @@ def _emulated(name, corpus, configs=CONFIGS, device="cpu", world=None, steps=STE
     return world, args, _steps(runner, args, steps)
 
 
+def test_error_feedback_sizes_the_emulated_ranks_graph_cache():
+    """The emulated ranks' group graphs: with error feedback a graph per call site, so the
+    cache is ``tp_train.graph_cache_bounds``'s, not fp4_comm's default."""
+    from fp4_train.experiments import emulated_tp, tp_train
+
+    args = tp_train.parse_args([*BASE, *NVFP4_SR_EF])
+    runner = emulated_tp.EmulatedRunner(args, torch.device("cpu"), 256, 2)
+    cache = runner.ranks._graphed
+    assert (cache.max_graphs, cache.max_bytes) == tp_train.graph_cache_bounds(args)
+    assert cache.max_bytes == int(tp_train.EF_GRAPH_CACHE_GB * 2**30)
+
+
 def _rank_state(emulated_state, rank, pp):
     """Rank ``rank``'s weights as that rank names them, from the emulated model's: rank r's
     shard (or SP replica) of "x.w" is "x.w.<r>"; a replicated weight is every rank's; in the

@@ -250,3 +250,44 @@ def test_pipeline_refuses_error_feedback(flag):
     comm = SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="the pipeline's sends have none"):
         tp_train.Runner(args, comm, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "gb"),
+    [([], None), (["--error-feedback"], 16.0), (["--grad-error-feedback"], 16.0),
+     (["--error-feedback", "--no-grad-error-feedback"], 16.0), (["--graph-cache-gb", "2"], 2.0),
+     (["--error-feedback", "--graph-cache-gb", "0.25"], 0.25)],
+)  # fmt: skip
+def test_graph_cache_is_sized_for_error_feedback_sites(argv, gb, monkeypatch):
+    """Every error-feedback site is a kind of call of its own: with error feedback on (or
+    --graph-cache-gb given) the communicator's graph cache is bounded by GiB of inputs, not by
+    fp4_comm's default 8 graphs; the entry point passes it to ``Communicator.from_env``."""
+    import fp4_comm
+    from fp4_train.experiments import tp_train
+
+    args = tp_train.parse_args(["--codec", "nvfp4", *argv])
+    want = None if gb is None else (tp_train.GRAPH_CACHE_GRAPHS, int(gb * 2**30))
+    assert tp_train.graph_cache_bounds(args) == want
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def from_env(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(fp4_comm.Communicator, "from_env", from_env)
+    with pytest.raises(Stop):
+        tp_train.main(["--device", "cpu", "--codec", "nvfp4", *argv])
+    assert seen["graph_cache"] == want
+
+
+@pytest.mark.parametrize("gb", ["0", "-1", "nan", "1e-12"])
+def test_graph_cache_gb_must_be_positive(gb, capsys):
+    from fp4_train.experiments import tp_train
+
+    with pytest.raises(SystemExit):
+        tp_train.parse_args(["--graph-cache-gb", gb])
+    assert f"--graph-cache-gb {float(gb)}: more than 0" in capsys.readouterr().err

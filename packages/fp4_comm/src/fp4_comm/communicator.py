@@ -132,7 +132,11 @@ class Communicator:
     call (the same bits, a few microseconds of host time: ``fp4_comm.graphs`` says which calls
     qualify, and the memory the graphs keep), "never" runs every call eagerly.  Default: "auto"
     on CUDA transports (NCCL, p2p), "never" over gloo and between the emulated ranks of
-    ``fp4_comm.reference`` (which no graph can capture).
+    ``fp4_comm.reference`` (which no graph can capture).  ``graph_cache``: ``(max_graphs,
+    max_bytes)``, the most graphs kept and the input bytes they stand for together (default:
+    ``(fp4_comm.graphs.GRAPH_CACHE_SIZE, GRAPH_CACHE_BYTES)``, 8 graphs, 512 MiB; least recently
+    used dropped first, its kind eager from then on); each error-feedback name is a kind of its
+    own, so a model with error feedback at every layer needs a place for each call site.
 
     ``all_reduce_algorithm``: "two_shot" (reduce-scatter, requantize the sum, all-gather),
     "one_shot" (every rank gathers every rank's encoded input and adds them: one quantization,
@@ -149,6 +153,7 @@ class Communicator:
         validate: Validate = "always",
         graphs: Graphs | None = None,
         all_reduce_algorithm: AllReduceAlgorithm = "auto",
+        graph_cache: tuple[int, int] | None = None,
     ) -> None:
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
@@ -176,7 +181,7 @@ class Communicator:
         self.graphs = graphs
         self.all_reduce_algorithm = all_reduce_algorithm
         self.error_feedback = ErrorFeedback()
-        self._graphed = _graphs.GraphCache()  # kinds of call replayed from CUDA graphs
+        self._graphed = _graphs.graph_cache(graph_cache)  # kinds of call replayed from graphs
         self._validated: set[tuple] = set()
         self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()  # kind of call -> plan
         self._calls = 0  # collectives made: the default stochastic-rounding step
@@ -194,6 +199,7 @@ class Communicator:
         transport: TransportName | None = None,
         graphs: Graphs | None = None,
         all_reduce_algorithm: AllReduceAlgorithm = "auto",
+        graph_cache: tuple[int, int] | None = None,
     ) -> Communicator:
         """A communicator over the ranks of ``group`` (default: the default group).
 
@@ -205,7 +211,8 @@ class Communicator:
         ``transport``: "nccl" (default for a CUDA device), "gloo" (for "cpu"), or "p2p": CUDA
         tensors moved by fp4_comm's own kernel through CUDA IPC buffers, for ranks on one node
         whose GPUs can map each other's memory (``fp4_comm.p2p``; ValueError on every rank
-        where they cannot).  ``graphs`` and ``all_reduce_algorithm``: as in the constructor.
+        where they cannot).  ``graphs``, ``all_reduce_algorithm`` and ``graph_cache``: as in the
+        constructor.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -217,6 +224,7 @@ class Communicator:
         if graphs is not None:
             _graphs.check_graphs(graphs)
         collectives.check_all_reduce_algorithm(all_reduce_algorithm)
+        _graphs.graph_cache(graph_cache)  # checked before the group is made
         _check_timeout(timeout_s)
         if device is None:
             device = (
@@ -249,7 +257,7 @@ class Communicator:
             mover = GlooTransport(control)
         else:
             raise ValueError(f"device: {device} is neither a CUDA device nor the CPU")
-        return cls(mover, control, validate, graphs, all_reduce_algorithm)
+        return cls(mover, control, validate, graphs, all_reduce_algorithm, graph_cache)
 
     @classmethod
     def from_env(
@@ -260,12 +268,14 @@ class Communicator:
         transport: TransportName | None = None,
         graphs: Graphs | None = None,
         all_reduce_algorithm: AllReduceAlgorithm = "auto",
+        graph_cache: tuple[int, int] | None = None,
     ) -> Communicator:
         """Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialize
         torch.distributed with gloo if nobody did (env:// rendezvous through the TCPStore), and
         make a communicator on GPU ``LOCAL_RANK % torch.cuda.device_count()`` (``local_device``:
         ranks share GPUs where there are more than GPUs), or on the CPU where there is no CUDA.
-        ``transport``, ``graphs`` and ``all_reduce_algorithm`` as in ``from_process_group``."""
+        ``transport``, ``graphs``, ``all_reduce_algorithm`` and ``graph_cache`` as in
+        ``from_process_group``."""
         _check_timeout(timeout_s)
         if not dist.is_initialized():
             dist.init_process_group(
@@ -276,7 +286,7 @@ class Communicator:
             torch.cuda.set_device(device)
         collectives.check_all_reduce_algorithm(all_reduce_algorithm)
         return cls.from_process_group(
-            None, device, timeout_s, validate, transport, graphs, all_reduce_algorithm
+            None, device, timeout_s, validate, transport, graphs, all_reduce_algorithm, graph_cache
         )
 
     # ------------------------------------------------------------------ properties

@@ -44,8 +44,13 @@ calls is destroyed) once the aborted replays have drained.
 Memory: a graph keeps every buffer of its call (static input, encoded sections, receive
 buffers, float32 sums, output) in a private pool: about 4 to 6 times the input's bytes.  A
 communicator keeps at most ``GRAPH_CACHE_SIZE`` graphs, standing for at most
-``GRAPH_CACHE_BYTES`` of inputs together (least recently used dropped first); ``close()`` drops
-them all.
+``GRAPH_CACHE_BYTES`` of inputs together (least recently used dropped first; a dropped kind
+runs eagerly from then on); ``close()`` drops them all.  ``graph_cache=(max_graphs,
+max_bytes)`` (``Communicator``, ``EmulatedRanks``) sets other bounds: every error-feedback
+name is a kind of its own, so a model whose every layer's sums carry error feedback needs a
+graph per call site (the kinds cycle through the cache once a step: with fewer places than
+sites, they are all dropped and run eagerly).  Its GPU memory is about 4 to 6 times
+``max_bytes`` where the graphs fill it.
 """
 
 from __future__ import annotations
@@ -247,12 +252,32 @@ class Replay:
         return None if self.output is None else self.output.clone()
 
 
+def graph_cache(bounds) -> GraphCache:
+    """A ``GraphCache`` of ``bounds``: None (the defaults) or ``(max_graphs, max_bytes)``, the
+    ``graph_cache`` argument of ``Communicator`` and ``EmulatedRanks``."""
+    if bounds is None:
+        return GraphCache()
+    if not isinstance(bounds, tuple | list) or len(bounds) != 2:
+        raise ValueError(f"graph_cache: {bounds!r} is not (max_graphs, max_bytes): give a pair "
+                         f"of positive ints, or None for ({GRAPH_CACHE_SIZE}, "
+                         f"{GRAPH_CACHE_BYTES})")  # fmt: skip
+    try:
+        return GraphCache(*bounds)
+    except ValueError as err:
+        raise ValueError(f"graph_cache: {err}") from None
+
+
 class GraphCache:
     """The captured kinds of call of a communicator: kind -> its plan entry, whose ``replay``
     holds the graph.  Least recently used dropped first; a dropped kind runs eagerly from then
     on (capturing it again would thrash when more kinds cycle than the cache holds)."""
 
-    def __init__(self):
+    def __init__(self, max_graphs: int = GRAPH_CACHE_SIZE, max_bytes: int = GRAPH_CACHE_BYTES):
+        for name, value in (("max_graphs", max_graphs), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {value!r} is not a positive int: give the most "
+                                 f"graphs / input bytes the cache keeps")  # fmt: skip
+        self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self._entries: OrderedDict = OrderedDict()
         self._bytes = 0
 
@@ -266,7 +291,7 @@ class GraphCache:
         """Keep ``entry`` (its ``replay`` set) and drop the oldest beyond the bounds."""
         self._entries[kind] = entry
         self._bytes += entry.replay.nbytes
-        while len(self._entries) > GRAPH_CACHE_SIZE or self._bytes > GRAPH_CACHE_BYTES:
+        while len(self._entries) > self.max_graphs or self._bytes > self.max_bytes:
             self._forget(self._entries.popitem(last=False)[1])
 
     def touch(self, kind):

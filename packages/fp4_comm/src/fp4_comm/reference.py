@@ -494,7 +494,8 @@ class EmulatedRanks:
     graph owns, written before each replay (the eager calls of such a kind pass their steps
     the same way); a call of another seed than captured runs eagerly; a graph whose
     error-feedback residuals were replaced is dropped.  A single rank's call cannot be
-    captured (``EmulatedTransport``).
+    captured (``EmulatedTransport``).  ``graph_cache``: ``(max_graphs, max_bytes)`` as
+    ``Communicator``'s, the bytes of all k ranks' inputs of a call counted.
 
     ``all_reduce_algorithm`` as ``Communicator``'s; ``transport`` ("nccl", the default, "gloo"
     or "p2p"): the one whose "auto" choice the ranks follow, so that they compute what
@@ -508,6 +509,7 @@ class EmulatedRanks:
         graphs: _graphs.Graphs | None = None,
         all_reduce_algorithm: str = "auto",
         transport: str = "nccl",
+        graph_cache: tuple[int, int] | None = None,
     ) -> None:
         self.world_size = _check_world_size(world_size)
         collectives.check_all_reduce_algorithm(all_reduce_algorithm)
@@ -522,7 +524,7 @@ class EmulatedRanks:
             raise ValueError(f"graphs='auto' replays CUDA graphs; the emulated ranks are on "
                              f"{self.device}: use graphs='never' (or None)")  # fmt: skip
         self.graphs = graphs
-        self._graphed = _graphs.GraphCache()  # kinds of call replayed from group graphs
+        self._graphed = _graphs.graph_cache(graph_cache)  # kinds replayed from group graphs
         self._kinds: dict[tuple, _GroupEntry] = {}  # kind of call -> its eager count, graph
         self._threads = _RankThreads(self.world_size, self.device, timeout_s)
         for t in self._threads.transports:

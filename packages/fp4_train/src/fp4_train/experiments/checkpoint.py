@@ -34,7 +34,7 @@ EX_TEMPFAIL = 75
 FORMAT = 1
 #: ``tp_train`` arguments that do not change a run's bits: a resumed run may give others.
 RUNTIME_ARGS = frozenset({"checkpoint", "checkpoint_every_s", "stop_at_step", "stop_at_s",
-                          "quiet", "out", "name", "check_finite"})  # fmt: skip
+                          "quiet", "out", "name", "check_finite", "graph_cache_gb"})  # fmt: skip
 
 
 def shard_path(path, rank: int, world_size: int) -> Path:

@@ -68,7 +68,7 @@ class EmulatedRunner(tp_train.Runner):
 
     def build(self, comm):
         args, k = self.args, 2 if self.pp else self.tp
-        self.ranks = EmulatedRanks(k, self.device)
+        self.ranks = EmulatedRanks(k, self.device, graph_cache=tp_train.graph_cache_bounds(args))
         if args.cuda_graph:
             raise SystemExit("--cuda-graph: not with emulated ranks (their collectives run on "
                              "threads)")  # fmt: skip

@@ -27,6 +27,9 @@ gradients: ``--grad-codec`` (default: ``--codec``), ``--grad-rounding`` (default
 for the summed gradients of TP; stochastic for the residual stream's gradient, which the
 pipeline boundary and SP's all-gather carry), ``--grad-error-feedback`` (default:
 ``--error-feedback``).  Error feedback applies where the collective is a sum.
+``--graph-cache-gb``: the GiB of inputs that the CUDA graphs replaying fp4_comm's collectives
+may stand for (``graph_cache_bounds``; each error-feedback site needs a graph of its own, so
+with error feedback the default is ``EF_GRAPH_CACHE_GB``; their pools take 4 to 6 times it).
 
 Data: ``--data`` (one or more files; default the Jargon File) read as ``--data-format``
 (``DATA_FORMATS``; ``bytes``: ``corpus.load_corpus``, vocabulary 256; ``tokens``: the BPE
@@ -84,6 +87,13 @@ MODELS = ("byte", "qwen", *(f"qwen-{size}" for size in qwen.SIZES))
 # dense bf16 peak of the GPUs the studies ran on, TFLOP/s (NVIDIA's data sheets), for MFU
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4}
 GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's default 5)
+#: --graph-cache-gb's default with error feedback: the GiB of inputs that fp4_comm's CUDA graphs
+#: of the collectives may stand for (their pools take about 4 to 6 times that where filled).
+#: Every error-feedback name is a kind of call of its own, so each call site needs a graph:
+#: the 12-layer 125 M model has 48 (4.8 GB of inputs with 4 emulated ranks at 16 384 tokens).
+EF_GRAPH_CACHE_GB = 16.0
+#: The graphs the cache keeps under --graph-cache-gb: not the bound (the bytes are).
+GRAPH_CACHE_GRAPHS = 4096
 
 
 # ------------------------------------------------------------------------------------ args
@@ -148,6 +158,11 @@ def parse_args(argv=None):
       help="TP, GPU: capture the whole training step (forward, backward with its collectives, "
            "AdamW) in one CUDA graph after a few eager steps, and replay it; hides the host "
            "time of the collectives' launches (nearest rounding only)")
+    a("--graph-cache-gb", type=float, default=None,
+      help="GPU collectives: the GiB of inputs that fp4_comm's CUDA graphs may stand for (a "
+           "graph per kind of call, error-feedback site included; pools about 4-6x that); "
+           f"default: {EF_GRAPH_CACHE_GB:g} with error feedback, fp4_comm's default (8 graphs, "
+           "0.5) without")
     a("--check-finite", action="store_true",
       help="debugging: stop at the first torch operation that makes a NaN or an infinity from "
            "finite values, naming it and where it was called (slow: every op synchronizes)")
@@ -156,7 +171,20 @@ def parse_args(argv=None):
     _checkpoint_arguments(a)
     args = ap.parse_args(argv)
     _check_checkpoint_arguments(ap, args)
+    if args.graph_cache_gb is not None and not args.graph_cache_gb * 2**30 >= 1:
+        ap.error(f"--graph-cache-gb {args.graph_cache_gb}: more than 0")
     return args
+
+
+def graph_cache_bounds(args):
+    """The ``graph_cache`` bounds of this run's fp4_comm communicators (``--graph-cache-gb``):
+    None (fp4_comm's default) where neither the option nor error feedback is given."""
+    gb = args.graph_cache_gb
+    if gb is None:
+        if not (args.error_feedback or args.grad_error_feedback):
+            return None
+        gb = EF_GRAPH_CACHE_GB
+    return (GRAPH_CACHE_GRAPHS, int(gb * 2**30))
 
 
 def _checkpoint_arguments(a):
@@ -879,7 +907,9 @@ def main(argv=None):
     device = None
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         device = "cpu"
-    comm = fp4_comm.Communicator.from_env(device=device, validate="first")
+    comm = fp4_comm.Communicator.from_env(
+        device=device, validate="first", graph_cache=graph_cache_bounds(args)
+    )
     record = train(args, comm)
     if record is None:  # stopped at its limit, the checkpoint written
         raise SystemExit(checkpoint.EX_TEMPFAIL)
