@@ -656,14 +656,11 @@ class Communicator:
         """Whether this call replays the kind's graph: its seed is the captured one (else it
         runs eagerly), and its error-feedback tensors are those captured (else the graph is
         dropped and the kind runs eagerly from then on)."""
-        if not entry.replay.fits(opts.seed):
-            return False
-        if not _graphs.same_tensors(entry.replay.residuals, self._residuals_in_use(opts)):
-            self._graphed.drop(kind)
+        residuals = self._residuals_in_use(opts)
+        if not self._graphed.ready(kind, entry.replay, opts.seed, residuals):
             return False
         if opts.error_feedback_name is not None:
             self.error_feedback.resume(opts.error_feedback_name)
-        self._graphed.touch(kind)
         return True
 
     def _validated_for_good(self):

@@ -297,6 +297,20 @@ class GraphCache:
     def touch(self, kind):
         self._entries.move_to_end(kind)
 
+    def ready(self, kind, replay, seed, residuals) -> bool:
+        """Whether a call of ``kind`` and ``seed`` whose error-feedback tensors are
+        ``residuals`` (``ErrorFeedback.in_use``) replays ``replay`` (the kind's, a ``Replay``
+        or an ``EmulatedRanks`` group replay): its seed fits (else it runs eagerly, the graph
+        kept) and its residuals are the captured ones (else the kind is dropped, eager from
+        then on).  A kind that replays becomes the most recently used."""
+        if not replay.fits(seed):
+            return False
+        if not same_tensors(replay.residuals, residuals):
+            self.drop(kind)
+            return False
+        self.touch(kind)
+        return True
+
     def drop(self, kind):
         entry = self._entries.pop(kind, None)
         if entry is not None:

@@ -589,15 +589,12 @@ class EmulatedRanks:
     def _replay_fits(self, entry, kwargs):
         """As ``Communicator``'s: the captured seed (else eager), the captured residuals (else
         the graph is dropped)."""
-        if not entry.replay.fits(kwargs.get("seed", 0)):
-            return False
-        if not _graphs.same_tensors(entry.replay.residuals, self._residuals(kwargs)):
-            self._graphed.drop(entry.kind)
+        seed, residuals = kwargs.get("seed", 0), self._residuals(kwargs)
+        if not self._graphed.ready(entry.kind, entry.replay, seed, residuals):
             return False
         name = kwargs.get("error_feedback")
         for c in self.comms if name is not None else ():
             c.error_feedback.resume(name)
-        self._graphed.touch(entry.kind)
         return True
 
     # -- group graphs (the class docstring says which calls)
