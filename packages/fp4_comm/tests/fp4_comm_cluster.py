@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -72,10 +71,14 @@ def construction_outcomes(comms, cases):
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store():
+    """A TCPStore server on a port the system picks, hosted by the calling process: the workers
+    connect to ``store.port`` as clients.  The port is bound from the start, so test processes
+    running side by side (pytest-xdist) cannot pick the same one, as they could with a port
+    found free and bound later by a worker."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 @dataclass
@@ -93,13 +96,9 @@ def _worker(rank, world, port, conn, timeout_s, sizes, gpu, setup=None):
     import fp4_comm
 
     torch.set_num_threads(1)  # 2 cores for several processes: no oversubscription
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     comms = {}
     for size in sizes:
         if size == world:
@@ -142,7 +141,8 @@ class Cluster:
         self, world, timeout_s=30.0, sizes=None, start_timeout_s=300.0, gpu=False, setup=None
     ):
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store = rendezvous_store()  # lives as long as the cluster
+        port = self._store.port
         self.world = world
         self.conns, self.procs = [], []
         sizes = tuple(sizes or (world,))

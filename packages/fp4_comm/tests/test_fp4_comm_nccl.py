@@ -30,13 +30,13 @@ CODECS = ["nvfp4", "mxfp4", "none", "none-float32", fp4_kernels.FP4Quant(64)]
 def single():
     """World size 1 in this process: an NCCL communicator on GPU 0 and a gloo one."""
     import torch.distributed as dist
-    from fp4_comm_cluster import free_port, skip_unless_ranks_fit
+    from fp4_comm_cluster import skip_unless_ranks_fit
 
     skip_unless_ranks_fit(1)
 
     if not dist.is_initialized():
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            "gloo", store=dist.HashStore(), rank=0, world_size=1,
             timeout=datetime.timedelta(seconds=60),
         )  # fmt: skip
     torch.cuda.set_device(0)

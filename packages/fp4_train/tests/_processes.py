@@ -6,25 +6,19 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (the rendezvous' MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def set_rank_environment(rank: int, world: int, port: int) -> None:
     """The environment ``torch.distributed.init_process_group`` reads, for rank ``rank`` of
-    ``world`` on this host (LOCAL_RANK = RANK)."""
+    ``world`` on this host (LOCAL_RANK = RANK), with the rendezvous store at ``port`` hosted
+    by the parent, as torchrun's agent hosts it (every rank connects as a client)."""
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_PORT": port}
-    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1", **agent)
 
 
 def write_corpus(path: Path) -> Path:
@@ -41,8 +35,13 @@ def spawn(world: int, target, *args, minutes: float = 10) -> list:
     rank.  RuntimeError with the traceback of the first rank that raised, TimeoutError where
     one has not finished within ``minutes``.  The processes are joined (killed after 10 s) in
     any case."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
-    port = free_port()
+    # The parent hosts the rendezvous on a port the system picks and holds it bound from the
+    # start: test processes running side by side (pytest-xdist) never pick the same one.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     conns, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe()
