@@ -38,7 +38,8 @@ CONFIGS = {
     # the residual stream's gradient: stochastic by default
     "sp2-g64": (2, ["--codec", "fp4quant-g64", "--sequence-parallel"]),
 }
-TIMING = ("step_ms", "comm_ms", "tokens_per_s_per_rank")
+# what a step record holds besides its bits: its timings and the piece of the run it ran in
+TIMING = ("step_ms", "comm_ms", "tokens_per_s_per_rank", "piece")
 
 
 def _outcome(record):
@@ -108,6 +109,7 @@ def test_a_stopped_and_resumed_run_has_the_bits_of_one_run(tmp, uninterrupted, n
     record = _emulated(tmp, name, ckpt)
     whole, whole_state = uninterrupted[name]
     assert record["pieces"] == 2 and whole["pieces"] == 1
+    assert [st["piece"] for st in record["steps"]] == [1] * STOP + [2] * (STEPS - STOP)
     assert _outcome(record) == _outcome(whole)
     resumed = checkpoint.load(ckpt / "rank0.pt")
     assert _state_bits(resumed["runner"]) == _state_bits(whole_state["runner"])
@@ -257,6 +259,29 @@ def test_tp_train_on_two_processes_resumes_bit_for_bit(gloo, name):
 
 
 # ------------------------------------------------------------------ the pieces
+
+
+def test_each_piece_of_a_run_leaves_its_warmup_steps_out_of_the_timing():
+    pieces = [(90, 1), (50, 1), (10, 1), (80, 2), (12, 2)]  # (step ms, piece) of steps 0-4
+    steps = [{"step": i, "step_ms": ms, "piece": p} for i, (ms, p) in enumerate(pieces)]
+    assert [st["step"] for st in tp_train.timed_steps(steps, 1)] == [1, 2, 4]
+    assert [st["step"] for st in tp_train.timed_steps(steps, 2)] == [2]
+    assert tp_train.timed_steps(steps, 3) == steps  # none left: every step
+    # a record of one piece, without the key (records of runs never resumed)
+    plain_steps = [{"step": i, "step_ms": 1.0} for i in range(4)]
+    assert tp_train.timed_steps(plain_steps, 1) == plain_steps[1:]
+
+
+def test_the_peak_memory_is_the_most_of_every_piece(monkeypatch):
+    run = tp_train.Training.__new__(tp_train.Training)  # only what peak_memory_gb reads
+    run.device, run.memory_gb = torch.device("cuda", 0), 3.0  # an earlier piece's peak
+    for now_gib, peak in [(2, 3.0), (5, 5.0)]:
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d, n=now_gib: n * 2**30)
+        assert run.peak_memory_gb() == peak
+    run.memory_gb = None  # the first piece
+    assert run.peak_memory_gb() == 5.0
+    run.device = torch.device("cpu")
+    assert run.peak_memory_gb() is None
 
 
 def test_shard_paths():

@@ -259,10 +259,8 @@ def run(args, tp, curve_points=CURVE_POINTS):
     # wall seconds over every piece of a resumed run (each piece's start-up included)
     summary = summarize(record, args, tp, record["wall_s"], curve_points)
     summary["pieces"] = record["pieces"]
-    # what a run holds of the GPU at most (of its last piece): how many fit on it at once
-    summary["max_memory_gb"] = (
-        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    )
+    # what a run holds of the GPU at most, over all its pieces: how many fit on it at once
+    summary["max_memory_gb"] = record["max_memory_gb"]
     summary["meta"] = metadata(str(device))
     return summary
 

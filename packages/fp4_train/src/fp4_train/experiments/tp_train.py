@@ -765,6 +765,7 @@ class Training:
         self.group = comm.control_group if processes > 1 else None
         self.steps, self.evals, self.wire = [], [], []
         self.wall_s, self.pieces = 0.0, 1
+        self.memory_gb = None  # the earlier pieces' peak of GPU memory
         self.path = None
         if args.checkpoint is not None:
             self.path = checkpoint.shard_path(args.checkpoint, self.rank, processes)
@@ -795,10 +796,19 @@ class Training:
         records = state["records"]
         self.steps, self.evals, self.wire = records["steps"], records["evals"], records["wire"]
         self.wall_s, self.pieces = state["wall_s"], state["pieces"] + 1
+        self.memory_gb = state.get("max_memory_gb")
 
     def elapsed_s(self):
         """Wall seconds of the run so far, over all its pieces."""
         return self.wall_s + time.monotonic() - self.start
+
+    def peak_memory_gb(self):
+        """The most GPU memory torch allocated in any piece of the run so far, GiB (this
+        process's peak since its start or the caller's last reset); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        now = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return max(now, self.memory_gb or 0.0)
 
     def save(self):
         """Write this rank's checkpoint."""
@@ -808,6 +818,7 @@ class Training:
             "runner": self.runner.state_dict(), "rng": checkpoint.rng_state(self.device),
             "records": {"steps": self.steps, "evals": self.evals, "wire": self.wire},
             "wall_s": self.elapsed_s(), "pieces": self.pieces,
+            "max_memory_gb": self.peak_memory_gb(),
         })  # fmt: skip
 
     def step(self, step):
@@ -831,6 +842,7 @@ class Training:
             "step": step, "loss": loss, "lr": lr,
             "step_ms": step_ms, "comm_ms": comm_ms,
             "tokens_per_s_per_rank": tokens_per_step / runner.world_size / (step_ms / 1e3),
+            "piece": self.pieces,
         })  # fmt: skip
         if log_stats:
             self.wire += [{"step": step, **w} for w in runner.wire_stats()]
@@ -865,6 +877,7 @@ class Training:
             "vocab": self.vocab,
             "wall_s": self.elapsed_s(),
             "pieces": self.pieces,
+            "max_memory_gb": self.peak_memory_gb(),
             "summary": _summary(
                 args, self.vocab, world, self.device, steps, self.evals, final_evals
             ),
@@ -874,13 +887,28 @@ class Training:
         }
 
 
+def timed_steps(steps: list[dict], warmup: int) -> list[dict]:
+    """The step records that time a run: each piece's steps after its first ``warmup`` (a
+    resumed piece starts cold, as the first did: kernels compiled, buffers allocated, graphs
+    captured again); all of them where that leaves none.  A step without a ``piece`` (a
+    record of a run not resumed) belongs to the first."""
+    seen: dict[int, int] = {}
+    timed = []
+    for s in steps:
+        piece = s.get("piece", 1)
+        if seen.get(piece, 0) >= warmup:
+            timed.append(s)
+        seen[piece] = seen.get(piece, 0) + 1
+    return timed or steps
+
+
 def _summary(args, vocab, world, device, steps, evals, final_evals):
-    """The run's figures: step and communication times averaged over the steps after
-    ``args.timing_warmup``, throughput, model FLOP/s (and MFU where the GPU's peak is known),
-    the final losses."""
+    """The run's figures: step and communication times averaged over each piece's steps after
+    its first ``args.timing_warmup``, throughput, model FLOP/s (and MFU where the GPU's peak is
+    known), the final losses."""
     tokens_per_step = args.batch * args.seq_len
     flops = flops_per_token(args, vocab) * tokens_per_step
-    timed = steps[args.timing_warmup :] or steps
+    timed = timed_steps(steps, args.timing_warmup)
     step_ms = sum(s["step_ms"] for s in timed) / len(timed)
     comm_ms = sum(s["comm_ms"] for s in timed) / len(timed)
     final = evals[-1]["val_loss"]
