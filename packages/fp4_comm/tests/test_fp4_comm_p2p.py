@@ -17,7 +17,7 @@ from fp4_comm_cluster import construction_outcomes
 
 import fp4_comm
 import fp4_kernels
-from fp4_comm import _p2p_kernels as K
+from fp4_comm import _p2p_kernels as K, p2p
 from fp4_comm._p2p_model import ModelWorld
 from fp4_comm.collectives import resolve_all_reduce_algorithm
 from fp4_comm.p2p import (
@@ -233,6 +233,22 @@ def test_model_moves_every_byte_in_order(world, lanes):
     model = ModelWorld(world, timeout_s=30.0, lanes=lanes)
     calls = _calls(world, 40 if world < 4 else 20, seed=world * 10 + lanes)
     assert model.run(_run_calls, calls, timeout_s=300) == [len(calls)] * world
+    assert model.violations == []
+
+
+def _run_twice_and_count_plans(t, calls):
+    _run_calls(t, calls + calls)  # every kind of launch again, after it was dropped
+    return len(t._plans)
+
+
+def test_model_keeps_a_bounded_number_of_launch_kinds(monkeypatch):
+    # calls of changing section shapes pack a launch each; past MAX_PLANS the oldest goes, and
+    # a dropped kind that comes back is packed again and moves the same bytes
+    monkeypatch.setattr(p2p, "MAX_PLANS", 3)
+    calls = _calls(2, 12, seed=5)
+    assert len({(kind, tuple(sizes)) for kind, sizes in calls}) > 3
+    model = ModelWorld(2, timeout_s=30.0, lanes=2)
+    assert model.run(_run_twice_and_count_plans, calls, timeout_s=300) == [3, 3]
     assert model.violations == []
 
 

@@ -104,6 +104,10 @@ MAX_LANES = 32
 LANE_MIN_BYTES = 64 << 10
 #: Slots are a multiple of this many bytes (keeps every piece boundary 16-byte aligned).
 PIECE_ALIGN = 256
+#: Kinds of launch (operation, peer, the sections' shapes and dtypes) a transport keeps packed;
+#: past it the oldest is dropped (a launch's parameters are copied when it is made, also into a
+#: captured graph) and packed again should it come back.
+MAX_PLANS = 256
 # Where the slots start in a buffer (after the flags and counters).
 _DATA_ALIGN = 4096
 # How often synchronize() polls its event and the report, and the watchdog the report.
@@ -652,6 +656,8 @@ class P2PTransport(Transport):
                               r is not None and (r.shape, r.dtype)) for s, r in pairs])  # fmt: skip
         plan = self._plans.get(key)
         if plan is None:
+            if len(self._plans) >= MAX_PLANS:  # the oldest kind (insertion order)
+                del self._plans[next(iter(self._plans))]
             plan = self._plans[key] = self._plan(pairs, mode, peer, op)
         if plan.grid:
             params, i = plan.params, _SECTION_PARAMS
