@@ -1,7 +1,7 @@
 """Where one step of emulated tensor parallelism spends its time: the GPU's kernels or the host.
 
     python benchmarks/emulated_step_profile.py [--tp 4] [--codec none] [--model qwen-125m] \
-        [--rounding stochastic] [--error-feedback]
+        [--rounding stochastic] [--error-feedback] [--grad-codec tahquant-grad]
 
 On a GPU: the ``fp4_train.experiments.emulated_tp`` runner of ``--tp`` emulated ranks (16
 sequences of 1024 tokens of random ids, bf16 autocast) warms up, then reports the wall time of a
@@ -24,6 +24,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--codec", default="none")
+    ap.add_argument("--grad-codec", default=None, help="the backward codec (default: --codec)")
     ap.add_argument("--model", default="qwen-125m")
     ap.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
     ap.add_argument("--error-feedback", action="store_true")
@@ -44,6 +45,7 @@ def main(argv=None):
         "--stats-every", "0", "--timing-warmup", "0", "--quiet", "--device", "cuda",
         "--codec", args.codec, "--rounding", args.rounding,
         *(["--error-feedback"] if args.error_feedback else []),
+        *(["--grad-codec", args.grad_codec] if args.grad_codec else []),
     ])  # fmt: skip
     device = torch.device("cuda")
     runner = emulated_tp.EmulatedRunner(run_args, device, 16384, args.tp)
