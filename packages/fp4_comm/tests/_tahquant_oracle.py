@@ -111,7 +111,7 @@ def encode_fields(x, token_size):
                     v = hadamard(v)
                 ok = finite and all(np.isfinite(e) for e in v)
                 if ok:
-                    lo, hi = min(v), max(v)
+                    lo, hi = F32(min(v) + F32(0)), F32(max(v) + F32(0))  # -0 counts as +0
                     z_bits = _f16_bits(lo)
                     zero = _f16_value(z_bits)
                     spread = F32(hi - zero)

@@ -6,10 +6,13 @@ Written from the paper's algorithm (section 3: tile-wise quantization, entropy-g
 token-level bit allocation, Hadamard transform with pivot swap) and checked against the
 description of its public code (``compress/tah_modules.py`` and ``fixpoint.py``: 64-channel
 tiles, 4 bits for 80 % of tokens and 3 for the rest, ratio 2 for the transform, backward 6 bits
-on tiles of 32).  Vectorized torch operations, CPU or CUDA tensors (no custom kernel); every
+on tiles of 32).  The definition is the vectorized torch operations below, the CPU path; every
 float operation is a separate IEEE float32 operation in a fixed order, so CPU and GPU, and the
 plain-numpy reference of the tests, give the same bits.  Do not ``torch.compile`` them: a fused
-kernel may contract a multiply and an add into an FMA and change the bits.
+kernel may contract a multiply and an add into an FMA and change the bits.  CUDA tensors go
+through the fused numba kernels of ``_tahquant_kernels`` (a few launches an encode or decode
+instead of thousands), which perform the same operations in the same order: the same bytes
+and values.
 
 **Tokens on the wire.**  A payload row (one chunk of a collective, ``(chunks, n)``) is read as
 ``n / token_size`` tokens of ``token_size`` consecutive channels: the layout of a ``(..., C)``
@@ -44,7 +47,8 @@ runs of the flattened tensor, which the paper's allocation was not designed for.
    L)``, ``L = 2^bits - 1``, both rounded to nearest even, and the codes ``clamp(rne((v - zero)
    / scale), 0, L)`` with those fp16 values (the paper's code quantizes with the unrounded
    values and sends fp16 ones; rounding first makes the decoder see the scale the encoder
-   used).  ``scale = 0`` (a constant tile): codes 0.
+   used).  ``min`` and ``max`` are taken with -0 as +0 (a reduction may return either zero).
+   ``scale = 0`` (a constant tile): codes 0.
 5. Decode: ``q * scale + zero`` (a product, then a sum), the inverse transform
    (``hadamard(64) / 8`` again) and the swap back.
 
@@ -293,10 +297,13 @@ class _OneSectionNearestCodec(CheckedCodec):
             )
         if empty is not None:
             return empty
+        if x.is_cuda:
+            return [self._encode_cuda(x)]
         return [torch.cat(self._encode_parts(x), dim=1).contiguous()]
 
     def _decode_checked(self, sections, n, dtype):
-        y = self._decode_float32(sections[0], n)
+        raw = sections[0]
+        y = self._decode_cuda(raw, n) if raw.is_cuda else self._decode_float32(raw, n)
         return y if dtype == torch.float32 else y.to(dtype)
 
     @abstractmethod
@@ -307,6 +314,15 @@ class _OneSectionNearestCodec(CheckedCodec):
     @abstractmethod
     def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         """Checked, non-empty section ``raw`` -> the (chunks, n) float32 values."""
+
+    @abstractmethod
+    def _encode_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """``_encode_parts`` joined, for a CUDA tensor: the fused kernels of
+        ``_tahquant_kernels`` (the same bytes)."""
+
+    @abstractmethod
+    def _decode_cuda(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        """``_decode_float32`` of a CUDA section: the fused kernels (the same values)."""
 
 
 def _per_element_bound(per_tile, tile_size, x, dtype):
@@ -381,8 +397,10 @@ class TAHQuantCodec(_OneSectionNearestCodec):
 
         levels = torch.where(low, float(2**LOW_BITS - 1), float(2**HIGH_BITS - 1))
         levels = levels.unsqueeze(-1)  # (R, T, 1): per tile of the token
-        lo = v.amin(-1)
-        hi = v.amax(-1)
+        # + 0: -0 becomes +0 (and nothing else changes), since which of two zeros of opposite
+        # signs a min or max reduction returns is up to its implementation
+        lo = v.amin(-1) + 0.0
+        hi = v.amax(-1) + 0.0
         zero16 = lo.to(torch.float16)
         zero = zero16.float()
         spread = torch.clamp(hi - zero, min=0.0)
@@ -415,6 +433,21 @@ class TAHQuantCodec(_OneSectionNearestCodec):
             _pack_bits(transform),
             _pack24_cut(pivot, PIVOT_BITS),
         ]
+
+    def _encode_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        from . import _tahquant_kernels
+
+        n = x.shape[1]
+        n_low = n // self.token_size * (100 - HIGH_PERCENT) // 100
+        return _tahquant_kernels.encode(x, self.token_size, n_low, self.layout(n),
+                                        low_precision_tokens)  # fmt: skip
+
+    def _decode_cuda(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        from . import _tahquant_kernels
+
+        n_low = n // self.token_size * (100 - HIGH_PERCENT) // 100
+        return _tahquant_kernels.decode(raw, n, self.token_size, n_low, self.layout(n),
+                                        _unpack_bits)  # fmt: skip
 
     def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         R = raw.shape[0]
@@ -521,6 +554,16 @@ class TAHQuantGradCodec(_OneSectionNearestCodec):
         scale16 = torch.where(ok, scale16, _nan_fp16(scale16))
         codes = _pack24(q.reshape(R, n), GRAD_BITS)
         return [codes, _fp16_bytes(scale16)]
+
+    def _encode_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        from . import _tahquant_kernels
+
+        return _tahquant_kernels.grad_encode_section(x, self.section_nbytes(x.shape[1])[0])
+
+    def _decode_cuda(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        from . import _tahquant_kernels
+
+        return _tahquant_kernels.grad_decode_section(raw, n)
 
     def _decode_float32(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         R = raw.shape[0]

@@ -1,0 +1,740 @@
+"""Fused CUDA kernels for TAH-Quant's two codecs (``tahquant.py``): the same bytes and the same
+decoded values as its torch operations, which stay the definition and the CPU path.
+
+Every float32 operation below is the IEEE operation of ``tahquant.py`` in the same order: the
+sums of the entropy add halves (zero-padded to a power of two, ``a[i] + a[i + h]`` for h = P/2,
+..., 1), ``ln`` is the same frexp and Horner polynomial, the Hadamard transform the same
+butterflies (stride 1, 2, ..., 32; ``(a + b, a - b)``), divisions are ``div.rn.f32`` (numba's
+default without fastmath, no flush to zero), rounding to an integer is ``cvt.rni`` (nearest
+even, as ``torch.round``), and fp16 conversions are ``cvt.rn`` (nearest even, overflow to
+infinity, as torch's).  NVVM would contract a product followed by an add into an FMA (one
+rounding instead of two): every product goes through ``mul_rn``, an inline ``mul.rn.f32`` that
+is never fused.
+
+Launch geometry and layout (one launch each, on torch's current stream):
+
+- ``token_entropy``: one block of ``ENTROPY_THREADS`` per token (fewer for tokens below 256
+  channels), ``ENTROPY_STAGE`` floats of shared memory; writes each token's entropy (float32,
+  ``-inf`` where the magnitude sum is not finite).
+- ``encode_tiles``: one thread per 64-channel tile (``TILE_THREADS`` a block, grid-wide over
+  chunks x tiles); the tile is held in a 64-float local array.  It writes the tile's codes at
+  its token's destination (``slot``: the token's rank among the 3-bit tokens, or among the
+  4-bit ones, in token order), its fp16 zero and scale, and its transform flag and pivot into
+  two int32 side arrays.
+- ``encode_maps``: one thread per byte of the token map, the transform map and the pivots.
+- ``decode_tiles``: one thread per tile, reading every field of the section directly.
+- ``grad_encode`` / ``grad_decode``: one thread per 32-element tile.
+
+The ranking of the tokens (``tahquant.low_precision_tokens``, an argsort) and each token's
+slot (a cumulative sum) stay torch operations.  Under ``NUMBA_ENABLE_CUDASIM=1`` the kernels
+run in numba's simulator on CPU tensors (the tests' way of checking them without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import config, cuda, float32, int32, uint32
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+TILE_SIZE = 64
+GRAD_TILE_SIZE = 32
+# threads (= tiles) a block of the per-tile kernels; a block stages its tiles in shared memory,
+# one row of TILE_SIZE + 1 floats a tile (the + 1: a warp's threads read their tiles' element i
+# from 32 different banks)
+TILE_THREADS = 64
+TILE_STAGE = TILE_THREADS * (TILE_SIZE + 1)  # 16.6 KB
+GRAD_THREADS = 128
+GRAD_STAGE = GRAD_THREADS * (GRAD_TILE_SIZE + 1)  # 16.9 KB
+ENTROPY_THREADS = 128  # threads a block of the entropy kernel (one block a token)
+# The entropy kernel's sums run in shared memory from this many floats on (8 KB); the stages
+# of larger tokens fold into registers first, at most ENTROPY_MAX_FOLD elements a slot.
+ENTROPY_STAGE = 2048
+ENTROPY_MAX_FOLD = 64  # tokens up to 131072 channels
+MAP_THREADS = 256
+LOW_BYTES_A_TILE = TILE_SIZE * 3 // 8  # 24: 8 codes to 3 bytes
+HIGH_BYTES_A_TILE = TILE_SIZE // 2  # 32: 2 codes a byte
+GRAD_BYTES_A_TILE = GRAD_TILE_SIZE * 6 // 8  # 24: 4 codes to 3 bytes
+FP16_NAN_BITS = 0x7E00
+
+# float32 constants: numba types a Python float as float64, so each is a float32 here
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+TWO = np.float32(2.0)
+EIGHTH = np.float32(0.125)  # 1 / sqrt(64): the orthonormal Hadamard's scaling, exact
+TWO_24 = np.float32(2.0**24)  # lifts a subnormal into the normal range (exact)
+NEG_INF = np.float32(-np.inf)
+LOW_LEVELS = np.float32(7.0)  # 2^3 - 1
+HIGH_LEVELS = np.float32(15.0)  # 2^4 - 1
+GRAD_STEPS = np.float32(32.0)
+INV_GRAD_STEPS = np.float32(1.0 / 32.0)
+# tahquant's _ln constants, the same float32 values
+SQRT_HALF = np.float32(0.70710677)
+LN2 = np.float32(0.6931472)
+LN_C9, LN_C7, LN_C5, LN_C3, LN_C1 = (np.float32(1.0 / k) for k in (9, 7, 5, 3, 1))
+
+if SIMULATOR:
+
+    def mul_rn(a, b):
+        return np.float32(np.float32(a) * np.float32(b))
+
+    def rint(x):
+        return np.float32(np.rint(np.float32(x)))
+
+    def f32_as_u32(x):
+        return np.float32(x).view(np.uint32)
+
+    def u32_as_f32(x):
+        return np.uint32(x).view(np.float32)
+
+    def f16_bits(x):
+        """float32 -> IEEE binary16 bits, nearest even, overflow to infinity."""
+        with np.errstate(over="ignore"):
+            return np.uint32(np.float32(x).astype(np.float16).view(np.uint16))
+
+    def f16_value(bits):
+        return np.float32(np.uint16(bits).view(np.float16))
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    def _asm(ptx, constraint, ret, arg, ll_ret, ll_args):
+        def typer(typingctx, *args):
+            if len(args) != len(ll_args) or any(a != arg for a in args):
+                return None
+
+            def codegen(context, builder, signature, llargs):
+                asm = ir.InlineAsm(ir.FunctionType(ll_ret, ll_args), ptx, constraint)
+                return builder.call(asm, list(llargs))
+
+            return ret(*args), codegen
+
+        return typer
+
+    # mul.rn.f32 in inline PTX: opaque to NVVM's contraction, and ptxas does not fuse an
+    # instruction with an explicit rounding modifier
+    @intrinsic
+    def mul_rn(typingctx, a, b):
+        return _asm("mul.rn.f32 $0, $1, $2;", "=f,f,f", types.float32, types.float32,
+                    ir.FloatType(), [ir.FloatType(), ir.FloatType()])(typingctx, a, b)  # fmt: skip
+
+    @intrinsic
+    def rint(typingctx, x):
+        """Round to the nearest integer, ties to even (``torch.round``)."""
+        return _asm("cvt.rni.f32.f32 $0, $1;", "=f,f", types.float32, types.float32,
+                    ir.FloatType(), [ir.FloatType()])(typingctx, x)  # fmt: skip
+
+    @intrinsic
+    def f32_as_u32(typingctx, x):
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, x):
+        if x != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def f16_bits(typingctx, x):
+        """float32 -> IEEE binary16 bits: ``cvt.rn.f16.f32`` (nearest even, overflow to
+        infinity: torch's ``to(float16)``)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i16 = ir.IntType(16)
+            asm = ir.InlineAsm(ir.FunctionType(i16, [ir.FloatType()]),
+                               "cvt.rn.f16.f32 $0, $1;", "=h,f")  # fmt: skip
+            return builder.zext(builder.call(asm, [args[0]]), ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def f16_value(typingctx, bits):
+        """IEEE binary16 bits (the low 16 of a uint32) -> float32, exact: ``cvt.f32.f16``."""
+        if bits != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i16 = ir.IntType(16)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i16]), "cvt.f32.f16 $0, $1;",
+                               "=f,h")  # fmt: skip
+            return builder.call(asm, [builder.trunc(args[0], i16)])
+
+        return types.float32(types.uint32), codegen
+
+
+_device = cuda.jit(device=True)
+
+
+@_device
+def _halving_sum(sm, p2, tid, nthreads):
+    """sm[0] = the sum of sm[:p2] in ``_halving_sum``'s order: a[i] + a[i + h] for h = p2/2,
+    ..., 1.  Every thread of the block calls it (it holds barriers)."""
+    h = p2 // 2
+    while h >= 1:
+        i = tid
+        while i < h:
+            sm[i] = sm[i] + sm[i + h]
+            i += nthreads
+        cuda.syncthreads()  # a stage reads what the previous one wrote
+        h //= 2
+
+
+@_device
+def _ln(p):
+    """``tahquant._ln`` for a positive finite float32: frexp from the bits (exact, subnormals
+    included), then the same operations in the same order."""
+    b = f32_as_u32(p)
+    ex = int32((b >> 23) & 0xFF)
+    if ex == 0:  # subnormal: scaled into the normal range, exactly
+        b = f32_as_u32(mul_rn(p, TWO_24))
+        ex = int32((b >> 23) & 0xFF) - 24
+    m = u32_as_f32(uint32((b & 0x807FFFFF) | 0x3F000000))  # [0.5, 1)
+    e = ex - 126
+    if m < SQRT_HALF:
+        m = mul_rn(m, TWO)
+        e -= 1
+    s = (m - ONE) / (m + ONE)
+    z = mul_rn(s, s)
+    # Horner, 1/9 first; each product rounded before its add (no FMA)
+    r = LN_C9
+    r = mul_rn(r, z) + LN_C7
+    r = mul_rn(r, z) + LN_C5
+    r = mul_rn(r, z) + LN_C3
+    r = mul_rn(r, z) + LN_C1
+    t = mul_rn(s, r)
+    return mul_rn(float32(e), LN2) + (t + t)
+
+
+@_device
+def _entropy_term(x, tok, i, token_size, total, terms):
+    """Element ``i`` of a token zero-padded to a power of two: |x_i|, or with ``terms`` its
+    ``p ln p`` (``tahquant.token_entropy``'s operations)."""
+    if i >= token_size:
+        return ZERO
+    a = abs(x[tok, i])
+    if not terms:
+        return a
+    p = a / total
+    if p > ZERO:  # p = 0 and NaN (a zero token: 0 / 0) give a zero term
+        return mul_rn(p, _ln(p))  # rounded before the sums add it
+    return ZERO
+
+
+@_device
+def _stage_halving_sum(x, tok, token_size, p2, stage, total, terms, sm, tid, nthreads):
+    """The halving sum of a token's |x| (or its terms), zero-padded to ``p2``: the stages of
+    stride p2/2 .. stage in registers (slot i of ``sm`` folds elements i + m * stage, m <
+    p2 / stage, in the same halving order), the rest in ``sm``.  Returns it to every thread."""
+    fold = p2 // stage
+    column = cuda.local.array(ENTROPY_MAX_FOLD, float32)
+    i = tid
+    while i < stage and fold == 1:
+        sm[i] = _entropy_term(x, tok, i, token_size, total, terms)
+        i += nthreads
+    while i < stage:
+        for m in range(fold):
+            column[m] = _entropy_term(x, tok, i + m * stage, token_size, total, terms)
+        h = fold // 2
+        while h >= 1:  # the stages of stride h * stage of the whole token
+            for m in range(h):
+                column[m] = column[m] + column[m + h]
+            h //= 2
+        sm[i] = column[0]
+        i += nthreads
+    cuda.syncthreads()
+    _halving_sum(sm, stage, tid, nthreads)
+    s = sm[0]
+    cuda.syncthreads()  # every thread has read the sum before sm is written again
+    return s
+
+
+@cuda.jit
+def token_entropy(x, token_size, p2, out):
+    """One block a token: x (tokens, token_size) float32 -> out (tokens,) float32,
+    ``tahquant.token_entropy``.  p2: token_size rounded up to a power of two."""
+    sm = cuda.shared.array(ENTROPY_STAGE, float32)
+    tok = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    stage = min(p2, ENTROPY_STAGE)
+    total = _stage_halving_sum(x, tok, token_size, p2, stage, ZERO, False, sm, tid, nthreads)
+    s = _stage_halving_sum(x, tok, token_size, p2, stage, total, True, sm, tid, nthreads)
+    if tid == 0:
+        h = ZERO - s
+        out[tok] = h if math.isfinite(total) else NEG_INF
+
+
+@_device
+def _hadamard_orthonormal(v):
+    """v (64 floats) -> its Walsh-Hadamard transform / 8, in place: stages of stride 1, 2, ...,
+    32, pairs (i, i + h) -> (a + b, a - b), then the exact scaling (``tahquant._hadamard``)."""
+    h = 1
+    while h < TILE_SIZE:
+        for i in range(TILE_SIZE):
+            if i & h == 0:
+                a = v[i]
+                b = v[i + h]
+                v[i] = a + b
+                v[i + h] = a - b
+        h *= 2
+    for i in range(TILE_SIZE):
+        v[i] = mul_rn(v[i], EIGHTH)  # never fused with the subtraction of the zero that follows
+
+
+@_device
+def _stage_in(src, sm, width, tiles_total):
+    """The block's tiles of the flat ``src`` (tiles of ``width`` consecutive elements, the
+    block's first at blockIdx * blockDim) into rows of ``sm`` of width + 1: coalesced loads."""
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    base = cuda.blockIdx.x * nthreads * width
+    limit = tiles_total * width
+    e = tid
+    while e < nthreads * width:
+        if base + e < limit:
+            t = e // width
+            sm[t * (width + 1) + e - t * width] = src[base + e]
+        e += nthreads
+    cuda.syncthreads()  # the rows are read by other threads than wrote them
+
+
+@_device
+def _stage_out(sm, dst, width, tiles_total):
+    """The inverse of ``_stage_in``: rows of ``sm`` to the block's tiles of ``dst``."""
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    base = cuda.blockIdx.x * nthreads * width
+    limit = tiles_total * width
+    cuda.syncthreads()  # every row is written before the block stores them
+    e = tid
+    while e < nthreads * width:
+        if base + e < limit:
+            t = e // width
+            dst[base + e] = sm[t * (width + 1) + e - t * width]
+        e += nthreads
+
+
+@cuda.jit
+def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_off, out,
+                 transform_out, pivot_out):  # fmt: skip
+    """One thread per tile, ``TILE_THREADS`` a block: the codes, zero, scale, transform flag
+    and pivot of the tile (``TAHQuantCodec._encode_parts``, steps 3 and 4).  x (chunks * n,)
+    float32, flat; low, slot (chunks, tokens) int32; out (chunks, section bytes) uint8;
+    transform_out, pivot_out (chunks, tiles) int32."""
+    tiles_a_token = token_size // TILE_SIZE
+    tiles = tokens * tiles_a_token
+    sm = cuda.shared.array(TILE_STAGE, float32)
+    _stage_in(x, sm, TILE_SIZE, out.shape[0] * tiles)
+    g = cuda.grid(1)
+    if g >= out.shape[0] * tiles:
+        return  # after the block's last barrier
+    row = cuda.threadIdx.x * (TILE_SIZE + 1)
+    r = g // tiles
+    k = g - r * tiles
+    t = k // tiles_a_token
+    j = k - t * tiles_a_token
+    v = cuda.local.array(TILE_SIZE, float32)
+    finite = True
+    pivot = 0
+    top1 = ZERO
+    for i in range(TILE_SIZE):
+        e = sm[row + i]
+        v[i] = e
+        if not math.isfinite(e):
+            finite = False
+        a = abs(e)
+        if i == 0 or a > top1:  # the first occurrence of the maximum (torch.argmax)
+            top1 = a
+            pivot = i
+    # the largest magnitude but the pivot's: the second of the two largest
+    top2 = ZERO
+    for i in range(TILE_SIZE):
+        a = abs(v[i])
+        if i != pivot and a > top2:
+            top2 = a
+    transform = finite and top1 >= top2 * TWO
+    if transform:
+        first = v[0]
+        v[0] = v[pivot]
+        v[pivot] = first
+        _hadamard_orthonormal(v)
+    else:
+        pivot = 0
+    ok = finite
+    lo = v[0]
+    hi = v[0]
+    for i in range(TILE_SIZE):
+        e = v[i]
+        if not math.isfinite(e):
+            ok = False
+        if e < lo:
+            lo = e
+        if e > hi:
+            hi = e
+    # -0 becomes +0 (as tahquant's lo and hi): equal values differ in the sign of a zero only
+    lo = lo + ZERO
+    hi = hi + ZERO
+    is_low = low[r, t] != 0
+    levels = LOW_LEVELS if is_low else HIGH_LEVELS
+    zero_bits = uint32(FP16_NAN_BITS)
+    scale_bits = uint32(FP16_NAN_BITS)
+    zero = ZERO
+    scale = ZERO
+    if ok:
+        zero_bits = f16_bits(lo)
+        zero = f16_value(zero_bits)
+        spread = hi - zero
+        if spread < ZERO:  # torch.clamp(min=0)
+            spread = ZERO
+        scale_bits = f16_bits(spread / levels)
+        scale = f16_value(scale_bits)
+        if not (math.isfinite(zero) and math.isfinite(scale)):
+            ok = False
+            zero_bits = uint32(FP16_NAN_BITS)
+            scale_bits = uint32(FP16_NAN_BITS)
+    live = ok and scale > ZERO
+    q = cuda.local.array(TILE_SIZE, int32)
+    for i in range(TILE_SIZE):
+        c = 0
+        if live:
+            u = rint((v[i] - zero) / scale)
+            if u > levels:
+                u = levels
+            if u > ZERO:  # clamp(.., 0, levels): -0 and negatives give code 0
+                c = int32(u)
+        q[i] = c
+    s = slot[r, t]
+    if is_low:
+        at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
+        for w in range(TILE_SIZE // 8):  # 8 codes: a little-endian 24-bit word, code k at 3k
+            word = 0
+            for kk in range(8):
+                word |= q[8 * w + kk] << (3 * kk)
+            out[r, at + 3 * w] = word & 255
+            out[r, at + 3 * w + 1] = (word >> 8) & 255
+            out[r, at + 3 * w + 2] = (word >> 16) & 255
+    else:
+        at = high_off + s * (token_size // 2) + j * HIGH_BYTES_A_TILE
+        for w in range(TILE_SIZE // 2):  # element 2w in the low nibble
+            out[r, at + w] = q[2 * w] | (q[2 * w + 1] << 4)
+    out[r, zeros_off + 2 * k] = zero_bits & 255
+    out[r, zeros_off + 2 * k + 1] = zero_bits >> 8
+    out[r, scales_off + 2 * k] = scale_bits & 255
+    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+    flag = ok and transform
+    transform_out[r, k] = 1 if flag else 0
+    pivot_out[r, k] = pivot if flag else 0
+
+
+@cuda.jit
+def encode_maps(low, transform, pivot, tokens, tiles, token_map_off, transform_map_off,
+                pivots_off, end, out):  # fmt: skip
+    """One thread per byte of the token map, the transform map and the pivots (6 bits a tile,
+    an LSB-first bit stream: 4 pivots to a little-endian 24-bit word), the last byte of each
+    zero-filled."""
+    per_row = end - token_map_off
+    g = cuda.grid(1)
+    if g >= low.shape[0] * per_row:
+        return
+    r = g // per_row
+    at = token_map_off + (g - r * per_row)
+    byte = 0
+    if at < transform_map_off:
+        b = at - token_map_off
+        for bit in range(8):
+            i = 8 * b + bit
+            if i < tokens and low[r, i] != 0:
+                byte |= 1 << bit
+    elif at < pivots_off:
+        b = at - transform_map_off
+        for bit in range(8):
+            i = 8 * b + bit
+            if i < tiles and transform[r, i] != 0:
+                byte |= 1 << bit
+    else:
+        b = at - pivots_off
+        for bit in range(8):
+            i = 8 * b + bit
+            k = i // 6
+            if k < tiles:
+                byte |= ((pivot[r, k] >> (i - 6 * k)) & 1) << bit
+    out[r, at] = byte
+
+
+@_device
+def _fp16_at(raw, r, at):
+    """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
+    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
+
+
+@cuda.jit
+def decode_tiles(raw, place, tokens, token_size, n_low, high_off, zeros_off, scales_off,
+                 transform_map_off, pivots_off, out):  # fmt: skip
+    """One thread per tile: ``TAHQuantCodec._decode_float32``.  raw (chunks, section bytes)
+    uint8; place (chunks, tokens) int32: the token's place in the codes (the 3-bit tokens in
+    token order, then the 4-bit ones; the first ``n_low`` places are 3-bit codes, whatever the
+    token map says); out (chunks * n,) float32, flat."""
+    tiles_a_token = token_size // TILE_SIZE
+    tiles = tokens * tiles_a_token
+    sm = cuda.shared.array(TILE_STAGE, float32)
+    g = cuda.grid(1)
+    if g < raw.shape[0] * tiles:  # every thread reaches _stage_out's barrier
+        _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_off,
+                     zeros_off, scales_off, transform_map_off, pivots_off, sm,
+                     cuda.threadIdx.x * (TILE_SIZE + 1))  # fmt: skip
+    _stage_out(sm, out, TILE_SIZE, raw.shape[0] * tiles)
+
+
+@_device
+def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_off, zeros_off,
+                 scales_off, transform_map_off, pivots_off, sm, row):  # fmt: skip
+    """Tile ``g`` of the section into ``sm[row:row + TILE_SIZE]``."""
+    r = g // tiles
+    k = g - r * tiles
+    t = k // tiles_a_token
+    j = k - t * tiles_a_token
+    zero = _fp16_at(raw, r, zeros_off + 2 * k)
+    scale = _fp16_at(raw, r, scales_off + 2 * k)
+    s = place[r, t]
+    v = cuda.local.array(TILE_SIZE, float32)
+    if s < n_low:
+        at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
+        for w in range(TILE_SIZE // 8):
+            word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
+            word |= int32(raw[r, at + 3 * w + 2]) << 16
+            for kk in range(8):
+                v[8 * w + kk] = float32((word >> (3 * kk)) & 7)
+    else:
+        at = high_off + (s - n_low) * (token_size // 2) + j * HIGH_BYTES_A_TILE
+        for w in range(TILE_SIZE // 2):
+            byte = int32(raw[r, at + w])
+            v[2 * w] = float32(byte & 15)
+            v[2 * w + 1] = float32(byte >> 4)
+    for i in range(TILE_SIZE):
+        v[i] = mul_rn(v[i], scale) + zero  # q * scale, rounded, then + zero (no FMA)
+    if (raw[r, transform_map_off + k // 8] >> (k % 8)) & 1:
+        bit = 6 * k
+        at = pivots_off + bit // 8
+        shift = bit % 8
+        word = int32(raw[r, at])
+        if shift > 2:  # the pivot runs into the next byte
+            word |= int32(raw[r, at + 1]) << 8
+        pivot = (word >> shift) & 63
+        _hadamard_orthonormal(v)
+        first = v[0]
+        v[0] = v[pivot]
+        v[pivot] = first
+    for i in range(TILE_SIZE):
+        sm[row + i] = v[i]
+
+
+@cuda.jit
+def grad_encode(x, scales_off, out):
+    """One thread per 32-element tile, ``GRAD_THREADS`` a block:
+    ``TAHQuantGradCodec._encode_parts``.  x (chunks * n,) float32, flat; out (chunks, section
+    bytes) uint8."""
+    tiles = x.shape[0] // out.shape[0] // GRAD_TILE_SIZE
+    sm = cuda.shared.array(GRAD_STAGE, float32)
+    _stage_in(x, sm, GRAD_TILE_SIZE, out.shape[0] * tiles)
+    g = cuda.grid(1)
+    if g >= out.shape[0] * tiles:
+        return  # after the block's last barrier
+    row = cuda.threadIdx.x * (GRAD_TILE_SIZE + 1)
+    r = g // tiles
+    k = g - r * tiles
+    finite = True
+    amax = ZERO
+    for i in range(GRAD_TILE_SIZE):
+        e = sm[row + i]
+        if not math.isfinite(e):
+            finite = False
+        a = abs(e)
+        if a > amax:
+            amax = a
+    scale_bits = f16_bits(amax)
+    scale = f16_value(scale_bits)
+    ok = finite and math.isfinite(scale)
+    if not ok:
+        scale_bits = uint32(FP16_NAN_BITS)
+    live = ok and scale > ZERO
+    at = k * GRAD_BYTES_A_TILE
+    for w in range(GRAD_TILE_SIZE // 4):  # 4 codes: a little-endian 24-bit word, code k at 6k
+        word = 0
+        for kk in range(4):
+            c = 32
+            if live:
+                u = rint(mul_rn(sm[row + 4 * w + kk] / scale, GRAD_STEPS))
+                if u < -GRAD_STEPS:
+                    u = -GRAD_STEPS
+                if u > GRAD_STEPS - ONE:
+                    u = GRAD_STEPS - ONE
+                c = int32(u) + 32
+            word |= c << (6 * kk)
+        out[r, at + 3 * w] = word & 255
+        out[r, at + 3 * w + 1] = (word >> 8) & 255
+        out[r, at + 3 * w + 2] = (word >> 16) & 255
+    out[r, scales_off + 2 * k] = scale_bits & 255
+    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+
+
+@cuda.jit
+def grad_decode(raw, scales_off, out):
+    """One thread per 32-element tile, ``GRAD_THREADS`` a block:
+    ``TAHQuantGradCodec._decode_float32``.  raw (chunks, section bytes) uint8; out
+    (chunks * n,) float32, flat."""
+    tiles = out.shape[0] // raw.shape[0] // GRAD_TILE_SIZE
+    sm = cuda.shared.array(GRAD_STAGE, float32)
+    g = cuda.grid(1)
+    if g < raw.shape[0] * tiles:  # every thread reaches _stage_out's barrier
+        _grad_decode_tile(raw, scales_off, g, tiles, sm, cuda.threadIdx.x * (GRAD_TILE_SIZE + 1))
+    _stage_out(sm, out, GRAD_TILE_SIZE, raw.shape[0] * tiles)
+
+
+@_device
+def _grad_decode_tile(raw, scales_off, g, tiles, sm, row):
+    """Tile ``g`` of the section into ``sm[row:row + GRAD_TILE_SIZE]``."""
+    r = g // tiles
+    k = g - r * tiles
+    scale = _fp16_at(raw, r, scales_off + 2 * k)
+    at = k * GRAD_BYTES_A_TILE
+    for w in range(GRAD_TILE_SIZE // 4):
+        word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
+        word |= int32(raw[r, at + 3 * w + 2]) << 16
+        for kk in range(4):
+            q = float32(((word >> (6 * kk)) & 63) - 32)
+            # (q / 32) is exact; one rounding in the product with the scale
+            sm[row + 4 * w + kk] = mul_rn(mul_rn(q, INV_GRAD_STEPS), scale)
+
+
+# ------------------------------------------------------------------------ host side
+
+
+def _launch(kernel, blocks, threads, shared_bytes, *args):
+    """``kernel[blocks, threads]`` on ``args`` (torch tensors and ints) on torch's current
+    stream of the tensors' device.  Under the simulator the tensors are CPU tensors, copied in
+    and back."""
+    blocks = max(1, blocks)
+    if SIMULATOR:
+        tensors = [(a, cuda.to_device(a.numpy())) for a in args if isinstance(a, torch.Tensor)]
+        dev = iter(d for _, d in tensors)
+        kargs = [next(dev) if isinstance(a, torch.Tensor) else a for a in args]
+        kernel[blocks, threads, 0, shared_bytes](*kargs)
+        for a, d in tensors:
+            d.copy_to_host(a.numpy())
+        return
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with cuda.gpus[device.index]:
+        stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+        # sync=False: the arrays are torch's, used on the stream that produced them
+        kargs = [cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a
+                 for a in args]  # fmt: skip
+        kernel[blocks, threads, stream, shared_bytes](*kargs)
+
+
+def entropies(xf, token_size):
+    """(chunks, n) float32 contiguous -> (chunks, n / token_size) float32 entropies."""
+    R, n = xf.shape
+    T = n // token_size
+    p2 = 1 << max(0, (token_size - 1).bit_length())
+    if p2 > ENTROPY_STAGE * ENTROPY_MAX_FOLD:
+        raise ValueError(f"TAH-Quant kernels: token_size {token_size} is beyond the entropy "
+                         f"kernel's {ENTROPY_STAGE * ENTROPY_MAX_FOLD} channels")  # fmt: skip
+    h = torch.empty(R * T, dtype=torch.float32, device=xf.device)
+    threads = min(ENTROPY_THREADS, min(p2, ENTROPY_STAGE) // 2)
+    _launch(token_entropy, R * T, threads, 0, xf.view(R * T, token_size), token_size, p2, h)
+    return h.view(R, T)
+
+
+def token_slots(low, low32):
+    """(chunks, tokens) bool and the same as int32 -> int32: each token's rank among the 3-bit
+    tokens, or among the 4-bit ones, in token order (its place in its codes part)."""
+    ranks = torch.cumsum(low32, 1, dtype=torch.int32)
+    idx = torch.arange(low.shape[1], device=low.device, dtype=torch.int32)
+    return torch.where(low, ranks - 1, idx - ranks)
+
+
+def token_places(low):
+    """(chunks, tokens) bool -> int32: each token's place in the order of the codes, the
+    3-bit tokens in token order, then the 4-bit ones (``argsort`` of the decoder's key)."""
+    ranks = torch.cumsum(low.to(torch.int32), 1, dtype=torch.int32)
+    idx = torch.arange(low.shape[1], device=low.device, dtype=torch.int32)
+    return torch.where(low, ranks - 1, ranks[:, -1:] + idx - ranks)
+
+
+def encode(x, token_size, n_low, layout, low_precision_tokens):
+    """``TAHQuantCodec`` encode of a checked (chunks, n) tensor -> its section (chunks, bytes).
+    ``n_low``: 3-bit tokens a chunk; ``layout``: the codec's byte ranges of the parts;
+    ``low_precision_tokens``: tahquant's ranking, (entropies, n_low) -> (chunks, tokens)
+    bool."""
+    R, n = x.shape
+    T = n // token_size
+    tiles = n // TILE_SIZE
+    xf = x.float().contiguous()
+    low = low_precision_tokens(entropies(xf, token_size), n_low)
+    low32 = low.to(torch.int32)
+    slot = token_slots(low, low32)
+    out = torch.empty(R, layout["pivots"][1], dtype=torch.uint8, device=x.device)
+    transform = torch.empty(R, tiles, dtype=torch.int32, device=x.device)
+    pivot = torch.empty(R, tiles, dtype=torch.int32, device=x.device)
+    _launch(encode_tiles, -(-R * tiles // TILE_THREADS), TILE_THREADS, 0, xf.view(-1), low32,
+            slot, T, token_size, layout["high_codes"][0], layout["zeros"][0],
+            layout["scales"][0], out, transform, pivot)  # fmt: skip
+    start, end = layout["token_map"][0], layout["pivots"][1]
+    _launch(encode_maps, -(-R * (end - start) // MAP_THREADS), MAP_THREADS, 0, low32, transform,
+            pivot, T, tiles, start, layout["transform_map"][0], layout["pivots"][0], end,
+            out)  # fmt: skip
+    return out
+
+
+def decode(raw, n, token_size, n_low, layout, unpack_bits):
+    """``TAHQuantCodec`` decode of a checked section -> (chunks, n) float32.  ``unpack_bits``:
+    tahquant's (packed, k) -> bool."""
+    R = raw.shape[0]
+    T = n // token_size
+    raw = raw.contiguous()
+    a, b = layout["token_map"]
+    place = token_places(unpack_bits(raw[:, a:b], T))
+    out = torch.empty(R, n, dtype=torch.float32, device=raw.device)
+    _launch(decode_tiles, -(-R * (n // TILE_SIZE) // TILE_THREADS), TILE_THREADS, 0, raw, place,
+            T, token_size, n_low, layout["high_codes"][0], layout["zeros"][0],
+            layout["scales"][0], layout["transform_map"][0], layout["pivots"][0],
+            out.view(-1))  # fmt: skip
+    return out
+
+
+def grad_encode_section(x, nbytes):
+    """``TAHQuantGradCodec`` encode of a checked (chunks, n) tensor -> (chunks, nbytes)."""
+    R, n = x.shape
+    xf = x.float().contiguous()
+    out = torch.empty(R, nbytes, dtype=torch.uint8, device=x.device)
+    tiles = n // GRAD_TILE_SIZE
+    _launch(grad_encode, -(-R * tiles // GRAD_THREADS), GRAD_THREADS, 0, xf.view(-1), n * 6 // 8,
+            out)  # fmt: skip
+    return out
+
+
+def grad_decode_section(raw, n):
+    """``TAHQuantGradCodec`` decode of a checked section -> (chunks, n) float32."""
+    R = raw.shape[0]
+    out = torch.empty(R, n, dtype=torch.float32, device=raw.device)
+    tiles = n // GRAD_TILE_SIZE
+    _launch(grad_decode, -(-R * tiles // GRAD_THREADS), GRAD_THREADS, 0, raw.contiguous(),
+            n * 6 // 8, out.view(-1))  # fmt: skip
+    return out
