@@ -16,14 +16,18 @@ Launch geometry and layout (one launch each, on torch's current stream):
 - ``token_entropy``: one block of ``ENTROPY_THREADS`` per token (fewer for tokens below 256
   channels), ``ENTROPY_STAGE`` floats of shared memory; writes each token's entropy (float32,
   ``-inf`` where the magnitude sum is not finite).
-- ``encode_tiles``: one thread per 64-channel tile (``TILE_THREADS`` a block, grid-wide over
-  chunks x tiles); the tile is held in a 64-float local array.  It writes the tile's codes at
-  its token's destination (``slot``: the token's rank among the 3-bit tokens, or among the
-  4-bit ones, in token order), its fp16 zero and scale, and its transform flag and pivot into
-  two int32 side arrays.
+- ``encode_tiles``: one thread per 64-channel tile, ``TILE_THREADS`` a block, grid-wide over
+  chunks x tiles.  The block loads its tiles with coalesced reads into shared memory, a row of
+  65 floats a tile (conflict-free: a warp's threads read element i of 32 rows from 32 banks),
+  and each thread works on its row (swap, Hadamard, min/max, codes).  It writes the tile's
+  codes at its token's destination (``slot``: the token's rank among the 3-bit tokens, or among
+  the 4-bit ones, in token order), its fp16 zero and scale, and its transform flag and pivot
+  into two int32 side arrays.
 - ``encode_maps``: one thread per byte of the token map, the transform map and the pivots.
-- ``decode_tiles``: one thread per tile, reading every field of the section directly.
-- ``grad_encode`` / ``grad_decode``: one thread per 32-element tile.
+- ``decode_tiles``: one thread per tile, reading every field of the section directly, the
+  values built in the thread's shared row and stored by the block with coalesced writes.
+- ``grad_encode`` / ``grad_decode``: one thread per 32-element tile, staged the same way (rows
+  of 33 floats, ``GRAD_THREADS`` a block).
 
 The ranking of the tokens (``tahquant.low_precision_tokens``, an argsort) and each token's
 slot (a cumulative sum) stay torch operations.  Under ``NUMBA_ENABLE_CUDASIM=1`` the kernels
@@ -42,6 +46,7 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 TILE_SIZE = 64
 GRAD_TILE_SIZE = 32
+HADAMARD_STAGES = 6  # log2(TILE_SIZE)
 # threads (= tiles) a block of the per-tile kernels; a block stages its tiles in shared memory,
 # one row of TILE_SIZE + 1 floats a tile (the + 1: a warp's threads read their tiles' element i
 # from 32 different banks)
@@ -282,20 +287,34 @@ def token_entropy(x, token_size, p2, out):
 
 
 @_device
-def _hadamard_orthonormal(v):
-    """v (64 floats) -> its Walsh-Hadamard transform / 8, in place: stages of stride 1, 2, ...,
-    32, pairs (i, i + h) -> (a + b, a - b), then the exact scaling (``tahquant._hadamard``)."""
-    h = 1
-    while h < TILE_SIZE:
-        for i in range(TILE_SIZE):
-            if i & h == 0:
-                a = v[i]
-                b = v[i + h]
-                v[i] = a + b
-                v[i + h] = a - b
-        h *= 2
+def _hadamard_orthonormal(sm, row):
+    """The tile ``sm[row:row + 64]`` -> its Walsh-Hadamard transform / 8, in place: stages of
+    stride 1, 2, ..., 32, pairs (i, i + h) -> (a + b, a - b), then the exact scaling
+    (``tahquant._hadamard``).  The row is the thread's own (no barrier)."""
+    for stage in range(HADAMARD_STAGES):
+        h = 1 << stage
+        for pair in range(TILE_SIZE // 2):
+            i = row + (((pair >> stage) << (stage + 1)) | (pair & (h - 1)))  # i & h == 0
+            a = sm[i]
+            b = sm[i + h]
+            sm[i] = a + b
+            sm[i + h] = a - b
     for i in range(TILE_SIZE):
-        v[i] = mul_rn(v[i], EIGHTH)  # never fused with the subtraction of the zero that follows
+        # never fused with the subtraction of the zero that follows
+        sm[row + i] = mul_rn(sm[row + i], EIGHTH)
+
+
+@_device
+def _code(e, zero, scale, levels, live):
+    """``clamp(rne((e - zero) / scale), 0, levels)``, 0 where the tile is not ``live``."""
+    if not live:
+        return 0
+    u = rint((e - zero) / scale)
+    if u > levels:
+        u = levels
+    if u > ZERO:  # -0 and negatives give code 0
+        return int32(u)
+    return 0
 
 
 @_device
@@ -350,13 +369,11 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     k = g - r * tiles
     t = k // tiles_a_token
     j = k - t * tiles_a_token
-    v = cuda.local.array(TILE_SIZE, float32)
     finite = True
     pivot = 0
     top1 = ZERO
     for i in range(TILE_SIZE):
         e = sm[row + i]
-        v[i] = e
         if not math.isfinite(e):
             finite = False
         a = abs(e)
@@ -366,22 +383,22 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     # the largest magnitude but the pivot's: the second of the two largest
     top2 = ZERO
     for i in range(TILE_SIZE):
-        a = abs(v[i])
+        a = abs(sm[row + i])
         if i != pivot and a > top2:
             top2 = a
     transform = finite and top1 >= top2 * TWO
     if transform:
-        first = v[0]
-        v[0] = v[pivot]
-        v[pivot] = first
-        _hadamard_orthonormal(v)
+        first = sm[row]
+        sm[row] = sm[row + pivot]
+        sm[row + pivot] = first
+        _hadamard_orthonormal(sm, row)
     else:
         pivot = 0
     ok = finite
-    lo = v[0]
-    hi = v[0]
+    lo = sm[row]
+    hi = sm[row]
     for i in range(TILE_SIZE):
-        e = v[i]
+        e = sm[row + i]
         if not math.isfinite(e):
             ok = False
         if e < lo:
@@ -410,30 +427,22 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
             zero_bits = uint32(FP16_NAN_BITS)
             scale_bits = uint32(FP16_NAN_BITS)
     live = ok and scale > ZERO
-    q = cuda.local.array(TILE_SIZE, int32)
-    for i in range(TILE_SIZE):
-        c = 0
-        if live:
-            u = rint((v[i] - zero) / scale)
-            if u > levels:
-                u = levels
-            if u > ZERO:  # clamp(.., 0, levels): -0 and negatives give code 0
-                c = int32(u)
-        q[i] = c
     s = slot[r, t]
     if is_low:
         at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
         for w in range(TILE_SIZE // 8):  # 8 codes: a little-endian 24-bit word, code k at 3k
             word = 0
             for kk in range(8):
-                word |= q[8 * w + kk] << (3 * kk)
+                word |= _code(sm[row + 8 * w + kk], zero, scale, levels, live) << (3 * kk)
             out[r, at + 3 * w] = word & 255
             out[r, at + 3 * w + 1] = (word >> 8) & 255
             out[r, at + 3 * w + 2] = (word >> 16) & 255
     else:
         at = high_off + s * (token_size // 2) + j * HIGH_BYTES_A_TILE
         for w in range(TILE_SIZE // 2):  # element 2w in the low nibble
-            out[r, at + w] = q[2 * w] | (q[2 * w + 1] << 4)
+            even = _code(sm[row + 2 * w], zero, scale, levels, live)
+            odd = _code(sm[row + 2 * w + 1], zero, scale, levels, live)
+            out[r, at + w] = even | (odd << 4)
     out[r, zeros_off + 2 * k] = zero_bits & 255
     out[r, zeros_off + 2 * k + 1] = zero_bits >> 8
     out[r, scales_off + 2 * k] = scale_bits & 255
@@ -513,23 +522,24 @@ def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_of
     zero = _fp16_at(raw, r, zeros_off + 2 * k)
     scale = _fp16_at(raw, r, scales_off + 2 * k)
     s = place[r, t]
-    v = cuda.local.array(TILE_SIZE, float32)
     if s < n_low:
         at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
         for w in range(TILE_SIZE // 8):
             word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
             word |= int32(raw[r, at + 3 * w + 2]) << 16
             for kk in range(8):
-                v[8 * w + kk] = float32((word >> (3 * kk)) & 7)
+                sm[row + 8 * w + kk] = float32((word >> (3 * kk)) & 7)
     else:
         at = high_off + (s - n_low) * (token_size // 2) + j * HIGH_BYTES_A_TILE
         for w in range(TILE_SIZE // 2):
             byte = int32(raw[r, at + w])
-            v[2 * w] = float32(byte & 15)
-            v[2 * w + 1] = float32(byte >> 4)
+            sm[row + 2 * w] = float32(byte & 15)
+            sm[row + 2 * w + 1] = float32(byte >> 4)
     for i in range(TILE_SIZE):
-        v[i] = mul_rn(v[i], scale) + zero  # q * scale, rounded, then + zero (no FMA)
+        # q * scale, rounded, then + zero (no FMA)
+        sm[row + i] = mul_rn(sm[row + i], scale) + zero
     if (raw[r, transform_map_off + k // 8] >> (k % 8)) & 1:
+        _hadamard_orthonormal(sm, row)
         bit = 6 * k
         at = pivots_off + bit // 8
         shift = bit % 8
@@ -537,12 +547,9 @@ def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_of
         if shift > 2:  # the pivot runs into the next byte
             word |= int32(raw[r, at + 1]) << 8
         pivot = (word >> shift) & 63
-        _hadamard_orthonormal(v)
-        first = v[0]
-        v[0] = v[pivot]
-        v[pivot] = first
-    for i in range(TILE_SIZE):
-        sm[row + i] = v[i]
+        first = sm[row]
+        sm[row] = sm[row + pivot]
+        sm[row + pivot] = first
 
 
 @cuda.jit
