@@ -349,3 +349,51 @@ def test_cuda_kernels_run_on_the_current_stream():
         back = gpu.to("cpu", non_blocking=False)
     side.synchronize()
     assert torch.equal(back, cpu)
+
+
+# Ranks emulated one thread each launch their first kernels together: numba fills its device
+# list on first use, which two threads at once must not do.  A fresh process, so that the list
+# is still empty when the threads start.
+_THREADS_SCRIPT = r"""
+import threading
+import numpy as np
+import torch
+from fp4_comm.tahquant import TAHQuantCodec, TAHQuantGradCodec
+
+x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 64 * 768), dtype=np.float32))
+xg = x.cuda()
+torch.cuda.synchronize()
+barrier = threading.Barrier(4)
+results, errors = {}, []
+
+def rank(i):
+    try:
+        codec = TAHQuantCodec(768) if i % 2 == 0 else TAHQuantGradCodec()
+        barrier.wait()
+        (wire,) = codec.encode(xg)
+        y = codec.decode([wire], xg.shape[1])
+        torch.cuda.synchronize()
+        results[i] = (codec, wire.cpu(), y.cpu())
+    except BaseException as e:
+        errors.append(f"thread {i}: {e!r}")
+
+threads = [threading.Thread(target=rank, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+for i, (codec, wire, y) in sorted(results.items()):
+    (cpu,) = codec.encode(x)
+    assert torch.equal(wire, cpu), (i, codec.name)
+    assert torch.equal(y, codec.decode([cpu], x.shape[1])), (i, codec.name)
+print("threads ok", len(results))
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_first_launched_from_several_threads_at_once():
+    _need_cuda()
+    done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "threads ok 4" in done.stdout, done.stderr[-4000:]

@@ -37,6 +37,7 @@ run in numba's simulator on CPU tensors (the tests' way of checking them without
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -633,6 +634,22 @@ def _grad_decode_tile(raw, scales_off, g, tiles, sm, row):
 # ------------------------------------------------------------------------ host side
 
 
+# numba fills its device list on first use, and two threads doing that at once fail ("key
+# already in dictionary"): ranks emulated one thread each (``fp4_comm.emulated``) launch their
+# first kernels together, so the first use takes a lock
+_DEVICE_LIST_LOCK = threading.Lock()
+_DEVICE_LIST = []
+
+
+def _numba_device(index):
+    """numba's context manager of CUDA device ``index`` (its primary context, torch's)."""
+    if not _DEVICE_LIST:
+        with _DEVICE_LIST_LOCK:
+            if not _DEVICE_LIST:
+                _DEVICE_LIST.append(len(cuda.gpus))
+    return cuda.gpus[index]
+
+
 def _launch(kernel, blocks, threads, shared_bytes, *args):
     """``kernel[blocks, threads]`` on ``args`` (torch tensors and ints) on torch's current
     stream of the tensors' device.  Under the simulator the tensors are CPU tensors, copied in
@@ -647,7 +664,7 @@ def _launch(kernel, blocks, threads, shared_bytes, *args):
             d.copy_to_host(a.numpy())
         return
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    with cuda.gpus[device.index]:
+    with _numba_device(device.index):
         stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
         # sync=False: the arrays are torch's, used on the stream that produced them
         kargs = [cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a
