@@ -351,25 +351,11 @@ def _stage_out(sm, dst, width, tiles_total):
         e += nthreads
 
 
-@cuda.jit
-def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_off, out,
-                 transform_out, pivot_out):  # fmt: skip
-    """One thread per tile, ``TILE_THREADS`` a block: the codes, zero, scale, transform flag
-    and pivot of the tile (``TAHQuantCodec._encode_parts``, steps 3 and 4).  x (chunks * n,)
-    float32, flat; low, slot (chunks, tokens) int32; out (chunks, section bytes) uint8;
-    transform_out, pivot_out (chunks, tiles) int32."""
-    tiles_a_token = token_size // TILE_SIZE
-    tiles = tokens * tiles_a_token
-    sm = cuda.shared.array(TILE_STAGE, float32)
-    _stage_in(x, sm, TILE_SIZE, out.shape[0] * tiles)
-    g = cuda.grid(1)
-    if g >= out.shape[0] * tiles:
-        return  # after the block's last barrier
-    row = cuda.threadIdx.x * (TILE_SIZE + 1)
-    r = g // tiles
-    k = g - r * tiles
-    t = k // tiles_a_token
-    j = k - t * tiles_a_token
+@_device
+def _rotate_outlier(sm, row):
+    """Step 3 on the thread's tile ``sm[row:row + 64]``: whether it is finite, and where its
+    largest magnitude is at least twice the second, the pivot swapped to the front and the
+    tile transformed in place -> (finite, transform, pivot); pivot 0 where not transformed."""
     finite = True
     pivot = 0
     top1 = ZERO
@@ -395,6 +381,48 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
         _hadamard_orthonormal(sm, row)
     else:
         pivot = 0
+    return finite, transform, pivot
+
+
+@_device
+def _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low):
+    """The tile's codes into ``out[r, at:]``: 3 bits (8 codes a little-endian 24-bit word,
+    code k at bit 3k) where ``is_low``, else 4 bits (element 2w in the low nibble)."""
+    if is_low:
+        for w in range(TILE_SIZE // 8):
+            word = 0
+            for kk in range(8):
+                word |= _code(sm[row + 8 * w + kk], zero, scale, levels, live) << (3 * kk)
+            out[r, at + 3 * w] = word & 255
+            out[r, at + 3 * w + 1] = (word >> 8) & 255
+            out[r, at + 3 * w + 2] = (word >> 16) & 255
+    else:
+        for w in range(TILE_SIZE // 2):
+            even = _code(sm[row + 2 * w], zero, scale, levels, live)
+            odd = _code(sm[row + 2 * w + 1], zero, scale, levels, live)
+            out[r, at + w] = even | (odd << 4)
+
+
+@cuda.jit
+def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_off, out,
+                 transform_out, pivot_out):  # fmt: skip
+    """One thread per tile, ``TILE_THREADS`` a block: the codes, zero, scale, transform flag
+    and pivot of the tile (``TAHQuantCodec._encode_parts``, steps 3 and 4).  x (chunks * n,)
+    float32, flat; low, slot (chunks, tokens) int32; out (chunks, section bytes) uint8;
+    transform_out, pivot_out (chunks, tiles) int32."""
+    tiles_a_token = token_size // TILE_SIZE
+    tiles = tokens * tiles_a_token
+    sm = cuda.shared.array(TILE_STAGE, float32)
+    _stage_in(x, sm, TILE_SIZE, out.shape[0] * tiles)
+    g = cuda.grid(1)
+    if g >= out.shape[0] * tiles:
+        return  # after the block's last barrier
+    row = cuda.threadIdx.x * (TILE_SIZE + 1)
+    r = g // tiles
+    k = g - r * tiles
+    t = k // tiles_a_token
+    j = k - t * tiles_a_token
+    finite, transform, pivot = _rotate_outlier(sm, row)
     ok = finite
     lo = sm[row]
     hi = sm[row]
@@ -431,19 +459,9 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     s = slot[r, t]
     if is_low:
         at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
-        for w in range(TILE_SIZE // 8):  # 8 codes: a little-endian 24-bit word, code k at 3k
-            word = 0
-            for kk in range(8):
-                word |= _code(sm[row + 8 * w + kk], zero, scale, levels, live) << (3 * kk)
-            out[r, at + 3 * w] = word & 255
-            out[r, at + 3 * w + 1] = (word >> 8) & 255
-            out[r, at + 3 * w + 2] = (word >> 16) & 255
     else:
         at = high_off + s * (token_size // 2) + j * HIGH_BYTES_A_TILE
-        for w in range(TILE_SIZE // 2):  # element 2w in the low nibble
-            even = _code(sm[row + 2 * w], zero, scale, levels, live)
-            odd = _code(sm[row + 2 * w + 1], zero, scale, levels, live)
-            out[r, at + w] = even | (odd << 4)
+    _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low)
     out[r, zeros_off + 2 * k] = zero_bits & 255
     out[r, zeros_off + 2 * k + 1] = zero_bits >> 8
     out[r, scales_off + 2 * k] = scale_bits & 255
