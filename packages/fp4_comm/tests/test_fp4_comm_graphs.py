@@ -263,6 +263,8 @@ _CALLS = [
         ("mxfp4", (4, 96)),
         ("none", (5, 32)),
         (fp4_kernels.FP4Quant(64), (4, 128)),
+        ("tahquant-h64", (4, 192)),
+        ("tahquant-grad", (5, 64)),
     )  # fmt: skip
 ]
 
@@ -271,10 +273,10 @@ _CALLS = [
 def test_replays_equal_eager_calls_bit_for_bit_and_are_never_overwritten(world, monkeypatch):
     eager, cap = _threaded(world, "never", _CALLS, monkeypatch)
     assert cap.graphs == []
-    bounds = (16, graphs.GRAPH_CACHE_BYTES)  # the 12 kinds below, all kept
+    bounds = (24, graphs.GRAPH_CACHE_BYTES)  # the 18 kinds below, all kept
     replayed, cap = _threaded(world, "auto", _CALLS, monkeypatch, graph_cache=bounds)
-    assert len(cap.graphs) == world * 12  # 3 ops x 4 codecs, on every rank
-    assert sum(g.replays for g in cap.graphs) == world * 12 * 3
+    assert len(cap.graphs) == world * 18  # 3 ops x 6 codecs, on every rank
+    assert sum(g.replays for g in cap.graphs) == world * 18 * 3
     kinds = [k for _, _, k in replayed]
     assert all([k[:7] for k in ks] == [k[:7] for k in kinds[0]] for ks in kinds)
     for r in range(world):

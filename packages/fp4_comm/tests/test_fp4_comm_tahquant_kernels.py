@@ -397,3 +397,34 @@ def test_cuda_kernels_first_launched_from_several_threads_at_once():
     done = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "threads ok 4" in done.stdout, done.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("codec", ["tahquant-h768", "tahquant-grad"])
+def test_group_graphs_replay_tahquant_calls_with_the_eager_bits(op, codec):
+    """Emulated ranks on the GPU (``graphs="auto"``): a TAH-Quant kind of call is captured into
+    one CUDA graph of the group at its third call and replayed after; every call gives the bits
+    of the same calls made eagerly, and no capture falls back to eager (a warning)."""
+    import warnings
+
+    from fp4_comm import reference
+
+    _need_cuda()
+    world, calls = 4, 6
+    rng = np.random.default_rng(7)
+    data = [[torch.from_numpy(_realistic(rng, 1, 64, 768)).view(64, 768).to(torch.bfloat16)
+             for _ in range(world)] for _ in range(calls)]  # fmt: skip
+    results = {}
+    for mode in ("never", "auto"):
+        ranks = reference.EmulatedRanks(world, "cuda", graphs=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            results[mode] = [[y.cpu() for y in getattr(ranks, op)([x.cuda() for x in xs],
+                                                                  codec=codec)]
+                             for xs in data]  # fmt: skip
+        replayed = [e for e in ranks._kinds.values() if e.replay is not None]
+        assert (len(replayed) == 1) == (mode == "auto"), mode
+    for i, (eager, graphed) in enumerate(zip(results["never"], results["auto"], strict=True)):
+        for r in range(world):
+            assert torch.equal(eager[r].view(torch.int16), graphed[r].view(torch.int16)), (i, r)

@@ -61,6 +61,7 @@ from typing import Literal
 import torch
 
 from .codecs import FP4QuantCodec, MXFP4Codec, NoneCodec, NVFP4Codec
+from .tahquant import TAHQuantCodec, TAHQuantGradCodec
 
 Graphs = Literal["auto", "never"]
 GRAPHS = ("auto", "never")
@@ -74,8 +75,10 @@ GRAPH_CACHE_SIZE = 8
 #: graphs stand for together; each graph holds about 4 to 6 times its input in its pool.
 GRAPH_MAX_BYTES = 256 << 20
 GRAPH_CACHE_BYTES = 512 << 20
-#: Codecs whose encode and decode are kernels on the tensors and nothing else.
-REPLAYABLE_CODECS = (NoneCodec, NVFP4Codec, MXFP4Codec, FP4QuantCodec)
+#: Codecs whose encode and decode on a CUDA tensor are kernels and torch operations on the
+#: tensors and nothing else: no host synchronization, no host state that depends on the values.
+_FP4_CODECS = (NVFP4Codec, MXFP4Codec, FP4QuantCodec)
+REPLAYABLE_CODECS = (NoneCodec, *_FP4_CODECS, TAHQuantCodec, TAHQuantGradCodec)
 
 
 def default_graphs(transport) -> Graphs:
