@@ -405,7 +405,8 @@ def test_cuda_kernels_first_launched_from_several_threads_at_once():
 def test_group_graphs_replay_tahquant_calls_with_the_eager_bits(op, codec):
     """Emulated ranks on the GPU (``graphs="auto"``): a TAH-Quant kind of call is captured into
     one CUDA graph of the group at its third call and replayed after; every call gives the bits
-    of the same calls made eagerly, and no capture falls back to eager (a warning)."""
+    of the same calls made eagerly, and no capture falls back to eager (fp4_comm's warning; numba's
+    low-occupancy warnings on these small grids are not errors)."""
     import warnings
 
     from fp4_comm import reference
@@ -419,7 +420,7 @@ def test_group_graphs_replay_tahquant_calls_with_the_eager_bits(op, codec):
     for mode in ("never", "auto"):
         ranks = reference.EmulatedRanks(world, "cuda", graphs=mode)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
+            warnings.filterwarnings("error", message=".*could not be captured")
             results[mode] = [[y.cpu() for y in getattr(ranks, op)([x.cuda() for x in xs],
                                                                   codec=codec)]
                              for xs in data]  # fmt: skip
