@@ -207,6 +207,7 @@ def plot(table, summaries, path):
     ax_gap.axvline(0, color="black", lw=0.8)
     ax_gap.set_yticks(list(y), labels, fontsize=7)
     ax_gap.set(xlabel="final validation loss gap to bf16, % (95 % CI)", xscale="symlog")
+    ax_gap.margins(x=0.08)  # room for the outermost markers (the quoted gaps)
     ax_gap.grid(alpha=0.3)
     by = {}
     for s in summaries:
