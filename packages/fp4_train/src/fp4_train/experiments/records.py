@@ -1,9 +1,17 @@
-"""What every experiment writes: metadata (device, torch, commit, date), JSON, CSV, plots."""
+"""What every experiment writes: metadata (device, torch, commit, source digest, date), JSON,
+CSV, plots.
+
+    python -m fp4_train.experiments.records
+
+prints the source digest of the installed packages (``source_digest``): at a commit, the value
+a run of that commit's code records, whatever git said on the machine that ran it."""
 
 from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -27,14 +35,42 @@ def commit(cwd=None):
         return "unknown"
 
 
+#: The packages whose code a run executes, hashed by ``source_digest``.
+PACKAGES = ("fp4_kernels", "fp4_comm", "fp4_train")
+
+
+def digest_of(roots):
+    """The first 12 hex digits of the sha256 of every file below each ``(name, folder)`` of
+    ``roots`` (compiled caches left out), in a fixed order, each with its path."""
+    h = hashlib.sha256()
+    for name, root in roots:
+        root = Path(root)
+        files = (f for f in root.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+        for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+            h.update(f"{name}/{f.relative_to(root).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()[:12]
+
+
+def source_digest():
+    """``digest_of`` the imported packages of ``PACKAGES`` (their source folders as Python
+    finds them): which code ran, independent of git. Two runs with the same digest ran the same
+    package code; ``python -m fp4_train.experiments.records`` at a commit gives that commit's."""
+    roots = [(n, Path(importlib.import_module(n).__file__).parent) for n in PACKAGES]
+    return digest_of(roots)
+
+
 def metadata(device, cwd=None):
-    """device, torch version, commit (of the checkout at ``cwd``) and UTC date of a run."""
+    """device, torch version, commit (of the checkout at ``cwd``), source digest of the
+    packages (``source_digest``) and UTC date of a run."""
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     return {
         "device": f"{dev.type}: {name}",
         "torch": torch.__version__,
         "commit": commit(cwd),
+        "source": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -76,3 +112,7 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+if __name__ == "__main__":
+    print(source_digest())

@@ -1,0 +1,45 @@
+"""fp4_train.experiments.records: the source digest a run records says which package code ran."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from fp4_train.experiments import records
+
+
+def _tree(root, files):
+    for rel, data in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(data)
+    return root
+
+
+def test_digest_follows_every_byte_and_path_but_not_compiled_caches(tmp_path):
+    files = {"a.py": b"x = 1\n", "sub/b.py": b"y = 2\n", "data/t.json": b"{}"}
+    one = _tree(tmp_path / "one", files)
+    two = _tree(tmp_path / "two", files)
+    d = records.digest_of([("pkg", one)])
+    assert re.fullmatch(r"[0-9a-f]{12}", d)
+    assert records.digest_of([("pkg", two)]) == d  # where the tree lies does not count
+    _tree(two, {"__pycache__/a.cpython-311.pyc": b"\0\1", "sub/__pycache__/b.nbi": b"\2"})
+    assert records.digest_of([("pkg", two)]) == d
+    assert records.digest_of([("other", two)]) != d  # the package's name counts
+    _tree(two, {"sub/b.py": b"y = 3\n"})
+    assert records.digest_of([("pkg", two)]) != d  # one byte
+    three = _tree(tmp_path / "three", {"a.py": b"x = 1\n", "sub/c.py": b"y = 2\n",
+                                       "data/t.json": b"{}"})  # fmt: skip
+    assert records.digest_of([("pkg", three)]) != d  # a renamed file
+    four = _tree(tmp_path / "four", {**files, "new.py": b""})
+    assert records.digest_of([("pkg", four)]) != d  # an added (even empty) file
+
+
+def test_metadata_records_the_digest_that_the_command_prints():
+    meta = records.metadata("cpu")
+    assert meta["source"] == records.source_digest()
+    assert set(meta) == {"device", "torch", "commit", "source", "date"}
+    out = subprocess.run([sys.executable, "-m", "fp4_train.experiments.records"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == meta["source"]
