@@ -77,8 +77,8 @@ GRAPH_MAX_BYTES = 256 << 20
 GRAPH_CACHE_BYTES = 512 << 20
 #: Codecs whose encode and decode on a CUDA tensor are kernels and torch operations on the
 #: tensors and nothing else: no host synchronization, no host state that depends on the values.
-_FP4_CODECS = (NVFP4Codec, MXFP4Codec, FP4QuantCodec)
-REPLAYABLE_CODECS = (NoneCodec, *_FP4_CODECS, TAHQuantCodec, TAHQuantGradCodec)
+REPLAYABLE_CODECS = (NoneCodec, NVFP4Codec, MXFP4Codec, FP4QuantCodec, TAHQuantCodec,
+                     TAHQuantGradCodec)  # fmt: skip
 
 
 def default_graphs(transport) -> Graphs:
