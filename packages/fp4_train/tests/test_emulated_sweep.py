@@ -82,6 +82,7 @@ def _summary(layout, policy, codec, seed, loss, grad_codec=None, grad_rounding="
         "tokens_per_step": 16384, "final_val_loss": loss, "wall_s": 120.0,
         "tokens_per_s": 1e5, "step_ms": 160.0, "tflops": None, "concurrent_runs": 4,
         "train_loss_curve": [[0, 10.0 + loss], [50, 5.0 + loss], [99, loss]],
+        "evals": [[50, 2 * loss], [100, loss]],
     }  # fmt: skip
 
 
@@ -90,6 +91,7 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     g64 = [3.05, 3.12, 3.01]
     runs = [_summary("tp4", "bf16", "bf16", s, v) for s, v in enumerate(bf16)]
     runs += [_summary("tp4", "fp4quant-g64", "fp4quant-g64", s, v) for s, v in enumerate(g64)]
+    runs += [_summary("tp4", "nvfp4", "nvfp4", s, v) for s, v in enumerate([3.02, 3.14])]
     runs += [_summary("tp4", "tahquant-h768_grad-tahquant-grad-rn", "tahquant-h768", 0, 3.2,
                       grad_codec="tahquant-grad")]  # fmt: skip
     runs += [_summary("pp2", "bf16", "bf16", 0, 3.0),
@@ -120,3 +122,15 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert "preprint, quoted" in text and "2.2306 (+3.7 %)" in text
     assert (tmp_path / "table" / "curves.png").stat().st_size > 10_000
     assert "qwen-125m_tp4_bf16_s0 | 160.0" in (tmp_path / "table" / "timing.md").read_text()
+    # the gap at every evaluation (here 2 x loss at step 50), runs without a bf16 seed left out
+    gaps = (tmp_path / "table" / "gaps.md").read_text()
+    assert "| fp4quant-g64, seed 2 | +0.120 | +0.060 |" in gaps
+    assert "| nvfp4, seed 1 | +0.080 | +0.040 |" in gaps and "**qwen-125m, pp2**" in gaps
+    # every two wires on their common seeds (g = 64 and NVFP4 share seeds 0 and 1); TAH-Quant
+    # has one seed: no row
+    pairs = (tmp_path / "table" / "pairs.md").read_text()
+    d = [g64[0] - 3.02, g64[1] - 3.14]
+    half = t_quantile(0.975, 1) * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+    per_seed = f"{d[0]:+.3f} / {d[1]:+.3f}"
+    row = f"| fp4quant-g64 | nvfp4 | 0 1 | {per_seed} | {sum(d) / 2:+.3f} ± {half:.3f} |"
+    assert row in pairs and "tahquant" not in pairs

@@ -5,9 +5,11 @@ layout and seed, with the preprint's figures beside it.
         --out docs/results/emulated_study
 
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
-table), ``table.json`` (the same rows, each seed's numbers too), ``timing.md`` (step time,
-tokens/s and wall minutes of every run) and ``curves.png`` (the final-loss gaps with their
-intervals, and the paired training-loss gap over training at TP = 4).
+table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's
+paired gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared
+on their common seeds), ``timing.md`` (step time, tokens/s and wall minutes of every run) and
+``curves.png`` (the final-loss gaps with their intervals, and the paired training-loss gap over
+training at TP = 4).
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over
@@ -176,6 +178,68 @@ def markdown(table):
     return "\n".join(lines) + "\n"
 
 
+def _groups(summaries):
+    """{(model, layout): {policy: {seed: summary}}}."""
+    out = {}
+    for s in summaries:
+        out.setdefault((s["model"], s["layout"]), {}).setdefault(policy(s), {})[s["seed"]] = s
+    return out
+
+
+def gaps_markdown(summaries):
+    """Each run's validation loss minus bf16's of its model, layout and seed at every
+    evaluation both runs made (their ``evals``): where a gap opens, and whether it closes."""
+    lines = []
+    for (model, lay), pols in sorted(_groups(summaries).items()):
+        base = pols.get(BASELINE, {})
+        runs = [(pol, seed, s) for pol, by_seed in sorted(pols.items()) if pol != BASELINE
+                for seed, s in sorted(by_seed.items()) if seed in base]  # fmt: skip
+        if not runs:
+            continue
+        steps = sorted({int(k) for _, seed, s in runs for k, _ in s.get("evals", [])
+                        if int(k) in {int(b) for b, _ in base[seed].get("evals", [])}})  # fmt: skip
+        lines += [f"**{model}, {lay}**", "",
+                  "| run | " + " | ".join(str(k) for k in steps) + " |",
+                  "|---|" + "---:|" * len(steps)]  # fmt: skip
+        for pol, seed, s in runs:
+            ref = {int(k): v for k, v in base[seed]["evals"]}
+            mine = {int(k): v for k, v in s.get("evals", [])}
+            cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine else "–" for k in steps]
+            lines.append(f"| {pol}, seed {seed} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append(
+        "Validation loss minus bf16's of the same model, layout and seed at each "
+        "evaluation step (columns)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def pairs_markdown(summaries):
+    """Every two wires of one model and layout, compared on the seeds both ran: the per-seed
+    differences of their final validation losses, the mean and its 95 % t interval.  The pairing
+    removes what a seed does to both (its initialization and batches)."""
+    head = ["model", "layout", "wire a", "wire b", "seeds", "a − b per seed",
+            "mean (95 % CI)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (model, lay), pols in sorted(_groups(summaries).items()):
+        names = sorted(p for p in pols if p != BASELINE)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                seeds = sorted(set(pols[a]) & set(pols[b]))
+                if len(seeds) < 2:
+                    continue
+                d = [pols[a][k]["final_val_loss"] - pols[b][k]["final_val_loss"] for k in seeds]
+                mean, half, _ = mean_ci(d)
+                lines.append("| " + " | ".join([
+                    model, lay, a, b, " ".join(map(str, seeds)),
+                    " / ".join(_fmt(v, 3, sign=True) for v in d),
+                    _fmt(mean, 3, sign=True) + ("" if half is None else f" ± {half:.3f}"),
+                ]) + " |")  # fmt: skip
+    lines += ["", "a − b: final validation loss of wire a minus wire b's on the same seed; "
+              "pairs with at least two common seeds."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def timing_markdown(summaries):
     head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
             "runs sharing the GPU"]  # fmt: skip
@@ -250,6 +314,8 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(markdown(table))
     (args.out / "timing.md").write_text(timing_markdown(summaries))
+    (args.out / "gaps.md").write_text(gaps_markdown(summaries))
+    (args.out / "pairs.md").write_text(pairs_markdown(summaries))
     preprint = {
         "source": "FP4Quant preprint (quoted; Qwen 7B, 4-way TP, its data)",
         "bf16": PREPRINT_BF16,
