@@ -67,6 +67,12 @@ def test_runs_start_as_processes_and_are_skipped_once_done(tmp_path, monkeypatch
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*.json")}
     assert emulated_sweep.main([*base, "--jobs", "2"]) == 0  # both exist: nothing runs
     assert {p: p.stat().st_mtime_ns for p in out.glob("*.json")} == stamps
+    # a run finished elsewhere (its summary in a --done folder) is skipped too
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (out / "byte_tp2_nvfp4_s0.json").rename(other / "byte_tp2_nvfp4_s0.json")
+    assert emulated_sweep.main([*base, "--done", str(other)]) == 0
+    assert sorted(p.stem for p in out.glob("*.json")) == ["byte_tp2_bf16_s0"]
 
 
 # ------------------------------------------------------------------ the table

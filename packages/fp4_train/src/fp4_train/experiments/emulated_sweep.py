@@ -6,7 +6,8 @@
 A preset is the arguments every run shares (model, tokens per step, steps, learning rate) and
 a list of configurations, each run once per seed (``--seeds`` replaces the preset's); the
 arguments after ``--`` are added to every run and override the preset's.  Runs whose summary
-is already in ``--out`` are skipped, so a grid is run over several sittings: ``--budget-s``
+is already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathered from other
+machines) are skipped, so a grid is run over several sittings: ``--budget-s``
 starts no run that would end past the budget (its length estimated by the longest run this
 sitting, or ``--estimate-s`` before one has ended) and lists those left out.  ``--jobs``
 processes share the GPU (a 125 M model with 4 emulated ranks takes a few GB of its memory);
@@ -138,6 +139,9 @@ def parse_args(argv=None):
                     help="with --stop-at-s: start no run with less time left")  # fmt: skip
     ap.add_argument("--keep-checkpoints", action="store_true",
                     help="keep a finished run's checkpoint (its final state)")  # fmt: skip
+    ap.add_argument("--done", type=Path, nargs="+", default=[],
+                    help="folders of finished runs' summaries (besides --out): those runs "
+                         "are skipped")  # fmt: skip
     ap.add_argument("--force", action="store_true", help="rerun runs whose summary exists")
     ap.add_argument("--list", action="store_true", help="print the runs; run nothing")
     ap.add_argument("extra", nargs="*", help="after --: added to every run")
@@ -274,7 +278,9 @@ class Sweep:
 def main(argv=None):
     args = parse_args(argv)
     every, unavailable = runs(args)
-    todo = [(n, a) for n, a in every if args.force or not (args.out / f"{n}.json").exists()]
+    folders = [args.out, *args.done]
+    todo = [(n, a) for n, a in every
+            if args.force or not any((f / f"{n}.json").exists() for f in folders)]  # fmt: skip
     for name in unavailable:
         print(f"{name}: unavailable (fp4_comm.get_codec does not know its codec)")
     if args.list:
