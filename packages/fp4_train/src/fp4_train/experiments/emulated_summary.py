@@ -87,18 +87,29 @@ def quoted(summary):
     return PREPRINT.get((summary["layout"], codec))
 
 
+def _groups(summaries):
+    """{(model, layout, policy): {seed: summary}}."""
+    out = {}
+    for s in summaries:
+        out.setdefault((s["model"], s["layout"], policy(s)), {})[s["seed"]] = s
+    return out
+
+
+def _paired(a, b):
+    """The seeds both {seed: summary} have, and a's final validation loss minus b's on each."""
+    seeds = sorted(set(a) & set(b))
+    return seeds, [a[k]["final_val_loss"] - b[k]["final_val_loss"] for k in seeds]
+
+
 def rows(summaries):
     """One row per (model, layout, policy), paired with bf16 of the same seeds."""
-    groups = {}
-    for s in summaries:
-        groups.setdefault((s["model"], s["layout"], policy(s)), {})[s["seed"]] = s
+    groups = _groups(summaries)
     out = []
     for (model, lay, pol), by_seed in sorted(groups.items(), key=_order):
         base = groups.get((model, lay, BASELINE), {})
         seeds = sorted(by_seed)
         losses = [by_seed[k]["final_val_loss"] for k in seeds]
-        paired = [k for k in seeds if k in base]
-        deltas = [by_seed[k]["final_val_loss"] - base[k]["final_val_loss"] for k in paired]
+        paired, deltas = _paired(by_seed, base)
         base_losses = [base[k]["final_val_loss"] for k in paired]
         first = by_seed[seeds[0]]
         row = {
@@ -178,32 +189,29 @@ def markdown(table):
     return "\n".join(lines) + "\n"
 
 
-def _groups(summaries):
-    """{(model, layout): {policy: {seed: summary}}}."""
-    out = {}
-    for s in summaries:
-        out.setdefault((s["model"], s["layout"]), {}).setdefault(policy(s), {})[s["seed"]] = s
-    return out
+def _evals(summary):
+    """{step: validation loss} of a run's evaluations."""
+    return {int(k): v for k, v in summary.get("evals", [])}
 
 
 def gaps_markdown(summaries):
     """Each run's validation loss minus bf16's of its model, layout and seed at every
     evaluation both runs made (their ``evals``): where a gap opens, and whether it closes."""
+    groups = _groups(summaries)
     lines = []
-    for (model, lay), pols in sorted(_groups(summaries).items()):
-        base = pols.get(BASELINE, {})
-        runs = [(pol, seed, s) for pol, by_seed in sorted(pols.items()) if pol != BASELINE
+    for model, lay in sorted({(m, lay) for m, lay, _ in groups}):
+        base = groups.get((model, lay, BASELINE), {})
+        runs = [(pol, seed, _evals(s), _evals(base[seed]))
+                for (m, la, pol), by_seed in sorted(groups.items())
+                if (m, la) == (model, lay) and pol != BASELINE
                 for seed, s in sorted(by_seed.items()) if seed in base]  # fmt: skip
         if not runs:
             continue
-        steps = sorted({int(k) for _, seed, s in runs for k, _ in s.get("evals", [])
-                        if int(k) in {int(b) for b, _ in base[seed].get("evals", [])}})  # fmt: skip
+        steps = sorted(set().union(*(mine.keys() & ref.keys() for _, _, mine, ref in runs)))
         lines += [f"**{model}, {lay}**", "",
                   "| run | " + " | ".join(str(k) for k in steps) + " |",
                   "|---|" + "---:|" * len(steps)]  # fmt: skip
-        for pol, seed, s in runs:
-            ref = {int(k): v for k, v in base[seed]["evals"]}
-            mine = {int(k): v for k, v in s.get("evals", [])}
+        for pol, seed, mine, ref in runs:
             cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine else "–" for k in steps]
             lines.append(f"| {pol}, seed {seed} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -221,14 +229,12 @@ def pairs_markdown(summaries):
     head = ["model", "layout", "wire a", "wire b", "seeds", "a − b per seed",
             "mean (95 % CI)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (model, lay), pols in sorted(_groups(summaries).items()):
-        names = sorted(p for p in pols if p != BASELINE)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                seeds = sorted(set(pols[a]) & set(pols[b]))
-                if len(seeds) < 2:
-                    continue
-                d = [pols[a][k]["final_val_loss"] - pols[b][k]["final_val_loss"] for k in seeds]
+    groups = _groups(summaries)
+    wires = sorted(key for key in groups if key[2] != BASELINE)
+    for i, (model, lay, a) in enumerate(wires):
+        for b in [w for m, la, w in wires[i + 1 :] if (m, la) == (model, lay)]:
+            seeds, d = _paired(groups[(model, lay, a)], groups[(model, lay, b)])
+            if len(seeds) >= 2:
                 mean, half, _ = mean_ci(d)
                 lines.append("| " + " | ".join([
                     model, lay, a, b, " ".join(map(str, seeds)),
@@ -273,9 +279,7 @@ def plot(table, summaries, path):
     ax_gap.set(xlabel="final validation loss gap to bf16, % (95 % CI)", xscale="symlog")
     ax_gap.margins(x=0.08)  # room for the outermost markers (the quoted gaps)
     ax_gap.grid(alpha=0.3)
-    by = {}
-    for s in summaries:
-        by.setdefault((s["model"], s["layout"], policy(s)), {})[s["seed"]] = s
+    by = _groups(summaries)
     for (model, lay, pol), seeds in sorted(by.items()):
         base = by.get((model, lay, BASELINE), {})
         if lay != "tp4" or pol == BASELINE:
