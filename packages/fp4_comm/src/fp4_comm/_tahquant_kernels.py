@@ -419,6 +419,33 @@ def _rotate_outlier(sm, row):
 
 
 @_device
+def _store24(out, r, at, word):
+    """A 24-bit word into ``out[r, at:at + 3]``, little-endian."""
+    out[r, at] = word & 255
+    out[r, at + 1] = (word >> 8) & 255
+    out[r, at + 2] = (word >> 16) & 255
+
+
+@_device
+def _load24(raw, r, at):
+    """The little-endian 24-bit word at ``raw[r, at:at + 3]`` (int32)."""
+    return int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8) | (int32(raw[r, at + 2]) << 16)
+
+
+@_device
+def _store_fp16(out, r, at, bits):
+    """fp16 ``bits`` into ``out[r, at:at + 2]``, little-endian."""
+    out[r, at] = bits & 255
+    out[r, at + 1] = bits >> 8
+
+
+@_device
+def _fp16_at(raw, r, at):
+    """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
+    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
+
+
+@_device
 def _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low):
     """The tile's codes into ``out[r, at:]``: 3 bits (8 codes a little-endian 24-bit word,
     code k at bit 3k) where ``is_low``, else 4 bits (element 2w in the low nibble)."""
@@ -427,9 +454,7 @@ def _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low):
             word = 0
             for kk in range(8):
                 word |= _code(sm[row + 8 * w + kk], zero, scale, levels, live) << (3 * kk)
-            out[r, at + 3 * w] = word & 255
-            out[r, at + 3 * w + 1] = (word >> 8) & 255
-            out[r, at + 3 * w + 2] = (word >> 16) & 255
+            _store24(out, r, at + 3 * w, word)
     else:
         for w in range(TILE_SIZE // 2):
             even = _code(sm[row + 2 * w], zero, scale, levels, live)
@@ -496,10 +521,8 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     else:
         at = high_off + s * (token_size // 2) + j * HIGH_BYTES_A_TILE
     _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low)
-    out[r, zeros_off + 2 * k] = zero_bits & 255
-    out[r, zeros_off + 2 * k + 1] = zero_bits >> 8
-    out[r, scales_off + 2 * k] = scale_bits & 255
-    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+    _store_fp16(out, r, zeros_off + 2 * k, zero_bits)
+    _store_fp16(out, r, scales_off + 2 * k, scale_bits)
     flag = ok and transform
     transform_out[r, k] = 1 if flag else 0
     pivot_out[r, k] = pivot if flag else 0
@@ -540,12 +563,6 @@ def encode_maps(low, transform, pivot, tokens, tiles, token_map_off, transform_m
     out[r, at] = byte
 
 
-@_device
-def _fp16_at(raw, r, at):
-    """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
-    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
-
-
 @cuda.jit
 def decode_tiles(raw, place, tokens, token_size, n_low, high_off, zeros_off, scales_off,
                  transform_map_off, pivots_off, out):  # fmt: skip
@@ -578,8 +595,7 @@ def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_of
     if s < n_low:
         at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
         for w in range(TILE_SIZE // 8):
-            word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
-            word |= int32(raw[r, at + 3 * w + 2]) << 16
+            word = _load24(raw, r, at + 3 * w)
             for kk in range(8):
                 sm[row + 8 * w + kk] = float32((word >> (3 * kk)) & 7)
     else:
@@ -647,11 +663,8 @@ def grad_encode(x, scales_off, out):
                     u = GRAD_STEPS - ONE
                 c = int32(u) + 32
             word |= c << (6 * kk)
-        out[r, at + 3 * w] = word & 255
-        out[r, at + 3 * w + 1] = (word >> 8) & 255
-        out[r, at + 3 * w + 2] = (word >> 16) & 255
-    out[r, scales_off + 2 * k] = scale_bits & 255
-    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+        _store24(out, r, at + 3 * w, word)
+    _store_fp16(out, r, scales_off + 2 * k, scale_bits)
 
 
 @cuda.jit
@@ -675,8 +688,7 @@ def _grad_decode_tile(raw, scales_off, g, tiles, sm, row):
     scale = _fp16_at(raw, r, scales_off + 2 * k)
     at = k * GRAD_BYTES_A_TILE
     for w in range(GRAD_TILE_SIZE // 4):
-        word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
-        word |= int32(raw[r, at + 3 * w + 2]) << 16
+        word = _load24(raw, r, at + 3 * w)
         for kk in range(4):
             q = float32(((word >> (6 * kk)) & 63) - 32)
             # (q / 32) is exact; one rounding in the product with the scale
