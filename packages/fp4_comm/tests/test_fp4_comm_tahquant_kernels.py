@@ -84,7 +84,7 @@ def _edge_activations(rng, chunks, tokens, C):
 
 
 def _n_low(n, C):
-    return n // C * (100 - tahquant.HIGH_PERCENT) // 100
+    return tahquant.low_token_count(n // C)
 
 
 def _check_activations(x, C, dtype=torch.float32):
