@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import _tahquant_oracle as oracle
 import numpy as np
@@ -336,6 +337,45 @@ def test_cuda_kernels_equal_the_cpu_path(dtype, chunks, tokens):
         for out in (torch.float32, dtype):
             _same_floats(codec.decode([gpu], n, out).float().cpu().numpy(),
                          codec.decode([cpu], n, out).float().numpy())  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [1, 5, 32, 40, 64, 100, 768, 8128, 16384])
+def test_cuda_entropy_of_every_block_geometry(C):
+    # every geometry of the entropy kernel on the GPU against the CPU path: 32 or 64 threads
+    # a token, 128 threads with 1 to 128 elements each (16384 channels: beyond the registers)
+    _need_cuda()
+    from fp4_comm import _tahquant_kernels as K
+
+    T = 37
+    rng = np.random.default_rng(C)
+    x = (rng.standard_normal((T, C)) * np.exp2(rng.integers(-6, 7, (T, 1)))).astype(np.float32)
+    x[1] = 0.0
+    x[3, 0] = NAN
+    x[4, -1] = INF
+    got = K.entropies(torch.from_numpy(x.reshape(1, T * C)).cuda(), C)
+    want = tahquant.token_entropy(torch.from_numpy(x).reshape(1, T, C))
+    _same_floats(got.cpu().numpy(), want.numpy())
+
+
+@pytest.mark.gpu
+def test_small_payloads_launch_without_numba_occupancy_warnings():
+    # a 7-token payload: grids of a few blocks, padded to MIN_BLOCKS (numba-cuda warns below)
+    _need_cuda()
+    from numba.core.errors import NumbaPerformanceWarning
+
+    x = torch.from_numpy(_realistic(np.random.default_rng(5), 1, 7, 768)).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for codec in (TAHQuantCodec(768), TAHQuantGradCodec()):
+            (raw,) = codec.encode(x)
+            y = codec.decode([raw], x.shape[1])
+            (cpu,) = codec.encode(x.cpu())
+            assert torch.equal(raw.cpu(), cpu), codec.name
+            _same_floats(y.cpu().numpy(), codec.decode([cpu], x.shape[1]).numpy())
+        torch.cuda.synchronize()
+    perf = [w for w in caught if issubclass(w.category, NumbaPerformanceWarning)]
+    assert not perf, [str(w.message) for w in perf]
 
 
 @pytest.mark.gpu

@@ -65,6 +65,7 @@ ENTROPY_MAX_FOLD = 1024
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 MAP_THREADS = 256
+MIN_BLOCKS = 128  # numba-cuda's low-occupancy warning threshold (its dispatcher)
 LOW_BYTES_A_TILE = TILE_SIZE * 3 // 8  # 24: 8 codes to 3 bytes
 HIGH_BYTES_A_TILE = TILE_SIZE // 2  # 32: 2 codes a byte
 GRAD_BYTES_A_TILE = GRAD_TILE_SIZE * 6 // 8  # 24: 4 codes to 3 bytes
@@ -279,6 +280,8 @@ def _make_token_entropy(fold, nthreads):
         sm = cuda.shared.array(ENTROPY_THREADS, float32)
         total_sm = cuda.shared.array(1, float32)
         tok = cuda.blockIdx.x
+        if tok >= x.shape[0]:
+            return  # a block of the grid's padding to MIN_BLOCKS (the whole block, no barrier)
         tid = cuda.threadIdx.x
         a = cuda.local.array(fold, float32)
         c = cuda.local.array(fold, float32)
@@ -716,14 +719,13 @@ def _numba_device(index):
 
 def _launch(kernel, blocks, threads, shared_bytes, *args):
     """``kernel[blocks, threads]`` on ``args`` (torch tensors and ints) on torch's current
-    stream of the tensors' device.  Under the simulator the tensors are CPU tensors, copied in
-    and back."""
-    blocks = max(1, blocks)
+    stream of the tensors' device, with at least ``MIN_BLOCKS`` blocks.  Under the simulator
+    the tensors are CPU tensors, copied in and back, and the grid is ``blocks``."""
     if SIMULATOR:
         tensors = [(a, cuda.to_device(a.numpy())) for a in args if isinstance(a, torch.Tensor)]
         dev = iter(d for _, d in tensors)
         kargs = [next(dev) if isinstance(a, torch.Tensor) else a for a in args]
-        kernel[blocks, threads, 0, shared_bytes](*kargs)
+        kernel[max(1, blocks), threads, 0, shared_bytes](*kargs)
         for a, d in tensors:
             d.copy_to_host(a.numpy())
         return
@@ -733,7 +735,9 @@ def _launch(kernel, blocks, threads, shared_bytes, *args):
         # sync=False: the arrays are torch's, used on the stream that produced them
         kargs = [cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a
                  for a in args]  # fmt: skip
-        kernel[blocks, threads, stream, shared_bytes](*kargs)
+        # at least MIN_BLOCKS blocks (numba warns of low occupancy below that at every launch
+        # of a small payload); the kernels' surplus blocks find no work and return
+        kernel[max(MIN_BLOCKS, blocks), threads, stream, shared_bytes](*kargs)
 
 
 def entropies(xf, token_size):
