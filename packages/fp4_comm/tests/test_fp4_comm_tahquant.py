@@ -153,6 +153,18 @@ def test_packing_literal():
     assert tahquant._pack24(codes, 3)[0].tolist() == [word & 255, word >> 8 & 255, word >> 16]
 
 
+def test_layout_is_built_once_for_each_n_and_checked_before():
+    codec = TAHQuantCodec(64)
+    lay = codec.layout(640)
+    assert codec.layout(640) is lay and codec.layout(np.int64(640)) == lay
+    assert lay["low_codes"] == (0, tahquant.low_token_count(10) * 64 * 3 // 8)
+    with pytest.raises(TypeError):
+        lay["zeros"] = (0, 0)  # read-only: every call shares it
+    for bad in (640.0, 100, True):  # checked as before, cached or not
+        with pytest.raises((TypeError, ValueError), match="n"):
+            codec.layout(bad)
+
+
 @pytest.mark.parametrize("C", [64, 768])
 def test_section_size_and_bits_per_element(C):
     codec = TAHQuantCodec(C)

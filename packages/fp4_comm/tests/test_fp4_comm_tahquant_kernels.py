@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import _tahquant_oracle as oracle
 import numpy as np
@@ -21,6 +22,9 @@ from numba import config
 
 from fp4_comm import tahquant
 from fp4_comm.tahquant import TAHQuantCodec, TAHQuantGradCodec
+from fp4_kernels.testing import install_simulator_warp_intrinsics
+
+install_simulator_warp_intrinsics()  # the entropy kernel's shuffles, in the simulator
 
 NAN, INF = float("nan"), float("inf")
 TILE = tahquant.TILE_SIZE
@@ -81,7 +85,7 @@ def _edge_activations(rng, chunks, tokens, C):
 
 
 def _n_low(n, C):
-    return n // C * (100 - tahquant.HIGH_PERCENT) // 100
+    return tahquant.low_token_count(n // C)
 
 
 def _check_activations(x, C, dtype=torch.float32):
@@ -146,18 +150,41 @@ def test_activation_kernels_with_no_3_bit_token_and_several_3_bit_tokens():
 
 @in_simulator
 def test_entropy_of_tokens_beyond_the_shared_stage():
-    # 8128 channels: zero-padded to 8192, whose first two halving stages the kernel folds in
-    # registers (4 elements a slot of its ENTROPY_STAGE 2048)
+    # 8128 channels: zero-padded to 8192, 64 elements a thread whose halving stages (of strides
+    # 4096 .. 128) the thread adds itself; the padding in the last threads' elements
     from fp4_comm import _tahquant_kernels as K
 
     C, T = 8128, 4
     x = np.random.default_rng(13).standard_normal((1, T * C)).astype(np.float32)
-    assert 1 << (C - 1).bit_length() == 4 * K.ENTROPY_STAGE
+    assert K.entropy_geometry(1 << (C - 1).bit_length()) == (K.ENTROPY_THREADS, 64)
     got = K.entropies(torch.from_numpy(x), C)
     want = tahquant.token_entropy(torch.from_numpy(x).reshape(1, T, C))
     _same_floats(got.numpy(), want.numpy())
     for t in range(T):
         assert got[0, t].item() == oracle.entropy(x[0, t * C : (t + 1) * C])
+
+
+@in_simulator
+@pytest.mark.parametrize("C", [1, 5, 16, 32, 40, 64, 100, 128, 200, 768])
+def test_entropy_of_every_block_geometry(C):
+    # a block of 32 threads holding one element each (C <= 32: lanes beyond the padded token
+    # hold zeros), of 64 (C <= 64), of 128 with 1, 2 or 8 elements a thread; zero, repeated,
+    # non-finite and subnormal tokens among Gaussian ones
+    from fp4_comm import _tahquant_kernels as K
+
+    T = 6
+    rng = np.random.default_rng(C)
+    x = (rng.standard_normal((T, C)) * np.exp2(rng.integers(-6, 7, (T, 1)))).astype(np.float32)
+    x[1] = 0.0
+    x[2] = x[0]
+    x[3, 0] = NAN if C % 2 else INF
+    x[4] *= np.float32(2.0**-130)
+    got = K.entropies(torch.from_numpy(x.reshape(1, T * C)), C)
+    want = tahquant.token_entropy(torch.from_numpy(x).reshape(1, T, C))
+    _same_floats(got.numpy(), want.numpy())
+    for t in range(T):
+        w = oracle.entropy(x[t])
+        assert got[0, t].item() == w or (np.isnan(w) and np.isnan(got[0, t].item()))
 
 
 @in_simulator
@@ -239,7 +266,7 @@ def kernels_ptx():
     flat = types.Array(types.float32, 1, "C")
     i64 = types.int64
     signatures = {
-        K.token_entropy: (f32, i64, i64, flat),
+        K.entropy_kernel(1024): (f32, i64, i64, flat),  # tokens of 513 to 1024 channels
         K.encode_tiles: (flat, i32, i32, i64, i64, i64, i64, i64, u8, i32, i32),
         K.encode_maps: (i32, i32, i32, i64, i64, i64, i64, i64, i64, u8),
         K.decode_tiles: (u8, i32, i64, i64, i64, i64, i64, i64, i64, i64, flat),
@@ -310,6 +337,45 @@ def test_cuda_kernels_equal_the_cpu_path(dtype, chunks, tokens):
         for out in (torch.float32, dtype):
             _same_floats(codec.decode([gpu], n, out).float().cpu().numpy(),
                          codec.decode([cpu], n, out).float().numpy())  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [1, 5, 32, 40, 64, 100, 768, 8128, 16384])
+def test_cuda_entropy_of_every_block_geometry(C):
+    # every geometry of the entropy kernel on the GPU against the CPU path: 32 or 64 threads
+    # a token, 128 threads with 1 to 128 elements each (16384 channels: beyond the registers)
+    _need_cuda()
+    from fp4_comm import _tahquant_kernels as K
+
+    T = 37
+    rng = np.random.default_rng(C)
+    x = (rng.standard_normal((T, C)) * np.exp2(rng.integers(-6, 7, (T, 1)))).astype(np.float32)
+    x[1] = 0.0
+    x[3, 0] = NAN
+    x[4, -1] = INF
+    got = K.entropies(torch.from_numpy(x.reshape(1, T * C)).cuda(), C)
+    want = tahquant.token_entropy(torch.from_numpy(x).reshape(1, T, C))
+    _same_floats(got.cpu().numpy(), want.numpy())
+
+
+@pytest.mark.gpu
+def test_small_payloads_launch_without_numba_occupancy_warnings():
+    # a 7-token payload: grids of a few blocks, padded to MIN_BLOCKS (numba-cuda warns below)
+    _need_cuda()
+    from numba.core.errors import NumbaPerformanceWarning
+
+    x = torch.from_numpy(_realistic(np.random.default_rng(5), 1, 7, 768)).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for codec in (TAHQuantCodec(768), TAHQuantGradCodec()):
+            (raw,) = codec.encode(x)
+            y = codec.decode([raw], x.shape[1])
+            (cpu,) = codec.encode(x.cpu())
+            assert torch.equal(raw.cpu(), cpu), codec.name
+            _same_floats(y.cpu().numpy(), codec.decode([cpu], x.shape[1]).numpy())
+        torch.cuda.synchronize()
+    perf = [w for w in caught if issubclass(w.category, NumbaPerformanceWarning)]
+    assert not perf, [str(w.message) for w in perf]
 
 
 @pytest.mark.gpu

@@ -13,9 +13,11 @@ is never fused.
 
 Launch geometry and layout (one launch each, on torch's current stream):
 
-- ``token_entropy``: one block of ``ENTROPY_THREADS`` per token (fewer for tokens below 256
-  channels), ``ENTROPY_STAGE`` floats of shared memory; writes each token's entropy (float32,
-  ``-inf`` where the magnitude sum is not finite).
+- ``token_entropy``: one block of ``ENTROPY_THREADS`` per token (32 or 64 for tokens below 128
+  channels), each thread holding ``fold`` elements of the token (one kernel per geometry,
+  ``entropy_kernel``), ``ENTROPY_THREADS`` floats of shared memory for the cross-warp stages
+  of its sums; writes each token's entropy (float32, ``-inf`` where the magnitude sum is not
+  finite).
 - ``encode_tiles``: one thread per 64-channel tile, ``TILE_THREADS`` a block, grid-wide over
   chunks x tiles.  The block loads its tiles with coalesced reads into shared memory, a row of
   65 floats a tile (conflict-free: a warp's threads read element i of 32 rows from 32 banks),
@@ -56,11 +58,14 @@ TILE_STAGE = TILE_THREADS * (TILE_SIZE + 1)  # 16.6 KB
 GRAD_THREADS = 128
 GRAD_STAGE = GRAD_THREADS * (GRAD_TILE_SIZE + 1)  # 16.9 KB
 ENTROPY_THREADS = 128  # threads a block of the entropy kernel (one block a token)
-# The entropy kernel's sums run in shared memory from this many floats on (8 KB); the stages
-# of larger tokens fold into registers first, at most ENTROPY_MAX_FOLD elements a slot.
-ENTROPY_STAGE = 2048
-ENTROPY_MAX_FOLD = 64  # tokens up to 131072 channels
+ENTROPY_WARPS = ENTROPY_THREADS // 32
+# elements a thread of the entropy kernel holds at most (tokens up to 131072 channels; beyond
+# 16 or so the compiler keeps them in local memory rather than registers)
+ENTROPY_MAX_FOLD = 1024
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
 MAP_THREADS = 256
+MIN_BLOCKS = 128  # numba-cuda's low-occupancy warning threshold (its dispatcher)
 LOW_BYTES_A_TILE = TILE_SIZE * 3 // 8  # 24: 8 codes to 3 bytes
 HIGH_BYTES_A_TILE = TILE_SIZE // 2  # 32: 2 codes a byte
 GRAD_BYTES_A_TILE = GRAD_TILE_SIZE * 6 // 8  # 24: 4 codes to 3 bytes
@@ -189,20 +194,6 @@ _device = cuda.jit(device=True)
 
 
 @_device
-def _halving_sum(sm, p2, tid, nthreads):
-    """sm[0] = the sum of sm[:p2] in ``_halving_sum``'s order: a[i] + a[i + h] for h = p2/2,
-    ..., 1.  Every thread of the block calls it (it holds barriers)."""
-    h = p2 // 2
-    while h >= 1:
-        i = tid
-        while i < h:
-            sm[i] = sm[i] + sm[i + h]
-            i += nthreads
-        cuda.syncthreads()  # a stage reads what the previous one wrote
-        h //= 2
-
-
-@_device
 def _ln(p):
     """``tahquant._ln`` for a positive finite float32: frexp from the bits (exact, subnormals
     included), then the same operations in the same order."""
@@ -229,62 +220,108 @@ def _ln(p):
 
 
 @_device
-def _entropy_term(x, tok, i, token_size, total, terms):
-    """Element ``i`` of a token zero-padded to a power of two: |x_i|, or with ``terms`` its
-    ``p ln p`` (``tahquant.token_entropy``'s operations)."""
-    if i >= token_size:
-        return ZERO
-    a = abs(x[tok, i])
-    if not terms:
-        return a
+def _p_ln_p(a, total):
+    """``p ln p`` of p = a / total (``tahquant.token_entropy``'s term); p = 0 and NaN (a zero
+    token: 0 / 0) give a zero term."""
     p = a / total
-    if p > ZERO:  # p = 0 and NaN (a zero token: 0 / 0) give a zero term
+    if p > ZERO:
         return mul_rn(p, _ln(p))  # rounded before the sums add it
     return ZERO
 
 
 @_device
-def _stage_halving_sum(x, tok, token_size, p2, stage, total, terms, sm, tid, nthreads):
-    """The halving sum of a token's |x| (or its terms), zero-padded to ``p2``: the stages of
-    stride p2/2 .. stage in registers (slot i of ``sm`` folds elements i + m * stage, m <
-    p2 / stage, in the same halving order), the rest in ``sm``.  Returns it to every thread."""
-    fold = p2 // stage
-    column = cuda.local.array(ENTROPY_MAX_FOLD, float32)
-    i = tid
-    while i < stage and fold == 1:
-        sm[i] = _entropy_term(x, tok, i, token_size, total, terms)
-        i += nthreads
-    while i < stage:
+def _fold_stages(c, n):
+    """Halving stages within a thread's ``n`` values, c[m] + c[m + h] for h = n / 2, ..., 1;
+    returns their sum c[0]."""
+    h = n // 2
+    while h >= 1:
+        for m in range(h):
+            c[m] = c[m] + c[m + h]
+        h //= 2
+    return c[0]
+
+
+@_device
+def _block_sum(v, tid, p2, sm, nthreads):
+    """The halving sum's last log2(nthreads) stages (nthreads: the block's size, a compile-time
+    constant of each kernel, so these loops unroll): thread t holds element t of the level of
+    nthreads values (``a[i] + a[i + h]`` for h = nthreads / 2, ..., 1).  The stages of stride
+    32 and above add in warp 0 from shared memory (one barrier), those below by shuffles.  The
+    sum is thread 0's; every thread calls it (it holds a barrier and shuffles)."""
+    if nthreads > WARP:
+        sm[tid] = v
+        cuda.syncthreads()
+        if tid < WARP:
+            w = cuda.local.array(ENTROPY_WARPS, float32)
+            n = nthreads // WARP
+            for j in range(n):
+                w[j] = sm[tid + WARP * j]
+            v = _fold_stages(w, n)  # the strides 32 * h
+    # every warp shuffles (the other warps' sums are not used): the block's threads run the same
+    # shuffles, which the simulator's warp shuffles require
+    h = min(WARP, p2) // 2
+    while h >= 1:
+        v = v + cuda.shfl_down_sync(FULL_MASK, v, h)
+        h //= 2
+    return v
+
+
+def _make_token_entropy(fold, nthreads):
+    """The entropy kernel of blocks of ``nthreads`` for tokens zero-padded to p2 channels,
+    fold * nthreads (or less than 32, with 32 threads): thread t holds elements t + m * nthreads
+    (m < fold), whose halving stages of stride nthreads and above it adds in registers;
+    ``_block_sum`` adds the rest.  The |x| stay with the thread for
+    the second pass (the terms): the token is read once."""
+
+    @cuda.jit
+    def token_entropy(x, token_size, p2, out):
+        """One block a token: x (tokens, token_size) float32 -> out (tokens,) float32,
+        ``tahquant.token_entropy``.  p2: token_size rounded up to a power of two."""
+        sm = cuda.shared.array(ENTROPY_THREADS, float32)
+        total_sm = cuda.shared.array(1, float32)
+        tok = cuda.blockIdx.x
+        if tok >= x.shape[0]:
+            return  # a block of the grid's padding to MIN_BLOCKS (the whole block, no barrier)
+        tid = cuda.threadIdx.x
+        a = cuda.local.array(fold, float32)
+        c = cuda.local.array(fold, float32)
         for m in range(fold):
-            column[m] = _entropy_term(x, tok, i + m * stage, token_size, total, terms)
-        h = fold // 2
-        while h >= 1:  # the stages of stride h * stage of the whole token
-            for m in range(h):
-                column[m] = column[m] + column[m + h]
-            h //= 2
-        sm[i] = column[0]
-        i += nthreads
-    cuda.syncthreads()
-    _halving_sum(sm, stage, tid, nthreads)
-    s = sm[0]
-    cuda.syncthreads()  # every thread has read the sum before sm is written again
-    return s
+            i = tid + m * nthreads
+            a[m] = abs(x[tok, i]) if i < token_size else ZERO
+            c[m] = a[m]
+        s = _block_sum(_fold_stages(c, fold), tid, p2, sm, nthreads)
+        if tid == 0:
+            total_sm[0] = s
+        cuda.syncthreads()  # the total to every thread; warp 0 has read sm
+        total = total_sm[0]
+        for m in range(fold):
+            c[m] = _p_ln_p(a[m], total)
+        s = _block_sum(_fold_stages(c, fold), tid, p2, sm, nthreads)
+        if tid == 0:
+            h = ZERO - s
+            out[tok] = h if math.isfinite(total) else NEG_INF
+
+    return token_entropy
 
 
-@cuda.jit
-def token_entropy(x, token_size, p2, out):
-    """One block a token: x (tokens, token_size) float32 -> out (tokens,) float32,
-    ``tahquant.token_entropy``.  p2: token_size rounded up to a power of two."""
-    sm = cuda.shared.array(ENTROPY_STAGE, float32)
-    tok = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    stage = min(p2, ENTROPY_STAGE)
-    total = _stage_halving_sum(x, tok, token_size, p2, stage, ZERO, False, sm, tid, nthreads)
-    s = _stage_halving_sum(x, tok, token_size, p2, stage, total, True, sm, tid, nthreads)
-    if tid == 0:
-        h = ZERO - s
-        out[tok] = h if math.isfinite(total) else NEG_INF
+_ENTROPY_KERNELS: dict = {}
+
+
+def entropy_geometry(p2):
+    """(threads, fold) of the entropy kernel for tokens zero-padded to ``p2`` channels: a block
+    of 32 to ``ENTROPY_THREADS`` threads a token, ``fold`` elements a thread."""
+    threads = min(ENTROPY_THREADS, max(WARP, p2))
+    return threads, max(1, p2 // threads)
+
+
+def entropy_kernel(p2):
+    """The entropy kernel for tokens zero-padded to ``p2`` channels (one for each geometry,
+    compiled at its first use)."""
+    geometry = entropy_geometry(p2)
+    kernel = _ENTROPY_KERNELS.get(geometry)
+    if kernel is None:  # two threads may both build it: the same kernel, either one kept
+        kernel = _ENTROPY_KERNELS[geometry] = _make_token_entropy(geometry[1], geometry[0])
+    return kernel
 
 
 @_device
@@ -385,6 +422,33 @@ def _rotate_outlier(sm, row):
 
 
 @_device
+def _store24(out, r, at, word):
+    """A 24-bit word into ``out[r, at:at + 3]``, little-endian."""
+    out[r, at] = word & 255
+    out[r, at + 1] = (word >> 8) & 255
+    out[r, at + 2] = (word >> 16) & 255
+
+
+@_device
+def _load24(raw, r, at):
+    """The little-endian 24-bit word at ``raw[r, at:at + 3]`` (int32)."""
+    return int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8) | (int32(raw[r, at + 2]) << 16)
+
+
+@_device
+def _store_fp16(out, r, at, bits):
+    """fp16 ``bits`` into ``out[r, at:at + 2]``, little-endian."""
+    out[r, at] = bits & 255
+    out[r, at + 1] = bits >> 8
+
+
+@_device
+def _fp16_at(raw, r, at):
+    """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
+    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
+
+
+@_device
 def _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low):
     """The tile's codes into ``out[r, at:]``: 3 bits (8 codes a little-endian 24-bit word,
     code k at bit 3k) where ``is_low``, else 4 bits (element 2w in the low nibble)."""
@@ -393,9 +457,7 @@ def _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low):
             word = 0
             for kk in range(8):
                 word |= _code(sm[row + 8 * w + kk], zero, scale, levels, live) << (3 * kk)
-            out[r, at + 3 * w] = word & 255
-            out[r, at + 3 * w + 1] = (word >> 8) & 255
-            out[r, at + 3 * w + 2] = (word >> 16) & 255
+            _store24(out, r, at + 3 * w, word)
     else:
         for w in range(TILE_SIZE // 2):
             even = _code(sm[row + 2 * w], zero, scale, levels, live)
@@ -462,10 +524,8 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     else:
         at = high_off + s * (token_size // 2) + j * HIGH_BYTES_A_TILE
     _store_codes(out, r, at, sm, row, zero, scale, levels, live, is_low)
-    out[r, zeros_off + 2 * k] = zero_bits & 255
-    out[r, zeros_off + 2 * k + 1] = zero_bits >> 8
-    out[r, scales_off + 2 * k] = scale_bits & 255
-    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+    _store_fp16(out, r, zeros_off + 2 * k, zero_bits)
+    _store_fp16(out, r, scales_off + 2 * k, scale_bits)
     flag = ok and transform
     transform_out[r, k] = 1 if flag else 0
     pivot_out[r, k] = pivot if flag else 0
@@ -506,12 +566,6 @@ def encode_maps(low, transform, pivot, tokens, tiles, token_map_off, transform_m
     out[r, at] = byte
 
 
-@_device
-def _fp16_at(raw, r, at):
-    """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
-    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
-
-
 @cuda.jit
 def decode_tiles(raw, place, tokens, token_size, n_low, high_off, zeros_off, scales_off,
                  transform_map_off, pivots_off, out):  # fmt: skip
@@ -544,8 +598,7 @@ def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_of
     if s < n_low:
         at = s * (token_size * 3 // 8) + j * LOW_BYTES_A_TILE
         for w in range(TILE_SIZE // 8):
-            word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
-            word |= int32(raw[r, at + 3 * w + 2]) << 16
+            word = _load24(raw, r, at + 3 * w)
             for kk in range(8):
                 sm[row + 8 * w + kk] = float32((word >> (3 * kk)) & 7)
     else:
@@ -613,11 +666,8 @@ def grad_encode(x, scales_off, out):
                     u = GRAD_STEPS - ONE
                 c = int32(u) + 32
             word |= c << (6 * kk)
-        out[r, at + 3 * w] = word & 255
-        out[r, at + 3 * w + 1] = (word >> 8) & 255
-        out[r, at + 3 * w + 2] = (word >> 16) & 255
-    out[r, scales_off + 2 * k] = scale_bits & 255
-    out[r, scales_off + 2 * k + 1] = scale_bits >> 8
+        _store24(out, r, at + 3 * w, word)
+    _store_fp16(out, r, scales_off + 2 * k, scale_bits)
 
 
 @cuda.jit
@@ -641,8 +691,7 @@ def _grad_decode_tile(raw, scales_off, g, tiles, sm, row):
     scale = _fp16_at(raw, r, scales_off + 2 * k)
     at = k * GRAD_BYTES_A_TILE
     for w in range(GRAD_TILE_SIZE // 4):
-        word = int32(raw[r, at + 3 * w]) | (int32(raw[r, at + 3 * w + 1]) << 8)
-        word |= int32(raw[r, at + 3 * w + 2]) << 16
+        word = _load24(raw, r, at + 3 * w)
         for kk in range(4):
             q = float32(((word >> (6 * kk)) & 63) - 32)
             # (q / 32) is exact; one rounding in the product with the scale
@@ -670,14 +719,13 @@ def _numba_device(index):
 
 def _launch(kernel, blocks, threads, shared_bytes, *args):
     """``kernel[blocks, threads]`` on ``args`` (torch tensors and ints) on torch's current
-    stream of the tensors' device.  Under the simulator the tensors are CPU tensors, copied in
-    and back."""
-    blocks = max(1, blocks)
+    stream of the tensors' device, with at least ``MIN_BLOCKS`` blocks.  Under the simulator
+    the tensors are CPU tensors, copied in and back, and the grid is ``blocks``."""
     if SIMULATOR:
         tensors = [(a, cuda.to_device(a.numpy())) for a in args if isinstance(a, torch.Tensor)]
         dev = iter(d for _, d in tensors)
         kargs = [next(dev) if isinstance(a, torch.Tensor) else a for a in args]
-        kernel[blocks, threads, 0, shared_bytes](*kargs)
+        kernel[max(1, blocks), threads, 0, shared_bytes](*kargs)
         for a, d in tensors:
             d.copy_to_host(a.numpy())
         return
@@ -687,7 +735,9 @@ def _launch(kernel, blocks, threads, shared_bytes, *args):
         # sync=False: the arrays are torch's, used on the stream that produced them
         kargs = [cuda.as_cuda_array(a, sync=False) if isinstance(a, torch.Tensor) else a
                  for a in args]  # fmt: skip
-        kernel[blocks, threads, stream, shared_bytes](*kargs)
+        # at least MIN_BLOCKS blocks (numba warns of low occupancy below that at every launch
+        # of a small payload); the kernels' surplus blocks find no work and return
+        kernel[max(MIN_BLOCKS, blocks), threads, stream, shared_bytes](*kargs)
 
 
 def entropies(xf, token_size):
@@ -695,12 +745,13 @@ def entropies(xf, token_size):
     R, n = xf.shape
     T = n // token_size
     p2 = 1 << max(0, (token_size - 1).bit_length())
-    if p2 > ENTROPY_STAGE * ENTROPY_MAX_FOLD:
+    threads, fold = entropy_geometry(p2)
+    if fold > ENTROPY_MAX_FOLD:
         raise ValueError(f"TAH-Quant kernels: token_size {token_size} is beyond the entropy "
-                         f"kernel's {ENTROPY_STAGE * ENTROPY_MAX_FOLD} channels")  # fmt: skip
+                         f"kernel's {ENTROPY_THREADS * ENTROPY_MAX_FOLD} channels")  # fmt: skip
     h = torch.empty(R * T, dtype=torch.float32, device=xf.device)
-    threads = min(ENTROPY_THREADS, min(p2, ENTROPY_STAGE) // 2)
-    _launch(token_entropy, R * T, threads, 0, xf.view(R * T, token_size), token_size, p2, h)
+    _launch(entropy_kernel(p2), R * T, threads, 0, xf.view(R * T, token_size), token_size, p2,
+            h)  # fmt: skip
     return h.view(R, T)
 
 

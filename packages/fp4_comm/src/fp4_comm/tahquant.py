@@ -77,6 +77,7 @@ chunk: the codes (``6 n / 8`` bytes), then the fp16 scales.  6.5 bits an element
 from __future__ import annotations
 
 from abc import abstractmethod
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -110,6 +111,12 @@ FP32_REL_HALF_ULP = 2.0**-24
 SQRT_HALF = np.float32(0.70710677)
 LN2 = np.float32(0.6931472)
 LN_SERIES = tuple(np.float32(1.0 / k) for k in (9, 7, 5, 3, 1))  # Horner order
+
+
+def low_token_count(tokens: int) -> int:
+    """How many of a chunk's ``tokens`` get LOW_BITS: the (100 - HIGH_PERCENT) % of lowest
+    entropy, rounded down."""
+    return tokens * (100 - HIGH_PERCENT) // 100
 
 
 def _ln(p):
@@ -351,12 +358,20 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         self.token_size = token_size
         self.granularity = token_size
         self.name = f"tahquant-h{token_size}"
+        self._layouts: dict[int, MappingProxyType] = {}  # by n: every call asks for it
 
-    def layout(self, n: int) -> dict[str, tuple[int, int]]:
-        """Byte ranges (start, stop) of each part of one chunk of ``n`` elements."""
-        n = check_n(self, n)
+    def layout(self, n: int) -> MappingProxyType:
+        """Byte ranges (start, stop) of each part of one chunk of ``n`` elements (read-only;
+        built once for each n)."""
+        lay = self._layouts.get(n) if type(n) is int else None
+        if lay is None:
+            n = check_n(self, n)
+            lay = self._layouts[n] = MappingProxyType(self._build_layout(n))
+        return lay
+
+    def _build_layout(self, n: int) -> dict[str, tuple[int, int]]:
         T = n // self.token_size
-        n_low = T * (100 - HIGH_PERCENT) // 100
+        n_low = low_token_count(T)
         tiles = n // TILE_SIZE
         sizes = (
             ("low_codes", n_low * self.token_size * LOW_BITS // 8),
@@ -380,7 +395,7 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         R, n = x.shape
         C = self.token_size
         T = n // C
-        n_low = T * (100 - HIGH_PERCENT) // 100
+        n_low = low_token_count(T)
         xf = x.float().reshape(R, T, C)
         low = low_precision_tokens(token_entropy(xf), n_low)  # (R, T)
 
@@ -438,14 +453,14 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         from . import _tahquant_kernels
 
         n = x.shape[1]
-        n_low = n // self.token_size * (100 - HIGH_PERCENT) // 100
+        n_low = low_token_count(n // self.token_size)
         return _tahquant_kernels.encode(x, self.token_size, n_low, self.layout(n),
                                         low_precision_tokens)  # fmt: skip
 
     def _decode_cuda(self, raw: torch.Tensor, n: int) -> torch.Tensor:
         from . import _tahquant_kernels
 
-        n_low = n // self.token_size * (100 - HIGH_PERCENT) // 100
+        n_low = low_token_count(n // self.token_size)
         return _tahquant_kernels.decode(raw, n, self.token_size, n_low, self.layout(n),
                                         _unpack_bits)  # fmt: skip
 
@@ -454,7 +469,7 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         C = self.token_size
         T = n // C
         lay = self.layout(n)
-        n_low = T * (100 - HIGH_PERCENT) // 100
+        n_low = low_token_count(T)
         tiles = n // TILE_SIZE
 
         def part(name):
