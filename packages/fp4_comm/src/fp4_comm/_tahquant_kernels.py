@@ -8,8 +8,8 @@ butterflies (stride 1, 2, ..., 32; ``(a + b, a - b)``), divisions are ``div.rn.f
 default without fastmath, no flush to zero), rounding to an integer is ``cvt.rni`` (nearest
 even, as ``torch.round``), and fp16 conversions are ``cvt.rn`` (nearest even, overflow to
 infinity, as torch's).  NVVM would contract a product followed by an add into an FMA (one
-rounding instead of two): every product goes through ``mul_rn``, an inline ``mul.rn.f32`` that
-is never fused.
+rounding instead of two): every product goes through ``mul_rn_f32``, an inline ``mul.rn.f32``
+that is never fused (these scalar operations: ``fp4_kernels.cuda.primitives``).
 
 Launch geometry and layout (one launch each, on torch's current stream):
 
@@ -44,6 +44,15 @@ import threading
 import numpy as np
 import torch
 from numba import config, cuda, float32, int32, uint32
+
+from fp4_kernels.cuda.primitives import (
+    f16_bits_to_f32,
+    f32_as_u32,
+    f32_to_f16_bits,
+    mul_rn_f32,
+    rint_f32,
+    u32_as_f32,
+)
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -87,109 +96,6 @@ SQRT_HALF = np.float32(0.70710677)
 LN2 = np.float32(0.6931472)
 LN_C9, LN_C7, LN_C5, LN_C3, LN_C1 = (np.float32(1.0 / k) for k in (9, 7, 5, 3, 1))
 
-if SIMULATOR:
-
-    def mul_rn(a, b):
-        return np.float32(np.float32(a) * np.float32(b))
-
-    def rint(x):
-        return np.float32(np.rint(np.float32(x)))
-
-    def f32_as_u32(x):
-        return np.float32(x).view(np.uint32)
-
-    def u32_as_f32(x):
-        return np.uint32(x).view(np.float32)
-
-    def f16_bits(x):
-        """float32 -> IEEE binary16 bits, nearest even, overflow to infinity."""
-        with np.errstate(over="ignore"):
-            return np.uint32(np.float32(x).astype(np.float16).view(np.uint16))
-
-    def f16_value(bits):
-        return np.float32(np.uint16(bits).view(np.float16))
-
-else:
-    from llvmlite import ir
-    from numba.core import types
-    from numba.cuda.extending import intrinsic
-
-    def _asm(ptx, constraint, ret, arg, ll_ret, ll_args):
-        def typer(typingctx, *args):
-            if len(args) != len(ll_args) or any(a != arg for a in args):
-                return None
-
-            def codegen(context, builder, signature, llargs):
-                asm = ir.InlineAsm(ir.FunctionType(ll_ret, ll_args), ptx, constraint)
-                return builder.call(asm, list(llargs))
-
-            return ret(*args), codegen
-
-        return typer
-
-    # mul.rn.f32 in inline PTX: opaque to NVVM's contraction, and ptxas does not fuse an
-    # instruction with an explicit rounding modifier
-    @intrinsic
-    def mul_rn(typingctx, a, b):
-        return _asm("mul.rn.f32 $0, $1, $2;", "=f,f,f", types.float32, types.float32,
-                    ir.FloatType(), [ir.FloatType(), ir.FloatType()])(typingctx, a, b)  # fmt: skip
-
-    @intrinsic
-    def rint(typingctx, x):
-        """Round to the nearest integer, ties to even (``torch.round``)."""
-        return _asm("cvt.rni.f32.f32 $0, $1;", "=f,f", types.float32, types.float32,
-                    ir.FloatType(), [ir.FloatType()])(typingctx, x)  # fmt: skip
-
-    @intrinsic
-    def f32_as_u32(typingctx, x):
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def u32_as_f32(typingctx, x):
-        if x != types.uint32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-
-        return types.float32(types.uint32), codegen
-
-    @intrinsic
-    def f16_bits(typingctx, x):
-        """float32 -> IEEE binary16 bits: ``cvt.rn.f16.f32`` (nearest even, overflow to
-        infinity: torch's ``to(float16)``)."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            i16 = ir.IntType(16)
-            asm = ir.InlineAsm(ir.FunctionType(i16, [ir.FloatType()]),
-                               "cvt.rn.f16.f32 $0, $1;", "=h,f")  # fmt: skip
-            return builder.zext(builder.call(asm, [args[0]]), ir.IntType(32))
-
-        return types.uint32(types.float32), codegen
-
-    @intrinsic
-    def f16_value(typingctx, bits):
-        """IEEE binary16 bits (the low 16 of a uint32) -> float32, exact: ``cvt.f32.f16``."""
-        if bits != types.uint32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            i16 = ir.IntType(16)
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i16]), "cvt.f32.f16 $0, $1;",
-                               "=f,h")  # fmt: skip
-            return builder.call(asm, [builder.trunc(args[0], i16)])
-
-        return types.float32(types.uint32), codegen
-
-
 _device = cuda.jit(device=True)
 
 
@@ -200,23 +106,23 @@ def _ln(p):
     b = f32_as_u32(p)
     ex = int32((b >> 23) & 0xFF)
     if ex == 0:  # subnormal: scaled into the normal range, exactly
-        b = f32_as_u32(mul_rn(p, TWO_24))
+        b = f32_as_u32(mul_rn_f32(p, TWO_24))
         ex = int32((b >> 23) & 0xFF) - 24
     m = u32_as_f32(uint32((b & 0x807FFFFF) | 0x3F000000))  # [0.5, 1)
     e = ex - 126
     if m < SQRT_HALF:
-        m = mul_rn(m, TWO)
+        m = mul_rn_f32(m, TWO)
         e -= 1
     s = (m - ONE) / (m + ONE)
-    z = mul_rn(s, s)
+    z = mul_rn_f32(s, s)
     # Horner, 1/9 first; each product rounded before its add (no FMA)
     r = LN_C9
-    r = mul_rn(r, z) + LN_C7
-    r = mul_rn(r, z) + LN_C5
-    r = mul_rn(r, z) + LN_C3
-    r = mul_rn(r, z) + LN_C1
-    t = mul_rn(s, r)
-    return mul_rn(float32(e), LN2) + (t + t)
+    r = mul_rn_f32(r, z) + LN_C7
+    r = mul_rn_f32(r, z) + LN_C5
+    r = mul_rn_f32(r, z) + LN_C3
+    r = mul_rn_f32(r, z) + LN_C1
+    t = mul_rn_f32(s, r)
+    return mul_rn_f32(float32(e), LN2) + (t + t)
 
 
 @_device
@@ -225,7 +131,7 @@ def _p_ln_p(a, total):
     token: 0 / 0) give a zero term."""
     p = a / total
     if p > ZERO:
-        return mul_rn(p, _ln(p))  # rounded before the sums add it
+        return mul_rn_f32(p, _ln(p))  # rounded before the sums add it
     return ZERO
 
 
@@ -339,7 +245,7 @@ def _hadamard_orthonormal(sm, row):
             sm[i + h] = a - b
     for i in range(TILE_SIZE):
         # never fused with the subtraction of the zero that follows
-        sm[row + i] = mul_rn(sm[row + i], EIGHTH)
+        sm[row + i] = mul_rn_f32(sm[row + i], EIGHTH)
 
 
 @_device
@@ -347,7 +253,7 @@ def _code(e, zero, scale, levels, live):
     """``clamp(rne((e - zero) / scale), 0, levels)``, 0 where the tile is not ``live``."""
     if not live:
         return 0
-    u = rint((e - zero) / scale)
+    u = rint_f32((e - zero) / scale)
     if u > levels:
         u = levels
     if u > ZERO:  # -0 and negatives give code 0
@@ -445,7 +351,7 @@ def _store_fp16(out, r, at, bits):
 @_device
 def _fp16_at(raw, r, at):
     """The little-endian fp16 at byte ``at`` of row ``r``, as a float32 (exact)."""
-    return f16_value(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
+    return f16_bits_to_f32(uint32(int32(raw[r, at]) | (int32(raw[r, at + 1]) << 8)))
 
 
 @_device
@@ -506,13 +412,13 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     zero = ZERO
     scale = ZERO
     if ok:
-        zero_bits = f16_bits(lo)
-        zero = f16_value(zero_bits)
+        zero_bits = f32_to_f16_bits(lo)
+        zero = f16_bits_to_f32(zero_bits)
         spread = hi - zero
         if spread < ZERO:  # torch.clamp(min=0)
             spread = ZERO
-        scale_bits = f16_bits(spread / levels)
-        scale = f16_value(scale_bits)
+        scale_bits = f32_to_f16_bits(spread / levels)
+        scale = f16_bits_to_f32(scale_bits)
         if not (math.isfinite(zero) and math.isfinite(scale)):
             ok = False
             zero_bits = uint32(FP16_NAN_BITS)
@@ -609,7 +515,7 @@ def _decode_tile(raw, place, g, tiles, tiles_a_token, token_size, n_low, high_of
             sm[row + 2 * w + 1] = float32(byte >> 4)
     for i in range(TILE_SIZE):
         # q * scale, rounded, then + zero (no FMA)
-        sm[row + i] = mul_rn(sm[row + i], scale) + zero
+        sm[row + i] = mul_rn_f32(sm[row + i], scale) + zero
     if (raw[r, transform_map_off + k // 8] >> (k % 8)) & 1:
         _hadamard_orthonormal(sm, row)
         bit = 6 * k
@@ -647,8 +553,8 @@ def grad_encode(x, scales_off, out):
         a = abs(e)
         if a > amax:
             amax = a
-    scale_bits = f16_bits(amax)
-    scale = f16_value(scale_bits)
+    scale_bits = f32_to_f16_bits(amax)
+    scale = f16_bits_to_f32(scale_bits)
     ok = finite and math.isfinite(scale)
     if not ok:
         scale_bits = uint32(FP16_NAN_BITS)
@@ -659,7 +565,7 @@ def grad_encode(x, scales_off, out):
         for kk in range(4):
             c = 32
             if live:
-                u = rint(mul_rn(sm[row + 4 * w + kk] / scale, GRAD_STEPS))
+                u = rint_f32(mul_rn_f32(sm[row + 4 * w + kk] / scale, GRAD_STEPS))
                 if u < -GRAD_STEPS:
                     u = -GRAD_STEPS
                 if u > GRAD_STEPS - ONE:
@@ -695,7 +601,7 @@ def _grad_decode_tile(raw, scales_off, g, tiles, sm, row):
         for kk in range(4):
             q = float32(((word >> (6 * kk)) & 63) - 32)
             # (q / 32) is exact; one rounding in the product with the scale
-            sm[row + 4 * w + kk] = mul_rn(mul_rn(q, INV_GRAD_STEPS), scale)
+            sm[row + 4 * w + kk] = mul_rn_f32(mul_rn_f32(q, INV_GRAD_STEPS), scale)
 
 
 # ------------------------------------------------------------------------ host side

@@ -1,7 +1,8 @@
 """cuda/_primitives.py: the scalar codec as compiled for the GPU (on a real GPU the block-scale
 encoder is the hardware cvt.rn.satfinite.e4m3x2.f32) against the numpy oracle: every
 non-negative bf16 and fp16 pattern on a real GPU, a sample of them in the simulator; likewise
-the stochastic rounding core."""
+the stochastic rounding core.  cuda/primitives.py (the public scalar operations) against the
+numpy operations they name."""
 
 import functools
 
@@ -14,6 +15,12 @@ from fp4_kernels._scalar import E2M1_CODE_BIAS, KIND_BF16, KIND_F16, KIND_F32
 from fp4_kernels.cuda._primitives import OPS, f32_as_u32, prmt, u32_as_f32
 from fp4_kernels.cuda._words import U32, make_words_io
 from fp4_kernels.cuda.e2m1 import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
+from fp4_kernels.cuda.primitives import (
+    f16_bits_to_f32,
+    f32_to_f16_bits,
+    mul_rn_f32,
+    rint_f32,
+)
 from fp4_kernels.formats import e2m1, e4m3
 
 _e4m3 = OPS.e4m3_encode_positive
@@ -139,3 +146,52 @@ def test_word_blocks_round_trip(kind, n_words):
     out = cuda.to_device(np.full(x.size, 0xDEADBEEF, np.uint32))
     _words_copy(kind, n_words)[x.size // n_words, 1](cuda.to_device(x), out)
     np.testing.assert_array_equal(out.copy_to_host(), x)
+
+
+@cuda.jit
+def _public_ops(x, a, b, c, prod_add, rounded, half_bits, half_value, flipped):
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        # the product rounded on its own, then the add: an FMA here would round once
+        prod_add[i] = mul_rn_f32(a[i], b[i]) + c[i]
+        rounded[i] = rint_f32(x[i])
+        half_bits[i] = f32_to_f16_bits(x[i])
+        half_value[i] = f16_bits_to_f32(U32(i & 0xFFFF))
+        flipped[i] = f32_as_u32(u32_as_f32(f32_as_u32(x[i]) ^ U32(0x80000000)))
+
+
+def _public_inputs(rng, n):
+    """Finite float32 of every exponent and both signs with integer-rounding ties and binary16
+    rounding ties and overflow edges in front; and products a * b with c = -(a * b) rounded,
+    so that a * b + c is 0 unfused and the product's rounding error when fused."""
+    x = rng.integers(0, 0x7F800000, n, dtype=np.uint32).view(np.float32).copy()
+    x[rng.random(n) < 0.5] *= -1
+    edges = [0.5, 1.5, 2.5, -0.5, -2.5, 8388607.5, 65504.0, 65519.996, 65520.0, 2.0**-24,
+             2.0**-25, 3 * 2.0**-26, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11]  # fmt: skip
+    x[: len(edges)] = edges
+    a, b = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 60, n)) for _ in range(2))
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    return x, a, b, -(a * b)
+
+
+def test_public_primitives_match_numpy(kernels, rng):
+    """``fp4_kernels.cuda.primitives`` as a kernel written outside the package uses them: each
+    equal bit for bit to the numpy operation it names (all 2^16 binary16 patterns widened on
+    a GPU), and a ``mul_rn_f32`` product never fused with the add after it."""
+    n = 256 if config.ENABLE_CUDASIM else 1 << 16
+    inputs = _public_inputs(rng, n)
+    x, a, b, c = inputs
+    kinds = (np.float32, np.float32, np.uint32, np.float32, np.uint32)
+    outs = [cuda.device_array(n, t) for t in kinds]
+    blocks = 2 if config.ENABLE_CUDASIM else 256
+    _public_ops[blocks, 128](*(cuda.to_device(v) for v in inputs), *outs)
+    prod_add, rounded, half_bits, half_value, flipped = (o.copy_to_host() for o in outs)
+    np.testing.assert_array_equal(prod_add, a * b + c)
+    assert not prod_add.any()  # a fused product would leave its rounding error here
+    np.testing.assert_array_equal(rounded, np.rint(x))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(half_bits, x.astype(np.float16).view(np.uint16))
+    h = (np.arange(n) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+    nan = np.isnan(h)
+    np.testing.assert_array_equal(half_value[~nan], h[~nan])
+    assert np.isnan(half_value[nan]).all()
+    np.testing.assert_array_equal(flipped, x.view(np.uint32) ^ np.uint32(0x80000000))

@@ -192,6 +192,21 @@ else:
 
         return types.float32(types.uint32), codegen
 
+    @intrinsic
+    def cvt_f32_to_f16(typingctx, x):
+        """float32 -> IEEE binary16 bits in the low 16 of a uint32: ``cvt.rn.f16.f32`` (nearest
+        even, overflow to infinity: torch's ``to(float16)``)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i16 = ir.IntType(16)
+            asm = ir.InlineAsm(ir.FunctionType(i16, [ir.FloatType()]), "cvt.rn.f16.f32 $0, $1;",
+                               "=h,f")  # fmt: skip
+            return builder.zext(builder.call(asm, [args[0]]), ir.IntType(32))
+
+        return types.uint32(types.float32), codegen
+
 
 if not SIMULATOR:
     from .._numba_abi import element_address
@@ -225,6 +240,8 @@ if not SIMULATOR:
             return numba_type(*args), _asm_codegen(ptx, ll_type, constraint, n_args)
 
         # @intrinsic reads the typer's parameters: one fixed signature per arity
+        if n_args == 1:
+            return intrinsic(lambda typingctx, a: typer(a))
         if n_args == 2:
             return intrinsic(lambda typingctx, a, b: typer(a, b))
         return intrinsic(lambda typingctx, a, b, c: typer(a, b, c))
@@ -243,6 +260,8 @@ if not SIMULATOR:
     prmt = _one_instruction("prmt.b32", _U32_ASM, 3)
     # the larger of each unsigned 16-bit half (VIMNMX.U16x2, sm_90)
     max_u16x2 = _one_instruction("max.u16x2", _U32_ASM, 2)
+    # the nearest integer, ties to even (FRND: torch.round)
+    rint_f32 = _one_instruction("cvt.rni.f32.f32", _F32_ASM, 1)
 
     @intrinsic
     def mul_wide_u32(typingctx, a, b):
