@@ -262,13 +262,15 @@ def _code(e, zero, scale, levels, live):
 
 
 @_device
-def _stage_in(src, sm, width, tiles_total):
-    """The block's tiles of the flat ``src`` (tiles of ``width`` consecutive elements, the
-    block's first at blockIdx * blockDim) into rows of ``sm`` of width + 1: coalesced loads."""
+def _stage_in(src, sm, width, chunks, tiles):
+    """The block's tiles of the flat ``src`` (``chunks`` x ``tiles`` tiles of ``width``
+    consecutive elements, the block's first at blockIdx * blockDim) into rows of ``sm`` of
+    width + 1: coalesced loads.  Returns the thread's tile ``g`` (out of range past the last),
+    its row's offset in ``sm``, its chunk ``r`` and its tile ``k`` in the chunk."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     base = cuda.blockIdx.x * nthreads * width
-    limit = tiles_total * width
+    limit = chunks * tiles * width
     e = tid
     while e < nthreads * width:
         if base + e < limit:
@@ -276,6 +278,9 @@ def _stage_in(src, sm, width, tiles_total):
             sm[t * (width + 1) + e - t * width] = src[base + e]
         e += nthreads
     cuda.syncthreads()  # the rows are read by other threads than wrote them
+    g = cuda.grid(1)
+    r = g // tiles
+    return g, tid * (width + 1), r, g - r * tiles
 
 
 @_device
@@ -381,13 +386,9 @@ def encode_tiles(x, low, slot, tokens, token_size, high_off, zeros_off, scales_o
     tiles_a_token = token_size // TILE_SIZE
     tiles = tokens * tiles_a_token
     sm = cuda.shared.array(TILE_STAGE, float32)
-    _stage_in(x, sm, TILE_SIZE, out.shape[0] * tiles)
-    g = cuda.grid(1)
+    g, row, r, k = _stage_in(x, sm, TILE_SIZE, out.shape[0], tiles)
     if g >= out.shape[0] * tiles:
         return  # after the block's last barrier
-    row = cuda.threadIdx.x * (TILE_SIZE + 1)
-    r = g // tiles
-    k = g - r * tiles
     t = k // tiles_a_token
     j = k - t * tiles_a_token
     finite, transform, pivot = _rotate_outlier(sm, row)
@@ -537,13 +538,9 @@ def grad_encode(x, scales_off, out):
     bytes) uint8."""
     tiles = x.shape[0] // out.shape[0] // GRAD_TILE_SIZE
     sm = cuda.shared.array(GRAD_STAGE, float32)
-    _stage_in(x, sm, GRAD_TILE_SIZE, out.shape[0] * tiles)
-    g = cuda.grid(1)
+    g, row, r, k = _stage_in(x, sm, GRAD_TILE_SIZE, out.shape[0], tiles)
     if g >= out.shape[0] * tiles:
         return  # after the block's last barrier
-    row = cuda.threadIdx.x * (GRAD_TILE_SIZE + 1)
-    r = g // tiles
-    k = g - r * tiles
     finite = True
     amax = ZERO
     for i in range(GRAD_TILE_SIZE):
