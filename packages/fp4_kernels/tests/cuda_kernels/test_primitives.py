@@ -156,7 +156,7 @@ def _public_ops(x, a, b, c, prod_add, rounded, half_bits, half_value, flipped):
         rounded[i] = rint_f32(x[i])
         half_bits[i] = f32_to_f16_bits(x[i])
         half_value[i] = f16_bits_to_f32(U32(i & 0xFFFF))
-        flipped[i] = f32_as_u32(u32_as_f32(f32_as_u32(x[i]) ^ U32(0x80000000)))
+        flipped[i] = f32_as_u32(u32_as_f32(U32(f32_as_u32(x[i]) ^ U32(0x80000000))))
 
 
 def _public_inputs(rng, n):
