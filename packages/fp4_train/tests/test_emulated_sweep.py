@@ -140,3 +140,25 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     per_seed = f"{d[0]:+.3f} / {d[1]:+.3f}"
     row = f"| fp4quant-g64 | nvfp4 | 0 1 | {per_seed} | {sum(d) / 2:+.3f} ± {half:.3f} |"
     assert row in pairs and "tahquant" not in pairs
+
+
+def test_reruns_are_set_beside_their_run(tmp_path):
+    """``--reruns``: each rerun beside the run of its name (final losses, the difference at
+    every evaluation, the first training loss); a rerun without its run is an error naming it."""
+    folder, again = tmp_path / "runs", tmp_path / "reruns"
+    folder.mkdir()
+    again.mkdir()
+    for r in (_summary("tp4", "bf16", "bf16", 0, 3.0), _summary("tp4", "mxfp4", "mxfp4", 0, 3.1)):
+        (folder / f"{r['name']}.json").write_text(json.dumps(r))
+    rerun = _summary("tp4", "mxfp4", "mxfp4", 0, 3.05)
+    (again / f"{rerun['name']}.json").write_text(json.dumps(rerun))
+    out = tmp_path / "table"
+    emulated_summary.main([str(folder), "--reruns", str(again), "--out", str(out), "--no-plot"])
+    text = (out / "reruns.md").read_text()
+    # evals at 50 (2 x loss) and 100 (loss): -0.100 and -0.050; first training-loss points
+    row = "| qwen-125m_tp4_mxfp4_s0 | 3.1000 / 3.0500 | -0.100 | -0.050 | 13.10000 / 13.05000 |"
+    assert row in text
+    orphan = _summary("tp4", "nvfp4", "nvfp4", 1, 3.2)
+    (again / f"{orphan['name']}.json").write_text(json.dumps(orphan))
+    with pytest.raises(SystemExit, match="qwen-125m_tp4_nvfp4_s1"):
+        emulated_summary.main([str(folder), "--reruns", str(again), "--out", str(out)])

@@ -2,14 +2,15 @@
 layout and seed, with the preprint's figures beside it.
 
     python -m fp4_train.experiments.emulated_summary docs/results/emulated_runs \\
-        --out docs/results/emulated_study
+        --reruns docs/results/emulated_reruns --out docs/results/emulated_study
 
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
 table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's
 paired gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared
 on their common seeds), ``timing.md`` (step time, tokens/s and wall minutes of every run) and
 ``curves.png`` (the final-loss gaps with their intervals, and the paired training-loss gap over
-training at TP = 4).
+training at TP = 4).  ``--reruns DIR...``: summaries of runs made again (the same name:
+configuration and seed), written beside the first run of each in ``reruns.md``.
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over
@@ -246,6 +247,34 @@ def pairs_markdown(summaries):
     return "\n".join(lines) + "\n"
 
 
+def reruns_markdown(summaries, reruns):
+    """Each run made again beside the run of its name: both final validation losses, the
+    rerun's minus the run's at every evaluation, the first logged training loss of both and the
+    source digests.  Where the GPU kernels are not deterministic, one seed does not fix a run:
+    this is how far two of them end apart."""
+    by_name = {s["name"]: s for s in summaries}
+    missing = sorted({r["name"] for r in reruns} - by_name.keys())
+    if missing:
+        raise SystemExit(f"reruns whose run is not in the folders: {', '.join(missing)}")
+    pairs = [(by_name[r["name"]], r) for r in sorted(reruns, key=lambda r: r["name"])]
+    steps = sorted(set().union(*(_evals(a).keys() & _evals(b).keys() for a, b in pairs)))
+    head = ["run", "final val loss: run / rerun", *map(str, steps),
+            "first training loss: run / rerun", "source: run / rerun"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * len(steps) + "---|---|"]
+    for run, again in pairs:
+        mine, ref = _evals(again), _evals(run)
+        cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine and k in ref else "–"
+                 for k in steps]  # fmt: skip
+        first = " / ".join(f"{s['train_loss_curve'][0][1]:.5f}" for s in (run, again))
+        source = " / ".join(s.get("meta", {}).get("source", "?") for s in (run, again))
+        losses = f"{_fmt(run['final_val_loss'])} / {_fmt(again['final_val_loss'])}"
+        lines.append(f"| {run['name']} | {losses} | " + " | ".join(cells)
+                     + f" | {first} | {source} |")  # fmt: skip
+    lines += ["", "Columns by step: the rerun's validation loss minus the run's.  First training "
+              "loss: the mean over the first logged steps."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def timing_markdown(summaries):
     head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
             "runs sharing the GPU"]  # fmt: skip
@@ -310,6 +339,13 @@ def main(argv=None):
     ap.add_argument("folders", type=Path, nargs="+", help="folders of emulated_tp summaries")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--reruns",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="folders of runs made again (each named as a run in the folders)",
+    )
     args = ap.parse_args(argv)
     summaries = load(args.folders)
     if not summaries:
@@ -320,6 +356,11 @@ def main(argv=None):
     (args.out / "timing.md").write_text(timing_markdown(summaries))
     (args.out / "gaps.md").write_text(gaps_markdown(summaries))
     (args.out / "pairs.md").write_text(pairs_markdown(summaries))
+    if args.reruns:
+        reruns = load(args.reruns)
+        if not reruns:
+            raise SystemExit(f"no emulated_tp summaries in {', '.join(map(str, args.reruns))}")
+        (args.out / "reruns.md").write_text(reruns_markdown(summaries, reruns))
     preprint = {
         "source": "FP4Quant preprint (quoted; Qwen 7B, 4-way TP, its data)",
         "bf16": PREPRINT_BF16,
