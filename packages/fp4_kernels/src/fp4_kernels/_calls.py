@@ -391,7 +391,8 @@ class QuantizeKey(NamedTuple):
 class DequantizeKey(NamedTuple):
     """What a planned ``dequantize`` (or ``requantized_sum``: ``op``) of a QuantizedTensor
     depends on.  ``shape`` is the repr of ``q.shape``: a shape of bools or floats equals one of
-    ints, and only the check refuses it."""
+    ints, and only the check refuses it.  ``row_scales``: the tensor key of the tensor scales a
+    row that ``requantized_sum`` was given (op "requantized_sum_rows"), else None."""
 
     op: str
     fmt: Any  # as given; an FP4Quant as its fields (FP4QUANT_KEY)
@@ -403,6 +404,7 @@ class DequantizeKey(NamedTuple):
     global_scale: tuple | None
     out_dtype: Any
     policy: Any
+    row_scales: tuple | None = None
 
 
 class HadamardKey(NamedTuple):
@@ -521,16 +523,21 @@ class HadamardCall(CallDescriptor):
 
 @dataclass(frozen=True)
 class SumCall(CallDescriptor):
-    """A checked ``requantized_sum`` of ``rows`` MXFP4 rows of ``n`` elements (``data``,
-    ``scales``: the QuantizedTensor's fields) to a float32 (1, n) tensor."""
+    """A checked ``requantized_sum`` of ``rows`` rows of ``n`` elements of the format ``fmt`` (a
+    ``FormatSpec``; ``data``, ``scales``: the QuantizedTensor's fields) to a float32 (1, n)
+    tensor of that format.  ``global_scale``: NVFP4's tensor decode scales 1/S, one for every
+    row (the tensor's own) or, ``per_row``, one a row (``row_scales``); None for MXFP4."""
 
-    ARRAYS = ("data", "scales")
+    ARRAYS = ("data", "scales", "global_scale")
 
     data: Any
     scales: Any
+    global_scale: Any
     backend: Backend
+    fmt: Any  # FormatSpec
     rows: int
     n: int
+    per_row: bool = False
     dtype: str = "float32"
     key: DequantizeKey | None = None
     out: Any = None

@@ -59,6 +59,10 @@ if SIMULATOR:
         """Four consecutive uint32 words from ``words[i]`` (i a multiple of 4)."""
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
+    def load_v2(words, i):
+        """Two consecutive uint32 words from ``words[i]`` (i a multiple of 2)."""
+        return words[i], words[i + 1]
+
     def store_v4(words, i, a, b, c, d):
         words[i] = a
         words[i + 1] = b
@@ -357,10 +361,12 @@ if not SIMULATOR:
             return None
         return types.void(words, index, a, b, c, d), _store_codegen(4)
 
-    # n uint32 from words[index] in one 16-byte load through the non-coherent (read-only)
-    # path, ``ld.global.nc.v4.u32``: the address must be 16-byte aligned and the data not
-    # written by the kernel.  The stores above likewise (``st.global.v{2,4}.u32``).
+    # n uint32 from words[index] in one 16-byte (8-byte) load through the non-coherent
+    # (read-only) path, ``ld.global.nc.v4.u32`` (``.v2``): the address must be 16-byte (8-byte)
+    # aligned and the data not written by the kernel.  The stores above likewise
+    # (``st.global.v{2,4}.u32``).
     load_v4 = _vector_load(4)
+    load_v2 = _vector_load(2)
 
     @intrinsic
     def load_shared_v4(typingctx, sm, index):

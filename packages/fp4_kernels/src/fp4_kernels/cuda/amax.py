@@ -17,8 +17,9 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._scalar import INV_E2M1_MAX
 from . import launch
-from ._primitives import WARP_SIZE, device_jit, group_max, u32_as_f32
+from ._primitives import OPS, WARP_SIZE, device_jit, group_max, u32_as_f32
 from ._words import ELEMENT_BYTES, U32, U64, make_words_io
 from .launch_table import LAUNCHES
 
@@ -37,11 +38,10 @@ def amax_kernel(kind, aligned=True):
 
     @cuda.jit
     def kernel(x, n_vec, parts):
-        tid = cuda.threadIdx.x
         w = cuda.local.array(n_words, np.uint32)
         m = U32(0)
         nthreads = cuda.blockDim.x
-        start = cuda.blockIdx.x * nthreads + tid
+        start = cuda.blockIdx.x * nthreads + cuda.threadIdx.x
         step = cuda.gridDim.x * nthreads
         full = n_vec // UNROLL  # passes of UNROLL consecutive 16-byte words per thread
         for i in range(start, full, step):
@@ -50,20 +50,29 @@ def amax_kernel(kind, aligned=True):
         for i in range(full * UNROLL + start, n_vec, step):  # the last < UNROLL words
             load4(x, U64(i) * U64(4), w)
             m = max(m, finite_amax4(w))
-        a = u32_as_f32(m)
-        a = group_max(a, WARP_SIZE)
-        warp_max = cuda.shared.array(32, dtype=np.float32)
-        if tid % WARP_SIZE == 0:
-            warp_max[tid // WARP_SIZE] = a
-        cuda.syncthreads()  # all warp maxima written before thread 0 combines them
-        if tid == 0:
-            for k in range(1, nthreads // WARP_SIZE):
-                v = warp_max[k]
-                if v > a:
-                    a = v
-            parts[cuda.blockIdx.x] = a
+        cta_max_to(u32_as_f32(m), parts)
 
     return kernel
+
+
+@device_jit
+def cta_max_to(a, parts):
+    """The max of ``a`` (>= 0) over the CTA written to ``parts[blockIdx.x]`` by thread 0: a
+    warp butterfly, then the warps' maxima through shared memory.  Every thread of the CTA
+    calls it (the barrier), after its last read of the data: what an amax pass's CTA does last
+    (this kernel's, and the requantized sum's, ``cuda/reduce.py``)."""
+    tid = cuda.threadIdx.x
+    a = group_max(a, WARP_SIZE)
+    warp_max = cuda.shared.array(32, dtype=np.float32)
+    if tid % WARP_SIZE == 0:
+        warp_max[tid // WARP_SIZE] = a
+    cuda.syncthreads()  # all warp maxima written before thread 0 combines them
+    if tid == 0:
+        for k in range(1, cuda.blockDim.x // WARP_SIZE):
+            v = warp_max[k]
+            if v > a:
+                a = v
+        parts[cuda.blockIdx.x] = a
 
 
 def max_partials(device_id):
@@ -132,3 +141,30 @@ def tensor_amax_from_partials(parts, n_parts):
         if v > m:
             m = v
     return m
+
+
+@functools.cache
+def make_tensor_scale(fmt):
+    """Device function ``tensor_scale(amax_value, amax_parts, n_parts, global_scale)``: (S *
+    1/6, 1/S) for NVFP4 (1/S written to global_scale by thread 0), (0, 1) for MXFP4."""
+    nvfp4 = fmt.tensor_scale  # NVFP4: e4m3 block scales under a float32 tensor scale
+    nvfp4_encode_scale = OPS.nvfp4_encode_scale
+    one = np.float32(1.0)
+
+    @device_jit
+    def tensor_scale(amax_value, amax_parts, n_parts, global_scale):
+        s6 = np.float32(0.0)
+        s_dec = one
+        if nvfp4:
+            if amax_value >= np.float32(0.0):
+                amax = amax_value
+            else:
+                amax = tensor_amax_from_partials(amax_parts, n_parts)
+            big_s = nvfp4_encode_scale(amax)
+            s_dec = one / big_s
+            s6 = big_s * INV_E2M1_MAX
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            global_scale[0] = s_dec
+        return s6, s_dec
+
+    return tensor_scale

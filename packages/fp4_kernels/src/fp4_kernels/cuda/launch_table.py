@@ -62,7 +62,14 @@ LAUNCH_TABLE = (
         items_per_thread=2,
     ),
     Launch("amax", "amax", 256, "a 16-byte load", items_per_thread=4, partials_per_sm=8),
-    Launch("requantized_sum", "reduce", 256, "one MXFP4 block of every row"),
+    Launch("requantized_sum", "reduce", 256, "one scale block of every row (16 / 32 elements)"),
+    Launch(
+        "requantized_sum_amax",
+        "reduce",
+        256,
+        "one NVFP4 block of every row",
+        partials_per_sm=8,
+    ),  # fmt: skip
     Launch("dequantize", "dequantize", 256, "16 bytes of output", items_per_thread=4),
     Launch("hadamard", "hadamard", 256, "32 elements", threads_per_sm=2048),
     Launch(

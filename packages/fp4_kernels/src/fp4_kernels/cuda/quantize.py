@@ -29,7 +29,6 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._scalar import INV_E2M1_MAX
 from . import launch
 from ._primitives import (
     OPS,
@@ -39,7 +38,7 @@ from ._primitives import (
     store_v2,
 )
 from ._words import U32, U64, make_words_io, store_v4, words_per
-from .amax import tensor_amax_from_partials
+from .amax import make_tensor_scale
 from .e2m1 import decode8_into, make_block_codec
 from .launch_table import LAUNCHES
 
@@ -56,33 +55,6 @@ FUSED_ELEMENTS_PER_THREAD = 8
 def lanes_per_block(spec, fused):
     """The threads that share one of ``spec``'s blocks by default."""
     return spec.block_size // FUSED_ELEMENTS_PER_THREAD if fused else 1
-
-
-@functools.cache
-def make_tensor_scale(fmt):
-    """Device function ``tensor_scale(amax_value, amax_parts, n_parts, global_scale)``: (S *
-    1/6, 1/S) for NVFP4 (1/S written to global_scale by thread 0), (0, 1) for MXFP4."""
-    nvfp4 = fmt.tensor_scale  # NVFP4: e4m3 block scales under a float32 tensor scale
-    nvfp4_encode_scale = OPS.nvfp4_encode_scale
-    one = np.float32(1.0)
-
-    @device_jit
-    def tensor_scale(amax_value, amax_parts, n_parts, global_scale):
-        s6 = np.float32(0.0)
-        s_dec = one
-        if nvfp4:
-            if amax_value >= np.float32(0.0):
-                amax = amax_value
-            else:
-                amax = tensor_amax_from_partials(amax_parts, n_parts)
-            big_s = nvfp4_encode_scale(amax)
-            s_dec = one / big_s
-            s6 = big_s * INV_E2M1_MAX
-        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            global_scale[0] = s_dec
-        return s6, s_dec
-
-    return tensor_scale
 
 
 @functools.cache

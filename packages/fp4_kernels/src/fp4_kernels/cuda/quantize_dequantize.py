@@ -27,9 +27,9 @@ from numba import cuda
 from . import launch
 from ._primitives import OPS, device_jit, f32_as_u32, group_max, kernel_of, prmt, u32_as_f32
 from ._words import U32, U64, make_words_io, words_per
+from .amax import make_tensor_scale
 from .e2m1 import SR_BASE, SR_SELECT_LOW, SR_SELECT_STEP
 from .launch_table import LAUNCHES
-from .quantize import make_tensor_scale
 
 LAUNCH = LAUNCHES["quantize_dequantize"]
 UNROLL = LAUNCH.items_per_thread  # items a thread a pass: both loads in flight before any math
