@@ -114,12 +114,20 @@ def variants():
             lambda k=kind: amax.amax_kernel(k, False),
             (elements[kind], i64, f32),
         )
-    reduce_sig = (w32, u8, i64, w32, u8, f32, i64)
-    add("reduce_mxfp4", lambda: reduce.requantized_sum_mxfp4_kernel(), reduce_sig)
+    reduce_head = (w32, u8, f32, i64, i64, i64)
+    reduce_sig = reduce_head + (w32, u8, f32, f32, i64)
+    for fname, (fmt, _) in formats.items():
+        add(f"reduce_{fname}", lambda f=fmt: reduce.requantized_sum_kernel(f), reduce_sig)
+        add(
+            f"reduce_{fname}_unaligned",
+            lambda f=fmt: reduce.requantized_sum_kernel(f, False),
+            (u8,) + reduce_sig[1:],
+        )
+    add("reduce_amax_nvfp4", lambda: reduce.requantized_sum_amax_kernel(), reduce_head + (f32,))
     add(
-        "reduce_mxfp4_unaligned",
-        lambda: reduce.requantized_sum_mxfp4_kernel(False),
-        (u8,) + reduce_sig[1:],
+        "reduce_amax_nvfp4_unaligned",
+        lambda: reduce.requantized_sum_amax_kernel(False),
+        (u8,) + reduce_head[1:] + (f32,),
     )
     groups = [16 << i for i in range(10)]
     group_cases = [(1, g) for g in groups] + [(k, g) for k in (0, 2) for g in (64, 2048)]

@@ -291,19 +291,42 @@ def test_blocking_kernel_compiles_to_a_sleep_loop():
     assert "nanosleep.u32" in ptx and ".local" not in ptx
 
 
-def test_requantized_sum_kernel_compiles_clean():
-    from fp4_kernels.cuda.reduce import requantized_sum_mxfp4_kernel
+REDUCE_HEAD = (W32, U8, F32, I64, I64, I64)  # codes, scales, gs, gs_step, rows, n_blocks
+REDUCE_SIG = REDUCE_HEAD + (W32, U8, F32, F32, I64)
+REDUCE_AMAX_SIG = REDUCE_HEAD + (F32,)
 
-    sig = (W32, U8, I64, W32, U8, F32, I64)
-    ptx = compile_ptx(requantized_sum_mxfp4_kernel(), sig)
-    _check_block_kernel(ptx)
-    # a row's block of codes in one 16-byte load; the decode products stay separate
-    # instructions and the sums plain IEEE adds (no FMA: see cuda/reduce.py)
-    assert "ld.global.nc.v4.u32" in ptx and "st.global.v4.u32" in ptx
-    assert "mul.rn.f32" in ptx
+
+def _decode_products(ptx, products):
+    """The decode's last products are mul.rn (never contracted into an FMA with the adds:
+    see cuda/reduce.py), one a decoded element, and the sums plain IEEE adds."""
+    assert ptx.count("mul.rn.f32") >= products
     assert "add.f32" in ptx or "add.rn.f32" in ptx
-    ptx = compile_ptx(requantized_sum_mxfp4_kernel(False), (U8,) + sig[1:])
+
+
+@pytest.mark.parametrize("fmt", [FMT_NVFP4, FMT_MXFP4])
+def test_requantized_sum_kernel_compiles_clean(fmt):
+    from fp4_kernels.cuda.reduce import requantized_sum_kernel
+
+    ptx = compile_ptx(requantized_sum_kernel(fmt), REDUCE_SIG)
     _check_block_kernel(ptx)
+    # a row's block of codes in one 16-byte (MXFP4) / 8-byte (NVFP4) load, and so its store
+    v = "v4" if fmt == FMT_MXFP4 else "v2"
+    assert f"ld.global.nc.{v}.u32" in ptx and f"st.global.{v}.u32" in ptx
+    _decode_products(ptx, fmt.block_size)
+    ptx = compile_ptx(requantized_sum_kernel(fmt, False), (U8,) + REDUCE_SIG[1:])
+    _check_block_kernel(ptx)
+
+
+def test_requantized_sum_amax_kernel_compiles_clean():
+    """The NVFP4 sum's amax pass: decode and add only, so no FMA at all in it."""
+    from fp4_kernels.cuda.reduce import requantized_sum_amax_kernel
+
+    for aligned, codes in ((True, W32), (False, U8)):
+        ptx = compile_ptx(requantized_sum_amax_kernel(aligned), (codes,) + REDUCE_AMAX_SIG[1:])
+        _check_block_kernel(ptx)
+        assert "fma" not in ptx, "a decode product contracted with an add"
+        _decode_products(ptx, FMT_NVFP4.block_size)
+        assert ("ld.global.nc.v2.u32" in ptx) == aligned
 
 
 STEP_REF = types.Array(types.int64, 1, "C")  # a device step: one int64 element
