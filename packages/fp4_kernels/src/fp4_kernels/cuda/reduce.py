@@ -139,12 +139,13 @@ def requantized_sum_amax_kernel(aligned=True):
     tensor decode scale at gs_in[r * gs_step]), gs_step, rows, n_blocks, parts (float32, one
     per CTA: the max of the finite sums' magnitudes)."""
     block = NVFP4.block_size
+    n_code_words = block // 8
     block_sum = make_block_sum(NVFP4, aligned)
     finite_amax_bits = make_words_io(KIND_F32, block)[3]
 
     @cuda.jit
     def kernel(codes_in, scales_in, gs_in, gs_step, rows, n_blocks, parts):
-        p = cuda.local.array(block // 8, np.uint32)
+        p = cuda.local.array(n_code_words, np.uint32)
         w = cuda.local.array(block, np.uint32)
         acc = cuda.local.array(block, np.float32)
         m = U32(0)
