@@ -213,6 +213,8 @@ def test_torch_tensors_without_plain_memory_are_refused_as_other_arguments(case)
             fk.dequantize(bad)
         with pytest.raises((TypeError, ValueError), match=f"q.{field}: "):
             fk.requantized_sum(bad)
+    with pytest.raises((TypeError, ValueError), match="row_scales: "):
+        fk.requantized_sum(q, odd(torch.ones(q.shape[0])))
 
 
 @pytest.mark.parametrize("call", list(X_CALLS))

@@ -275,10 +275,34 @@ def test_fp4quant_plans_follow_the_format_fields(fake):
     fk.dequantize(named)
 
 
-def test_planned_requantized_sum_launches_what_the_unplanned_path_launches(fake):
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_planned_requantized_sum_launches_what_the_unplanned_path_launches(fake, fmt):
     with _plans.disabled():
-        q = fk.quantize(_x((4, 1024), torch.float32), fmt="mxfp4")
-    _compare(fake, lambda: fk.requantized_sum(q), {"data": q.data, "scales": q.scales})
+        q = fk.quantize(_x((4, 1024), torch.float32), fmt=fmt)
+    inputs = {"data": q.data, "scales": q.scales}
+    if fmt == "nvfp4":
+        inputs["global_scale"] = q.global_scale
+    _compare(fake, lambda: fk.requantized_sum(q), inputs)
+
+
+def test_planned_requantized_sum_with_row_scales_is_a_plan_of_its_own(fake):
+    """row_scales (op "requantized_sum_rows") is in the key, by its tensor key: another
+    tensor of the same kind reuses the plan with its own pointer; one scale for every row,
+    or row scales of another kind, are other plans."""
+    with _plans.disabled():
+        q = fk.quantize(_x((4, 1024), torch.float32))
+    rs = torch.rand(4) + 0.5
+    inputs = {"data": q.data, "scales": q.scales, "row_scales": rs}
+    _compare(fake, lambda: fk.requantized_sum(q, rs), inputs)
+    (key,) = _plans._PLANS
+    assert key.op == "requantized_sum_rows" and key.row_scales == _plans.tensor_key(rs)
+    other = torch.rand(4) + 0.5
+    inputs["row_scales"] = other
+    _compare(fake, lambda: fk.requantized_sum(q, other), inputs, new_plan=False)
+    fk.requantized_sum(q)
+    with pytest.raises(ValueError, match="row_scales: must be C-contiguous"):
+        fk.requantized_sum(q, torch.rand(8)[::2])  # a key of its own: checked, no plan
+    assert len(_plans._PLANS) == 2
 
 
 def test_each_call_gets_its_own_seed_and_step(fake):
@@ -478,11 +502,15 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
             "swizzled": fk.quantize(x, scale_layout="swizzled"),
             "fp4quant": fk.quantize(x, fmt=G64),
             "sum": fk.quantize(x[:4].float(), fmt="mxfp4"),
+            "sum_nvfp4": fk.quantize(x[:4].float()),
         }
     for name, q in qs.items():
         for dt in (None, torch.float32, torch.float16):
             calls[f"dequantize_{name}_{dt}"] = lambda q=q, dt=dt: fk.dequantize(q, dt)
     calls["requantized_sum"] = lambda: fk.requantized_sum(qs["sum"])
+    calls["requantized_sum_nvfp4"] = lambda: fk.requantized_sum(qs["sum_nvfp4"])
+    row_scales = torch.rand(4, device=dev) + 0.5
+    calls["requantized_sum_rows"] = lambda: fk.requantized_sum(qs["sum_nvfp4"], row_scales)
     for name, call in calls.items():
         with _plans.disabled():
             ref = _bits(call())

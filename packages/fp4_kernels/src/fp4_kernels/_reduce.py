@@ -15,7 +15,7 @@ import sys
 from . import _plans
 from ._api import dequantize, planned_tensor, quantize, quantized_key
 from ._calls import SPECS, SumCall, backend_of, element_dtype, is_c_contiguous, same_place
-from ._quantized import FP4Quant, QuantizedTensor, check_quantized
+from ._quantized import Array, FP4Quant, QuantizedTensor, check_quantized
 
 SUM_OP = "requantized_sum"  # a plan key's op: one tensor scale for every row (or none)
 SUM_ROWS_OP = "requantized_sum_rows"  # ... and with a tensor scale a row (``row_scales``)
@@ -113,7 +113,7 @@ def requantized_sum_reference(q, row_scales=None):
     return quantize(acc, fmt=q.fmt, scale_layout=q.scale_layout)
 
 
-def requantized_sum(q: QuantizedTensor, row_scales=None) -> QuantizedTensor:
+def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> QuantizedTensor:
     """Sum over the rows of a (rows, n) ``QuantizedTensor``, in float32, quantized again to the
     same format (round to nearest even): a (1, n) ``QuantizedTensor`` of dtype float32.
 

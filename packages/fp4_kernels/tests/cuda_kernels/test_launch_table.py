@@ -92,9 +92,22 @@ def test_dequantize_takes_items_per_thread_items_a_pass(launches):
 def test_requantized_sum_launches_its_row(launches):
     with _plans.disabled():
         qt = fk.quantize(_x(torch.float32, (4, 1024)), fmt="mxfp4")
+    n_before = len(launches())
     fk.requantized_sum(qt)
     r = LAUNCHES["requantized_sum"]
-    assert launches()[-1] == (_grid(1024 // 32, r.threads), r.threads)
+    assert launches()[n_before:] == [(_grid(1024 // 32, r.threads), r.threads)]
+
+
+def test_nvfp4_requantized_sum_launches_its_amax_row_then_its_row(launches):
+    with _plans.disabled():
+        qt = fk.quantize(_x(torch.float32, (4, 1 << 20)))
+    n_before = len(launches())
+    fk.requantized_sum(qt, torch.ones(4))
+    a, r = LAUNCHES["requantized_sum_amax"], LAUNCHES["requantized_sum"]
+    n_blocks = (1 << 20) // 16
+    amax_blocks = min(_grid(n_blocks, a.threads), SM_COUNT * a.partials_per_sm)
+    expect = [(amax_blocks, a.threads), (_grid(n_blocks, r.threads, r, r.threads), r.threads)]
+    assert launches()[n_before:] == expect
 
 
 @pytest.mark.parametrize("g", [64, 1024, 4096])
