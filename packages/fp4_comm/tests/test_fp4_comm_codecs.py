@@ -164,22 +164,48 @@ def test_padded_chunk():
     assert codecs.padded_chunk(96, 3, 32) == 32  # divides evenly: no padding
 
 
+def _chunks_encoded_apart(codec, x):
+    """Each row of ``x`` encoded by a call of its own (NVFP4: under its own tensor scale, as
+    the chunks an all-reduce receives from different ranks), the sections stacked."""
+    parts = [codec.encode(x[i : i + 1]) for i in range(x.shape[0])]
+    return [torch.cat([p[k] for p in parts]) for k in range(len(parts[0]))]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4])
-def test_mxfp4_requantized_sum_is_encode_of_the_decoded_sum(chunks):
-    """The all-reduce's fused middle step against its three steps: decode the chunks, add them
-    in rank order in float32, encode the sum (nearest)."""
-    codec = get_codec("mxfp4")
+def test_requantized_sum_is_encode_of_the_decoded_sum(fmt, chunks):
+    """The all-reduce's fused middle step against its three steps: decode the chunks (each
+    encoded apart, NVFP4 each under its own tensor scale), add them in rank order in float32,
+    encode the sum (nearest).  For NVFP4 the chunks' scales differ (amaxes 10^-3 ... 10^6):
+    taking one of them for every chunk gives other bits."""
+    codec = get_codec(fmt)
     g = torch.Generator().manual_seed(chunks)
     x = torch.randn(chunks, 256, generator=g) * torch.logspace(-3, 3, 256)
+    x = x * torch.logspace(0, 3, chunks)[:, None]  # every chunk's amax its own
     x[:, :32] = -0.0  # a block of -0 in every chunk: -0 + -0 stays -0
-    sections = codec.encode(x)
+    sections = _chunks_encoded_apart(codec, x)
     d = codec.decode(sections, 256)
     acc = d[0] if chunks == 1 else d[0] + d[1]
     for i in range(2, chunks):
         acc = acc + d[i]
     expect = codec.encode(acc.view(1, 256))
     got = codec.requantized_sum(sections, 256)
-    assert [tuple(t.shape) for t in got] == [(1, 128), (1, 8)]
+    assert [tuple(t.shape) for t in got] == [(1, n) for n in codec.section_nbytes(256)]
     for a, b in zip(got, expect, strict=True):
         assert torch.equal(a, b)
     assert torch.all(got[0][0, :16] == 0x88)
+    again = codec.requantizer(sections, 256)()
+    for a, b in zip(again, expect, strict=True):
+        assert torch.equal(a, b)
+    if fmt == "nvfp4":
+        shared = [s.clone() for s in sections]
+        shared[2][:] = sections[2][0]  # chunk 0's 1/S for every chunk
+        one_scale = codec.requantized_sum(shared, 256)
+        same = all(torch.equal(a, b) for a, b in zip(one_scale, expect, strict=True))
+        assert same == (chunks == 1)
+
+
+def test_requantized_sum_needs_a_chunk():
+    codec = get_codec("nvfp4")
+    with pytest.raises(ValueError, match=r"NVFP4Codec.requantized_sum: needs at least one"):
+        codec.requantized_sum([torch.zeros(0, b, dtype=torch.uint8) for b in (8, 1, 4)], 16)

@@ -18,7 +18,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from _fake_gpu import FAKE_STREAM, fake_gpu_communicator
+from _fake_gpu import FAKE_STREAM, Recorder, fake_gpu_communicator
 from test_fp4_comm_collectives import FP4QUANT, _inputs, reference_reduce_scatter
 from test_fp4_comm_nccl_transport import _on_threads, _transports
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,19 +62,34 @@ def _current_stream(handle):
         torch._C._cuda_getCurrentRawStream = saved
 
 
+def _kernel_names(recorder):
+    """The fp4_kernels kernels launched so far, by the function that builds each, then
+    forgets them."""
+    names = [k.py_func.__qualname__.split(".")[0] for k, *_ in recorder.launches]
+    recorder.launches.clear()
+    return names
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_planned_nvfp4_all_reduce_queues_no_copy_of_the_tensor_scale(world):
     x = torch.randn(world * 8, 64)
-    with fake_gpu_communicator(world) as (comm, null, _, _):
+    with fake_gpu_communicator(world, recorder=Recorder()) as (comm, null, _, recorder):
         comm.all_reduce(x)  # plans made
         null.calls.clear()
+        _kernel_names(recorder)
         with _TorchOps() as ops:
             comm.all_reduce(x)
-    # each rank's own rows of the three sections: one launch; the decodes' 1/S products (two
-    # hops) and the rank-order float32 adds; the tensor scale goes out as the quantizer wrote
-    # it (4 bytes sent to every peer), not repeated per chunk by a copy
-    adds = {"add": 1} if world == 2 else {"add": 1, "add_": world - 2}
-    assert ops.ops == {"_foreach_copy_": 1, "mul_": 2, **adds}
+    # each rank's own rows of the three sections: one launch; the gathered chunks' decode and
+    # its 1/S product; the tensor scale goes out as the quantizer wrote it (4 bytes sent to
+    # every peer), not repeated per chunk by a copy.  The middle step (nearest rounding, no
+    # error feedback, no statistics) is fp4_kernels' requantized_sum with each received
+    # chunk's 1/S as its row scales: its two kernels, and no torch op (no float32 decode,
+    # 1/S product or add)
+    assert ops.ops == {"_foreach_copy_": 1, "mul_": 1}
+    assert _kernel_names(recorder) == [
+        "amax_kernel", "quantize_kernel", "requantized_sum_amax_kernel",
+        "requantized_sum_kernel", "dequantize_kernel",
+    ]  # fmt: skip
     sends = [c for c in null.calls if c[0] == "send"]
     assert len(sends) == 3 * (world - 1)
     scale_sends = {c[1] for c in sends if c[2] == 4}

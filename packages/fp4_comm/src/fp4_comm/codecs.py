@@ -276,6 +276,36 @@ class _FP4BlockCodec(CheckedCodec):
             scale_layout="linear",
         )
 
+    def _row_scales(self, sections, chunks):
+        """The tensor decode scale of each received chunk (a float32 view of the sections,
+        ``fp4_kernels.requantized_sum``'s ``row_scales``), or None where the format has none."""
+        return None
+
+    def requantized_sum(self, sections: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """The received chunks decoded, added in float32 in rank order and encoded again with
+        nearest rounding: the sections of one chunk, bit for bit ``encode(decode(...) summed)``
+        (``fp4_kernels.requantized_sum``: on a GPU kernels that read the encoded chunks and
+        write the encoded sum, no float32 intermediate; NVFP4 decodes each chunk under the
+        tensor scale it came with)."""
+        if _decode_args(self, sections, n, torch.float32) is not None or n == 0:
+            raise ValueError(
+                f"{type(self).__name__}.requantized_sum: needs at least one chunk of n > 0"
+            )
+        chunks = sections[0].shape[0]
+        q = self._quantized(sections, n, chunks)
+        return self._sections(fp4_kernels.requantized_sum(q, self._row_scales(sections, chunks)), 1)
+
+    def requantizer(
+        self, sections: Sequence[torch.Tensor], n: int
+    ) -> Callable[[], list[torch.Tensor]]:
+        """``f()``: ``requantized_sum(sections, n)`` of whatever ``sections`` hold when it is
+        called (``decoder``'s contract)."""
+        chunks = sections[0].shape[0]
+        q = self._quantized(sections, n, chunks)
+        row_scales = self._row_scales(sections, chunks)
+        summed, to_sections = fp4_kernels.requantized_sum, self._sections
+        return lambda: to_sections(summed(q, row_scales), 1)
+
     def saturated(self, sections: Sequence[torch.Tensor], n: int) -> torch.Tensor:
         codes = sections[0]
         low = (codes & E2M1_MAX_MAGNITUDE_CODE) == E2M1_MAX_MAGNITUDE_CODE
@@ -306,6 +336,9 @@ class NVFP4Codec(_FP4BlockCodec):
         if chunks > 1:
             gs = gs.expand(chunks, 4).contiguous()
         return [q.data, q.scales, gs]
+
+    def _row_scales(self, sections, chunks):
+        return sections[2].view(torch.float32).view(chunks)  # each chunk's own 1/S, a view
 
     def _decode_checked(self, sections, n, dtype):
         chunks = sections[0].shape[0]
@@ -375,25 +408,6 @@ class MXFP4Codec(_FP4BlockCodec):
     def _decode_checked(self, sections, n, dtype):
         chunks = sections[0].shape[0]
         return fp4_kernels.dequantize(self._quantized(sections, n, chunks), dtype)
-
-    def requantized_sum(self, sections: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-        """The received chunks decoded, added in float32 in rank order and encoded again with
-        nearest rounding: the sections of one chunk, bit for bit ``encode(decode(...) summed)``
-        (``fp4_kernels.requantized_sum``: one kernel on a GPU, no float32 intermediate)."""
-        if _decode_args(self, sections, n, torch.float32) is not None or n == 0:
-            raise ValueError("MXFP4Codec.requantized_sum: needs at least one chunk of n > 0")
-        chunks = sections[0].shape[0]
-        q = fp4_kernels.requantized_sum(self._quantized(sections, n, chunks))
-        return self._sections(q, 1)
-
-    def requantizer(
-        self, sections: Sequence[torch.Tensor], n: int
-    ) -> Callable[[], list[torch.Tensor]]:
-        """``f()``: ``requantized_sum(sections, n)`` of whatever ``sections`` hold when it is
-        called (``decoder``'s contract)."""
-        q = self._quantized(sections, n, sections[0].shape[0])
-        summed, to_sections = fp4_kernels.requantized_sum, self._sections
-        return lambda: to_sections(summed(q), 1)
 
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32

@@ -193,8 +193,9 @@ def _sum_to(d, dtype):
 
 def _fused_reduction(opts: Options):
     """Whether the all-reduce's middle step (decode the received chunks, add, encode again)
-    can be the codec's one-pass ``requantized_sum``: nearest rounding (its encode draws no
-    random words), no error feedback and no statistics (both need the float32 sum)."""
+    can be the codec's fused ``requantized_sum`` (NVFP4 and MXFP4: the same bits from the
+    encoded chunks, each NVFP4 chunk under its own tensor scale): nearest rounding (its encode
+    draws no random words), no error feedback and no statistics (both need the float32 sum)."""
     return (
         hasattr(opts.codec, "requantized_sum")
         and opts.rounding == "nearest"

@@ -10,7 +10,8 @@ How: each rank is a thread of its own that runs the collective's own code
 (``collectives.all_reduce`` and the others, unchanged) over an ``EmulatedTransport``, which moves
 the encoded bytes between the threads in memory where gloo or NCCL move them between processes.
 So there is one algorithm: the same codec objects and fp4_kernels kernels, the same padding and
-``shard_rows`` split, the same rank-order float32 sum (or MXFP4's fused ``requantized_sum``), the
+``shard_rows`` split, the same rank-order float32 sum (or NVFP4's / MXFP4's fused
+``requantized_sum``), the
 same stochastic-rounding keys (``collectives.rank_seed`` of each rank and hop), each rank's own
 error-feedback residuals.  Threads, not a loop over ranks, because a rank's collective waits in
 the middle for the others' bytes; the threads meet at a barrier for every exchange.  The CPU
