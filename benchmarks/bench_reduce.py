@@ -6,8 +6,11 @@ GPU: device time of ``requantized_sum`` on ``rows`` encoded rows of 2^26 / rows 
 the sum's written once) over the D2D copy's, and its time over that of the composition it
 replaces (dequantize to float32, add the rows in order, quantize: ``_composition``), both
 CUDA-graph replays measured once per class in ``setup_cache``.  MXFP4 runs one fused kernel;
-NVFP4 runs the composition either way (its tensor scale needs the sum's amax first), so its
-ratio is the measurement's own spread.  Skipped (NotImplementedError in setup) without a GPU.
+NVFP4 two (an amax pass over the encoded rows, then the encode pass, which sums them again:
+its tensor scale needs the sum's amax first), so it reads the rows twice and its ratio to the
+copy is at most about half MXFP4's.  The rows share one tensor scale here; with ``row_scales``
+(fp4_comm's all-reduce, a scale a received chunk) the kernels are the same and read 4 bytes a
+row more.  Skipped (NotImplementedError in setup) without a GPU.
 """
 
 import fp4_kernels as fk

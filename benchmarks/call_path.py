@@ -23,8 +23,22 @@ from _fake_cuda import Recorder, call_path, fake_cuda  # noqa: E402
 import fp4_kernels as fk  # noqa: E402
 
 
+def _quantized_rows(fmt):
+    """A function of a tensor making the arguments of a ``requantized_sum`` of ``fmt`` (with
+    ``row_scales`` for "nvfp4-rows"): its first sixteenth of rows (8 of 128), quantized."""
+
+    def prepare(x):
+        rows = x.shape[0] // 16
+        x = x[:rows].float().contiguous()
+        q = fk.quantize(x, fmt="mxfp4" if fmt == "mxfp4" else "nvfp4")
+        return (q, torch.rand(rows) + 0.5) if fmt == "nvfp4-rows" else (q,)
+
+    return prepare
+
+
 def ops():
-    """name -> a function of a tensor making the call."""
+    """name -> a function of a tensor making the call, or (a function of a tensor making the
+    call's arguments, the call): what is counted is the call alone."""
     g64 = fk.FP4Quant(group_size=64)
     return {
         "quantize nvfp4": lambda x: fk.quantize(x),
@@ -32,20 +46,24 @@ def ops():
         "quantize_dequantize nvfp4": lambda x: fk.quantize_dequantize(x),
         "quantize fp4quant g64": lambda x: fk.quantize(x, fmt=g64),
         "hadamard g256": lambda x: fk.hadamard(x, group_size=256),
+        "requantized_sum mxfp4 8 rows": (_quantized_rows("mxfp4"), fk.requantized_sum),
+        "requantized_sum nvfp4 8 rows": (_quantized_rows("nvfp4"), fk.requantized_sum),
+        "requantized_sum nvfp4 row_scales": (_quantized_rows("nvfp4-rows"), fk.requantized_sum),
     }
 
 
 def main():
     torch.set_num_threads(1)
-    print(f"{'op':28s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s}")
+    print(f"{'op':34s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s}")
     with fake_cuda(Recorder(keep=False)):
-        for i, (name, f) in enumerate(ops().items()):
-            f(torch.randn(64, 256).to(torch.bfloat16))  # the kernels: built and "compiled"
-            x = torch.randn(128 + i, 256).to(torch.bfloat16)  # a shape of its own
-            first_calls, first_files = call_path(functools.partial(f, x))
-            warm_calls, warm_files = call_path(functools.partial(f, x))
+        for i, (name, op) in enumerate(ops().items()):
+            prepare, f = op if isinstance(op, tuple) else ((lambda x: (x,)), op)
+            f(*prepare(torch.randn(64, 256).to(torch.bfloat16)))  # the kernels: built, "compiled"
+            args = prepare(torch.randn(128 + i, 256).to(torch.bfloat16))  # a shape of its own
+            first_calls, first_files = call_path(functools.partial(f, *args))
+            warm_calls, warm_files = call_path(functools.partial(f, *args))
             print(
-                f"{name:28s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "
+                f"{name:34s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "
                 f"{first_calls:6d}   warm: {', '.join(warm_files)}"
             )
 
