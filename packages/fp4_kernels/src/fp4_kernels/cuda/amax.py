@@ -1,5 +1,8 @@
 """Tensor amax (max |x| over finite elements) as per-CTA partial maxima: kernel and host side,
-and the consumer's reduction of the partials (``tensor_amax_from_partials``).
+the CTA's last step that any amax pass shares (``cta_max_to``; the requantized sum's amax pass,
+``cuda/reduce.py``, writes the same partials), the consumer's reduction of the partials
+(``tensor_amax_from_partials``) and the NVFP4 tensor scale made from it (``make_tensor_scale``,
+read by the quantize, fake-quantize and requantized-sum kernels).
 
 Launch contract: 1-D grid of at most ``max_partials`` CTAs, any multiple of 32 threads; CTA b
 writes ``parts[b]``.  A thread reads ``UNROLL`` 16-byte words a pass (independent loads in
