@@ -12,7 +12,7 @@ from numba import cuda
 
 import fp4_kernels as fk
 from fp4_kernels._reduce import requantized_sum_reference
-from fp4_kernels.cuda.launch import _address, launch_policy
+from fp4_kernels.cuda.launch import SIMULATOR, _address, launch_policy
 from fp4_kernels.formats import e2m1, mxfp4, nvfp4
 from fp4_kernels.testing import same_bits
 
@@ -229,8 +229,8 @@ def test_codes_offset_from_alignment(kernels, rng, fmt, offset):
     data = base[offset : offset + q.data.size].reshape(q.data.shape)
     data.copy_to_device(q.data)
     align = BLOCK[fmt] // 2
-    aligned = (offset % align == 0) and _address(base, True) % 16 == 0
-    assert aligned == (_address(data, True) % align == 0)
+    aligned = (offset % align == 0) and _address(base, SIMULATOR) % 16 == 0
+    assert aligned == (_address(data, SIMULATOR) % align == 0)
     g = dataclasses.replace(_on_gpu(q), data=data)
     got = fk.requantized_sum(g, None if row_scales is None else cuda.to_device(row_scales))
     _same(got, requantized_sum_reference(q, row_scales))
