@@ -11,13 +11,12 @@ How: each rank is a thread of its own that runs the collective's own code
 the encoded bytes between the threads in memory where gloo or NCCL move them between processes.
 So there is one algorithm: the same codec objects and fp4_kernels kernels, the same padding and
 ``shard_rows`` split, the same rank-order float32 sum (or NVFP4's / MXFP4's fused
-``requantized_sum``), the
-same stochastic-rounding keys (``collectives.rank_seed`` of each rank and hop), each rank's own
-error-feedback residuals.  Threads, not a loop over ranks, because a rank's collective waits in
-the middle for the others' bytes; the threads meet at a barrier for every exchange.  The CPU
-path of fp4_kernels releases the GIL (``nogil``), so CPU ranks run in parallel; on a GPU every
-rank queues its kernels on the caller's current stream, in an order the barriers fix, so a
-rank's kernels see the bytes the others' kernels wrote.
+``requantized_sum``), the same stochastic-rounding keys (``collectives.rank_seed`` of each
+rank and hop), each rank's own error-feedback residuals.  Threads, not a loop over ranks,
+because a rank's collective waits in the middle for the others' bytes; the threads meet at a
+barrier for every exchange.  The CPU path of fp4_kernels releases the GIL (``nogil``), so CPU
+ranks run in parallel; on a GPU every rank queues its kernels on the caller's current stream, in
+an order the barriers fix, so a rank's kernels see the bytes the others' kernels wrote.
 
 ``EmulatedRanks`` keeps k ``Communicator`` objects over such transports for as long as a model
 trains: each rank then has its own call count (the default stochastic-rounding ``step``) and its
