@@ -38,7 +38,10 @@ class WirePolicy:
     forward's rounding for a summed gradient, stochastic for the residual stream's gradient).
     ``error_feedback``: keep a residual at every site whose collective in this direction is a
     sum (buffer names ``<site>.out`` forward, ``<site>.in.grad`` backward); a forward residual
-    moves in training only (not under ``torch.no_grad``).
+    moves in training only (not under ``torch.no_grad``).  Error feedback makes a sum over
+    steps exact; TP's sums are per-batch activations and their gradients, where the residual
+    is the previous batch's error: measured, it costs loss there (docs/comm.md,
+    "Algorithms").
     """
 
     codec: object = "nvfp4"
