@@ -26,6 +26,8 @@ TABLES = {
     "bench_hadamard.HadamardGPU.track_ratio_to_copy": "{:.2f}",
     "bench_hadamard.FP4QuantEncodeGPU.track_ratio_to_copy": "{:.2f}",
     "bench_hadamard.FP4QuantDecodeGPU.track_ratio_to_copy": "{:.2f}",
+    "bench_hadamard.FP4QuantStochasticEncodeGPU.track_ratio_to_copy": "{:.2f}",
+    "bench_quantize.QuantizeAmaxGivenGPU.track_ratio_to_copy": "{:.2f}",
     "bench_gemm.FP4GemmGPU.track_ratio_to_bf16_gemm": "{:.2f}",
     "bench_comm.Collectives.track_speedup_over_nccl_bf16": "{:.2f}",
 }
@@ -50,17 +52,23 @@ def tables(machine):
     lines = []
     for name, fmt in TABLES.items():
         stored = [results[c].get(name) for c in commits]
-        params = next((s[1] for s in stored if s), None)
+        # a commit's values keyed by parameter combination: a benchmark whose parameter lists
+        # grew (a group size appended) keeps the older commits' figures in their rows
+        by_combo = [
+            dict(zip(itertools.product(*s[1]), s[0] or [], strict=False)) if s else {}
+            for s in stored
+        ]
+        params = next((s[1] for s in reversed(stored) if s), None)  # the newest commit's rows
         if params is None:
             continue
         b = meta[name]
         lines += [f"**{name}** ({b.get('unit')}; {', '.join(b['param_names'])})", ""]
         lines.append("| " + " | ".join(["parameters", *(c[:7] for c in commits)]) + " |")
         lines.append("|---|" + "---:|" * len(commits))
-        for i, combo in enumerate(itertools.product(*params)):
+        for combo in itertools.product(*params):
             cells = []
-            for s in stored:
-                v = s[0][i] if s and s[0] is not None else None
+            for values in by_combo:
+                v = values.get(combo)
                 cells.append("n/a" if v is None or v != v else fmt.format(v))
             label = ", ".join(str(p).strip("'") for p in combo)
             lines.append("| " + " | ".join([label, *cells]) + " |")

@@ -22,12 +22,17 @@ from ._timing import (
 )
 
 GROUP_SIZES = [16, 64, 256, 1024, 4096]
+# The FP4Quant codec also at g = 8192 (appended: the older commits' rows keep their order)
+FP4QUANT_GROUP_SIZES = [*GROUP_SIZES, 8192]
 
 
-def _inputs():
+def _inputs(group_size=0):
+    """ROTATE bf16 tensors of GPU_ELEMENTS, in rows of K elements (of the group size where it
+    is longer: a group lies within a row)."""
     torch = require_gpu()
+    k = max(K, group_size)
     return [
-        torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=torch.bfloat16)
+        torch.randn(GPU_ELEMENTS // k, k, device="cuda", dtype=torch.bfloat16)
         for _ in range(ROTATE)
     ]
 
@@ -41,14 +46,19 @@ def _measure_hadamard(group_size, signs):
     return _measure(lambda x: fk.hadamard(x, **kw), [(x,) for x in _inputs()])
 
 
-def _measure_encode(group_size, hadamard):
+def _measure_encode(group_size, hadamard, rounding="nearest"):
     fmt = fk.FP4Quant(group_size, hadamard)
-    return _measure(lambda x: fk.quantize(x, fmt=fmt), [(x,) for x in _inputs()])
+    encode = lambda x: fk.quantize(x, fmt=fmt, rounding=rounding, seed=1234)  # noqa: E731
+    return _measure(encode, [(x,) for x in _inputs(group_size)])
+
+
+def _measure_stochastic_encode(group_size, hadamard):
+    return _measure_encode(group_size, hadamard, "stochastic")
 
 
 def _measure_decode(group_size, hadamard):
     fmt = fk.FP4Quant(group_size, hadamard)
-    qs = [fk.quantize(x, fmt=fmt) for x in _inputs()]
+    qs = [fk.quantize(x, fmt=fmt) for x in _inputs(group_size)]
     return _measure(lambda q: fk.dequantize(q), [(q,) for q in qs])
 
 
@@ -83,15 +93,25 @@ class HadamardGPU(_GPU):
 
 
 class FP4QuantEncodeGPU(_GPU):
-    params = (GROUP_SIZES, [True, False])
+    params = (FP4QUANT_GROUP_SIZES, [True, False])
     param_names = ["group_size", "hadamard"]
 
     def setup_cache(self):
         return measure_params(self.params, _measure_encode)
 
 
+class FP4QuantStochasticEncodeGPU(_GPU):
+    """The encode with stochastic rounding (seed 1234, step 0)."""
+
+    params = ([64, 256, 8192], [True, False])
+    param_names = ["group_size", "hadamard"]
+
+    def setup_cache(self):
+        return measure_params(self.params, _measure_stochastic_encode)
+
+
 class FP4QuantDecodeGPU(_GPU):
-    params = (GROUP_SIZES, [True, False])
+    params = (FP4QUANT_GROUP_SIZES, [True, False])
     param_names = ["group_size", "hadamard"]
 
     def setup_cache(self):

@@ -33,10 +33,10 @@ def _inputs(torch, dtype):
     return [torch.randn(GPU_ELEMENTS // K, K, device="cuda", dtype=dtype) for _ in range(ROTATE)]
 
 
-def _measure_quantize(fmt, rounding, dtype):
+def _measure_quantize(fmt, rounding, dtype, global_amax=None):
     torch = require_gpu()
     xs = _inputs(torch, getattr(torch, dtype))
-    fn = lambda x: fk.quantize(x, fmt=fmt, rounding=rounding)  # noqa: E731
+    fn = lambda x: fk.quantize(x, fmt=fmt, rounding=rounding, global_amax=global_amax)  # noqa: E731
     return {
         "ms": graph_time_ms(fn, [(x,) for x in xs])[0],
         "bytes": _min_bytes(fmt, xs[0].element_size(), GPU_ELEMENTS),
@@ -75,6 +75,35 @@ class QuantizeGPU:
         return self.m["host_us"]
 
     track_host_us.unit = "us"
+
+
+def _measure_quantize_amax_given(dtype):
+    return _measure_quantize("nvfp4", "nearest", dtype, global_amax=4.5)
+
+
+class QuantizeAmaxGivenGPU:
+    """NVFP4 quantize with a ``global_amax`` (a tensor scale shared across ranks or steps): one
+    kernel, no amax pass; nearest rounding, from bf16 and from float32."""
+
+    params = (["bfloat16", "float32"],)
+    param_names = ["dtype"]
+    timeout = 600
+
+    def setup_cache(self):
+        return measure_params(self.params, _measure_quantize_amax_given)
+
+    def setup(self, cache, *params):
+        self.m = cached_row(cache, params)
+
+    def track_device_ms(self, cache, *params):
+        return self.m["ms"]
+
+    track_device_ms.unit = "ms"
+
+    def track_ratio_to_copy(self, cache, *params):
+        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
+
+    track_ratio_to_copy.unit = "x D2D copy"
 
 
 def _measure_quantize_dequantize(fmt, rounding, amax):
