@@ -186,7 +186,40 @@ def measure_params(params, measure):
 
 
 def cached_row(cache, params):
-    """A ``setup``'s view of ``measure_params``' result: the figures of one combination."""
+    """A ``setup``'s view of ``measure_params``' result: the figures of one combination
+    (NotImplementedError, asv's "skipped", where there is no GPU or ``measure`` returned
+    ``{"skip": reason}`` for that combination)."""
     if "skip" in cache:
         raise NotImplementedError(cache["skip"])
-    return dict(cache["rows"][tuple(params)], copy_gbps=cache["copy_gbps"])
+    row = cache["rows"][tuple(params)]
+    if "skip" in row:
+        raise NotImplementedError(row["skip"])
+    return dict(row, copy_gbps=cache["copy_gbps"])
+
+
+class GPUBenchmark:
+    """A GPU class's figures as asv ``track_*`` values: ``setup`` takes the class's measured
+    row (``cached_row``), ``track_device_ms`` its device time.  A subclass defines ``params``,
+    ``param_names`` and its own ``setup_cache`` (asv keys that cache by the class defining it:
+    an inherited one would be shared by every subclass).  The benchmark modules reach these
+    bases as ``_timing.<name>``: a public name in their namespace would be a benchmark to asv."""
+
+    timeout = 900
+
+    def setup(self, cache, *params):
+        self.m = cached_row(cache, params)
+
+    def track_device_ms(self, cache, *params):
+        return self.m["ms"]
+
+    track_device_ms.unit = "ms"
+
+
+class BandwidthGPU(GPUBenchmark):
+    """``track_ratio_to_copy``: the GB/s of the minimum bytes an op moves (``bytes``) over the
+    D2D copy's GB/s measured in the same process (higher is better)."""
+
+    def track_ratio_to_copy(self, cache, *params):
+        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
+
+    track_ratio_to_copy.unit = "x D2D copy"

@@ -4,12 +4,12 @@ import numpy as np
 
 import fp4_kernels as fk
 
+from . import _timing
 from ._timing import (
     CPU_ELEMENTS,
     GPU_ELEMENTS,
     ROTATE,
     K,
-    cached_row,
     graph_time_ms,
     host_time_us,
     measure_params,
@@ -35,26 +35,12 @@ def _measure_dequantize(fmt, out_dtype, scale_layout):
     }
 
 
-class DequantizeGPU:
+class DequantizeGPU(_timing.BandwidthGPU):
     params = (["nvfp4", "mxfp4"], ["bfloat16", "float32"], ["linear", "swizzled"])
     param_names = ["fmt", "out_dtype", "scale_layout"]
-    timeout = 900
 
     def setup_cache(self):
         return measure_params(self.params, _measure_dequantize)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
-
-    def track_ratio_to_copy(self, cache, *params):
-        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
-
-    track_ratio_to_copy.unit = "x D2D copy"
 
     def track_host_us(self, cache, *params):
         return self.m["host_us"]

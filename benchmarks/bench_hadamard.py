@@ -10,12 +10,12 @@ import numpy as np
 
 import fp4_kernels as fk
 
+from . import _timing
 from ._timing import (
     CPU_ELEMENTS,
     GPU_ELEMENTS,
     ROTATE,
     K,
-    cached_row,
     graph_time_ms,
     measure_params,
     require_gpu,
@@ -62,19 +62,8 @@ def _measure_decode(group_size, hadamard):
     return _measure(lambda q: fk.dequantize(q), [(q,) for q in qs])
 
 
-class _GPU:
-    """Figures measured once per class (``setup_cache`` in each subclass: asv keys the cache
-    by where the method is defined, so an inherited one would be shared by all three)."""
-
-    timeout = 900
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
+class _GPU(_timing.GPUBenchmark):
+    """The time as a multiple of a copy's (lower is better)."""
 
     def track_ratio_to_copy(self, cache, *params):
         # the time a copy of the bf16 tensor takes (read + write) at the measured bandwidth

@@ -10,12 +10,12 @@ import numpy as np
 
 import fp4_kernels as fk
 
+from . import _timing
 from ._timing import (
     CPU_ELEMENTS,
     GPU_ELEMENTS,
     ROTATE,
     K,
-    cached_row,
     graph_time_ms,
     host_time_us,
     measure_params,
@@ -45,31 +45,17 @@ def _measure_quantize(fmt, rounding, dtype, global_amax=None):
     }
 
 
-class QuantizeGPU:
+class QuantizeGPU(_timing.BandwidthGPU):
     params = (["nvfp4", "mxfp4"], ["nearest", "stochastic"], ["bfloat16", "float32"])
     param_names = ["fmt", "rounding", "dtype"]
-    timeout = 900
 
     def setup_cache(self):
         return measure_params(self.params, _measure_quantize)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
 
     def track_gbps(self, cache, *params):
         return self.m["bytes"] / self.m["ms"] / 1e6
 
     track_gbps.unit = "GB/s"
-
-    def track_ratio_to_copy(self, cache, *params):
-        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
-
-    track_ratio_to_copy.unit = "x D2D copy"
 
     def track_host_us(self, cache, *params):
         return self.m["host_us"]
@@ -81,7 +67,7 @@ def _measure_quantize_amax_given(dtype):
     return _measure_quantize("nvfp4", "nearest", dtype, global_amax=4.5)
 
 
-class QuantizeAmaxGivenGPU:
+class QuantizeAmaxGivenGPU(_timing.BandwidthGPU):
     """NVFP4 quantize with a ``global_amax`` (a tensor scale shared across ranks or steps): one
     kernel, no amax pass; nearest rounding, from bf16 and from float32."""
 
@@ -91,19 +77,6 @@ class QuantizeAmaxGivenGPU:
 
     def setup_cache(self):
         return measure_params(self.params, _measure_quantize_amax_given)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
-
-    def track_ratio_to_copy(self, cache, *params):
-        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
-
-    track_ratio_to_copy.unit = "x D2D copy"
 
 
 def _measure_quantize_dequantize(fmt, rounding, amax):
@@ -119,31 +92,15 @@ def _measure_quantize_dequantize(fmt, rounding, amax):
     }
 
 
-class QuantizeDequantizeGPU:
+class QuantizeDequantizeGPU(_timing.BandwidthGPU):
     """Fake quantization (bf16): ``amax`` "given" is NVFP4 with a ``global_amax`` (one
     kernel, the training case), "computed" its amax pass first (MXFP4 has none)."""
 
     params = (["nvfp4", "mxfp4"], ["nearest", "stochastic"], ["computed", "given"])
     param_names = ["fmt", "rounding", "amax"]
-    timeout = 900
 
     def setup_cache(self):
         return measure_params(self.params, _measure_quantize_dequantize)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-        if "skip" in self.m:
-            raise NotImplementedError(self.m["skip"])  # asv: this combination is skipped
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
-
-    def track_ratio_to_copy(self, cache, *params):
-        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
-
-    track_ratio_to_copy.unit = "x D2D copy"
 
 
 class QuantizeCPU:

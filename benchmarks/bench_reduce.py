@@ -15,7 +15,8 @@ row more.  Skipped (NotImplementedError in setup) without a GPU.
 
 import fp4_kernels as fk
 
-from ._timing import GPU_ELEMENTS, ROTATE, cached_row, graph_time_ms, measure_params, require_gpu
+from . import _timing
+from ._timing import GPU_ELEMENTS, ROTATE, graph_time_ms, measure_params, require_gpu
 
 
 def _composition(q):
@@ -44,26 +45,13 @@ def _measure_reduce(fmt, rows):
     }
 
 
-class RequantizedSumGPU:
+class RequantizedSumGPU(_timing.BandwidthGPU):
     params = (["mxfp4", "nvfp4"], [2, 8])
     param_names = ["fmt", "rows"]
     timeout = 600
 
     def setup_cache(self):
         return measure_params(self.params, _measure_reduce)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
-
-    def track_ratio_to_copy(self, cache, *params):
-        return self.m["bytes"] / self.m["ms"] / 1e6 / self.m["copy_gbps"]
-
-    track_ratio_to_copy.unit = "x D2D copy"
 
     def track_ratio_to_composition(self, cache, *params):
         return self.m["ms"] / self.m["composition_ms"]
