@@ -282,7 +282,12 @@ GPU_CONFIGS = [
         [*QWEN_GPU, "--codec", "fp4quant-g64", "--grad-codec", "none", "--stats-every", "0"],
     ),
     ("gpu-tp-nvfp4-graphs", [*QWEN_GPU, "--codec", "nvfp4", "--stats-every", "0"]),
-]
+    # TAH-Quant's kernels (the entropy pass, its activation and gradient codecs) on tokens of
+    # 128 channels, two tiles of 64
+    ("gpu-tp-tahquant", ["--model", "qwen", "--layers", "2", "--d-model", "128", "--heads", "8",
+                         "--kv-heads", "4", "--ffn", "128", "--codec", "tahquant-h128",
+                         "--grad-codec", "tahquant-grad"]),
+]  # fmt: skip
 NATIVE_STEPS = 20
 GPU_NATIVE = ("gpu-tp-native", [*QWEN_GPU, "--codec", "native"])
 NCCL_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_NVLS_ENABLE": "0",
