@@ -291,9 +291,7 @@ class _FP4BlockCodec(CheckedCodec):
             raise ValueError(
                 f"{type(self).__name__}.requantized_sum: needs at least one chunk of n > 0"
             )
-        chunks = sections[0].shape[0]
-        q = self._quantized(sections, n, chunks)
-        return self._sections(fp4_kernels.requantized_sum(q, self._row_scales(sections, chunks)), 1)
+        return self.requantizer(sections, n)()
 
     def requantizer(
         self, sections: Sequence[torch.Tensor], n: int

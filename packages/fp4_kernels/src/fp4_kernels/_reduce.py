@@ -10,6 +10,7 @@ scale (what an all-reduce receives from different ranks), are summed with ``row_
 
 from __future__ import annotations
 
+import math
 import sys
 
 from . import _plans
@@ -53,9 +54,7 @@ def _check_row_scales(q, row_scales, backend, rows):
             f"row_scales: dtype {dt}; pass the rows' tensor decode scales 1/S as float32 "
             "(e.g. row_scales.float() or row_scales.astype(np.float32))"
         )
-    size = 1
-    for d in row_scales.shape:
-        size *= int(d)
+    size = math.prod(int(d) for d in row_scales.shape)
     if size != rows:
         raise ValueError(
             f"row_scales: {size} elements for {rows} rows; pass one tensor decode scale 1/S "
@@ -78,6 +77,12 @@ def requantized_sum_reference(q, row_scales=None):
     backend, rows, n = _rows_and_n(q)
     if row_scales is not None:
         _check_row_scales(q, row_scales, backend, rows)
+    return _composition(q, row_scales, backend, rows, n)
+
+
+def _composition(q, row_scales, backend, rows, n):
+    """``requantized_sum_reference`` of arguments already checked (``backend``, ``rows``,
+    ``n``: ``_rows_and_n``'s)."""
     if backend.lib == "numba":
         raise TypeError(
             "q.data: numba device arrays have no elementwise add; requantized_sum runs on them "
@@ -139,7 +144,7 @@ def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> Quan
         if row_scales is not None:
             _check_row_scales(q, row_scales, backend, rows)
         if not (backend.gpu and q.fmt in SPECS and q.scale_layout == "linear"):
-            return requantized_sum_reference(q, row_scales)
+            return _composition(q, row_scales, backend, rows, n)
         from .cuda.reduce import run as host
 
         spec = SPECS[q.fmt]
