@@ -278,7 +278,9 @@ def packaging_problems(
     module: the project's name against ``dist_name``, the version (``pyproject.toml``,
     ``package.__version__``, ``importlib.metadata``), each project in ``requires`` that the
     installed distribution does not require, and a missing ``py.typed`` marker; empty where
-    all agree."""
+    all agree.  Where ``dist_name`` has no installed metadata (the package imported from a
+    source tree on ``PYTHONPATH``) that is the one problem named: there is nothing installed
+    to compare."""
     import importlib.metadata
     import importlib.resources
     import sys
@@ -288,6 +290,13 @@ def packaging_problems(
     else:  # the packages' test extras bring tomli there
         import tomli as tomllib
 
+    try:
+        installed = importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return [
+            f"{dist_name} is not installed (no distribution metadata): install it, e.g. "
+            f"`pip install -e` its folder, rather than putting its source on PYTHONPATH"
+        ]
     with open(pyproject, "rb") as f:
         project = tomllib.load(f)["project"]
     problems = []
@@ -296,7 +305,7 @@ def packaging_problems(
     versions = {
         "pyproject.toml": project["version"],
         f"{package.__name__}.__version__": package.__version__,
-        "installed metadata": importlib.metadata.version(dist_name),
+        "installed metadata": installed,
     }
     if len(set(versions.values())) != 1:
         problems.append(f"versions disagree: {versions}")
