@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -125,6 +126,15 @@ def _hadamard_call(x, group_size, inverse, signs, key):
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
+def _seed_sign_words(g, seed):
+    """``formats.hadamard.sign_words(g, seed)`` once per (g, seed): its numpy Philox took more
+    host time than the rest of a first call.  Read-only, as every call of the pair shares it."""
+    words = spec.sign_words(g, seed)
+    words.flags.writeable = False
+    return words
+
+
 def _sign_words(signs, g):
     """None, a seed or a ±1 vector -> the uint32 sign words (or None)."""
     if signs is None:
@@ -133,7 +143,7 @@ def _sign_words(signs, g):
         seed = operator.index(signs)
         if not 0 <= seed < 2**64:
             raise ValueError(f"signs: a seed must be in [0, 2**64), got {seed}")
-        return spec.sign_words(g, seed)
+        return _seed_sign_words(g, seed)
     backend = None
     try:
         backend = backend_of(signs, "signs")
