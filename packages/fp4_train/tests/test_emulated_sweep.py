@@ -142,6 +142,47 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert row in pairs and "tahquant" not in pairs
 
 
+def test_seeds_needed_is_the_first_t_interval_below_the_limit():
+    """``seeds_needed``: the fewest n whose t interval around the gap lies below the limit,
+    checked against the interval at n and n - 1; None where the gap is at the limit or above."""
+    need = emulated_summary.seeds_needed
+    for mean, sd, limit in [(0.0, 0.03, 0.034), (0.016, 0.023, 0.034), (0.023, 0.0235, 0.034)]:
+        n = need(mean, sd, limit)
+        assert mean + t_quantile(0.975, n - 1) * sd / math.sqrt(n) < limit
+        if n > 2:
+            assert mean + t_quantile(0.975, n - 2) * sd / math.sqrt(n - 1) >= limit
+    assert need(0.034, 0.01, 0.034) is None and need(0.05, 0.01, 0.034) is None
+    assert need(0.0, 0.0, 0.034) == 2
+    assert need(0.0339, 0.03, 0.034) is None  # beyond MAX_SEEDS
+
+
+def test_seeds_table_says_what_more_seeds_resolve(tmp_path):
+    """``seeds.md``: a wire's paired gap and spread, and the seeds for +-1 % and for an upper
+    end below 1 % at those; a gap of 1 % or more never gets there; one seed: no row."""
+    bf16 = [3.0, 3.1, 2.95, 3.05]
+    wires = {"nvfp4": [3.01, 3.12, 2.97, 3.06], "mxfp4_sr": [3.06, 3.15, 3.01, 3.1]}
+    runs = [_summary("tp4", "bf16", "bf16", s, v) for s, v in enumerate(bf16)]
+    for name, losses in wires.items():
+        runs += [_summary("tp4", name, name.split("_")[0], s, v) for s, v in enumerate(losses)]
+    runs += [_summary("tp4", "fp4quant-g64", "fp4quant-g64", 0, 3.2)]
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for r in runs:
+        (folder / f"{r['name']}.json").write_text(json.dumps(r))
+    emulated_summary.main([str(folder), "--out", str(tmp_path / "t"), "--no-plot"])
+    text = (tmp_path / "t" / "seeds.md").read_text()
+    base = sum(bf16) / 4
+    d = [a - b for a, b in zip(wires["nvfp4"], bf16, strict=True)]
+    mean = sum(d) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in d) / 3)
+    width = emulated_summary.seeds_needed(0.0, sd, 0.01 * base)
+    below = emulated_summary.seeds_needed(mean, sd, 0.01 * base)
+    assert f"| nvfp4 | 4 | {100 * mean / base:+.2f} ± " in text
+    assert text.count(f"| {sd:.4f} | {width} | {below} |") == 1
+    assert "| mxfp4_sr | 4 |" in text and "never (gap ≥ 1 %)" in text  # +1.7 % of bf16's loss
+    assert "fp4quant-g64" not in text
+
+
 def test_reruns_are_set_beside_their_run(tmp_path):
     """``--reruns``: each rerun beside the run of its name (final losses, the difference at
     every evaluation, the first training loss); a rerun without its run is an error naming it."""

@@ -7,10 +7,13 @@ layout and seed, with the preprint's figures beside it.
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
 table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's
 paired gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared
-on their common seeds), ``timing.md`` (step time, tokens/s and wall minutes of every run) and
-``curves.png`` (the final-loss gaps with their intervals, and the paired training-loss gap over
-training at TP = 4).  ``--reruns DIR...``: summaries of runs made again (the same name:
-configuration and seed), written beside the first run of each in ``reruns.md``.
+on their common seeds), ``seeds.md`` (what more seeds would resolve: for each wire the seeds an
+interval of +-1 % of bf16's loss takes, and those that would put the interval's upper end below
+1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and wall minutes
+of every run) and ``curves.png`` (the final-loss gaps with their intervals, and the paired
+training-loss gap over training at TP = 4).  ``--reruns DIR...``: summaries of runs made
+again (the same name: configuration and seed), written beside the first run of each in
+``reruns.md``.
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over
@@ -34,7 +37,7 @@ import math
 import re
 from pathlib import Path
 
-from .boundary_study import mean_ci
+from .boundary_study import mean_ci, t_quantile
 from .emulated_tp import SUMMARY_KIND
 from .records import pyplot, write_json
 
@@ -128,7 +131,8 @@ def rows(summaries):
         if deltas and pol != BASELINE:
             mean, half, n = mean_ci(deltas)
             base_mean = sum(base_losses) / len(base_losses)
-            row.update(delta_mean=mean, delta_ci=half, gap_pct=100 * mean / base_mean,
+            row.update(delta_mean=mean, delta_ci=half, base_loss=base_mean,
+                       gap_pct=100 * mean / base_mean,
                        gap_ci_pct=None if half is None else 100 * half / base_mean)  # fmt: skip
         q = quoted(first)
         if q is not None:
@@ -247,6 +251,57 @@ def pairs_markdown(summaries):
     return "\n".join(lines) + "\n"
 
 
+#: The gap the study aims below, as a fraction of bf16's loss.
+AIM = 0.01
+#: The most seeds ``seeds_needed`` looks at ("more" beyond).
+MAX_SEEDS = 200
+
+
+def seeds_needed(mean, sd, limit, level=0.95):
+    """The fewest seeds n (>= 2) whose two-sided ``level`` t interval around ``mean``, with the
+    seeds' standard deviation ``sd``, lies below ``limit``: t(n - 1) sd / sqrt(n) <
+    ``limit - mean``.  None where it cannot (``mean >= limit``) or takes more than
+    ``MAX_SEEDS``."""
+    margin = limit - mean
+    if margin <= 0:
+        return None
+    if sd == 0:
+        return 2
+    for n in range(2, MAX_SEEDS + 1):
+        if t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n) < margin:
+            return n
+    return None
+
+
+def seeds_markdown(table):
+    """For every wire with at least two seeds paired with bf16: its gap and spread so far, and
+    how many seeds (at that gap and spread) an interval of +-1 % of bf16's loss takes, and how
+    many would put the interval's upper end below 1 % (the study's aim)."""
+    head = ["model", "layout", "wire", "seeds", "gap % (95 % CI)", "upper end %",
+            "sd of Δ", "seeds for ± 1 %", "seeds for the upper end < 1 %"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        if r["policy"] == BASELINE or len(r["delta"]) < 2:
+            continue
+        base, sd = r["base_loss"], _sd(r["delta"])
+        width = seeds_needed(0.0, sd, AIM * base)
+        below = seeds_needed(r["delta_mean"], sd, AIM * base)
+        lines.append("| " + " | ".join([
+            r["model"], r["layout"], r["policy"], str(len(r["delta"])),
+            f"{r['gap_pct']:+.2f} ± {r['gap_ci_pct']:.2f}",
+            f"{r['gap_pct'] + r['gap_ci_pct']:+.2f}", f"{sd:.4f}",
+            str(width) if width else f"> {MAX_SEEDS}",
+            str(below) if below else ("never (gap ≥ 1 %)" if r["gap_pct"] >= 100 * AIM
+                                      else f"> {MAX_SEEDS}"),
+        ]) + " |")  # fmt: skip
+    lines += ["", "At the gap and the seeds' spread (sd of the paired Δ) measured so far, "
+              "Student's t: the seeds a 95 % interval of ± 1 % of bf16's loss takes, and the "
+              "seeds that would put its upper end below 1 % (a mean gap at or above 1 % never "
+              "does). "
+              "Estimates: more seeds also move the gap and the spread."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def reruns_markdown(summaries, reruns):
     """Each run made again beside the run of its name: both final validation losses, the
     rerun's minus the run's at every evaluation, the first logged training loss of both and the
@@ -361,6 +416,7 @@ def main(argv=None):
     (args.out / "timing.md").write_text(timing_markdown(summaries))
     (args.out / "gaps.md").write_text(gaps_markdown(summaries))
     (args.out / "pairs.md").write_text(pairs_markdown(summaries))
+    (args.out / "seeds.md").write_text(seeds_markdown(table))
     if args.reruns:
         reruns = load(args.reruns)
         if not reruns:
