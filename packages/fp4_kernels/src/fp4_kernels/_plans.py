@@ -292,7 +292,7 @@ class Tracer(launch.GpuContext):
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         # a float result (like_dtype) is a tensor of its own; byte outputs share one buffer
         packed = like_dtype is None
-        dtype = launch.TORCH_OF_NP[np.dtype(np_dtype).name] if packed else like_dtype
+        dtype = launch.TORCH_OF_NP[np_dtype] if packed else like_dtype
         shape = tuple(shape)
         self.sources.append(("alloc", shape, dtype, packed, zero))
         return VirtualArray(len(self.sources) - 1, 0, shape, dtype, _torch_itemsize(dtype), 0)

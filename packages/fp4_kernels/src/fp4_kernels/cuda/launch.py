@@ -221,7 +221,7 @@ class GpuContext:
         lib = self.backend.lib
         if lib == "torch":
             torch = sys.modules.get("torch")
-            tdt = like_dtype if like_dtype is not None else TORCH_OF_NP[np.dtype(np_dtype).name]
+            tdt = like_dtype if like_dtype is not None else TORCH_OF_NP[np_dtype]
             f = torch.zeros if zero else torch.empty
             return f(shape, dtype=tdt, device=_torch_device(torch, self.device_id))
         if lib == "cupy":
@@ -317,7 +317,9 @@ def _address(arr, simulator):
 
 
 CONSTANTS = {}  # (array kind, device, dtype, bytes) -> ``GpuContext.constant``'s arrays
-TORCH_OF_NP = {}  # numpy dtype name -> the torch dtype of a GPU buffer of those bits
+# numpy dtype, as its name, scalar type or dtype object -> the torch dtype of a GPU buffer of
+# those bits (keyed all three ways: np.dtype(...).name cost more than an allocation's Python)
+TORCH_OF_NP = {}
 TORCH_NP = {}  # torch dtype -> the numpy dtype a view of it has
 
 
@@ -326,15 +328,15 @@ def init_torch_tables():
     torch = sys.modules.get("torch")
     if torch is None or TORCH_OF_NP:
         return
-    TORCH_OF_NP.update(
-        {
-            "uint8": torch.uint8,
-            "float32": torch.float32,
-            "uint16": torch.int16,
-            "uint32": torch.int32,
-            "uint64": torch.int64,
-        }
-    )
+    by_name = {
+        "uint8": torch.uint8,
+        "float32": torch.float32,
+        "uint16": torch.int16,
+        "uint32": torch.int32,
+        "uint64": torch.int64,
+    }
+    for name, tdt in by_name.items():
+        TORCH_OF_NP.update({name: tdt, np.dtype(name): tdt, np.dtype(name).type: tdt})
     TORCH_NP.update(
         {
             torch.uint8: np.dtype(np.uint8),
