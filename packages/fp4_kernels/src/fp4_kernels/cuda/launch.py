@@ -260,7 +260,7 @@ class GpuContext:
             return cupy.full(values.shape, values[0], values.dtype) if one else cupy.asarray(values)
         torch = sys.modules.get("torch")
         device = _torch_device(torch, self.device_id)
-        dtype = TORCH_OF_NP[values.dtype.name]
+        dtype = TORCH_OF_NP[values.dtype]
         bits = values.view(TORCH_NP[dtype])  # the same bits as torch's dtype holds them
         if one:
             return torch.full(values.shape, bits[0].item(), dtype=dtype, device=device)
@@ -317,8 +317,8 @@ def _address(arr, simulator):
 
 
 CONSTANTS = {}  # (array kind, device, dtype, bytes) -> ``GpuContext.constant``'s arrays
-# numpy dtype, as its name, scalar type or dtype object -> the torch dtype of a GPU buffer of
-# those bits (keyed all three ways: np.dtype(...).name cost more than an allocation's Python)
+# numpy dtype, as its scalar type or dtype object -> the torch dtype of a GPU buffer of those
+# bits (keyed both ways: np.dtype(x).name cost more than an allocation's own Python)
 TORCH_OF_NP = {}
 TORCH_NP = {}  # torch dtype -> the numpy dtype a view of it has
 
@@ -336,7 +336,7 @@ def init_torch_tables():
         "uint64": torch.int64,
     }
     for name, tdt in by_name.items():
-        TORCH_OF_NP.update({name: tdt, np.dtype(name): tdt, np.dtype(name).type: tdt})
+        TORCH_OF_NP.update({np.dtype(name): tdt, np.dtype(name).type: tdt})
     TORCH_NP.update(
         {
             torch.uint8: np.dtype(np.uint8),
