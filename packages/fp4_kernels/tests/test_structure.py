@@ -157,6 +157,19 @@ def _dequantize_of(fmt):
     return prepare
 
 
+def _requantized_sum_of(fmt, with_row_scales=False):
+    """A requantized_sum of a tensor's first sixteenth of rows, quantized (NVFP4 with row_scales:
+    each row under its own tensor scale)."""
+
+    def prepare(x):
+        rows = x.shape[0] // 16
+        q = fp4_kernels.quantize(x[:rows].float().contiguous(), fmt=fmt)
+        row_scales = torch.rand(rows) + 0.5 if with_row_scales else None
+        return lambda: fp4_kernels.requantized_sum(q, row_scales)
+
+    return prepare
+
+
 WARM_OPS = {
     "nvfp4": lambda x: lambda: fp4_kernels.quantize(x),
     "nvfp4_stochastic": lambda x: lambda: fp4_kernels.quantize(x, rounding="stochastic", seed=3),
@@ -168,6 +181,9 @@ WARM_OPS = {
     "dequantize_nvfp4": _dequantize_of("nvfp4"),
     "dequantize_fp4quant": _dequantize_of(G64),
     "hadamard": lambda x: lambda: fp4_kernels.hadamard(x, group_size=256),
+    "requantized_sum_mxfp4": _requantized_sum_of("mxfp4"),
+    "requantized_sum_nvfp4": _requantized_sum_of("nvfp4"),
+    "requantized_sum_nvfp4_row_scales": _requantized_sum_of("nvfp4", with_row_scales=True),
 }
 
 
@@ -187,25 +203,23 @@ FIRST_CALL_FILES = 6  # the public function, the descriptor, the plan, the op's 
 # (two where it borrows a helper: cuda/amax, cuda/hadamard) and the launcher
 
 
-@pytest.mark.parametrize(
-    "op",
-    [
-        lambda x: fp4_kernels.quantize(x),
-        lambda x: fp4_kernels.quantize(x, fmt="mxfp4"),
-        lambda x: fp4_kernels.quantize_dequantize(x),
-        lambda x: fp4_kernels.quantize(x, fmt=G64),
-        lambda x: fp4_kernels.quantize_dequantize(x, fmt=G64),
-        lambda x: fp4_kernels.hadamard(x, group_size=256),
-    ],
-    ids=["nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "fp4quant_qdq", "hadamard"],
-)
+FIRST_OPS = {
+    name: WARM_OPS[name]
+    for name in (
+        "nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "fp4quant_quantize_dequantize",
+        "hadamard", "requantized_sum_mxfp4", "requantized_sum_nvfp4_row_scales",
+    )
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(FIRST_OPS))
 def test_the_first_call_of_a_shape_passes_at_most_six_files(op):
     _plans.clear()
     with fake_cuda():
-        op(torch.randn(64, 256).to(torch.bfloat16))  # the kernels built
-        x = torch.randn(128, 256).to(torch.bfloat16)
-        _, first = call_path(lambda: op(x))
-        _, warm = call_path(lambda: op(x))
+        FIRST_OPS[op](torch.randn(64, 256).to(torch.bfloat16))()  # the kernels built
+        call = FIRST_OPS[op](torch.randn(128, 256).to(torch.bfloat16))  # a shape of its own
+        _, first = call_path(call)
+        _, warm = call_path(call)
     _plans.clear()
     assert len(first) <= FIRST_CALL_FILES, first
     assert len(warm) == 3, warm

@@ -19,7 +19,6 @@ from ._calls import (
     FP4QUANT_KEY,
     STEP_LIMIT,
     DequantizeCall,
-    DequantizeKey,
     Geometry,
     QuantizeCall,
     QuantizeKey,
@@ -246,22 +245,12 @@ def _run_quantize_plan(plan, key, fmt, x, seed, step, global_amax):
     )
     if key.fused:  # (the host functions of a fused call return (out,), FP4Quant's too)
         return outputs[0]
+    shape = tuple(x.shape)
     if isinstance(fmt, FP4Quant):  # (a subclass too: its key holds it as given)
         payload, codes, scales = outputs
-        return planned_tensor(codes, scales, None, fmt, tuple(x.shape), x.dtype, "linear", payload)
+        return _plans.planned_tensor(codes, scales, None, fmt, shape, x.dtype, "linear", payload)
     data, scales, gs, _ = outputs
-    return planned_tensor(data, scales, gs, fmt, tuple(x.shape), x.dtype, key.scale_layout)
-
-
-def planned_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, payload=None):
-    """A QuantizedTensor of fields a plan guarantees: the dtype already that of data's library,
-    nothing to convert or check (the constructor's work skipped)."""
-    q = QuantizedTensor.__new__(QuantizedTensor)
-    q.__dict__.update(
-        data=data, scales=scales, global_scale=global_scale, fmt=fmt, shape=shape, dtype=dtype,
-        scale_layout=scale_layout, payload=payload,
-    )  # fmt: skip
-    return q
+    return _plans.planned_tensor(data, scales, gs, fmt, shape, x.dtype, key.scale_layout)
 
 
 def _quantize_cpu(call):
@@ -303,28 +292,6 @@ def _quantize_result(call, outputs):
     )  # fmt: skip
 
 
-def quantized_key(q, out_dtype, op):
-    """The plan key (``_plans``) of a torch CUDA ``op`` (dequantize, requantized_sum) reading
-    the QuantizedTensor ``q``, or None."""
-    policy = _plans.plan_policy()
-    if type(q) is not QuantizedTensor or policy is _plans.NO_PLAN:
-        return None
-    dk, sk = _plans.tensor_key(q.data), _plans.tensor_key(q.scales)
-    if dk is None or sk is None:
-        return None
-    gk = None
-    if q.global_scale is not None:
-        gk = _plans.tensor_key(q.global_scale)
-        if gk is None:
-            return None
-    fmt = q.fmt
-    if type(fmt) is FP4Quant:
-        fmt = (FP4QUANT_KEY, fmt.group_size, fmt.hadamard)
-    return DequantizeKey(
-        op, fmt, repr(q.shape), q.dtype, q.scale_layout, dk, sk, gk, out_dtype, policy
-    )
-
-
 def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     """Decode a ``QuantizedTensor`` to ``dtype`` (default: the dtype it was quantized from).
 
@@ -332,7 +299,7 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     MXFP4: e2m1 * 2^(e8m0 - 127).  Runs where ``q.data`` lives, output of the same kind.
     The result does not require grad (``quantize`` is not differentiable).
     """
-    key = quantized_key(q, dtype, "dequantize")
+    key = _plans.quantized_key(q, dtype, "dequantize")
     plan = _plans.get(key)
     if plan is None:
         call = _dequantize_call(q, dtype, key)

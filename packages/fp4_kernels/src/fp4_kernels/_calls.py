@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _plans
 from ._arrays import DTYPES, KIND_OF_DTYPE, Backend
 from .formats import mxfp4, nvfp4
 from .formats.fp4quant import FP4Quant
@@ -43,6 +42,16 @@ AMAX_NUMBER = "number"  # QuantizeKey.amax of a global_amax given as a number
 # of a planned call's two dict lookups (the plan and its LRU update).  The private marker keeps
 # any tuple a caller passes as ``fmt`` from equalling it.
 FP4QUANT_KEY = object()
+
+# Probe scalars: distinctive values a traced descriptor (``traced``) passes for its per-call
+# scalars while a plan is recorded; the plan finds them again in the packed arguments.  The
+# probe indices: seed low and high words, step, amax, in the order a planned call passes them.
+PROBE_SEED = (0x5EED_0001 << 32) | 0x5EED_0002
+PROBE_STEP = 0x57E9_0003
+PROBE_AMAX = 1234.567
+SEED_STEP_PROBES = (0, 1, 2)
+SEED_PROBES = (0, 1)
+AMAX_PROBE = 3
 
 
 class Geometry(NamedTuple):
@@ -474,13 +483,13 @@ class QuantizeCall(CallDescriptor):
         number = self.amax_value >= 0
         traced = dataclasses.replace(
             traced,
-            seed=_plans.PROBE_SEED,
-            step=_plans.PROBE_STEP,
-            amax_value=_plans.PROBE_AMAX if number else -1.0,
+            seed=PROBE_SEED,
+            step=PROBE_STEP,
+            amax_value=PROBE_AMAX if number else -1.0,
         )
         # a step array is an input of the plan: its probe is not in the launches
-        probes = _plans.SEED_STEP_PROBES if self.step_array is None else _plans.SEED_PROBES
-        return traced, probes + ((_plans.AMAX_PROBE,) if number else ())
+        probes = SEED_STEP_PROBES if self.step_array is None else SEED_PROBES
+        return traced, probes + ((AMAX_PROBE,) if number else ())
 
 
 @dataclass(frozen=True)

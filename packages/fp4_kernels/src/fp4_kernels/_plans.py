@@ -35,6 +35,8 @@ from collections import OrderedDict
 import numpy as np
 
 from . import _arrays as arrays
+from ._calls import FP4QUANT_KEY, PROBE_AMAX, PROBE_SEED, PROBE_STEP, DequantizeKey
+from ._quantized import FP4Quant, QuantizedTensor
 from .cuda import launch
 from .cuda.launch_table import POLICY
 
@@ -51,20 +53,15 @@ _SOURCE_SHIFT = 40
 _ALIGN = 16  # the largest alignment a host function tests (16-byte vector loads)
 SECTION_ALIGN = 256  # each byte output's offset in the shared allocation
 
-# Probe scalars: distinctive values passed while recording, found again in the arguments, in
-# the order a planned call passes its scalars (seed low and high words, step, amax).
-PROBE_SEED = (0x5EED_0001 << 32) | 0x5EED_0002
-PROBE_STEP = 0x57E9_0003
-PROBE_AMAX = 1234.567
+# The probe scalars (``_calls``: the values a traced descriptor passes) as the recording finds
+# them in the packed arguments, in the order a planned call passes its scalars (seed low and
+# high words, step, amax).
 _PROBES = (
     (np.dtype(np.uint32), PROBE_SEED & 0xFFFFFFFF),
     (np.dtype(np.uint32), PROBE_SEED >> 32),
     (np.dtype(np.uint32), PROBE_STEP),
     (np.dtype(np.float32), float(np.float32(PROBE_AMAX))),
 )
-SEED_STEP_PROBES = (0, 1, 2)
-SEED_PROBES = (0, 1)
-AMAX_PROBE = 3
 
 
 def clear() -> None:
@@ -101,6 +98,44 @@ def plan_policy():
     """What every plan key ends with: the launch policy in force (a plan depends on it), or
     ``NO_PLAN`` inside ``disabled()``, where no plan is used or made."""
     return NO_PLAN if _DISABLED.get() else POLICY.get()
+
+
+def quantized_key(q, out_dtype, op, row_scales=None):
+    """The plan key of a torch CUDA ``op`` (dequantize, requantized_sum) reading the
+    QuantizedTensor ``q`` (and ``row_scales``, a tensor requantized_sum was given), or None."""
+    if type(q) is not QuantizedTensor or _DISABLED.get():
+        return None
+    policy = POLICY.get()  # (``plan_policy()`` written out: one Python call fewer a warm call)
+    dk, sk = tensor_key(q.data), tensor_key(q.scales)
+    if dk is None or sk is None:
+        return None
+    gk = None
+    if q.global_scale is not None:
+        gk = tensor_key(q.global_scale)
+        if gk is None:
+            return None
+    rk = None
+    if row_scales is not None:
+        rk = tensor_key(row_scales)
+        if rk is None:
+            return None
+    fmt = q.fmt
+    if type(fmt) is FP4Quant:
+        fmt = (FP4QUANT_KEY, fmt.group_size, fmt.hadamard)
+    return DequantizeKey(
+        op, fmt, repr(q.shape), q.dtype, q.scale_layout, dk, sk, gk, out_dtype, policy, rk
+    )
+
+
+def planned_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, payload=None):
+    """A QuantizedTensor of fields a plan guarantees: the dtype already that of data's library,
+    nothing to convert or check (the constructor's work skipped)."""
+    q = QuantizedTensor.__new__(QuantizedTensor)
+    q.__dict__.update(
+        data=data, scales=scales, global_scale=global_scale, fmt=fmt, shape=shape, dtype=dtype,
+        scale_layout=scale_layout, payload=payload,
+    )  # fmt: skip
+    return q
 
 
 def get(key):

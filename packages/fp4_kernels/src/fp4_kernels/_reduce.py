@@ -14,7 +14,7 @@ import math
 import sys
 
 from . import _plans
-from ._api import dequantize, planned_tensor, quantize, quantized_key
+from ._api import dequantize, quantize
 from ._calls import SPECS, SumCall, backend_of, element_dtype, is_c_contiguous, same_place
 from ._quantized import Array, FP4Quant, QuantizedTensor, check_quantized
 
@@ -134,10 +134,8 @@ def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> Quan
     twice: once for the sum's amax, once to encode); every other case runs the composition.
     A block whose sum is not finite (a NaN-scale row block, an overflow) gets the NaN scale.
     """
-    key = quantized_key(q, None, SUM_OP if row_scales is None else SUM_ROWS_OP)
-    if key is not None and row_scales is not None:
-        rk = _plans.tensor_key(row_scales)
-        key = None if rk is None else key._replace(row_scales=rk)
+    op = SUM_OP if row_scales is None else SUM_ROWS_OP
+    key = _plans.quantized_key(q, None, op, row_scales)
     plan = _plans.get(key)
     if plan is None:
         backend, rows, n = _rows_and_n(q)
@@ -169,4 +167,4 @@ def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> Quan
     codes, scales, gs = plan(inputs)
     torch = sys.modules["torch"]
     shape = (1, q.shape[1])
-    return planned_tensor(codes, scales, gs, q.fmt, shape, torch.float32, "linear")
+    return _plans.planned_tensor(codes, scales, gs, q.fmt, shape, torch.float32, "linear")
