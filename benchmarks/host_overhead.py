@@ -107,11 +107,16 @@ def gpu_us(f):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cuda", action="store_true", help="on the GPU (else the fake, on the CPU)")
-    ap.add_argument("--out", default=None, help="also write host_overhead.txt (and profiles)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="also write host_overhead.txt and profiles.txt (each op's cProfile)",
+    )
     ap.add_argument("--profile", action="store_true", help="print each op's cProfile")
     args = ap.parse_args()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "profiles.txt"), "w").close()
     torch.set_num_threads(1)
     if args.cuda:
         scope, sync, device = contextlib.nullcontext(), torch.cuda.synchronize, "cuda"
@@ -151,8 +156,9 @@ def main():
                 st = pstats.Stats(prof)
                 if args.profile:
                     st.sort_stats("tottime").print_stats(25)
-                if args.out:
-                    with open(os.path.join(args.out, f"profile_{name}.txt"), "w") as fh:
+                if args.out:  # one file for all ops, each under a header line
+                    with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
+                        fh.write(f"==== {name}\n")
                         pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(40)
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
