@@ -142,7 +142,7 @@ def main():
                 for _ in range(50):
                     f()
                 unplanned = host_us(f, sync)
-                calls_before, _ = calls_of(f)
+                calls_before, prof_unplanned = calls_of(f)
             planned = host_us(f, sync)
             calls, prof = calls_of(f)
             line = (
@@ -158,8 +158,9 @@ def main():
                     st.sort_stats("tottime").print_stats(25)
                 if args.out:  # one file for all ops, each under a header line
                     with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
-                        fh.write(f"==== {name}\n")
-                        pstats.Stats(prof, stream=fh).sort_stats("tottime").print_stats(40)
+                        for what, p in (("planned", prof), ("plans disabled", prof_unplanned)):
+                            fh.write(f"==== {name}, {what}\n")
+                            pstats.Stats(p, stream=fh).sort_stats("tottime").print_stats(40)
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
