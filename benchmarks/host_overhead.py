@@ -79,6 +79,18 @@ def calls_of(f, n=10, exclude="_fake_cuda.py"):
     return total / n - 1, prof  # minus the lambda itself
 
 
+def profile_table(prof, n=10, most=30):
+    """The ``most`` functions of a profile of ``n`` calls by their own time: calls, own and
+    cumulative microseconds per call of the op (pstats prints milliseconds to three places,
+    too coarse for a call of tens of microseconds)."""
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:most]
+    out = [f"{'calls':>6s} {'own us':>8s} {'cum us':>8s}  function"]
+    for (file, line, func), (_, ncalls, tottime, cumtime, _) in rows:
+        where = func if file == "~" else f"{os.path.relpath(file)}:{line}({func})"
+        out.append(f"{ncalls / n:6.1f} {tottime / n * 1e6:8.2f} {cumtime / n * 1e6:8.2f}  {where}")
+    return "\n".join(out) + "\n"
+
+
 def host_us(f, sync):
     """(min, median) wall microseconds per call over REPS runs of CALLS calls."""
     runs = []
@@ -159,8 +171,8 @@ def main():
                 if args.out:  # one file for all ops, each under a header line
                     with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
                         for what, p in (("planned", prof), ("plans disabled", prof_unplanned)):
-                            fh.write(f"==== {name}, {what}\n")
-                            pstats.Stats(p, stream=fh).sort_stats("tottime").print_stats(40)
+                            fh.write(f"==== {name}, {what} (per call, cProfile's overhead in)\n")
+                            fh.write(profile_table(p))
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
