@@ -418,10 +418,13 @@ def test_a_sweep_stops_its_runs_and_the_next_invocation_resumes_them(tmp, monkey
     assert not list(ckpt.iterdir())  # a finished run's checkpoint is removed
     whole = tmp / "sweep-whole"
     assert emulated_sweep.main(["--preset", "cpu-tiny", "--out", str(whole), "--jobs", "2"]) == 0
+    said = capsys.readouterr().out
     for name in names:
         pieces = json.loads((out / f"{name}.json").read_text())
         one = json.loads((whole / f"{name}.json").read_text())
         assert pieces["pieces"] == 2 and one["pieces"] == 1
+        # the sweep's output keeps each finished run's loss (its summary may not travel)
+        assert f"finished: {name} (final val loss {one['final_val_loss']:.4f})" in said
         for key in ("final_val_loss", "train_loss_curve", "evals", "wire", "final_evals"):
             assert pieces[key] == one[key], (name, key)
     capsys.readouterr()

@@ -5,6 +5,7 @@ preprint's figures beside the rows they belong to."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -73,6 +74,15 @@ def test_runs_start_as_processes_and_are_skipped_once_done(tmp_path, monkeypatch
     (out / "byte_tp2_nvfp4_s0.json").rename(other / "byte_tp2_nvfp4_s0.json")
     assert emulated_sweep.main([*base, "--done", str(other)]) == 0
     assert sorted(p.stem for p in out.glob("*.json")) == ["byte_tp2_bf16_s0"]
+
+
+def test_a_finished_run_is_reported_with_its_loss_or_without_a_summary(tmp_path):
+    args = argparse.Namespace(out=tmp_path, jobs=1, estimate_s=None)
+    sweep = emulated_sweep.Sweep(args, [])
+    (tmp_path / "a.json").write_text(json.dumps({"final_val_loss": 3.31877}))
+    (tmp_path / "c.json").write_text("{")  # cut short
+    assert sweep.outcome("a") == " (final val loss 3.3188)"
+    assert sweep.outcome("b") == sweep.outcome("c") == " (no summary)"
 
 
 # ------------------------------------------------------------------ the table

@@ -39,6 +39,7 @@ unavailable and left out.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -264,11 +265,20 @@ class Sweep:
             self.poll()
             time.sleep(0.5)
 
+    def outcome(self, run_name):
+        """The final validation loss of a finished run as its summary gives it (printed, so that
+        the sweep's own output keeps it where the summary file is not brought back)."""
+        try:
+            summary = json.loads((self.args.out / f"{run_name}.json").read_text())
+            return f" (final val loss {summary['final_val_loss']:.4f})"
+        except (OSError, ValueError, KeyError, TypeError):
+            return " (no summary)"
+
     def report(self):
         """Print what became of each run; the exit status: 1 if one failed, ``EX_TEMPFAIL``
         if one is left to a later invocation, else 0."""
         for run_name in self.finished:
-            print(f"finished: {run_name}")
+            print(f"finished: {run_name}{self.outcome(run_name)}")
         ckpt = self.args.checkpoint_dir
         for run_name in self.resumable:
             print(f"resumable: {run_name} (checkpoint {ckpt / run_name}; run the sweep again)")
