@@ -164,15 +164,13 @@ def main():
             if args.cuda:
                 line += f" {gpu_us(f):7.1f}"
             emit(line + f"   (unplanned: {calls_before:.0f} calls)")
-            if args.profile or args.out:
-                st = pstats.Stats(prof)
-                if args.profile:
-                    st.sort_stats("tottime").print_stats(25)
-                if args.out:  # one file for all ops, each under a header line
-                    with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
-                        for what, p in (("planned", prof), ("plans disabled", prof_unplanned)):
-                            fh.write(f"==== {name}, {what} (per call, cProfile's overhead in)\n")
-                            fh.write(profile_table(p))
+            if args.profile:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            if args.out:  # one file for all ops, each under a header line
+                with open(os.path.join(args.out, "profiles.txt"), "a") as fh:
+                    for what, p in (("planned", prof), ("plans disabled", prof_unplanned)):
+                        fh.write(f"==== {name}, {what} (per call, cProfile's overhead in)\n")
+                        fh.write(profile_table(p))
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")
