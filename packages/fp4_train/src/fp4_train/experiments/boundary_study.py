@@ -47,6 +47,12 @@ def t_quantile(p, df):
     return float(stats.t.ppf(p, df))
 
 
+def t_half_width(sd, n, level=0.95):
+    """Half-width of the two-sided ``level`` Student's t interval of a mean of ``n`` values
+    with standard deviation ``sd``."""
+    return t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+
+
 def mean_ci(values, level=0.95):
     """(mean, half-width of the two-sided ``level`` interval, n); half-width None for n < 2."""
     n = len(values)
@@ -54,7 +60,7 @@ def mean_ci(values, level=0.95):
     if n < 2:
         return mean, None, n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n), n
+    return mean, t_half_width(sd, n, level), n
 
 
 def load(folder):

@@ -37,7 +37,7 @@ import math
 import re
 from pathlib import Path
 
-from .boundary_study import mean_ci, t_quantile
+from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
 from .records import pyplot, write_json
 
@@ -268,7 +268,7 @@ def seeds_needed(mean, sd, limit, level=0.95):
     if sd == 0:
         return 2
     for n in range(2, MAX_SEEDS + 1):
-        if t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n) < margin:
+        if t_half_width(sd, n, level) < margin:
             return n
     return None
 
