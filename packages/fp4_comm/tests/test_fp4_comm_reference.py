@@ -516,7 +516,7 @@ def test_group_graphs_of_more_error_feedback_sites_than_the_cache_holds(bounds, 
         (lambda: reference.all_reduce([torch.ones(4), torch.ones(4, dtype=torch.bfloat16)]),
          ValueError, "ranks disagree"),
         (lambda: reference.all_reduce([torch.ones(4), torch.ones(4, dtype=torch.int32)]),
-         TypeError, "rank 1's dtype"),
+         TypeError, "rank 1's input: dtype torch.int32"),
         (lambda: reference.all_reduce([torch.ones(()), torch.ones(())]), ValueError, "0-d"),
         (lambda: reference.all_reduce([torch.ones(4)] * 2, codec="fp5"), ValueError, "codec"),
         (lambda: reference.all_reduce([torch.ones(4)] * 2, rounding="up"), ValueError,
@@ -537,6 +537,80 @@ def test_group_graphs_of_more_error_feedback_sites_than_the_cache_holds(bounds, 
 def test_bad_arguments_name_what_is_wrong(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# (case, the k = 2 ranks' inputs, exception type, words its message must hold): what
+# fp4_comm.reference's functions and EmulatedRanks refuse, naming the rank, as a Communicator
+# refuses it on that rank
+_RANK_INPUTS = [
+    ("float64", lambda x: [x, x.double()], TypeError, ["rank 1's input", "float64",
+                                                      "float32, bfloat16, float16"]),
+    ("nested", lambda x: [_nested(), _nested()], TypeError,
+     ["rank 0's input", "nested", "torch.nested.to_padded_tensor"]),
+    ("sparse", lambda x: [x, x.to_sparse()], TypeError,
+     ["rank 1's input", "torch.sparse_coo", ".to_dense()"]),
+    ("meta", lambda x: [x.to("meta"), x.to("meta")], ValueError, ["rank 0's input", "meta"]),
+    ("0-d", lambda x: [torch.ones(()), torch.ones(())], ValueError, ["rank 0's input", "0-d"]),
+    ("numpy", lambda x: [x, x.numpy()], TypeError, ["rank 1's input", "ndarray"]),
+    ("one tensor", lambda x: x, TypeError, ["a list of the ranks' tensors"]),
+    ("dtypes differ", lambda x: [x, x.bfloat16()], ValueError, ["ranks disagree"]),
+]  # fmt: skip
+
+
+def _rank_calls():
+    """(name, function of the ranks' inputs) for every function of the ranks of one process."""
+    ranks = reference.EmulatedRanks(2)
+    return [
+        ("reference.all_reduce", reference.all_reduce),
+        ("reference.reduce_scatter", reference.reduce_scatter),
+        ("reference.all_gather", reference.all_gather),
+        ("reference.send_recv", lambda xs: reference.send_recv(xs[1] if type(xs) is list else xs)),
+        ("EmulatedRanks.all_reduce", ranks.all_reduce),
+        ("EmulatedRanks.reduce_scatter", ranks.reduce_scatter),
+        ("EmulatedRanks.all_gather", ranks.all_gather),
+        ("EmulatedRanks.send_recv", lambda xs: ranks.send_recv(xs[1] if type(xs) is list else xs,
+                                                               0, 1)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "inputs", "kind", "words"), _RANK_INPUTS,
+                         ids=[c[0] for c in _RANK_INPUTS])  # fmt: skip
+def test_ranks_of_one_process_reject_bad_inputs_naming_the_rank(case, inputs, kind, words):
+    x = torch.randn(4, 32)
+    for name, call in _rank_calls():
+        xs, want = inputs(x), words
+        if name.endswith("send_recv"):  # one tensor, the sender's: its words name rank 0
+            if case in ("one tensor", "dtypes differ"):
+                continue
+            want = [w.replace("rank 1's", "rank 0's") for w in words]
+        with pytest.raises(kind) as info:
+            call(xs)
+        assert all(w in str(info.value) for w in want), (name, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "codec", ["none", "none-float32", "nvfp4", "mxfp4", fp4_kernels.FP4Quant(64)], ids=str
+)
+def test_ranks_of_one_process_read_a_negative_view_as_its_values(codec):
+    """A lazily negated view gives the bits of the tensor it stands for, as a Communicator
+    gives them (a view is no error there)."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 64, generator=g) for _ in range(2)]
+    views = [(-x)._neg_view() for x in xs]  # shows x, holds -x
+    assert all(v.is_neg() and torch.equal(v, x) for v, x in zip(views, xs, strict=True))
+    ranks = reference.EmulatedRanks(2)
+    for f in (reference.all_reduce, reference.reduce_scatter, reference.all_gather,
+              ranks.all_reduce, ranks.reduce_scatter, ranks.all_gather):  # fmt: skip
+        for got, want in zip(f(views, codec=codec), f(xs, codec=codec), strict=True):
+            assert torch.equal(got, want)
+    got = reference.send_recv(views[0], codec=codec)
+    assert torch.equal(got, reference.send_recv(xs[0], codec=codec))
+    assert torch.equal(ranks.send_recv(views[0], 0, 1, codec=codec),
+                       ranks.send_recv(xs[0], 0, 1, codec=codec))  # fmt: skip
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.ones(2, 32), torch.ones(3, 32)], layout=torch.jagged)
 
 
 def _stops_soon(pool, rank_fns, error, match):

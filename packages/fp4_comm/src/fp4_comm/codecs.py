@@ -533,6 +533,19 @@ def _ones(device):
     return t
 
 
+def check_float_tensor(what: str, t: torch.Tensor) -> None:
+    """``t``, a torch tensor: dense (strided, not nested) and of float32, bfloat16 or float16;
+    TypeError beginning with ``what`` and naming the fix otherwise.  Meta tensors and lazily
+    negated views pass: each caller says what it does with them."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout)
+        raise TypeError(f"{what}: a {kind} tensor; pass a dense one "
+                        "(torch.nested.to_padded_tensor, or .to_dense())")  # fmt: skip
+    if t.dtype not in REL_HALF_ULP:
+        raise TypeError(f"{what}: dtype {t.dtype} is not supported; use float32, bfloat16, "
+                        "float16")  # fmt: skip
+
+
 def check_rounding(rounding):
     if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
@@ -569,16 +582,11 @@ def check_encode_args(codec, x, rounding, seed, step):
         check_int(step, "step", STEP_LIMIT)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x: expected a torch tensor, got {type(x).__name__}")
-    if x.is_nested or x.layout != torch.strided or x.is_meta or x.is_neg():
-        kind = "nested" if x.is_nested else "meta" if x.is_meta else "negative-view"
-        kind = str(x.layout) if x.layout not in (torch.strided, torch.jagged) else kind
-        raise TypeError(
-            f"{what}: x: a {kind} tensor; pass a dense tensor of its values (.to_dense(), "
-            ".resolve_neg(); the collectives take such views)"
-        )
-    if x.dtype not in REL_HALF_ULP:
-        raise TypeError(f"{what}: x: dtype {x.dtype} is not supported; use float32, bfloat16 "
-                        "or float16")  # fmt: skip
+    check_float_tensor(f"{what}: x", x)
+    if x.is_meta or x.is_neg():
+        kind = "meta" if x.is_meta else "negative-view"
+        raise TypeError(f"{what}: x: a {kind} tensor; pass a tensor holding its values "
+                        "(.resolve_neg(); the collectives take such views)")  # fmt: skip
     if x.dim() != 2:
         raise ValueError(f"{what}: x: expected (chunks, n), got shape {tuple(x.shape)}")
     n = check_n(codec, x.shape[1])

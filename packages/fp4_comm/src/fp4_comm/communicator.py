@@ -40,6 +40,7 @@ from .codecs import (
     STEP_LIMIT,
     CodecSpec,
     Rounding,
+    check_float_tensor,
     check_int,
     check_rounding,
     get_codec,
@@ -722,14 +723,7 @@ class Communicator:
             self._validate_collective(op, tuple(t.shape), t.dtype, codec, rounding, call)
 
     def _check_input(self, op, t):
-        if t.is_nested or t.layout != torch.strided:
-            raise TypeError(
-                f"{op}: a {'nested' if t.is_nested else t.layout} tensor; pass a dense one "
-                "(torch.nested.to_padded_tensor, or .to_dense())"
-            )
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{op}: dtype {t.dtype} is not supported; use float32, bfloat16, "
-                            "float16")  # fmt: skip
+        check_float_tensor(op, t)
         if t.device != self.device:
             raise ValueError(
                 f"{op}: the tensor is on {t.device}, this communicator on {self.device} "

@@ -44,7 +44,7 @@ import torch
 
 from . import collectives, graphs as _graphs
 from ._transport import CommTimeoutError, Transport
-from .codecs import STEP_LIMIT, CodecSpec, Rounding, check_int, get_codec
+from .codecs import STEP_LIMIT, CodecSpec, Rounding, check_float_tensor, check_int, get_codec
 from .communicator import Communicator, check_options
 from .error_feedback import ErrorFeedback
 from .stats import HopStats
@@ -52,7 +52,6 @@ from .stats import HopStats
 #: How long a rank waits for the others at an exchange before CommTimeoutError (a rank that
 #: raised ends the wait at once; this bounds a collective that some rank never calls).
 DEFAULT_TIMEOUT_S = 300.0
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POLL_S = 0.01  # a receiver looks this often whether a failed sender will never send
 _JOIN_S = 10.0  # how long a stopping group waits for a rank's thread to finish its task
 _TRANSPORTS = ("nccl", "gloo", "p2p")
@@ -290,18 +289,20 @@ def _check_peers(src, dst, world_size):
 
 
 def check_rank_tensors(op: str, xs: Sequence[torch.Tensor], same_shape: bool = True) -> None:
-    """The k ranks' inputs: a list of torch tensors of one dtype (float32, bfloat16, float16)
-    on one device, not 0-d, and (``same_shape``) of one shape; ValueError / TypeError naming
-    the rank otherwise."""
+    """The k ranks' inputs: a list of dense torch tensors of one dtype (float32, bfloat16,
+    float16) on one device, holding values (not meta), not 0-d, and (``same_shape``) of one
+    shape; ValueError / TypeError naming the rank otherwise.  A lazily negated view passes: the
+    functions here read the values it stands for, as a ``Communicator`` does."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
         kind = "a tensor" if isinstance(xs, torch.Tensor) else type(xs).__name__
         raise TypeError(f"{op}: expected a list of the ranks' tensors (one per rank), got {kind}")
     for r, x in enumerate(xs):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: rank {r}'s input is {type(x).__name__}, not a torch tensor")
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"{op}: rank {r}'s dtype {x.dtype} is not supported; use float32, "
-                            "bfloat16, float16")  # fmt: skip
+        check_float_tensor(f"{op}: rank {r}'s input", x)
+        if x.is_meta:
+            raise ValueError(f"{op}: rank {r}'s input is a meta tensor (no values); pass one "
+                             "on a real device")  # fmt: skip
         if x.dim() == 0:
             raise ValueError(f"{op}: rank {r}'s input is 0-d; reshape to (1,)")
     first = xs[0]
@@ -371,6 +372,7 @@ def _run_ranks(collective, xs, opts, stats, *extra):
     """``collective(transport_r, xs[r], opts[r], *extra)`` on every rank's thread: the ranks'
     results (``stats``: and each rank's {hop: HopStats})."""
     pool = _pool(len(xs), xs[0].device)
+    xs = [x.resolve_neg() for x in xs]  # a negative view: the values it stands for
     out = pool.run([_bind(collective, x, o, *extra) for x, o in zip(xs, opts, strict=True)])
     if not stats:
         return out
@@ -457,6 +459,7 @@ def send_recv(
     world_size = _check_world_size(world_size)
     _check_peers(src, dst, world_size)
     check_rank_tensors("send", [x])
+    x = x.resolve_neg()  # a negative view: the values it stands for
     (opts,) = _options(codec, rounding, seed, step, None, None, 1, stats)
     tasks: list[Any] = [None] * world_size
     tasks[src] = lambda t: collectives.send(t, x, dst, opts)
