@@ -345,6 +345,20 @@ def test_non_finite_input_makes_its_block_nan_and_nothing_else(cluster, codec):
         (lambda: shard_rows(4, 0), ValueError, ["world_size", "0"]),
         (lambda: shard_rows(4.0, 2), TypeError, ["dim0", "float"]),
         (lambda: shard_rows(4, "2"), TypeError, ["world_size", "str"]),
+        (lambda: shard_rows(True, 2), TypeError, ["dim0", "bool"]),
+        (lambda: shard_rows(4, True), TypeError, ["world_size", "bool"]),
+        (lambda: shard_rows(4, 2**40), ValueError, ["world_size", "2**24"]),
+        (lambda: ErrorFeedback().load_state_dict(
+            {"residuals": {"a": {"worker": torch.ones(16).to_sparse()}}, "nonfinite_blocks": {}}),
+         TypeError, ["residuals['a']['worker']", "sparse_coo"]),
+        (lambda: ErrorFeedback().load_state_dict(
+            {"residuals": {"a": {"worker": torch.ones(16, device="meta")}},
+             "nonfinite_blocks": {}}),
+         TypeError, ["residuals['a']['worker']", "meta"]),
+        (lambda: ErrorFeedback().load_state_dict(
+            {"residuals": {"a": {"worker": torch.ones(16)}},
+             "nonfinite_blocks": {"a": {"worker": 2**70}}}),
+         TypeError, ["nonfinite_blocks['a']['worker']", "[0, 2**63)"]),
         (lambda: codecs.get_codec("fp5"), ValueError, ["codec", "'fp5'"]),
         (lambda: codecs.get_codec(16), ValueError, ["codec"]),
         (lambda: codecs.get_codec("none-fp16"), ValueError,

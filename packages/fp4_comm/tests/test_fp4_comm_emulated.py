@@ -181,6 +181,74 @@ def test_each_refuses_a_per_rank_value_of_another_group():
         par.each(torch.add, emulated.PerRank([torch.ones(1)] * 2), torch.ones(1))
 
 
+_X = torch.randn(4, 32)
+_P = emulated.PerRank
+
+
+def _group(**kw):
+    return emulated.EmulatedTensorParallelGroup(EmulatedRanks(2), **kw)
+
+
+# (call, exception type, words its message must hold): bad input to the emulated functions and
+# group, refused before any collective moves
+_BAD_EMULATED = [
+    (lambda: emulated.reduce_scatter_to_sequence_parallel(_P([torch.tensor(1.0)] * 2),
+                                                          EmulatedRanks(2)),
+     ValueError, ["reduce_scatter_to_sequence_parallel", "0-d"]),
+    (lambda: emulated.reduce_from_tensor_parallel(_P([_X.to_sparse()] * 2), EmulatedRanks(2)),
+     TypeError, ["reduce_from_tensor_parallel", "sparse_coo", ".to_dense()"]),
+    (lambda: emulated.gather_from_sequence_parallel(_P([_X, _X.numpy()]), EmulatedRanks(2)),
+     TypeError, ["rank 1's input is ndarray"]),
+    (lambda: emulated.copy_to_tensor_parallel(_X.to_sparse(), EmulatedRanks(2)),
+     TypeError, ["copy_to_tensor_parallel", "sparse_coo"]),
+    (lambda: emulated.copy_to_tensor_parallel([_X, _X], EmulatedRanks(2)),
+     TypeError, ["copy_to_tensor_parallel", "list, not a torch tensor"]),
+    (lambda: emulated.pipeline_boundary(_X.to_sparse(), EmulatedRanks(2)),
+     TypeError, ["pipeline_boundary", "sparse_coo"]),
+    (lambda: emulated.pipeline_boundary(_P([_X, _X]), EmulatedRanks(2)),
+     TypeError, ["pipeline_boundary: x", "PerRank"]),
+    (lambda: emulated.reduce_from_tensor_parallel(_P([_X, _X]), None),
+     TypeError, ["ranks", "EmulatedRanks", "NoneType"]),
+    (lambda: emulated.pipeline_boundary(_X, EmulatedRanks(2), stats={}),
+     TypeError, ["stats", "list", "dict"]),
+    (lambda: _group(forward="mxfp4"), TypeError, ["forward", "WirePolicy", "str"]),
+    (lambda: _group(backward="nvfp4"), TypeError, ["backward", "WirePolicy", "str"]),
+    (lambda: _group(sequence_parallel="no"), TypeError, ["sequence_parallel", "str"]),
+    (lambda: _group(seed=-1), ValueError, ["seed"]),
+    (lambda: WirePolicy(error_feedback="no"), TypeError, ["error_feedback", "str"]),
+    (lambda: WirePolicy("fp5"), ValueError, ["codec", "'fp5'"]),
+    (lambda: WirePolicy(rounding="up"), ValueError, ["rounding", "'up'"]),
+    (lambda: _group().shard(_P([_X] * 3)), ValueError, ["shard", "3 for 2 ranks"]),
+    (lambda: _group().shard(_P([_X])), ValueError, ["shard", "1 for 2 ranks"]),
+    (lambda: _group().sharded_parameter(_P([_X] * 3)), ValueError,
+     ["sharded_parameter", "3 for 2 ranks"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "kind", "words"), _BAD_EMULATED)
+def test_emulated_functions_and_group_reject_bad_input(call, kind, words):
+    with pytest.raises(kind) as info:
+        call()
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_sum_partial_grads_refuses_a_replica_without_a_gradient_beside_ones_with():
+    """A replica whose gradient is None beside replicas that have one would shift every later
+    parameter's gradient by one in the ranks' concatenated buffers (rank 0's gradient of one
+    parameter summed with rank 1's of the next): refused, naming the parameter and ranks."""
+    par = _group(sequence_parallel=True)
+    a = par.replicated_parameter(torch.zeros(4))
+    b = par.replicated_parameter(torch.zeros(4))
+    a[0].grad, b[1].grad = torch.ones(4), torch.full((4,), 7.0)
+    with pytest.raises(ValueError, match=r"parameter 0 has no gradient on rank\(s\) \[1\]"):
+        par.sum_partial_grads([a, b])
+    assert torch.equal(a[0].grad, torch.ones(4))  # nothing summed
+    a[1].grad, b[0].grad = torch.zeros(4), torch.zeros(4)
+    par.sum_partial_grads([a, b])
+    assert all(torch.equal(a[r].grad, torch.ones(4)) for r in range(2))
+    assert all(torch.equal(b[r].grad, torch.full((4,), 7.0)) for r in range(2))
+
+
 # ------------------------------------------------------------------ pipeline boundary
 
 

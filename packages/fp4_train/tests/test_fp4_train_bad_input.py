@@ -347,12 +347,97 @@ _CASES = [
              torch.nn.Linear(32, 16).state_dict(), assign=True
          ),
      ValueError, r"load_state_dict\(assign=True\) would replace the parameters"),
+    ("linear/in-features-0", lambda: fp4_linear(torch.ones(4, 0), torch.ones(16, 0)),
+     ValueError, r"^fp4_linear: in_features is 0 .*torch.nn.functional.linear"),
+    ("linear/double-backward", lambda: _double_backward(), RuntimeError,
+     r"^fp4_linear: a double backward \(create_graph=True\) is not supported"),
+    ("sw/load-shapes-none", lambda: _sw().load_state_dict({**_sw().state_dict(), "shapes": None}),
+     TypeError, r"^state\['shapes'\]: expected a list of the parameters' shapes"),
+    ("sw/load-shapes-ints", lambda: _sw().load_state_dict({**_sw().state_dict(), "shapes": [32]}),
+     TypeError, r"^state\['shapes'\]: expected a list"),
+    ("sw/load-packed-none", lambda: _sw().load_state_dict({**_sw().state_dict(), "packed": None}),
+     TypeError, r"^state\['packed'\]: expected a list of the packed parameters' fields"),
+    ("sw/load-packed-entry-none",
+     lambda: _sw().load_state_dict({**_sw().state_dict(), "packed": [None]}),
+     TypeError, r"^state\['packed'\]: expected a list"),
+    ("sw/load-packed-without-shape", lambda: _sw().load_state_dict(_packed_without("shape")),
+     TypeError, r"^state\['packed'\]: expected a list"),
+    ("sw/load-packed-data-meta", lambda: _sw().load_state_dict(_packed_data_on_meta()),
+     TypeError, r"^state\['packed'\]\[0\]: data, scales and global_scale must be torch "
+         r"tensors holding values"),
+    ("sw/load-residual-wrong-shape", lambda: _ef_residual_load(torch.ones(5)), ValueError,
+     r"^state\['error_feedback'\]\['residuals'\]\['param0'\]: shape \(5,\), expected "
+         r"\(1024,\)"),
+    ("sw/load-residual-unknown-name", lambda: _ef_residual_load(torch.ones(1024), "param7"),
+     ValueError, r"^state\['error_feedback'\]\['residuals'\]\['param7'\]: no such parameter"),
+    ("sw/wrap-twice", lambda: _wrapped_twice(release=True), ValueError,
+     r"^optimizer: it is wrapped by an FP4StoredWeights already"),
+    ("sw/wrap-twice-kept", lambda: _wrapped_twice(release=False), ValueError,
+     r"^optimizer: it is wrapped by an FP4StoredWeights already"),
+    ("sw/parameter-of-another", lambda: _parameter_of_another(), ValueError,
+     r"^parameter 0 is stored in FP4 by another FP4StoredWeights"),
+    ("sw/group-added-after-wrapping", lambda: _group_added_then_step(), ValueError,
+     r"^step: the wrapped optimizer's parameters changed .*\(1 then, 2 now: add_param_group\?\)"),
+    ("ef/load-residuals-none",
+     lambda: ErrorFeedback().load_state_dict({**ErrorFeedback().state_dict(), "residuals": None}),
+     TypeError, r"^state\['residuals'\]: expected a dict of name -> value"),
+    ("ef/load-residuals-list",
+     lambda: ErrorFeedback().load_state_dict({**ErrorFeedback().state_dict(), "residuals": [1]}),
+     TypeError, r"^state\['residuals'\]: expected a dict"),
+    ("ef/load-steps-none",
+     lambda: ErrorFeedback().load_state_dict({**ErrorFeedback().state_dict(), "steps": None}),
+     TypeError, r"^state\['steps'\]: expected a dict"),
     ("sw/module-load-wrong-shape",
      lambda: _attached_linear().load_state_dict(torch.nn.Linear(16, 32).state_dict()),
      RuntimeError,
      r"size mismatch for weight: copying a param with shape torch.Size\(\[32, 16\]\)"),
 ]  # fmt: skip
 REJECTED = [pytest.param(call, error, message, id=case) for case, call, error, message in _CASES]
+
+
+def _double_backward():
+    """A gradient penalty through fp4_linear (the input gradient built with create_graph)."""
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    torch.autograd.grad(fp4_linear(x, w).sum(), x, create_graph=True)
+
+
+def _packed_without(key):
+    state = _sw().state_dict()
+    state["packed"][0] = {k: v for k, v in state["packed"][0].items() if k != key}
+    return state
+
+
+def _packed_data_on_meta():
+    state = _sw().state_dict()
+    state["packed"][0] = {**state["packed"][0], "data": state["packed"][0]["data"].to("meta")}
+    return state
+
+
+def _ef_residual_load(residual, name="param0"):
+    state = _sw(rounding="error_feedback").state_dict()
+    state["error_feedback"] = {**state["error_feedback"], "residuals": {name: residual}}
+    _sw(rounding="error_feedback").load_state_dict(state)
+
+
+def _wrapped_twice(release):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(32))], lr=0.1)
+    first = FP4StoredWeights(opt, release=release)
+    FP4StoredWeights(opt)
+    return first
+
+
+def _parameter_of_another():
+    p = torch.nn.Parameter(torch.randn(32))
+    first = FP4StoredWeights(torch.optim.SGD([p], lr=0.1))
+    FP4StoredWeights(torch.optim.SGD([p], lr=0.1))
+    return first
+
+
+def _group_added_then_step():
+    s = _sw([torch.nn.Parameter(torch.randn(32))])
+    s.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(16))]})
+    s.step()
 
 
 def _bad_counter_values(name, bits, negative, too_large, too_large_id, hint=""):

@@ -570,12 +570,20 @@ def shard_rows(dim0: int, world_size: int) -> list[int]:
     ``torch.distributed.reduce_scatter_tensor`` does, and the padding rows dropped."""
     dim0 = _count(dim0, "shard_rows: dim0", 0)
     world_size = _count(world_size, "shard_rows: world_size", 1)
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"shard_rows: world_size is {world_size}; at most 2**24 ranks (the "
+                         "list it returns holds one count a rank)")  # fmt: skip
     m = -(-dim0 // world_size)
     return [max(0, min(m, dim0 - r * m)) for r in range(world_size)]
 
 
+MAX_WORLD_SIZE = 2**24  # ranks shard_rows splits over: more than any machine has
+
+
 def _count(value, what, low):
     try:
+        if isinstance(value, bool):  # an int to operator.index, never meant as a count
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"{what}: expected an int, got {type(value).__name__}") from None

@@ -45,7 +45,7 @@ from torch import nn
 
 from .codecs import CodecSpec, Rounding
 from .parallel_group import TensorParallelGroup, WirePolicy
-from .reference import EmulatedRanks
+from .reference import EmulatedRanks, check_rank_tensors
 from .tensor_parallel import (
     BACKWARD,
     FORWARD,
@@ -180,11 +180,22 @@ def _send(ranks, x, src, dst, opts, direction, stats):
 # ------------------------------------------------------------------ the four TP functions
 
 
-def _inputs(x, k, what):
+def _inputs(x, ranks, what, stats):
+    """The per-rank values of ``x`` (None where ``x`` is one tensor, every rank's), each a
+    torch tensor a collective takes (``reference.check_rank_tensors``); the group and the
+    statistics list checked too, before any collective moves."""
+    if not isinstance(ranks, EmulatedRanks):
+        raise TypeError(f"{what}: ranks: expected fp4_comm.reference.EmulatedRanks, got "
+                        f"{type(ranks).__name__}")  # fmt: skip
+    if stats is not None and not isinstance(stats, list):
+        raise TypeError(f"{what}: stats: expected a list (the WireStats are appended) or None, "
+                        f"got {type(stats).__name__}")  # fmt: skip
     if is_per_rank(x):
-        if len(x) != k:
-            raise ValueError(f"{what}: {len(x)} per-rank values for {k} ranks")
+        if len(x) != ranks.world_size:
+            raise ValueError(f"{what}: {len(x)} per-rank values for {ranks.world_size} ranks")
+        check_rank_tensors(what, list(x), same_shape=False)
         return list(x)
+    check_rank_tensors(what, [x])
     return None
 
 
@@ -206,7 +217,7 @@ def copy_to_tensor_parallel(
     _, grad_opts = function_options("copy_to_tensor_parallel", codec, rounding, seed,
                                     error_feedback, grad_codec, grad_rounding or rounding,
                                     grad_error_feedback)  # fmt: skip
-    xs = _inputs(x, ranks.world_size, "copy_to_tensor_parallel")
+    xs = _inputs(x, ranks, "copy_to_tensor_parallel", stats)
     shared = xs is None
     return PerRank(_CopyToTensorParallel.apply(ranks, grad_opts, stats, shared,
                                                *([x] if shared else xs)))  # fmt: skip
@@ -226,7 +237,7 @@ def reduce_from_tensor_parallel(
     outputs -> their all-reduced sum (the same on every rank: one tensor)."""
     opts, _ = function_options("reduce_from_tensor_parallel", codec, rounding, seed,
                                error_feedback)  # fmt: skip
-    xs = _need_per_rank(xs, ranks, "reduce_from_tensor_parallel")
+    xs = _need_per_rank(xs, ranks, "reduce_from_tensor_parallel", stats)
     return _ReduceFromTensorParallel.apply(ranks, opts, stats, *xs)
 
 
@@ -249,7 +260,7 @@ def gather_from_sequence_parallel(
     opts, grad_opts = function_options("gather_from_sequence_parallel", codec, rounding, seed,
                                        error_feedback, grad_codec, grad_rounding or rounding,
                                        grad_error_feedback)  # fmt: skip
-    xs = _need_per_rank(xs, ranks, "gather_from_sequence_parallel")
+    xs = _need_per_rank(xs, ranks, "gather_from_sequence_parallel", stats)
     return PerRank(_GatherFromSequenceParallel.apply(ranks, opts, grad_opts, total_dim0, stats,
                                                      *xs))  # fmt: skip
 
@@ -272,16 +283,15 @@ def reduce_scatter_to_sequence_parallel(
     opts, grad_opts = function_options("reduce_scatter_to_sequence_parallel", codec, rounding,
                                        seed, error_feedback, grad_codec, grad_rounding,
                                        grad_error_feedback)  # fmt: skip
-    xs = _need_per_rank(xs, ranks, "reduce_scatter_to_sequence_parallel")
+    xs = _need_per_rank(xs, ranks, "reduce_scatter_to_sequence_parallel", stats)
     return PerRank(_ReduceScatterToSequenceParallel.apply(ranks, opts, grad_opts, stats, *xs))
 
 
-def _need_per_rank(xs, ranks, what):
-    values = _inputs(xs, ranks.world_size, what)
-    if values is None:
+def _need_per_rank(xs, ranks, what, stats):
+    if not is_per_rank(xs):
         raise TypeError(f"{what}: expected one tensor per rank (a PerRank), got "
                         f"{type(xs).__name__}")  # fmt: skip
-    return values
+    return _inputs(xs, ranks, what, stats)
 
 
 def pipeline_boundary(
@@ -300,6 +310,10 @@ def pipeline_boundary(
     """``pipeline.send_forward`` on rank ``src`` and ``recv_forward`` on rank ``dst``, in one:
     the activation as ``dst`` receives it; backward, its gradient as ``src`` receives it.
     Each direction's step is its sender's count of sends (``EmulatedRanks``)."""
+    if is_per_rank(x):
+        raise TypeError("pipeline_boundary: x: expected rank src's activation (one tensor), got "
+                        f"{type(x).__name__}")  # fmt: skip
+    _inputs(x, ranks, "pipeline_boundary", stats)
     opts = direction_options(codec, rounding, seed, None, FORWARD, "send")
     grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, None, BACKWARD,
                                   "send")  # fmt: skip
@@ -343,22 +357,29 @@ class EmulatedTensorParallelGroup(TensorParallelGroup):
         if not any(is_per_rank(a) for a in args):
             return fn(*args)
         for a in args:
-            if is_per_rank(a) and len(a) != self.size:
-                raise ValueError(f"each: a per-rank value of {len(a)} for {self.size} ranks")
+            if is_per_rank(a):
+                self._check_count("each", a)
         return PerRank(fn(*(a[r] if is_per_rank(a) else a for a in args)) for r in range(self.size))
 
     def shard(self, w: Any, dim: int = 0) -> PerRank:
         """Every rank's ``TensorParallelGroup.shard`` of ``w`` (of rank r's own ``w[r]`` where
         ``w`` is per rank)."""
+        if is_per_rank(w):
+            self._check_count("shard", w)
         return PerRank(
             _piece(w[r] if is_per_rank(w) else w, dim, r, self.size) for r in range(self.size)
         )
+
+    def _check_count(self, what, value):
+        if len(value) != self.size:
+            raise ValueError(f"{what}: a per-rank value of {len(value)} for {self.size} ranks")
 
     def sharded_parameter(self, value: Sequence[torch.Tensor]) -> nn.ParameterList:
         """The ranks' shards (``shard``'s result), one parameter each."""
         if not is_per_rank(value):
             raise TypeError("sharded_parameter: expected every rank's shard (from shard or "
                             f"each), got {type(value).__name__}")  # fmt: skip
+        self._check_count("sharded_parameter", value)
         return nn.ParameterList([nn.Parameter(v) for v in value])
 
     def replicated_parameter(self, value: torch.Tensor) -> nn.Parameter | nn.ParameterList:
@@ -388,6 +409,14 @@ class EmulatedTensorParallelGroup(TensorParallelGroup):
                 raise TypeError(
                     "sum_partial_grads: under sequence parallelism every replicated parameter "
                     "has one replica per rank (replicated_parameter)"
+                )
+        for i, p in enumerate(params):
+            missing = [r for r in range(self.size) if p[r].grad is None]
+            if missing and len(missing) < self.size:
+                raise ValueError(
+                    f"sum_partial_grads: parameter {i} has no gradient on rank(s) {missing} but "
+                    "has one on the others; every rank's replica takes part in the sum (a rank "
+                    "whose replica got no gradient holds zeros: p.grad = torch.zeros_like(p))"
                 )
         grads = [[p[r].grad for p in params if p[r].grad is not None] for r in range(self.size)]
         if not grads[0]:

@@ -183,11 +183,15 @@ class ErrorFeedback:
                 kind = getattr(e, "dtype", type(e).__name__)
                 raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is {kind}, not a "
                                 "float32 tensor")  # fmt: skip
+            if e.is_nested or e.layout != torch.strided or e.is_meta:
+                kind = "nested" if e.is_nested else "meta" if e.is_meta else str(e.layout)
+                raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is a {kind} tensor; "
+                                "expected a dense one holding its values")  # fmt: skip
             residuals[(name, hop)] = e
         for key, n in _entries(state["nonfinite_blocks"], "nonfinite_blocks"):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
                 raise TypeError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] is {n!r}, "
-                                "not a count (an int >= 0)")  # fmt: skip
+                                "not a count (an int in [0, 2**63))")  # fmt: skip
             if key not in residuals:
                 raise ValueError(f"{what}: nonfinite_blocks[{key[0]!r}][{key[1]!r}] has no "
                                  "residual")  # fmt: skip

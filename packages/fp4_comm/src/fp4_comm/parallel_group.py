@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import tensor_parallel as tp
+from .codecs import SEED_LIMIT, check_int, check_rounding, get_codec
 from .communicator import Communicator
 
 
@@ -47,6 +48,15 @@ class WirePolicy:
     codec: object = "nvfp4"
     rounding: str | None = None
     error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.codec != "native":
+            get_codec(self.codec)  # ValueError naming the codec and the choices
+        if self.rounding is not None:
+            check_rounding(self.rounding)
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"WirePolicy: error_feedback is {type(self.error_feedback).__name__}; "
+                            "expected True or False")  # fmt: skip
 
 
 def check_native(forward: WirePolicy, backward: WirePolicy, sequence_parallel: bool) -> bool:
@@ -114,10 +124,17 @@ class TensorParallelGroup:
     def _set_policies(self, size, forward, backward, seed, sequence_parallel):
         # What a group of ``size`` ranks (this one, or the emulated one of all of them) keeps
         # of its arguments; ``native``: codec "native" with more than one rank.
+        for what, policy in (("forward", forward), ("backward", backward)):
+            if not isinstance(policy, WirePolicy) and (what == "forward" or policy is not None):
+                raise TypeError(f"{what}: expected a WirePolicy (codec, rounding, error "
+                                f"feedback), got {type(policy).__name__}")  # fmt: skip
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel is {type(sequence_parallel).__name__}; expected "
+                            "True or False")  # fmt: skip
         self.size = size
         self.forward = forward
         self.backward = forward if backward is None else backward
-        self.seed = seed
+        self.seed = check_int(seed, "seed", SEED_LIMIT)
         self.sequence_parallel = sequence_parallel and size > 1
         self.stats = None
         self.native = check_native(forward, self.backward, sequence_parallel) and size > 1

@@ -273,6 +273,11 @@ class ErrorFeedback:
                     f"this one {getattr(self, key)!r}"
                 )
         seed = check_seed(state["seed"], "state['seed']")
+        for key in ("residuals", "steps"):
+            if not isinstance(state.get(key, {}), dict):
+                raise TypeError(f"state[{key!r}]: expected a dict of name -> value (the one "
+                                f"ErrorFeedback.state_dict() holds), got "
+                                f"{type(state[key]).__name__}")  # fmt: skip
         residuals = {}
         for k, v in dict(state["residuals"]).items():
             _check_input(v, f"state['residuals'][{k!r}]")

@@ -76,6 +76,12 @@ class _FP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: its result would miss the quantized
+            # GEMMs' own derivatives (a gradient penalty through it would silently drop them)
+            raise RuntimeError(
+                "fp4_linear: a double backward (create_graph=True) is not supported: the "
+                "gradients of its quantized GEMMs are not differentiable"
+            )
         rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed, step = ctx.options
         x2d, weight = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -131,6 +137,12 @@ def _check(x, weight, bias):
             f"fp4_linear: weight must be (out_features, in_features), got {tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
+    if in_features == 0:
+        raise ValueError(
+            "fp4_linear: in_features is 0 (weight of shape "
+            f"{tuple(weight.shape)}): there is no product to quantize; use torch.nn.functional."
+            "linear, whose result is the bias alone"
+        )
     for name, n in (("in_features", in_features), ("out_features", out_features)):
         if n % BLOCK:
             raise ValueError(
@@ -184,6 +196,11 @@ def fp4_linear(
     Non-finite values: a NaN or infinity in x or weight makes its NVFP4 block decode to NaN,
     so every output it takes part in is NaN, as in ``torch.nn.functional.linear``.  An empty
     batch (x of shape (0, in_features)) gives an empty output.
+
+    Autograd: first derivatives (straight-through, above).  A backward that builds a graph of
+    its own (``create_graph=True``, as a gradient penalty does) raises RuntimeError: the
+    quantized GEMMs' gradients are not differentiable, and a result without their derivatives
+    would be silently wrong.
     """
     for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
         if value not in ROUNDINGS:

@@ -27,6 +27,7 @@ wrapped optimizer's state: restoring it resumes training bit for bit.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -101,8 +102,19 @@ class FP4StoredWeights:
         self.fmt = fmt
         self.seed = check_seed(seed)
         self.release_after_step = release
+        wrapper = _WRAPPERS.get(optimizer)
+        if wrapper is not None and wrapper() is not None:
+            raise ValueError(
+                "optimizer: it is wrapped by an FP4StoredWeights already (which holds its "
+                "parameters in FP4); wrap an optimizer once and use that wrapper"
+            )
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         for i, p in enumerate(self.params):
+            if type(p) in _PLAIN_CLASS:
+                raise ValueError(
+                    f"parameter {i} is stored in FP4 by another FP4StoredWeights (its "
+                    "full-precision storage is released); a parameter is stored by one"
+                )
             check_storage(p, f"parameter {i}")
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
@@ -121,11 +133,29 @@ class FP4StoredWeights:
         self._decode_all()
         if release:
             self.release()
+        _WRAPPERS[optimizer] = weakref.ref(self)
 
     # -- storage -----------------------------------------------------------------------------
 
     def _name(self, i):
         return f"param{i}"
+
+    def _check_residuals(self, residuals, block):
+        """ValueError unless each of a state's error-feedback ``residuals`` (name -> tensor)
+        belongs to a parameter here and has its flattened, block-padded shape."""
+        names = {self._name(i): i for i in range(len(self.params))}
+        for name, r in residuals.items():
+            what = f"state['error_feedback']['residuals'][{name!r}]"
+            if name not in names:
+                raise ValueError(f"{what}: no such parameter here (param0 .. "
+                                 f"param{len(self.params) - 1})")  # fmt: skip
+            i = names[name]
+            padded = (-(-_numel(self.shapes[i]) // block) * block,)
+            if tuple(r.shape) != padded:
+                raise ValueError(
+                    f"{what}: shape {tuple(r.shape)}, expected {padded} (parameter {i} of "
+                    f"shape {self.shapes[i]}, flattened and padded to whole blocks)"
+                )
 
     def _store(self, i, w):
         """The packed FP4 form of ``w`` (any shape): flattened, padded to whole blocks."""
@@ -253,6 +283,19 @@ class FP4StoredWeights:
         """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
 
+    def _check_params(self, what):
+        """ValueError unless the wrapped optimizer still holds the parameters stored here (a
+        parameter group added since would be updated in full precision and never stored)."""
+        held = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(held) != len(self.params) or any(
+            a is not b for a, b in zip(held, self.params, strict=True)
+        ):
+            raise ValueError(
+                f"{what}: the wrapped optimizer's parameters changed since FP4StoredWeights was "
+                f"made ({len(self.params)} then, {len(held)} now: add_param_group?); it stores "
+                "the parameters it was made with: add every group first, then wrap the optimizer"
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -260,6 +303,7 @@ class FP4StoredWeights:
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of the wrapped optimizer in full precision, then store it in FP4."""
+        self._check_params("step")
         self.materialize()
         if closure is not None:
             with torch.enable_grad():
@@ -376,7 +420,14 @@ class FP4StoredWeights:
         after an error this object is as it was."""
         keys = ("rounding", "fmt", "seed", "step_count", "shapes", "packed", "optimizer")
         check_state_keys(state, keys, "FP4StoredWeights")
-        shapes = [tuple(s) for s in state["shapes"]]
+        shapes = _checked_shapes(state["shapes"])
+        if not isinstance(state["packed"], (list, tuple)) or not all(
+            isinstance(s, dict) and "shape" in s for s in state["packed"]
+        ):
+            raise TypeError(
+                "state['packed']: expected a list of the packed parameters' fields (dicts with "
+                "'shape', 'data', 'scales', 'global_scale'), as state_dict() holds them"
+            )
         if len(shapes) != len(self.shapes) or len(state["packed"]) != len(self.shapes):
             raise ValueError(
                 f"the state holds {len(shapes)} parameters, this optimizer has {len(self.shapes)}"
@@ -402,9 +453,10 @@ class FP4StoredWeights:
                     f"parameter of shape {self.shapes[i]}"
                 )
             fields = [s.get(k) for k in ("data", "scales", "global_scale")]
-            if not all(isinstance(t, torch.Tensor) for t in fields):
+            if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in fields):
                 raise TypeError(
-                    f"state['packed'][{i}]: data, scales and global_scale must be torch tensors"
+                    f"state['packed'][{i}]: data, scales and global_scale must be torch tensors "
+                    "holding values (not on the meta device)"
                 )
             device = self.params[i].device
             data, scales, global_scale = (t.to(device) for t in fields)
@@ -428,6 +480,7 @@ class FP4StoredWeights:
             if state.get("error_feedback") is None:
                 raise ValueError("state: no 'error_feedback' entry for rounding='error_feedback'")
             residuals = self._error_feedback._checked_state(state["error_feedback"])
+            self._check_residuals(residuals[1], block)
         # Everything is checked; the optimizer's state is the last part that can fail, and a
         # failed load leaves it as it was.  Nothing after it raises: no half-loaded object.
         self._load_optimizer_state(state["optimizer"], state.get("optimizer_class"))
@@ -480,6 +533,9 @@ class _ReleasedTensor(torch.Tensor):
 
 
 _RELEASED_CLASS = {torch.nn.Parameter: _ReleasedParameter, torch.Tensor: _ReleasedTensor}
+# optimizer -> the FP4StoredWeights that wraps it (weakly: a wrapper dropped frees its optimizer
+# for another)
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLAIN_CLASS = {v: k for k, v in _RELEASED_CLASS.items()}
 
 
@@ -507,6 +563,22 @@ def _load_state_dict_pre_hook(module, hook):
     if register is None:  # pragma: no cover - older torch
         return module._register_load_state_dict_pre_hook(hook, with_module=True)
     return register(hook)
+
+
+def _checked_shapes(shapes: Any) -> list[tuple[int, ...]]:
+    """``state['shapes']``: a list of shapes (sequences of ints >= 0), as tuples; TypeError
+    otherwise."""
+    ok = isinstance(shapes, (list, tuple)) and all(
+        isinstance(s, (list, tuple, torch.Size))
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+        for s in shapes
+    )
+    if not ok:
+        raise TypeError(
+            "state['shapes']: expected a list of the parameters' shapes (tuples of ints), as "
+            "state_dict() holds them"
+        )
+    return [tuple(s) for s in shapes]
 
 
 def _numel(shape: Iterable[int]) -> int:
