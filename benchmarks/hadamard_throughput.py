@@ -17,14 +17,14 @@ fast-hadamard-transform when ``--fht-loader`` names a Python file whose ``load()
 repository).  Host time per call is measured on a 64 x 1024 tensor.  Writes
 ``hadamard_throughput.json`` / ``.md`` (device, commit, date) to ``--out``.
 
-The transform kernel has variants (``fp4_kernels.cuda.hadamard.VARIANTS``; all give the same
-bits): ``smem-pf`` (the default: lane stages through shared-memory transposes, the next
+The transform kernel has variants (``fp4_kernels.cuda.launch_table.NETWORK_VARIANTS``; all give
+the same bits): ``smem-pf`` (the default: lane stages through shared-memory transposes, the next
 tile's loads issued before this tile's butterflies), ``smem`` (the same without the early
 loads), ``smem16`` (``smem`` at g = 16 too; the others keep the shuffle kernel there) and
 ``shfl`` (lane stages by warp shuffles).  FP4Quant follows the variant (``shfl`` or the
 shared-memory network, with the early loads under ``smem-pf``).  The environment variable
-``FP4_HADAMARD_VARIANT`` picks the one every call uses; ``--variants`` times the transform
-rows once per listed variant in the same run (op names get ``[variant]``).
+``FP4_HADAMARD_VARIANT`` picks the one every call uses; ``--variants`` times the transform rows
+once per listed variant in the same run (op names get ``[variant]``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def main():
         "--variants",
         default="",
         help="comma-separated transform kernel variants to time each (default: only the one "
-        "FP4_HADAMARD_VARIANT names, or the default; see fp4_kernels.cuda.hadamard.VARIANTS)",
+        "FP4_HADAMARD_VARIANT names, or the default; see "
+        "fp4_kernels.cuda.launch_table.NETWORK_VARIANTS)",
     )
     ap.add_argument("--no-fp4quant", action="store_true", help="time the transform rows only")
     args = ap.parse_args()
@@ -133,10 +134,10 @@ def main():
             flush=True,
         )
 
-    from fp4_kernels.cuda import hadamard as kernels
+    from fp4_kernels.cuda import launch
 
     chosen = os.environ.get("FP4_HADAMARD_VARIANT")
-    variants = [v for v in args.variants.split(",") if v] or [kernels.variant()]
+    variants = [v for v in args.variants.split(",") if v] or [launch.network_variant()]
     for g in groups:
         for v in variants:
             os.environ["FP4_HADAMARD_VARIANT"] = v  # read at every call (and graph capture)

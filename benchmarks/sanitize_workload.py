@@ -84,8 +84,8 @@ def main():
     import torch
 
     import fp4_kernels as fk
-    from fp4_kernels.cuda.hadamard import VARIANTS
     from fp4_kernels.cuda.launch import launch_policy
+    from fp4_kernels.cuda.launch_table import NETWORK_VARIANTS as VARIANTS
 
     variants = args[1:] or list(VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]

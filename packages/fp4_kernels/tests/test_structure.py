@@ -200,7 +200,8 @@ def test_a_warm_call_passes_three_files_and_twelve_calls(op):
 
 
 FIRST_CALL_FILES = 6  # the public function, the descriptor, the plan, the op's host function
-# (two where it borrows a helper: cuda/amax, cuda/hadamard) and the launcher
+# (two where it runs another op's pass: cuda/amax; or the QuantizedTensor's check, _quantized)
+# and the launcher
 
 
 FIRST_OPS = {
@@ -208,6 +209,7 @@ FIRST_OPS = {
     for name in (
         "nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "fp4quant_quantize_dequantize",
         "hadamard", "requantized_sum_mxfp4", "requantized_sum_nvfp4_row_scales",
+        "dequantize_nvfp4", "dequantize_fp4quant",
     )
 }  # fmt: skip
 

@@ -1,11 +1,11 @@
-"""cuda/hadamard.py's "smem" network, checked on its tables (no kernel runs): every layout
+"""cuda/butterflies.py's "smem" network, checked on its tables (no kernel runs): every layout
 covers each element once, the stages fall in registers in the reference's order, each
 shared-memory access instruction is free of bank conflicts and each global access instruction
 covers whole 128-byte lines."""
 
 import pytest
 
-from fp4_kernels.cuda import hadamard as H
+from fp4_kernels.cuda import butterflies as H
 from fp4_kernels.formats.hadamard import stage_order
 
 GROUP_SIZES = [16 << i for i in range(10)]

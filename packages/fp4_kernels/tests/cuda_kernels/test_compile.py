@@ -15,15 +15,10 @@ if config.ENABLE_CUDASIM:
 
 from fp4_kernels._scalar import KIND_F32
 from fp4_kernels.cuda.amax import amax_kernel
+from fp4_kernels.cuda.butterflies import EXCHANGED_DIRECT, WARP_TILE, layouts
 from fp4_kernels.cuda.dequantize import dequantize_kernel
 from fp4_kernels.cuda.fp4quant import fp4quant_decode_kernel, fp4quant_encode_kernel
-from fp4_kernels.cuda.hadamard import (
-    EXCHANGED_DIRECT,
-    WARP_TILE,
-    hadamard_kernel,
-    layouts,
-    smem_hadamard_kernel,
-)
+from fp4_kernels.cuda.hadamard import hadamard_kernel, smem_hadamard_kernel
 from fp4_kernels.cuda.quantize import quantize_kernel
 from fp4_kernels.cuda.quantize_dequantize import fake_quantize_kernel
 from fp4_kernels.formats.mxfp4 import SPEC as FMT_MXFP4

@@ -8,7 +8,9 @@ from conftest import REAL_GPU, SIMULATOR
 
 import fp4_kernels as fk
 from fp4_kernels._scalar import KIND_BF16, KIND_F16, KIND_F32
-from fp4_kernels.cuda import hadamard as H
+from fp4_kernels.cuda import hadamard as H, launch
+from fp4_kernels.cuda.butterflies import WARP_TILE
+from fp4_kernels.cuda.launch_table import NETWORK_VARIANTS
 from fp4_kernels.formats import hadamard as h
 from fp4_kernels.testing import same_bits
 
@@ -37,7 +39,7 @@ SIM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", list(H.VARIANTS))
+@pytest.mark.parametrize("variant", list(NETWORK_VARIANTS))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("g,dtype,inverse,seed,rows", SIM_CASES)
 def test_kernel_matches_reference(
@@ -75,11 +77,11 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
     does not prefetch; 16-bit elements and packed codes (None) do under ``smem-pf``.  The
     host sizes the CTA by the resolved choice: 128 threads with the prefetch, 256 without."""
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
-    assert H.network_choice(64, kind) == choice
-    assert H.network_choice(16, kind) == (False, False)  # below "smem"'s smallest g
+    assert launch.network_choice(64, kind) == choice
+    assert launch.network_choice(16, kind) == (False, False)  # below "smem"'s smallest g
     if kind is not None:
         most = H.transform_kernel(kind, 64, False, True)[1]
-        assert most == (H.max_threads(choice[1]) if choice[0] else None)
+        assert most == (launch.network_max_threads(choice[1]) if choice[0] else None)
     if kind == KIND_F32:
         assert H.transform_kernel(kind, 64, False, True)[1] == H.LAUNCH.threads
 
@@ -100,8 +102,6 @@ def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     4 of 128 at 4096, 2 of 256 at 8192), from g = 2048 by the shared-memory carveout too
     (``prefetch_threads_per_sm``: 384 at 2048; the launcher's occupancy cap then follows the
     carveout); the others up to 2048 threads (8 CTAs of 256, 32 of 64)."""
-    from fp4_kernels.cuda import launch
-
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     monkeypatch.setattr(launch, "sm_count", lambda device_id: 1)
     asked = []
@@ -123,14 +123,13 @@ def test_prefetching_transform_carveout(gpu, monkeypatch, g):
     from cuda.bindings import driver
 
     from fp4_kernels import _numba_abi as abi
-    from fp4_kernels.cuda import launch
 
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
     x = np.ones((64, g), NP_DTYPES["bfloat16"])
     kernel = H.transform_kernel(KIND_BF16, g, False, False)[0]
     fk.hadamard(to_gpu(x, "numba"), group_size=g)
     (key,) = [k for k in launch._compiled if k[0] is kernel]
-    threads = 32 * g // H.WARP_TILE
+    threads = 32 * g // WARP_TILE
     ctas = H.prefetch_threads_per_sm(g) // threads
     assert launch._carveout[key] == ctas
     cu_kernel = launch._compiled[key].cu_kernel
@@ -166,7 +165,7 @@ def test_kernel_nan_stays_in_its_group(kernels):
 @pytest.mark.skipif(SIMULATOR, reason="full sizes run on a real GPU only")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
-@pytest.mark.parametrize("variant", list(H.VARIANTS))
+@pytest.mark.parametrize("variant", list(NETWORK_VARIANTS))
 def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
     monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
     n = (1 << 22) + 3 * 8192  # not a multiple of the CTA tile: a partial last tile

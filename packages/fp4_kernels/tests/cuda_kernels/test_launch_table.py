@@ -51,6 +51,17 @@ def test_every_row_names_its_module():
         assert row.threads % 32 == 0 and row.items_per_thread >= 1
 
 
+def test_the_group_kernels_rows_hold_the_butterfly_networks_registers():
+    """The transform's and FP4Quant's rows: 32 elements a thread, the registers every kernel on
+    the butterfly networks holds (``cuda.butterflies.REGISTERS``, read from the table), which
+    ``launch.group_grid`` sizes their grids and CTAs by."""
+    from fp4_kernels.cuda.butterflies import REGISTERS
+
+    assert REGISTERS == 32
+    for op in ("hadamard", "hadamard_prefetch", "fp4quant"):
+        assert LAUNCHES[op].items_per_thread == REGISTERS, op
+
+
 def test_nvfp4_quantize_launches_the_amax_row_then_the_quantize_row(launches):
     fk.quantize(_x())
     a, q = LAUNCHES["amax"], LAUNCHES["quantize"]

@@ -12,8 +12,8 @@ from numba import cuda
 from .._numba_abi import make_bitcast_intrinsics, py_f32_as_u32, py_u32_as_f32
 from .._scalar import compile_ops
 from .launch import SIMULATOR
+from .launch_table import WARP_SIZE  # noqa: F401 (the kernels' import of it)
 
-WARP_SIZE = 32
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATOR:

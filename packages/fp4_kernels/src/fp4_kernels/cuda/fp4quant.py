@@ -6,8 +6,8 @@ encode: read x once -> (optional) butterflies -> group amax -> bf16 scale -> e2m
 decode: read codes and scales once -> (optional) butterflies on the e2m1 values (exact) ->
         * (scale * 2^-log2(g)); write the tensor.
 
-Element layout, launch contract and butterfly order are those of ``cuda.hadamard``: its
-shuffle network, or its shared-memory network where the transform's variant runs that one
+Element layout, launch contract and butterfly order are those of ``cuda.butterflies``: its
+shuffle network, or its shared-memory network where the launch table's variant runs that one
 (``_smem_encode_kernel``, ``_smem_decode_kernel``).  The group amax is reduced like the
 transform: over a run's 8 registers, over the thread's runs that share a group, over the lanes
 of the group (butterfly shuffles; every lane ends with it) and, for g >= 2048, over the CTA's
@@ -23,7 +23,7 @@ from numba import cuda
 
 from .._calls import payload_views
 from .._scalar import E2M1_CODE_BIAS, KIND_F32
-from . import hadamard as hn, launch
+from . import butterflies as bf, launch
 from ._primitives import (
     FULL_MASK,
     OPS,
@@ -38,6 +38,17 @@ from ._primitives import (
     u32_as_f32,
 )
 from ._words import U32, U64, make_words_io, words_per
+from .butterflies import (
+    CHUNK,
+    REGISTERS,
+    WARP_TILE,
+    cross_warp_bits,
+    exchanged_element,
+    make_butterflies,
+    make_chunk_io,
+    make_register_store,
+    smem_words,
+)
 from .e2m1 import (
     HORNER_FIX,
     SR_BASE,
@@ -46,18 +57,6 @@ from .e2m1 import (
     SR_SELECT_STEP,
     e2m1_values4,
     make_pair_gather,
-)
-from .hadamard import (
-    CHUNK,
-    REGISTERS,
-    WARP_TILE,
-    cross_warp_bits,
-    exchanged_element,
-    group_grid,
-    make_butterflies,
-    make_chunk_io,
-    make_register_store,
-    smem_words,
 )
 from .launch_table import LAUNCHES
 
@@ -264,7 +263,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
     (uint32, or uint16 at g = 8192 with the transform), scales (uint16), n (elements), seed_lo,
     seed_hi, step (uint32; with ``device_step``, a one-element int64 array holding it:
     ``_primitives.kernel_of``).  ``smem``: the transform's shared-memory network; ``prefetch``
-    (with it, 16-bit kinds only: ``cuda.hadamard.network_choice``): the next tile's loads
+    (with it, 16-bit kinds only: ``launch.network_choice``): the next tile's loads
     issued before this tile's work."""
     if hadamard and smem:
         return _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch, device_step)
@@ -330,7 +329,7 @@ def fp4quant_encode_kernel(kind, group_size, hadamard, stochastic, aligned=True,
 @functools.cache
 def fp4quant_decode_kernel(out_kind, group_size, hadamard, smem=False, prefetch=False):
     """Arguments: codes (uint32: 8 codes each), scales (uint16), out (uint32 words), n.
-    ``smem``: the transform's shared-memory network (``cuda.hadamard.make_network``);
+    ``smem``: the transform's shared-memory network (``cuda.butterflies.make_network``);
     ``prefetch`` (with it): the next tile's codes and scales loaded before this tile's
     butterflies."""
     if hadamard and smem:
@@ -445,7 +444,7 @@ def _make_smem_encode_runs(group_size, final, run, stochastic):
     word0, full, seed_lo, seed_hi, step)``: the encode's runs, in the final layout, encoded
     and stored."""
     n_runs = REGISTERS // run
-    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    out_regs = tuple(bf.bits_offset(final.regs, i) for i in range(REGISTERS))
     run_bits = run.bit_length() - 1
     encode_run = make_run_encoder(run, stochastic)
     store_codes = make_code_store(run, group_size)
@@ -486,21 +485,22 @@ def _smem_encode_kernel(kind, group_size, stochastic, aligned, prefetch, device_
     consecutive elements; of 4 at g = 8192).  Each group's scale is computed once per thread,
     however many of its runs the thread holds."""
     wide = kind == KIND_F32
-    first = hn.layouts(group_size, wide, False)[0]
+    first = bf.layouts(group_size, wide, False)[0]
     warps_per_group = max(1, group_size // WARP_TILE)
     # g >= 2048: the group amax's CTA barrier follows every tile's network (fenced), and the
     # exchange reuses the per-warp buffers (one buffer: half the shared memory at 2048 / 4096;
     # on an H200 encode 2048 1.29 -> 1.26-1.27x copy time, 4096 unchanged)
-    final, network = hn.make_network(
+    final, network = bf.make_network(
         group_size, wide, False, fenced=warps_per_group > 1, one_buffer=True
     )
     assert not (prefetch and wide), "float32 input does not prefetch (network_choice)"
-    start, tile_values, n_raw = hn.make_tile_loader(kind, first, aligned, prefetch)
-    run = min(hn.run_length(final), CHUNK)
+    start, tile_values, n_raw = bf.make_tile_loader(kind, first, aligned, prefetch)
+    run = min(bf.run_length(final), CHUNK)
     n_runs = REGISTERS // run
-    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch), one_buffer=True)
-    in_offset = hn.make_offsets(first)
-    out_offset = hn.make_offsets(final)
+    most = launch.network_max_threads(prefetch)
+    n_smem = bf.smem_network_words(group_size, most, one_buffer=True)
+    in_offset = bf.make_offsets(first)
+    out_offset = bf.make_offsets(final)
     run_bits = run.bit_length() - 1
     # a run starts at a multiple of its length: e_out >> run_bits loses nothing
     assert min(final.lanes + final.warps) >= run_bits and final.regs[:run_bits] == tuple(
@@ -547,8 +547,8 @@ def _make_code_tile_loader(group_size, first, final, run):
     (of ``run``) it stores from its final layout ``final``."""
     n_runs = REGISTERS // run
     n_chunks = REGISTERS // CHUNK
-    in_regs = tuple(hn.bits_offset(first.regs, i) for i in range(REGISTERS))
-    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    in_regs = tuple(bf.bits_offset(first.regs, i) for i in range(REGISTERS))
+    out_regs = tuple(bf.bits_offset(final.regs, i) for i in range(REGISTERS))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
 
     @device_jit
@@ -583,17 +583,17 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
     matter).  ``prefetch``: the next tile's code words and scales load into the same
     registers once this tile's are unpacked, in flight while the kernel computes on it."""
     wide = out_kind == KIND_F32
-    first = hn.layouts(group_size, False, wide)[0]
-    final, network = hn.make_network(group_size, False, wide)
-    run = min(hn.run_length(final), CHUNK)
+    first = bf.layouts(group_size, False, wide)[0]
+    final, network = bf.make_network(group_size, False, wide)
+    run = min(bf.run_length(final), CHUNK)
     store = make_words_io(out_kind, words_per(out_kind, run))[4]
     shift = U64(0 if wide else 1)
     n_runs = REGISTERS // run
     n_chunks = REGISTERS // CHUNK
-    n_smem = hn.smem_network_words(group_size, hn.max_threads(prefetch))
-    in_offset = hn.make_offsets(first)
-    out_offset = hn.make_offsets(final)
-    out_regs = tuple(hn.bits_offset(final.regs, i) for i in range(REGISTERS))
+    n_smem = bf.smem_network_words(group_size, launch.network_max_threads(prefetch))
+    in_offset = bf.make_offsets(first)
+    out_offset = bf.make_offsets(final)
+    out_regs = tuple(bf.bits_offset(final.regs, i) for i in range(REGISTERS))
     inv_g = np.float32(2.0 ** -(group_size.bit_length() - 1))
     n_per_tile = 1 if group_size > WARP_TILE else n_runs  # distinct factors a thread needs
     # chunks of 8 consecutive codes, a thread's first at a multiple of 8: one code word each
@@ -664,9 +664,9 @@ def _smem_decode_kernel(out_kind, group_size, prefetch):
 def _network_grid(group_size, kind, hadamard, n, device_id):
     """(smem, prefetch, CTAs, threads) of an FP4Quant kernel that loads elements of ``kind``
     (None: packed codes): the transform's network choice where there is a transform."""
-    smem, prefetch = hn.network_choice(group_size, kind) if hadamard else (False, False)
-    most = hn.max_threads(prefetch) if smem else None
-    return (smem, prefetch, *group_grid(group_size, n, device_id, most, LAUNCH))
+    smem, prefetch = launch.network_choice(group_size, kind) if hadamard else (False, False)
+    most = launch.network_max_threads(prefetch) if smem else None
+    return (smem, prefetch, *launch.group_grid(LAUNCH, group_size, n, device_id, most))
 
 
 def run_encode(ctx, call):

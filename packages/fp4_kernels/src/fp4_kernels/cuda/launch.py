@@ -21,6 +21,7 @@ subclasses ``GpuContext``); they are imported where a launch or an allocation ne
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import sys
 import threading
@@ -32,7 +33,16 @@ from numba import config
 from .. import _numba_abi as abi
 from .._arrays import DTYPES, numpy_dtype
 from .._scalar import KIND_F32
-from .launch_table import DEFAULT_POLICY, POLICY, LaunchPolicy, launch_policy
+from .launch_table import (
+    DEFAULT_NETWORK_VARIANT,
+    DEFAULT_POLICY,
+    LAUNCHES,
+    NETWORK_VARIANTS,
+    POLICY,
+    WARP_SIZE,
+    LaunchPolicy,
+    launch_policy,
+)
 
 __all__ = ["GpuContext", "LaunchPolicy", "current_policy", "launch", "launch_policy"]
 
@@ -135,6 +145,56 @@ def max_blocks(default_per_sm, device_id):
     """The largest grid an op with a partials buffer may launch (its size)."""
     cap = current_policy().max_blocks
     return cap if cap is not None else sm_count(device_id) * default_per_sm
+
+
+# ------------------------------------------------- the group kernels (transform, FP4Quant)
+
+
+def network_variant():
+    """The butterfly network variant ``FP4_HADAMARD_VARIANT`` names (default
+    ``launch_table.DEFAULT_NETWORK_VARIANT``)."""
+    name = os.environ.get("FP4_HADAMARD_VARIANT") or DEFAULT_NETWORK_VARIANT
+    if name not in NETWORK_VARIANTS:
+        raise ValueError(
+            f"FP4_HADAMARD_VARIANT: {name!r} is not one of {', '.join(NETWORK_VARIANTS)} (unset "
+            f"it for the default, {DEFAULT_NETWORK_VARIANT})"
+        )
+    return name
+
+
+def network_choice(group_size, kind):
+    """(smem, prefetch): whether the current variant runs the "smem" network at
+    ``group_size``, and with the prefetch, for a kernel that loads elements of ``kind`` (None:
+    packed FP4 codes).  The one rule for the transform and FP4Quant's kernels: float32 input
+    does not prefetch (32 more registers, not worth it)."""
+    choice = NETWORK_VARIANTS[network_variant()]
+    if choice is None or group_size < choice[0]:
+        return False, False
+    return True, choice[1] and kind != KIND_F32
+
+
+def network_max_threads(prefetch):
+    """Most threads a CTA of the "smem" network's kernels below g = 2048 (the transform's rows:
+    "hadamard_prefetch" with the prefetch, "hadamard" without)."""
+    return LAUNCHES["hadamard_prefetch" if prefetch else "hadamard"].threads
+
+
+def group_grid(row, group_size, n, device_id, max_threads=None):
+    """(CTAs, threads) of a kernel on the butterfly networks over ``n`` elements, on the launch
+    table's ``row`` (``items_per_thread`` elements a thread; a warp's tile 32 times that): a
+    CTA is one group where a group spans several warps' tiles (g >= 2048: its warps exchange
+    through shared memory), the row's threads otherwise (at most ``max_threads``); a
+    persistent grid of up to the row's resident threads an SM (``launch`` caps it again at
+    what fits)."""
+    per_thread = row.items_per_thread
+    if group_size > WARP_SIZE * per_thread:
+        threads = group_size // per_thread
+    else:
+        threads = threads_for(row.threads)
+        if max_threads is not None:
+            threads = min(threads, max_threads)
+    blocks = grid_for(n, threads * per_thread)
+    return min(blocks, max_blocks(max(1, row.threads_per_sm // threads), device_id)), threads
 
 
 # ---------------------------------------------------------------------- the caller's context

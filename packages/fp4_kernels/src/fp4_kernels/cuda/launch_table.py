@@ -6,8 +6,10 @@ call by the policy in force.
 The grid is ``ceil(work items / (threads * items per thread))`` CTAs, capped at one resident
 wave (the kernels are grid-stride loops, so a persistent grid does the same work without a
 partly filled last wave) and at ``threads_per_sm`` resident threads an SM where a row sets it.
-The transform's kernels and FP4Quant's take a CTA of ``threads`` below g = 2048 and one group
-a CTA from g = 2048 (32 * g / 1024 threads: its warps exchange through shared memory).
+The transform's kernels and FP4Quant's (32 elements a thread in registers) take a CTA of
+``threads`` below g = 2048 and one group a CTA from g = 2048 (32 * g / 1024 threads: its warps
+exchange through shared memory; ``launch.group_grid``), on the butterfly network that
+``NETWORK_VARIANTS`` names for the group size.
 
 The transform's prefetching kernels ("hadamard_prefetch") run 512 threads an SM: below
 g = 2048 4 CTAs of 128 instead of the 7 that fit.  On the H200 (2^28 bf16,
@@ -71,18 +73,34 @@ LAUNCH_TABLE = (
         partials_per_sm=8,
     ),  # fmt: skip
     Launch("dequantize", "dequantize", 256, "16 bytes of output", items_per_thread=4),
-    Launch("hadamard", "hadamard", 256, "32 elements", threads_per_sm=2048),
+    Launch("hadamard", "hadamard", 256, "an element", items_per_thread=32, threads_per_sm=2048),
     Launch(
         "hadamard_prefetch",
         "hadamard",
         128,
-        "32 elements",
+        "an element",
+        items_per_thread=32,
         threads_per_sm=512,
         carveout_threads_per_sm=((2048, 384),),
     ),  # fmt: skip
-    Launch("fp4quant", "fp4quant", 256, "32 elements", threads_per_sm=2048),
+    Launch("fp4quant", "fp4quant", 256, "an element", items_per_thread=32, threads_per_sm=2048),
 )
 LAUNCHES = {row.op: row for row in LAUNCH_TABLE}
+
+WARP_SIZE = 32
+
+# The butterfly network the transform's and FP4Quant's kernels run (``cuda.butterflies``), by
+# variant: name -> None (lane stages by warp shuffles) or (smallest g that takes the "smem"
+# network, prefetch).  At g = 16 (one lane stage) a shuffle stage costs no more than the two
+# transposes.  ``FP4_HADAMARD_VARIANT`` picks one (for benchmarks; ``launch.network_choice``);
+# every variant gives the same bits.
+NETWORK_VARIANTS = {
+    "smem-pf": (32, True),
+    "smem": (32, False),
+    "smem16": (16, False),
+    "shfl": None,
+}
+DEFAULT_NETWORK_VARIANT = "smem-pf"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ The fast transform computes y @ H_g with log2(g) butterfly stages: the stage for
 replaces each pair (u, v) = (y[i], y[i + 2^b]) with i's bit b clear by (u + v, u - v).  The
 stages commute in exact arithmetic, but in float32 every stage rounds, so the result depends on
 the order in which the stages run.  ``STAGE_ORDER`` is the order the CUDA kernels use (their
-register, warp-shuffle and shared-memory stages; see ``fp4_kernels.cuda.hadamard``) and the
+register, warp-shuffle and shared-memory stages; see ``fp4_kernels.cuda.butterflies``) and the
 float32 reference ``fwht`` runs the same order, so that codecs built on the transform (FP4Quant)
 can be checked bit for bit.  The scaling by 1/sqrt(g) is one float32 multiplication at the end
 (exact when g is a power of 4).
@@ -35,7 +35,7 @@ MAX_GROUP_SIZE = 8192  # a CTA of 256 threads x 32 elements holds one group
 
 # The stage order's three parts.  It is the order of the first GPU kernels' register, warp-shuffle
 # and shared-memory stages (a thread held elements 4 * (lane + 32 j) + (0..3), bits 0, 1, 7, 8 in
-# its registers); the kernels now keep other bits in registers (``fp4_kernels.cuda.hadamard``)
+# its registers); the kernels now keep other bits in registers (``fp4_kernels.cuda.butterflies``)
 # but run the stages in the same order, which is part of the transform's definition.
 REGISTER_BITS = (0, 1, 7, 8)
 LANE_BITS = (2, 3, 4, 5, 6)
