@@ -230,3 +230,18 @@ def test_hadamard_gradient_on_cuda(gpu, rng, g, inverse, signs):
         x.grad = None
         fk.hadamard(x, group_size=g, inverse=inverse, signs=arg).backward(w)
         _same_bits(x.grad.cpu(), fk.hadamard(w.cpu(), group_size=g, inverse=not inverse, signs=arg))
+
+
+def test_results_can_be_modified_in_place():
+    """A CPU result is its bits viewed as its dtype: returned as such a view from the autograd
+    function, an in-place op on it (a residual add, a scaling) was refused by torch."""
+    x = torch.randn(4, 64, requires_grad=True)
+    y = fk.quantize_dequantize(x)
+    y.mul_(2)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))  # straight through, then the scaling
+    x.grad = None
+    z = fk.hadamard(x, group_size=64)
+    z.add_(1)
+    z.sum().backward()
+    assert torch.equal(x.grad, fk.hadamard(torch.ones_like(x), group_size=64, inverse=True))

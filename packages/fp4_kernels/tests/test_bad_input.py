@@ -649,3 +649,192 @@ def test_empty_tensors_round_trip(place):
 def test_bad_swizzled_scale_shape(args):
     with pytest.raises((TypeError, ValueError), match="rows|blocks_per_row"):
         fk.swizzled_scale_shape(*args)
+
+
+# ---------------------------------------------------------------------- torch transforms
+
+# (id, a function of a call and a tensor: the call's result on the tensor inside the transform)
+TRANSFORMS = [
+    ("functionalize", lambda call, t: torch.func.functionalize(call)(t)),
+    ("vmap", lambda call, t: torch.func.vmap(call)(t.unsqueeze(0))),
+    # (the differentiable ops are autograd Functions without setup_context: under grad torch
+    # itself refuses them, naming the functorch transforms)
+    ("grad", lambda call, t: torch.func.grad(lambda u: _summed(call(u)))(t)),
+]
+_DIFFERENTIABLE = ("quantize_dequantize", "hadamard")
+_TRANSFORMED = r"x: a tensor of a torch transform .* call fp4_kernels outside the transform"
+
+
+def _summed(y):
+    return (fk.dequantize(y) if isinstance(y, fk.QuantizedTensor) else y).sum()
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+@pytest.mark.parametrize("transform", [t[1] for t in TRANSFORMS], ids=[t[0] for t in TRANSFORMS])
+def test_tensors_of_torch_transforms_are_refused(call, transform):
+    """A functionalized tensor's memory is not its values (read raw, it gave NaN or garbage; a
+    row_scales one crashed the process); vmap's and grad's wrappers have none: refused."""
+    grad = transform is TRANSFORMS[2][1]
+    kind, match = (RuntimeError, "functorch transforms") if grad else (TypeError, _TRANSFORMED)
+    if call not in _DIFFERENTIABLE:
+        kind, match = TypeError, _TRANSFORMED
+    with pytest.raises(kind, match=match):
+        transform(X_CALLS[call], torch.from_numpy(_x()))
+
+
+def test_fake_tensors_and_transformed_arguments_are_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.from_numpy(_x()))
+    with pytest.raises(TypeError, match=_TRANSFORMED):
+        fk.quantize(fake)
+    q = fk.quantize(torch.from_numpy(_x()))
+    with pytest.raises(TypeError, match=r"row_scales: a tensor of a torch transform"):
+        torch.func.functionalize(lambda r: fk.requantized_sum(q, r).data)(torch.ones(2))
+
+
+@pytest.mark.parametrize("call", list(X_CALLS))
+def test_a_functionalized_tensor_on_the_planned_path_is_refused(call):
+    """Its type is torch.Tensor's, like the plain tensor a plan was made for: it must not
+    match that plan (a GPU would read the wrapper's memory), and is refused, with no launch."""
+    from _fake_cuda import fake_cuda
+
+    from fp4_kernels import _plans
+
+    _plans.clear()
+    try:
+        with fake_cuda() as recorder:
+            x = torch.randn(4, 64)
+            X_CALLS[call](x)  # the plan of this kind of call
+            recorder.launches.clear()
+            with pytest.raises(TypeError, match=_TRANSFORMED):
+                torch.func.functionalize(X_CALLS[call])(x)
+            assert not recorder.launches
+    finally:
+        _plans.clear()
+
+
+# ---------------------------------------------------------------------- values a host reads
+
+
+@pytest.mark.parametrize("kw", [{"seed": True}, {"step": True}], ids=["seed", "step"])
+def test_bools_are_not_counters(kw):
+    """``True`` for 1 is a slip (np.bool_ was refused already): refused as the other bools."""
+    with pytest.raises(TypeError, match=f"{next(iter(kw))}: expected an integer, got bool"):
+        fk.quantize(_x(), rounding="stochastic", **kw)
+
+
+def test_fp4quant_takes_numpy_integers_as_ints():
+    g = fk.FP4Quant(np.int64(64))
+    assert type(g.group_size) is int and g == fk.FP4Quant(64)
+    x = _x()
+    assert same_bits(
+        fk.quantize_dequantize(x, fmt=g), fk.quantize_dequantize(x, fmt=fk.FP4Quant(64))
+    )
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_host_tensor_decode_scales_are_positive_and_finite(value):
+    """On the CPU, where they are read anyway: a negative row scale subtracted its row, a zero
+    one dropped it, a NaN or infinite one made the whole sum NaN, a negative global_scale
+    flipped every sign; all silently."""
+    for lib in ("numpy", "torch"):
+        q = fk.quantize(_x() if lib == "numpy" else torch.from_numpy(_x()))
+        rows = np.ones(q.shape[0], np.float32)
+        rows[1] = value
+        with pytest.raises(ValueError, match=r"row_scales: row 1's decode scale .* positive"):
+            fk.requantized_sum(q, rows if lib == "numpy" else torch.from_numpy(rows))
+        gs = np.array([value], np.float32)
+        bad = dataclasses.replace(q, global_scale=gs if lib == "numpy" else torch.from_numpy(gs))
+        with pytest.raises(ValueError, match=r"q.global_scale: .*positive and finite"):
+            fk.dequantize(bad)
+
+
+# ---------------------------------------------------------------------- the oracles
+
+
+def test_hadamard_reference_takes_a_seed_as_the_transform_does():
+    """``signs=1234`` is seed 1234's +-1 vector (it multiplied by 1234); the groups must
+    tile the last dimension (they ran across rows); signs are g values of +-1."""
+    from fp4_kernels.formats import hadamard as h
+
+    x = _x(2, 128)
+    want = h.hadamard_reference(x, 64, signs=h.hadamard_signs(64, 1234))
+    assert same_bits(h.hadamard_reference(x, 64, signs=1234), want)
+    assert same_bits(h.hadamard_reference(x, 64, signs=np.int64(1234)), want)
+    assert same_bits(fk.hadamard(x, group_size=64, signs=1234), want)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        h.hadamard_reference(np.zeros((4, 32), np.float32), 64)
+    for bad in (np.full(64, 2.0), np.full(64, np.nan), np.ones(63)):
+        with pytest.raises(ValueError, match=r"signs: expected 64 values of \+1 / -1"):
+            h.hadamard_reference(x, 64, signs=bad)
+    with pytest.raises(TypeError, match="signs: expected a seed"):
+        h.hadamard_reference(x, 64, signs="abc")
+
+
+def test_fp4quant_dequantize_reference_checks_the_scales_shape():
+    from fp4_kernels.formats import fp4quant
+
+    codes, scales = fp4quant.quantize_reference(_x(2, 128), 64)
+    with pytest.raises(ValueError, match=r"scales: expected uint16 bf16 bits of shape \(2, 2\)"):
+        fp4quant.dequantize_reference(codes, scales[:1, :1], 64)
+    with pytest.raises(ValueError, match="scales: expected uint16"):
+        fp4quant.dequantize_reference(codes, scales.astype(np.float32), 64)
+
+
+def test_testing_helpers_refuse_what_they_do_not_cover():
+    from fp4_kernels import testing
+
+    for fmt in ("fp4quant", fk.FP4Quant(64), "NVFP4"):
+        with pytest.raises(ValueError, match="fmt: .* is not 'nvfp4' or 'mxfp4'"):
+            testing.reference_quantization(_x(), fmt)
+    with pytest.raises(ValueError, match="scale_layout: 'tiled'"):
+        testing.reference_quantization(_x(), "nvfp4", scale_layout="tiled")
+    assert same_bits(np.ones(3), np.ones(3)) and not same_bits(np.ones(3), -np.ones(3))
+    assert same_bits(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]))
+    with pytest.raises(TypeError, match="same_bits: compares float arrays"):
+        same_bits(np.ones(3, bool), np.ones(3, bool))
+
+
+def test_e8m0_exponents_clip_in_their_own_dtype():
+    """A uint64 exponent above 2**63 wrapped negative through int64 (2**64 - 1 -> 126)."""
+    from fp4_kernels.formats.e8m0 import encode_e8m0_exponent
+
+    assert encode_e8m0_exponent(np.array([2**64 - 1, 5], np.uint64)).tolist() == [254, 132]
+    assert encode_e8m0_exponent(np.array([-128, 127], np.int8)).tolist() == [0, 254]
+
+
+def test_odd_step_and_signs_arguments_are_named_with_the_reason():
+    """A nested step raised torch's internal error; a sparse or negated one, and signs torch or
+    numpy cannot read as numbers, gave messages without the reason or without the argument."""
+    x = torch.from_numpy(_x())
+    for odd, why in (
+        (_nested(torch.tensor([3]), torch.strided), "nested tensors are not supported"),
+        (torch.tensor([3]).to_sparse(), "layout torch.sparse_coo"),
+        (torch._neg_view(torch.tensor([3])), "lazily negated"),
+    ):
+        with pytest.raises(ValueError, match=f"^step: expected an int .*{why}"):
+            fk.quantize(x, rounding="stochastic", step=odd)
+    for bad in (torch.ones(64).to(torch.float8_e4m3fn), {1: 2}, "abc"):
+        with pytest.raises(TypeError, match=r"^signs: expected a seed \(int\) or 64 values"):
+            fk.hadamard(x, group_size=64, signs=bad)
+
+
+def test_helpers_name_their_bad_arguments():
+    from fp4_kernels import report, testing
+    from fp4_kernels.formats import hadamard as h, scale_layout
+
+    w = _x(2, 64)
+    for fmt, match in (("fp8", "fmt: 'fp8' is not one of"), ("fp4quant-gx", "fp4quant-g<G>")):
+        with pytest.raises(ValueError, match=match):
+            report.evaluate(w, fmt)
+    with pytest.raises(ValueError, match="a seed must be in"):
+        h.sign_words(64, -1)
+    with pytest.raises(TypeError, match="a seed is an int, got bool"):
+        h.sign_words(64, True)
+    with pytest.raises(TypeError):
+        scale_layout.swizzled_shape(1.5, 4)
+    assert scale_layout.swizzled_shape(np.int64(130), 5) == (256, 8)
+    with pytest.raises(ValueError, match="adversarial_blocks: .* block 0 > 0"):
+        testing.adversarial_blocks(np.random.default_rng(0), 2, 64, 0)

@@ -30,6 +30,7 @@ from ._calls import (
     checked_step_array,
     format_spec,
     is_number,
+    is_torch_tensor,
     normalize_dtype,
     payload_views,
 )
@@ -190,7 +191,10 @@ def _quantize_call(x, fmt, rounding, seed, step, global_amax, scale_layout, fuse
     check_choice(rounding, "rounding", ROUNDINGS)
     check_choice(scale_layout, "scale_layout", SCALE_LAYOUTS)
     seed = check_int(seed, "seed", 0, 2**64)
-    step_is_array = hasattr(step, "shape") and not isinstance(step, np.generic)
+    # (a torch tensor first: hasattr on a nested tensor's shape raises torch's internal error)
+    step_is_array = is_torch_tensor(step) or (
+        hasattr(step, "shape") and not isinstance(step, np.generic)
+    )
     if not step_is_array:
         step = check_int(step, "step", 0, STEP_LIMIT)
     if isinstance(spec, FP4Quant):

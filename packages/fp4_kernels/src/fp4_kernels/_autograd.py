@@ -42,13 +42,20 @@ def _function():
 
         @staticmethod
         def forward(ctx, x, qdq):
-            return qdq(x.detach())
+            return _not_a_view(qdq(x.detach()))
 
         @staticmethod
         def backward(ctx, grad):
             return grad, None
 
     return FakeQuantize
+
+
+def _not_a_view(y):
+    """``y`` as a tensor of its own memory's (no copy): a result that is a view of a buffer made
+    in the forward pass (a CPU result is its bits viewed as its dtype) could not be modified in
+    place afterwards (torch refuses in-place changes to a custom Function's view outputs)."""
+    return y.detach() if y._is_view() else y
 
 
 def linear_transform(x, forward, adjoint):
@@ -68,7 +75,7 @@ def _linear_function():
         @staticmethod
         def forward(ctx, x, forward, adjoint):
             ctx.adjoint = adjoint
-            return forward(x.detach())
+            return _not_a_view(forward(x.detach()))
 
         @staticmethod
         def backward(ctx, grad):

@@ -152,6 +152,21 @@ def _check_torch_tensor(torch, x, name):
             f"{name}: a lazily negated or conjugated view (its memory does not hold the values "
             f"it shows) is not supported; pass {name}.resolve_neg().resolve_conj()"
         )
+    if is_transformed_tensor(torch, x):
+        raise TypeError(
+            f"{name}: a tensor of a torch transform (torch.func.functionalize, vmap or grad, or "
+            "a FakeTensor of torch.compile's tracing) has no memory of its values that the "
+            "kernels could read; call fp4_kernels outside the transform, on plain tensors"
+        )
+
+
+def is_transformed_tensor(torch, x):
+    """Whether the torch tensor ``x`` is a functorch wrapper (functionalize, vmap, grad: its
+    memory, if any, is not its values') or a FakeTensor (no values at all)."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(x, fake.FakeTensor)
 
 
 def check_has_values(x, backend, name="x"):
@@ -263,6 +278,8 @@ def check_choice(value, name, choices):
 def check_int(value, name, lo, hi):
     """``value`` as an int, or TypeError / ValueError unless it is an integer in [lo, hi)."""
     try:
+        if isinstance(value, bool):  # an int to operator.index; True for 1 is a slip
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
@@ -362,10 +379,10 @@ def checked_step_array(a, backend):
     ValueError naming ``step`` otherwise."""
     try:
         b = backend_of(a, "step")
-    except TypeError:
+    except TypeError as err:  # (its words say what kind of array it is and the fix)
         raise ValueError(
             "step: expected an int in [0, 2**32) or a one-element int64 array where x lives, "
-            f"got {type(a).__name__}"
+            f"got {type(a).__name__} ({err})"
         ) from None
     same_place(a, backend, "step", "x")
     dt = element_dtype(a, b)

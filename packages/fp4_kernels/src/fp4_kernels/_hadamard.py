@@ -154,7 +154,13 @@ def _sign_words(signs, g):
         raise TypeError("signs: pass a seed or a host (numpy / list / torch CPU) ±1 vector")
     if backend is not None:
         check_has_values(signs, backend, "signs")
-    s = np.asarray(arrays.to_numpy(signs) if backend is not None else signs, dtype=np.float64)
+    try:
+        s = np.asarray(arrays.to_numpy(signs) if backend is not None else signs, np.float64)
+    except (TypeError, ValueError) as err:  # a dict, a string, a float8 tensor, ...
+        raise TypeError(
+            f"signs: expected a seed (int) or {g} values of +1 / -1 (a list, a numpy array or "
+            f"a torch CPU tensor of a float or int dtype), got {type(signs).__name__} ({err})"
+        ) from None
     if s.shape != (g,):
         raise ValueError(f"signs: expected {g} values (one per group position), got {s.shape}")
     if not np.all(np.abs(s) == 1):

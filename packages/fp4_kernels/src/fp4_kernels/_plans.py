@@ -86,7 +86,13 @@ def tensor_key(t):
     if torch is None or not isinstance(t, torch.Tensor) or not t.is_cuda:
         return None
     # not in the key, and a sparse tensor has no data pointer: the checked path refuses them
-    if t.is_nested or t.is_neg() or t.layout != torch.strided:
+    # (and a functorch wrapper, whose type is torch.Tensor's: its memory is not its values')
+    if (
+        t.is_nested
+        or t.is_neg()
+        or t.layout != torch.strided
+        or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    ):
         return None
     return (type(t), t.dtype, t.shape, t.stride(), t.device, t.data_ptr() % _ALIGN)
 

@@ -64,8 +64,9 @@ class QuantizedTensor:
             float8 (bfloat16) values.
         global_scale: float32, shape (1,): the NVFP4 tensor *decode* scale, fp32(1) / S with
             S = 2688 / amax (1.0 for MXFP4), an array of the input's kind so that it can stay
-            on the GPU; a decoded element is e2m1 * block scale * global_scale.  None for
-            FP4Quant.  MXFP4 has no tensor scale: None or [1.0]; another value is refused
+            on the GPU; a decoded element is e2m1 * block scale * global_scale: positive and
+            finite (a host array is checked, a GPU array is not read).  None for FP4Quant.
+            MXFP4 has no tensor scale: None or [1.0]; another value is refused
             where it can be read without a device synchronization (host arrays; a GPU array is
             not read).  Not FlashInfer's ``global_scale``: the one its ``fp4_quantize`` /
             ``nvfp4_quantize`` take is the *encode* scale S itself (its decode takes 1 / S,
@@ -437,9 +438,14 @@ def check_quantized(q, name="q"):
             )
         same_place(gs, backend, f"{name}.global_scale", f"{name}.data")
         check_field(gs, backend, f"{name}.global_scale", "float32", None, size=1)
-        if not fmt.tensor_scale and not backend.gpu:  # (a GPU value is not read: no sync)
+        if not backend.gpu:  # (a GPU value is not read: no sync)
             value = float(np.asarray(arrays.to_numpy(gs)).reshape(-1)[0])
-            if value != 1.0:
+            if fmt.tensor_scale and not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{name}.global_scale: [{value!r}]; NVFP4's tensor decode scale 1/S is "
+                    "positive and finite, as quantize() returns it"
+                )
+            if not fmt.tensor_scale and value != 1.0:
                 raise ValueError(
                     f"{name}.global_scale: {fmt.name.upper()} has no tensor scale (its decode "
                     "reads only the "

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import sys
 
-from . import _plans
+import numpy as np
+
+from . import _arrays as arrays, _plans
 from ._api import dequantize, quantize
 from ._calls import SPECS, SumCall, backend_of, element_dtype, is_c_contiguous, same_place
 from ._quantized import Array, FP4Quant, QuantizedTensor, check_quantized
@@ -65,6 +67,15 @@ def _check_row_scales(q, row_scales, backend, rows):
             "row_scales: must be C-contiguous (the kernels read it as a flat buffer); pass "
             "row_scales.contiguous() (torch) or np.ascontiguousarray(row_scales)"
         )
+    if not b.gpu:  # host values are read here; a GPU array is not (no synchronization)
+        v = np.asarray(arrays.to_numpy(row_scales)).reshape(-1)
+        bad = ~(np.isfinite(v) & (v > 0))
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"row_scales: row {r}'s decode scale is {float(v[r])!r}; a tensor decode scale "
+                "1/S is positive and finite (as quantize() returns it in global_scale)"
+            )
 
 
 def requantized_sum_reference(q, row_scales=None):
@@ -123,7 +134,8 @@ def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> Quan
     same format (round to nearest even): a (1, n) ``QuantizedTensor`` of dtype float32.
 
     ``row_scales`` (NVFP4 only): a float32 array of ``rows`` elements where ``q.data`` lives,
-    row r's tensor decode scale 1/S, used instead of ``q.global_scale``: rows quantized apart,
+    row r's tensor decode scale 1/S (positive and finite: a host array is checked, a GPU array
+    is read by the kernels unchecked), used instead of ``q.global_scale``: rows quantized apart,
     each under its own tensor scale (the chunks an all-reduce receives from its ranks), as if
     each row were a (1, n) tensor of its own.  The sum's tensor scale is that of its own amax,
     as ``quantize`` computes it.

@@ -158,7 +158,12 @@ def _pad_last(w, block):
 
 
 def _fp4quant(fmt):
-    return FP4Quant(int(fmt[len("fp4quant-g") :])) if fmt.startswith("fp4quant-g") else None
+    if not isinstance(fmt, str) or not fmt.startswith("fp4quant-g"):
+        return None
+    g = fmt[len("fp4quant-g") :]
+    if not g.isdigit():
+        raise ValueError(f"fmt: {fmt!r}: FP4Quant's name is 'fp4quant-g<G>', G a group size")
+    return FP4Quant(int(g))
 
 
 def evaluate(w, fmt, amax=None):
@@ -187,7 +192,10 @@ def evaluate(w, fmt, amax=None):
         flat = _pad_last(w.reshape(1, -1), fp4q.group_size).reshape(-1, fp4q.group_size)
         qt = quantize(np.ascontiguousarray(flat), fmt=fp4q)
         return dequantize(qt).reshape(-1)[:n].reshape(w.shape), qt.nbytes
-    block = FORMATS[fmt]
+    block = FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if block is None:
+        raise ValueError(f"fmt: {fmt!r} is not one of 'e2m1', 'e2m1/tensor', "
+                         f"{', '.join(map(repr, FORMATS))} or 'fp4quant-g<G>'")  # fmt: skip
     wp = np.ascontiguousarray(_pad_last(w, block))
     global_amax = float(amax) if fmt == "nvfp4" else None
     qt = quantize(wp, fmt=fmt, global_amax=global_amax)

@@ -90,6 +90,9 @@ def adversarial_blocks(rng: np.random.Generator, rows: int, k: int, block: int =
     scale rounding boundaries.  Non-finite values are a small fraction so the tensor amax
     stays finite.
     """
+    if block <= 0 or rows < 0 or k < 0 or k % block:
+        raise ValueError(f"adversarial_blocks: rows {rows} and k {k} >= 0, block {block} > 0 "
+                         "dividing k")  # fmt: skip
     n_blocks = rows * k // block
     x = rng.standard_normal((n_blocks, block)).astype(np.float32)
     kind = rng.integers(0, 10, n_blocks)
@@ -130,6 +133,11 @@ def reference_quantization(
     """
     from .formats import e2m1, mxfp4, nvfp4, scale_layout as layout
 
+    if not isinstance(fmt, str) or fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt: {fmt!r} is not 'nvfp4' or 'mxfp4' (FP4Quant's oracle: "
+                         "formats.fp4quant.quantize_reference)")  # fmt: skip
+    if scale_layout not in ("linear", "swizzled"):
+        raise ValueError(f"scale_layout: {scale_layout!r} is not 'linear' or 'swizzled'")
     x = np.ascontiguousarray(x, np.float32)
     with np.errstate(all="ignore"):
         if fmt == "nvfp4":
@@ -152,12 +160,12 @@ def same_bits(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
     b = np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    fa = a.astype(np.float32)
-    fb = b.astype(np.float32)
-    nan = np.isnan(fa)
-    if not np.array_equal(nan, np.isnan(fb)):
+    w = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
+    if a.dtype.kind != "f" and a.dtype.name != "bfloat16" or w is None:
+        raise TypeError(f"same_bits: compares float arrays (16, 32 or 64 bits), got {a.dtype}")
+    nan = np.isnan(a.astype(np.float64))
+    if not np.array_equal(nan, np.isnan(b.astype(np.float64))):
         return False
-    w = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
     return np.array_equal(a[~nan].view(w), b[~nan].view(w))
 
 

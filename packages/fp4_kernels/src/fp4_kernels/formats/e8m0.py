@@ -37,4 +37,6 @@ def encode_e8m0_exponent(e: npt.ArrayLike) -> np.ndarray:
     e = np.asarray(e)
     if not np.issubdtype(e.dtype, np.integer):
         raise TypeError(f"e must be an integer array, got {e.dtype}")
-    return (np.clip(e.astype(np.int64), E8M0_MIN_EXP, E8M0_MAX_EXP) + E8M0_BIAS).astype(np.uint8)
+    # clipped in e's own dtype first: a uint64 above 2**63 would wrap negative as int64
+    e = np.clip(e, max(E8M0_MIN_EXP, np.iinfo(e.dtype).min), E8M0_MAX_EXP).astype(np.int64)
+    return (e + E8M0_BIAS).astype(np.uint8)

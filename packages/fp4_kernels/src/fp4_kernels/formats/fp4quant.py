@@ -76,7 +76,10 @@ class FP4Quant:
     hadamard: bool = True
 
     def __post_init__(self) -> None:
-        check_group_size(self.group_size, "FP4Quant.group_size")
+        # stored as an int (np.int64(64) would reach the kernels' int-only code otherwise)
+        object.__setattr__(
+            self, "group_size", check_group_size(self.group_size, "FP4Quant.group_size")
+        )
         if not isinstance(self.hadamard, bool):
             raise TypeError(f"FP4Quant.hadamard: expected True or False, got {self.hadamard!r}")
 
@@ -147,7 +150,14 @@ def dequantize_reference(
     """Inverse of ``quantize_reference`` -> float32 of the codes' shape."""
     codes = np.asarray(codes)
     g = check_group_size(group_size)
-    s = bf16_bits_to_f32(np.asarray(scales)).reshape(-1, 1)
+    scales = np.asarray(scales)
+    if codes.ndim == 0 or codes.shape[-1] % g:
+        raise ValueError(f"codes: last dimension of shape {codes.shape} is not a multiple of {g}")
+    expected = codes.shape[:-1] + (codes.shape[-1] // g,)
+    if scales.dtype != np.uint16 or scales.shape != expected:
+        raise ValueError(f"scales: expected uint16 bf16 bits of shape {expected} (one per group "
+                         f"of {g}), got {scales.dtype} {scales.shape}")  # fmt: skip
+    s = bf16_bits_to_f32(scales).reshape(-1, 1)
     v = decode_e2m1(codes).reshape(-1, g)
     if hadamard:
         v = fwht(v, g)  # exact (see the module docstring)

@@ -114,11 +114,8 @@ def hadamard_reference(
     forward: fwht(x * signs) * float32(1/sqrt(g)); inverse: fwht(x) * float32(1/sqrt(g)) * signs.
     Multiplying by ±1 is exact, so the signs add no rounding.
     """
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        raise TypeError(f"x must be float32, got {x.dtype}")
-    g = check_group_size(group_size)
-    s = None if signs is None else np.asarray(signs, np.float32)
+    x, g = check_groups(x, group_size)
+    s = None if signs is None else _sign_vector(signs, g)
     y = x.reshape(-1, g)
     if s is not None and not inverse:
         y = y * s
@@ -126,6 +123,22 @@ def hadamard_reference(
     if s is not None and inverse:
         y = y * s
     return y.reshape(x.shape)
+
+
+def _sign_vector(signs, g):
+    """``hadamard_reference``'s ``signs``: an int seed (``hadamard_signs``) or g values of
+    +-1, as float32."""
+    if isinstance(signs, (int, np.integer)) and not isinstance(signs, (bool, np.bool_)):
+        return hadamard_signs(g, signs)
+    try:
+        s = np.asarray(signs, np.float32)
+    except (TypeError, ValueError):
+        raise TypeError(f"signs: expected a seed (int) or {g} values of +1 / -1, got "
+                        f"{type(signs).__name__}") from None  # fmt: skip
+    if s.shape != (g,) or not np.all(np.abs(s) == 1):
+        raise ValueError(f"signs: expected {g} values of +1 / -1 (one per element of a group), "
+                         f"got shape {s.shape}")  # fmt: skip
+    return s
 
 
 def hadamard_signs(group_size: int, seed: int) -> np.ndarray:
@@ -137,9 +150,6 @@ def hadamard_signs(group_size: int, seed: int) -> np.ndarray:
     and the vector for g is a prefix of the vector for 2g.
     """
     g = check_group_size(group_size)
-    seed = operator.index(seed)
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"signs: a seed must be in [0, 2**64), got {seed}")
     return sign_bits_to_values(sign_words(g, seed), g)
 
 
@@ -149,6 +159,14 @@ SIGNS_DOMAIN = 0x48414441  # counter word 3: keeps these words apart from stocha
 def sign_words(group_size: int, seed: int) -> np.ndarray:
     """uint32 words whose bits are the signs (bit i % 32 of word i // 32; set = negative)."""
     g = check_group_size(group_size)
+    try:
+        if isinstance(seed, (bool, np.bool_)):
+            raise TypeError
+        seed = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"signs: a seed is an int, got {type(seed).__name__}") from None
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"signs: a seed must be in [0, 2**64), got {seed}")
     n_words = -(-g // 32)
     calls = np.arange(-(-n_words // 4), dtype=np.uint64)
     counter = np.zeros(calls.shape + (4,), np.uint32)

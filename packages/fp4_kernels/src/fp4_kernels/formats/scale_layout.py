@@ -13,6 +13,8 @@ This module is the numpy reference (the oracle).
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import numpy.typing as npt
 
@@ -24,6 +26,9 @@ _ROW_GROUP = 32  # rows i*32 .. i*32+31 of a tile interleave with the other thre
 
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """The tile-padded size (padded_rows, padded_cols) = (ceil(rows/128)*128, ceil(cols/4)*4)."""
+    if isinstance(rows, bool) or isinstance(cols, bool):
+        raise TypeError(f"rows and cols must be ints, got {rows!r}, {cols!r}")
+    rows, cols = operator.index(rows), operator.index(cols)  # TypeError for 1.5
     if rows < 0 or cols < 0:
         raise ValueError(f"rows and cols must be >= 0, got {rows}, {cols}")
     return (
