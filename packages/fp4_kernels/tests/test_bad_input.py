@@ -217,23 +217,36 @@ def test_torch_tensors_without_plain_memory_are_refused_as_other_arguments(case)
         fk.requantized_sum(q, odd(torch.ones(q.shape[0])))
 
 
+# (id, the call of a plain tensor's plan made odd, its error): what looks like that tensor to a
+# plan key (a lazily negated view; a functionalized tensor, whose type is torch.Tensor's)
+_PLANNED_LOOKALIKES = [
+    ("neg-view", lambda call, x: call(torch._neg_view(x)), r"x: a lazily negated"),
+    ("functionalized", lambda call, x: torch.func.functionalize(call)(x),
+     r"x: a tensor of a torch transform"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("call", list(X_CALLS))
-def test_a_negated_view_on_the_planned_path_is_refused(call):
-    """On a GPU a planned call reads raw memory without a check: a lazily negated view must
-    not match the plan of its plain tensor (here torch tensors pretend to live on a GPU:
-    ``_fake_cuda``, no kernel runs)."""
+@pytest.mark.parametrize(
+    "lookalike", [c[1:] for c in _PLANNED_LOOKALIKES], ids=[c[0] for c in _PLANNED_LOOKALIKES]
+)
+def test_a_lookalike_on_the_planned_path_is_refused(call, lookalike):
+    """On a GPU a planned call reads raw memory without a check: a tensor whose memory is not
+    its values must not match the plan of its plain tensor (here torch tensors pretend to live
+    on a GPU: ``_fake_cuda``, no kernel runs), and is refused, with no launch."""
     from _fake_cuda import fake_cuda
 
     from fp4_kernels import _plans
 
+    odd_call, match = lookalike
     _plans.clear()
     try:
         with fake_cuda() as recorder:
             x = torch.randn(4, 64)
             X_CALLS[call](x)  # the plan of this kind of call
             recorder.launches.clear()
-            with pytest.raises(TypeError, match=r"x: a lazily negated"):
-                X_CALLS[call](torch._neg_view(x))
+            with pytest.raises(TypeError, match=match):
+                odd_call(X_CALLS[call], x)
             assert not recorder.launches
     finally:
         _plans.clear()
@@ -692,27 +705,6 @@ def test_fake_tensors_and_transformed_arguments_are_refused():
     q = fk.quantize(torch.from_numpy(_x()))
     with pytest.raises(TypeError, match=r"row_scales: a tensor of a torch transform"):
         torch.func.functionalize(lambda r: fk.requantized_sum(q, r).data)(torch.ones(2))
-
-
-@pytest.mark.parametrize("call", list(X_CALLS))
-def test_a_functionalized_tensor_on_the_planned_path_is_refused(call):
-    """Its type is torch.Tensor's, like the plain tensor a plan was made for: it must not
-    match that plan (a GPU would read the wrapper's memory), and is refused, with no launch."""
-    from _fake_cuda import fake_cuda
-
-    from fp4_kernels import _plans
-
-    _plans.clear()
-    try:
-        with fake_cuda() as recorder:
-            x = torch.randn(4, 64)
-            X_CALLS[call](x)  # the plan of this kind of call
-            recorder.launches.clear()
-            with pytest.raises(TypeError, match=_TRANSFORMED):
-                torch.func.functionalize(X_CALLS[call])(x)
-            assert not recorder.launches
-    finally:
-        _plans.clear()
 
 
 # ---------------------------------------------------------------------- values a host reads
