@@ -830,3 +830,14 @@ def test_helpers_name_their_bad_arguments():
     assert scale_layout.swizzled_shape(np.int64(130), 5) == (256, 8)
     with pytest.raises(ValueError, match="adversarial_blocks: .* block 0 > 0"):
         testing.adversarial_blocks(np.random.default_rng(0), 2, 64, 0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"scale_layout": np.array(["linear", "x"])}, {"rounding": np.array(["nearest"])}],
+    ids=["layout", "rounding"],
+)
+def test_array_valued_choices_are_named(kw):
+    """An array for a string choice raised numpy's "truth value is ambiguous"."""
+    with pytest.raises(ValueError, match=f"{next(iter(kw))}: .* is not one of"):
+        fk.quantize(_x(), **kw)

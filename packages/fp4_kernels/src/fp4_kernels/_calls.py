@@ -270,8 +270,9 @@ def format_spec(fmt, name="fmt"):
 
 
 def check_choice(value, name, choices):
-    """ValueError unless ``value`` is one of ``choices``."""
-    if value not in choices:
+    """ValueError unless ``value`` is one of ``choices`` (strings: an array's ``in`` would
+    compare element-wise)."""
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(map(repr, choices))}")
 
 
