@@ -553,8 +553,11 @@ def check_rounding(rounding):
 
 def check_int(value, name: str, limit: int) -> int:
     """``value`` as an int in [0, limit): TypeError for a non-integer (floats included),
-    ValueError out of range; the rule of ``fp4_kernels.quantize`` for its seed and step."""
+    ValueError out of range; the rule of ``fp4_kernels.quantize`` for its seed and step (a
+    bool is refused: ``True`` for 1 is a slip)."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None

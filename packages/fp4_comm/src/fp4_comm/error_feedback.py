@@ -31,6 +31,8 @@ from typing import Literal
 
 import torch
 
+from .codecs import check_float_tensor
+
 Hop = Literal["worker", "server"]
 
 HOPS = ("worker", "server")
@@ -183,10 +185,10 @@ class ErrorFeedback:
                 kind = getattr(e, "dtype", type(e).__name__)
                 raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is {kind}, not a "
                                 "float32 tensor")  # fmt: skip
-            if e.is_nested or e.layout != torch.strided or e.is_meta:
-                kind = "nested" if e.is_nested else "meta" if e.is_meta else str(e.layout)
-                raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is a {kind} tensor; "
-                                "expected a dense one holding its values")  # fmt: skip
+            check_float_tensor(f"{what}: residuals[{name!r}][{hop!r}]", e)  # nested, sparse
+            if e.is_meta:
+                raise TypeError(f"{what}: residuals[{name!r}][{hop!r}] is a meta tensor; "
+                                "expected one holding its values")  # fmt: skip
             residuals[(name, hop)] = e
         for key, n in _entries(state["nonfinite_blocks"], "nonfinite_blocks"):
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:

@@ -270,8 +270,6 @@ def _pool(world_size: int, device: torch.device) -> _RankThreads:
 
 
 def _check_world_size(world_size, what="world_size"):
-    if isinstance(world_size, bool):
-        raise TypeError(f"{what}: expected an int, got bool")
     k = check_int(world_size, what, 2**31)
     if k < 1:
         raise ValueError(f"{what} is {k}; it must be >= 1")
