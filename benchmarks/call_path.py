@@ -1,6 +1,7 @@
 """The host path of a torch CUDA call: the package's source files and the Python function calls
-from the public function to ``cuLaunchKernel``, for each op, warm (its plan made) and at the
-first call of its kind (a new shape: checks, descriptor, plan recording; kernels compiled).
+from the public function to ``cuLaunchKernel``, for each op, warm (its plan made), at the first
+call of its kind (a new shape: checks, descriptor, the host function against the caller's
+context; kernels compiled) and at the second (the same checks, the plan recorded and run).
 
     python benchmarks/call_path.py
 
@@ -60,17 +61,21 @@ def ops():
 
 def main():
     torch.set_num_threads(1)
-    print(f"{'op':34s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s}")
+    print(
+        f"{'op':34s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s} "
+        f"{'recording calls':>15s}"
+    )
     with fake_cuda(Recorder(keep=False)):
         for i, (name, op) in enumerate(ops().items()):
             prepare, f = op if isinstance(op, tuple) else ((lambda x: (x,)), op)
             f(*prepare(torch.randn(64, 256).to(torch.bfloat16)))  # the kernels: built, "compiled"
             args = prepare(torch.randn(128 + i, 256).to(torch.bfloat16))  # a shape of its own
             first_calls, first_files = call_path(functools.partial(f, *args))
+            recording_calls, _ = call_path(functools.partial(f, *args))
             warm_calls, warm_files = call_path(functools.partial(f, *args))
             print(
                 f"{name:34s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "
-                f"{first_calls:6d}   warm: {', '.join(warm_files)}"
+                f"{first_calls:6d} {recording_calls:15d}   warm: {', '.join(warm_files)}"
             )
 
 

@@ -9,6 +9,11 @@ With ``--cuda``: for each op, the wall time of the Python call (min and median o
 call (CUDA events around the same loop: when it is close to the host time the loop waits on
 the GPU, not on Python) and the Python function calls of one warm call (cProfile).
 
+Then the first call of a shape, as a caller whose shapes keep changing makes it (inference
+over many sequence lengths): 200 calls, each on a (rows, 256) tensor of rows not seen before,
+with plans (the default: such a call runs unplanned, its plan is made at its shape's second
+call) and without; the tensors are made before the timed loop.
+
 Without ``--cuda``: every torch tensor pretends to live on ``cuda:0`` (``tests/_fake_cuda.py``):
 the checks, plans, allocation (on the CPU), argument packing and the launch call run as on a
 GPU machine, the launch itself is a no-op.  Times are then of this CPU and leave out the
@@ -65,6 +70,34 @@ def ops(device):
     cases["fp4quant_g64_decode"] = lambda: fk.dequantize(qf)
     cases["requantized_sum_mxfp4_4rows"] = lambda: fk.requantized_sum(q4)
     return cases
+
+
+NEW_SHAPES = 200
+
+
+def new_shape_ops():
+    """name -> a function of a tensor making one call (``first_call_us``)."""
+    return {
+        "quantize_nvfp4": fk.quantize,
+        "quantize_mxfp4": lambda x: fk.quantize(x, fmt="mxfp4"),
+        "quantize_dequantize_nvfp4": fk.quantize_dequantize,
+        "hadamard_256": lambda x: fk.hadamard(x, group_size=256),
+        "fp4quant_g64_encode": lambda x: fk.quantize(x, fmt=fk.FP4Quant(group_size=64)),
+    }
+
+
+def first_call_us(f, device, sync):
+    """Wall microseconds per call of ``f`` on NEW_SHAPES tensors of shapes it has not seen
+    ((16 + r, 256), r = 1, 2, ...), one call each."""
+    xs = [
+        torch.randn(16 + r, 256, device=device).to(torch.bfloat16) for r in range(1, NEW_SHAPES + 1)
+    ]
+    sync()
+    t0 = time.perf_counter()
+    for x in xs:
+        f(x)
+    sync()
+    return (time.perf_counter() - t0) / len(xs) * 1e6
 
 
 def calls_of(f, n=10, exclude="_fake_cuda.py"):
@@ -171,6 +204,13 @@ def main():
                     for what, p in (("planned", prof), ("plans disabled", prof_unplanned)):
                         fh.write(f"==== {name}, {what} (per call, cProfile's overhead in)\n")
                         fh.write(profile_table(p))
+        emit(f"\n{'first call of a shape':30s} {'plans (default)':>15s} {'plans disabled':>15s}")
+        for name, f in new_shape_ops().items():
+            f(torch.randn(8, 256, device=device).to(torch.bfloat16))  # the kernels built
+            with _plans.disabled():  # (no plan is made or used: the same shapes again below)
+                unplanned = first_call_us(f, device, sync)
+            planned = first_call_us(f, device, sync)
+            emit(f"{name:30s} {planned:15.1f} {unplanned:15.1f}")
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:
             fh.write("\n".join(lines) + "\n")

@@ -243,7 +243,9 @@ def test_a_lookalike_on_the_planned_path_is_refused(call, lookalike):
     try:
         with fake_cuda() as recorder:
             x = torch.randn(4, 64)
-            X_CALLS[call](x)  # the plan of this kind of call
+            for _ in range(_plans.RECORD_AT):  # the plan of this kind of call
+                X_CALLS[call](x)
+            assert _plans._PLANS
             recorder.launches.clear()
             with pytest.raises(TypeError, match=match):
                 odd_call(X_CALLS[call], x)
@@ -268,7 +270,9 @@ def test_odd_tensors_on_the_planned_path_are_refused(case, call):
     _plans.clear()
     try:
         with fake_cuda() as recorder:
-            X_CALLS[call](x)  # the plan of this kind of call
+            for _ in range(_plans.RECORD_AT):  # the plan of this kind of call
+                X_CALLS[call](x)
+            assert _plans._PLANS
             recorder.launches.clear()
             with pytest.raises(TypeError, match=match.format(name="x")):
                 X_CALLS[call](bad)
@@ -400,8 +404,10 @@ def test_global_amax_beyond_float32_is_refused_on_the_planned_path():
     try:
         with fake_cuda() as recorder:
             x = torch.randn(4, 64)
-            fk.quantize(x, global_amax=2.0)  # the plan of this kind of call
+            for _ in range(_plans.RECORD_AT):  # the plan of this kind of call
+                fk.quantize(x, global_amax=2.0)
             n_plans = len(_plans._PLANS)
+            assert n_plans == 1
             recorder.launches.clear()
             fk.quantize(x, global_amax=3.0)  # planned: launches with amax 3.0
             assert recorder.launches and len(_plans._PLANS) == n_plans

@@ -78,17 +78,28 @@ def _compare(recorder, call, inputs, new_plan=True):
         ref_result, ref = _launches(recorder, call, inputs)
     assert ref, "the unplanned path launched nothing"
     n_plans = len(_plans._PLANS)
+    first_result, first = _launches(recorder, call, inputs)  # unplanned: a first call
+    if new_plan:
+        assert len(_plans._PLANS) == n_plans
     cold_result, cold = _launches(recorder, call, inputs)  # records the plan, then runs it
     n_cold = len(_plans._PLANS)
     if new_plan:
         assert n_cold == n_plans + 1
     warm_result, warm = _launches(recorder, call, inputs)  # the plan alone
     assert len(_plans._PLANS) == n_cold
+    assert first == ref
     assert cold == ref
     assert warm == ref
-    for r in (cold_result, warm_result):
+    for r in (first_result, cold_result, warm_result):
         _same_structure(r, ref_result)
     return warm_result
+
+
+def _planned(call):
+    """``call()`` run until its plan is made (``_plans.RECORD_AT`` calls); the last result."""
+    for _ in range(_plans.RECORD_AT):
+        result = call()
+    return result
 
 
 def _same_structure(a, b):
@@ -260,12 +271,12 @@ def test_fp4quant_plans_follow_the_format_fields(fake):
         pass
 
     x = _x()
-    q = fk.quantize(x, fmt=fk.FP4Quant(64))
+    q = _planned(lambda: fk.quantize(x, fmt=fk.FP4Quant(64)))
     assert len(_plans._PLANS) == 1
     again = fk.FP4Quant(64)
     assert fk.quantize(x, fmt=again).fmt is again and len(_plans._PLANS) == 1
-    fk.quantize(x, fmt=fk.FP4Quant(128))
-    fk.quantize(x, fmt=fk.FP4Quant(64, hadamard=False))
+    _planned(lambda: fk.quantize(x, fmt=fk.FP4Quant(128)))
+    _planned(lambda: fk.quantize(x, fmt=fk.FP4Quant(64, hadamard=False)))
     assert len(_plans._PLANS) == 3
     with pytest.raises(TypeError, match="fmt"):
         fk.quantize(x, fmt=(64, True))
@@ -299,7 +310,7 @@ def test_planned_requantized_sum_with_row_scales_is_a_plan_of_its_own(fake):
     other = torch.rand(4) + 0.5
     inputs["row_scales"] = other
     _compare(fake, lambda: fk.requantized_sum(q, other), inputs, new_plan=False)
-    fk.requantized_sum(q)
+    _planned(lambda: fk.requantized_sum(q))
     with pytest.raises(ValueError, match="row_scales: must be C-contiguous"):
         fk.requantized_sum(q, torch.rand(8)[::2])  # a key of its own: checked, no plan
     assert len(_plans._PLANS) == 2
@@ -317,7 +328,7 @@ def test_each_call_gets_its_own_seed_and_step(fake):
 
 def test_each_call_gets_its_own_float_amax(fake):
     x = _x()
-    fk.quantize(x, global_amax=1.0)  # the plan
+    _planned(lambda: fk.quantize(x, global_amax=1.0))
     for amax in (2.5, 0.0, 1e30, 7, np.float32(0.25), np.int64(3)):
         _compare(fake, lambda: fk.quantize(x, global_amax=amax), {"x": x}, new_plan=False)  # noqa: B023
     assert len(_plans._PLANS) == 1
@@ -332,7 +343,8 @@ def test_a_launch_policy_is_part_of_the_plan(fake):
 
 
 def test_same_shape_other_dtype_gets_its_own_plan(fake):
-    fk.quantize(_x(dtype=torch.bfloat16))
+    x16 = _x(dtype=torch.bfloat16)
+    _planned(lambda: fk.quantize(x16))
     x = _x(dtype=torch.float32)
     _compare(fake, lambda: fk.quantize(x), {"x": x})
     q = fk.quantize(x)
@@ -399,9 +411,9 @@ def test_another_device_gets_its_own_plan(fake):
     x0 = _x()
     x1 = _x()
     x1.fake_device = torch.device("cuda", 1)
-    fk.quantize(x0)
+    _planned(lambda: fk.quantize(x0))
     fake.launches.clear()
-    fk.quantize(x1)
+    _planned(lambda: fk.quantize(x1))
     plans = list(_plans._PLANS.values())
     assert [p.device_id for p in plans] == [0, 1]
     assert {launch[3] for launch in fake.launches} == {fake.stream(1)}  # device 1's stream
@@ -442,12 +454,40 @@ def test_the_cache_is_bounded_and_keeps_the_recent_plans(fake, monkeypatch):
     monkeypatch.setattr(_plans, "PLAN_CACHE_SIZE", 3)
     xs = [_x((16, 64 * (i + 1))) for i in range(5)]
     for x in xs:
-        fk.quantize(x)
+        _planned(lambda: fk.quantize(x))  # noqa: B023
     fk.quantize(xs[2])  # used again: the most recent
-    fk.quantize(_x((16, 64 * 9)))
+    x9 = _x((16, 64 * 9))
+    _planned(lambda: fk.quantize(x9))
     assert len(_plans._PLANS) == 3
     shapes = [key.x[2][1] for key in _plans._PLANS]
     assert shapes == [64 * 5, 64 * 3, 64 * 9]
+
+
+def test_a_key_called_once_runs_unplanned_and_the_second_call_records(fake, monkeypatch):
+    """A first call of a key runs the checked path and makes no plan (a shape called once costs
+    no recording); the second records.  The keys called once are bounded as the plans are."""
+    monkeypatch.setattr(_plans, "PLAN_CACHE_SIZE", 3)
+    recordings = []
+    real = _plans.record
+    monkeypatch.setattr(_plans, "record", lambda *a: recordings.append(1) or real(*a))
+    xs = [_x((16, 64 * (i + 1))) for i in range(5)]
+    for x in xs:
+        fk.quantize(x)
+    assert not _plans._PLANS and not recordings and len(_plans._SEEN) == 3
+    fk.quantize(xs[0])  # forgotten (the oldest of five): a first call again
+    assert not _plans._PLANS and not recordings
+    fk.quantize(xs[4])
+    assert (
+        len(_plans._PLANS) == 1
+        and recordings == [1]
+        and xs[4].shape not in [key.x[2] for key in _plans._SEEN]
+    )
+    fk.quantize(xs[4])
+    assert recordings == [1]
+    monkeypatch.setattr(_plans, "RECORD_AT", 1)  # at the first call
+    x = _x((16, 64 * 7))
+    fk.quantize(x)
+    assert len(_plans._PLANS) == 2 and recordings == [1, 1]
 
 
 def test_disabled_makes_no_plan(fake):
@@ -514,14 +554,16 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
     for name, call in calls.items():
         with _plans.disabled():
             ref = _bits(call())
-        cold = _bits(call())
+        first = _bits(call())  # unplanned: the first call of its key
+        cold = _bits(call())  # records the plan, then runs it
         torch.cuda.set_sync_debug_mode("error")  # a planned call never synchronizes
         try:
             warm = _bits(call())
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        for a, b, c in zip(ref, cold, warm, strict=True):
-            assert torch.equal(a, b) and torch.equal(a, c), name
+        for a, f, b, c in zip(ref, first, cold, warm, strict=True):
+            assert torch.equal(a, f) and torch.equal(a, b) and torch.equal(a, c), name
+    assert len(_plans._PLANS) == len(calls)  # each call's plan made and run
     _plans.clear()
 
 
@@ -538,8 +580,10 @@ def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch
         return real(ctx, dataclasses.replace(call, seed=call.seed + 1))
 
     monkeypatch.setattr(op, "run", seed_plus_one)
+    x = _x()
+    fk.quantize(x, rounding="stochastic", seed=3)  # a first call: unplanned
     with pytest.raises(RuntimeError, match="probe scalars"):
-        fk.quantize(_x(), rounding="stochastic", seed=3)
+        fk.quantize(x, rounding="stochastic", seed=3)  # the recording
     assert not _plans._PLANS
 
 

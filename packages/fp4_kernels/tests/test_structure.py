@@ -192,7 +192,8 @@ def test_a_warm_call_passes_three_files_and_twelve_calls(op):
     _plans.clear()
     with fake_cuda():
         call = WARM_OPS[op](torch.randn(256, 256).to(torch.bfloat16))
-        call()
+        for _ in range(_plans.RECORD_AT):  # the plan made
+            call()
         calls, files = call_path(call)
     _plans.clear()
     assert len(files) <= WARM_FILES and {"_plans.py", "cuda/launch.py"} <= set(files), files
@@ -221,7 +222,8 @@ def test_the_first_call_of_a_shape_passes_at_most_six_files(op):
         FIRST_OPS[op](torch.randn(64, 256).to(torch.bfloat16))()  # the kernels built
         call = FIRST_OPS[op](torch.randn(128, 256).to(torch.bfloat16))  # a shape of its own
         _, first = call_path(call)
+        _, recording = call_path(call)
         _, warm = call_path(call)
     _plans.clear()
     assert len(first) <= FIRST_CALL_FILES, first
-    assert len(warm) == 3, warm
+    assert len(recording) > len(warm) == 3, (recording, warm)

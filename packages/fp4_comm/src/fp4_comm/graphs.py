@@ -65,9 +65,10 @@ from .tahquant import TAHQuantCodec, TAHQuantGradCodec
 
 Graphs = Literal["auto", "never"]
 GRAPHS = ("auto", "never")
-#: Eager calls of a kind of call before the next one is captured: the first makes the plan
-#: (compiles the kernels, checks the arguments across ranks), the second runs it once more
-#: eagerly, so that whatever a first call sets up lazily is done before a capture.
+#: Eager calls of a kind of call before the next one is captured: the first compiles the
+#: kernels and checks the arguments across ranks, the second makes fp4_kernels' launch plans
+#: (``fp4_kernels._plans.RECORD_AT``) and runs them once eagerly, so that whatever a call
+#: sets up lazily is done before a capture.
 EAGER_CALLS = 2
 #: Graphs a communicator keeps.
 GRAPH_CACHE_SIZE = 8

@@ -156,11 +156,11 @@ def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
         from .cuda.quantize_dequantize import run as host
     else:
         from .cuda.quantize import run as host
-    if call.key is None or call.geometry.n == 0:
+    plan = _plans.plan_for(call, host) if call.geometry.n else None
+    if plan is None:
         outputs = _plans.run_unplanned(call, host)
         return outputs[0] if fused else _quantize_result(call, outputs)
     amax = call.amax_value if call.key.amax == AMAX_NUMBER else call.amax_array
-    plan = _plans.plan_for(call, host)
     step = call.step if call.step_array is None else call.step_array
     return _run_quantize_plan(plan, key, fmt, x, call.seed, step, amax)
 
@@ -280,19 +280,26 @@ def _quantize_result(call, outputs):
     """What quantize / quantize_dequantize return for ``call``'s outputs (``_quantize_cpu``'s or
     an unfused host function's, of the caller's kind)."""
     geo = call.geometry
+    # torch results: the constructor's work (the dtype as torch's) done here, x's dtype
+    # (``_plans.planned_tensor``, as a planned call's; the fields are this call's own outputs)
+    make = _plans.planned_tensor if call.backend.lib == "torch" else _checked_tensor
+    dtype = call.x.dtype if call.backend.lib == "torch" else call.dtype
     if isinstance(call.fmt, FP4Quant):
         payload, codes, scales = outputs
-        q = QuantizedTensor(
-            data=codes, scales=scales, global_scale=None, fmt=call.fmt, shape=geo.shape,
-            dtype=call.dtype, scale_layout="linear", payload=payload,
-        )  # fmt: skip
+        q = make(codes, scales, None, call.fmt, geo.shape, dtype, "linear", payload)
         return dequantize(q) if call.fused else q
     if call.fused:
         return outputs[0]
     data, scales, gs, _ = outputs
+    layout = "swizzled" if geo.swizzled else "linear"
+    return make(data, scales, gs, call.fmt.name, geo.shape, dtype, layout)
+
+
+def _checked_tensor(data, scales, global_scale, fmt, shape, dtype, scale_layout, payload=None):
+    """``_plans.planned_tensor``'s arguments through the constructor (numpy, CuPy, numba)."""
     return QuantizedTensor(
-        data=data, scales=scales, global_scale=gs, fmt=call.fmt.name, shape=geo.shape,
-        dtype=call.dtype, scale_layout="swizzled" if geo.swizzled else "linear",
+        data=data, scales=scales, global_scale=global_scale, fmt=fmt, shape=shape, dtype=dtype,
+        scale_layout=scale_layout, payload=payload,
     )  # fmt: skip
 
 
@@ -316,9 +323,9 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
             from .cuda.fp4quant import run_decode as host
         else:
             from .cuda.dequantize import run as host
-        if call.key is None or call.geometry.n == 0:
+        plan = _plans.plan_for(call, host) if call.geometry.n else None
+        if plan is None:
             return _plans.run_unplanned(call, host)[0]
-        plan = _plans.plan_for(call, host)
     if q.global_scale is None:
         return plan((q.data, q.scales))[0]
     return plan((q.data, q.scales, q.global_scale))[0]

@@ -85,9 +85,9 @@ def hadamard(
             return arrays.cpu_from_bits(out_bits, call.dtype, tuple(x.shape), call.backend)
         from .cuda.hadamard import run as host
 
-        if call.key is None or call.n == 0:
+        plan = _plans.plan_for(call, host) if call.n else None
+        if plan is None:
             return _plans.run_unplanned(call, host)[0]
-        plan = _plans.plan_for(call, host)
     return plan((x,))[0]
 
 

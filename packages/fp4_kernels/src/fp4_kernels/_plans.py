@@ -3,8 +3,9 @@
 Every GPU call arrives here as a call descriptor (``_calls``) with the host function of its op
 (``cuda.<op>.run(ctx, call)``, which chooses kernels and grids).  A call whose ``key`` is set
 (a torch CUDA tensor, plans enabled: the static part of the call, its input's type, dtype,
-shape, strides, device and 16-byte alignment and the launch policy) is planned: the first call
-of a key, checked in full by the API, runs its host function once against a ``Tracer``:
+shape, strides, device and 16-byte alignment and the launch policy) is planned.  The first
+call of a key runs unplanned (below); the second (``RECORD_AT``), checked in full by the API,
+runs its host function once against a ``Tracer``:
 placeholder arrays whose addresses are tagged symbols, and a context that records each launch
 instead of queuing it.  The recording is the plan: the launchers, grids, the packed argument
 values (``_numba_launch.launch_values``) with the places where a call's pointers (inputs, outputs)
@@ -14,9 +15,10 @@ tensor scale and scratch, each 256-byte aligned in it; a float result is a tenso
 writes its pointers and scalars into the recorded arguments and launches on torch's current
 stream; no check is repeated, because everything a check reads is in the key.
 
-Calls without a key (numpy, CuPy, numba arrays, the simulator, signs given as a vector) and
-empty tensors run their host function against the caller's context (``run_unplanned``).  The
-cache is bounded: ``PLAN_CACHE_SIZE`` plans, least recently used evicted first; ``clear()``
+Calls without a key (numpy, CuPy, numba arrays, the simulator, signs given as a vector),
+empty tensors and the first call of a key run their host function against the caller's context
+(``run_unplanned``).  The cache is bounded: ``PLAN_CACHE_SIZE`` plans (and as many keys called
+once), least recently used evicted first; ``clear()``
 empties it and ``disabled()`` turns it off for the calls inside it (the unplanned path then runs
 for torch tensors too).
 
@@ -41,8 +43,13 @@ from .cuda import launch
 from .cuda.launch_table import POLICY
 
 PLAN_CACHE_SIZE = 256
+#: The call of a key that records its plan: the first runs unplanned, so that a shape called
+#: once (inference over many sequence lengths) costs the checked path alone, about half of a
+#: recording and its run; the second records; the later ones run the plan.
+RECORD_AT = 2
 
 _PLANS: OrderedDict = OrderedDict()
+_SEEN: OrderedDict = OrderedDict()  # key -> its calls so far, while fewer than RECORD_AT
 _LOCK = threading.Lock()  # held while a plan is added or evicted
 _DISABLED = contextvars.ContextVar("fp4_kernels_plans_disabled", default=False)
 
@@ -68,6 +75,7 @@ def clear() -> None:
     """Forget every plan."""
     with _LOCK:
         _PLANS.clear()
+        _SEEN.clear()
 
 
 @contextlib.contextmanager
@@ -171,11 +179,25 @@ def put(key, plan):
 
 
 def plan_for(call, host):
-    """The plan of the checked GPU ``call`` (its key set, its tensors not empty), recorded from
-    ``host(tracer, call)`` at the first call of its key."""
-    plan = get(call.key)
+    """The plan of the checked GPU ``call`` (its tensors not empty), recorded from
+    ``host(tracer, call)`` at the ``RECORD_AT``-th call of its key; None before that and for a
+    call without a key: the caller runs it unplanned (``run_unplanned``)."""
+    key = call.key
+    if key is None:
+        return None
+    plan = get(key)
     if plan is None:
-        plan = put(call.key, record(call, host))
+        with _LOCK:
+            try:
+                seen = _SEEN.pop(key, 0) + 1
+            except TypeError:  # an unhashable argument: never planned
+                return None
+            if seen < RECORD_AT:
+                _SEEN[key] = seen
+                while len(_SEEN) > PLAN_CACHE_SIZE:
+                    _SEEN.popitem(last=False)
+                return None
+        plan = put(key, record(call, host))
     return plan
 
 

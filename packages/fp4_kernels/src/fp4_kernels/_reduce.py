@@ -165,13 +165,13 @@ def requantized_sum(q: QuantizedTensor, row_scales: Array | None = None) -> Quan
             data=q.data, scales=q.scales, global_scale=gs, backend=backend, fmt=spec, rows=rows,
             n=n, per_row=row_scales is not None, key=key,
         )  # fmt: skip
-        if key is None or n == 0:
+        plan = _plans.plan_for(call, host) if n else None
+        if plan is None:
             codes, scales, gs = _plans.run_unplanned(call, host)
             return QuantizedTensor(
                 data=codes, scales=scales, global_scale=gs, fmt=spec.name, shape=(1, n),
                 dtype="float32", scale_layout="linear",
             )  # fmt: skip
-        plan = _plans.plan_for(call, host)
     if q.fmt != "nvfp4":
         inputs = (q.data, q.scales)
     else:
