@@ -396,3 +396,42 @@ def test_pickle_and_copies_on_cuda(gpu, rng, fmt, layout, how):
     if r.payload is not None:
         assert r.data.data_ptr() == r.payload.data_ptr()
         assert r.scales.data_ptr() == r.payload.data_ptr() + q.numel() // 2
+
+
+def test_a_move_refuses_a_payload_whose_views_were_replaced(rng):
+    """A move re-derives FP4Quant's data and scales from the moved payload: with data or
+    scales replaced since quantize(), that would silently give the payload's codes back, so it
+    is refused, naming the fix; without the payload the fields move as they are.  A tensor
+    that stays where it is is returned as it is."""
+    q = _made(rng, "torch", fk.FP4Quant(32), "linear")
+    for field in ("data", "scales"):
+        other = getattr(q, field).clone()
+        other.view(torch.uint8)[0, 0] ^= 0xFF
+        replaced = dataclasses.replace(q, **{field: other})
+        with pytest.raises(ValueError, match=r"payload: .*payload=None"):
+            replaced.to("meta")
+        assert replaced.cpu() is replaced and replaced.to("cpu") is replaced
+        moved = dataclasses.replace(replaced, payload=None).to("meta")
+        assert moved.payload is None and getattr(moved, field).device.type == "meta"
+    assert q.to("meta").payload is not None  # the untouched tensor still moves
+
+
+def test_properties_name_a_format_set_after_construction(rng):
+    """``fmt`` set to something else after quantize(): the properties that read the format
+    name the field, not a KeyError."""
+    q = _made(rng, "torch", "nvfp4", "linear")
+    q.fmt = "nvfp5"
+    for read in (lambda: q.block_size, lambda: q.nbytes, q.typed_scales):
+        with pytest.raises(ValueError, match="fmt: 'nvfp5' is not one of"):
+            read()
+    q.fmt = 4
+    with pytest.raises(TypeError, match="fmt: expected"):
+        q.block_size  # noqa: B018
+
+
+def test_nbytes_of_fp4quant_with_and_without_its_payload(rng):
+    """FP4Quant's bytes are its codes and scales (no tensor scale), with or without the
+    payload that holds them."""
+    q = _made(rng, "torch", fk.FP4Quant(32), "linear")
+    bare = dataclasses.replace(q, payload=None)
+    assert q.nbytes == bare.nbytes == q.payload.numel() == q.numel() // 2 + q.numel() // 32 * 2

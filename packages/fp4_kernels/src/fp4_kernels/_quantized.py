@@ -147,7 +147,14 @@ class QuantizedTensor:
     @property
     def block_size(self) -> int:
         """Elements per scale: 16 (NVFP4), 32 (MXFP4) or the FP4Quant group size."""
-        return self.fmt.group_size if isinstance(self.fmt, FP4Quant) else SPECS[self.fmt].block_size
+        spec = self._spec()
+        return spec.group_size if isinstance(spec, FP4Quant) else spec.block_size
+
+    def _spec(self):
+        """The ``FormatSpec`` of ``fmt`` ("nvfp4" / "mxfp4") or the ``FP4Quant``; a ``fmt`` set to
+        anything else after construction is named (TypeError / ValueError)."""
+        spec = SPECS.get(self.fmt) if type(self.fmt) is str else None
+        return format_spec(self.fmt, "fmt") if spec is None else spec
 
     @property
     def rows(self) -> int:
@@ -160,10 +167,10 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 has none)."""
-        if self.payload is not None:
-            return int(_nbytes(self.payload))
-        tensor_scale = SPECS[self.fmt].tensor_scale
+        """Bytes of codes + scales (+ the float32 tensor scale for NVFP4; MXFP4 and FP4Quant have
+        none): FP4Quant's ``payload`` holds exactly its codes and scales."""
+        spec = self._spec()
+        tensor_scale = not isinstance(spec, FP4Quant) and spec.tensor_scale
         return int(_nbytes(self.data) + _nbytes(self.scales) + (4 if tensor_scale else 0))
 
     def typed_scales(self) -> Array:
@@ -175,10 +182,8 @@ class QuantizedTensor:
         TypeError.
         """
         backend = backend_of(self.scales, "scales")
-        if isinstance(self.fmt, FP4Quant):
-            name = "bfloat16"
-        else:
-            name = SPECS[self.fmt].scale_dtype
+        spec = self._spec()
+        name = "bfloat16" if isinstance(spec, FP4Quant) else spec.scale_dtype
         if backend.lib == "torch":
             return self.scales.view(getattr(sys.modules["torch"], name))
         if backend.lib == "numpy":
@@ -253,6 +258,8 @@ class QuantizedTensor:
         if self.payload is None:
             data, scales = moved
             return dataclasses.replace(self, data=data, scales=scales, global_scale=global_scale)
+        if not _are_payload_views(self):  # (a tensor that stays where it is is returned as is)
+            raise ValueError(_PAYLOAD_MISMATCH)
         (payload,) = moved
         lib = backend_of(payload, "payload").lib
         data, scales = payload_views(payload, self.shape, self.numel(), self.block_size, lib)
@@ -262,6 +269,12 @@ class QuantizedTensor:
 
 
 _ARRAY_FIELDS = ("data", "scales", "global_scale", "payload")
+# a move re-derives FP4Quant's data and scales from the moved payload: other fields would be lost
+_PAYLOAD_MISMATCH = (
+    "payload: data and scales are not the views of payload that quantize() made (a field was "
+    "replaced since); moving the tensor would give payload's codes and scales, not these. Set "
+    "payload=None (dataclasses.replace(q, payload=None)) to move data and scales as they are"
+)
 
 
 class _TorchUint16(NamedTuple):
