@@ -137,6 +137,34 @@ def test_partial_gradients_are_summed_under_sequence_parallelism_only(cluster):
         np.testing.assert_array_equal(grad, np.full(5, rank + 1.0))
 
 
+def _grads_held(comms, mixed):
+    comm = comms[2]
+    if comm is None:
+        return None
+    group = TensorParallelGroup(comm, WirePolicy("none"), sequence_parallel=True)
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(4)) for _ in range(4))
+    if mixed:  # rank 0 holds a's gradient, rank 1 b's (same size): rank 0's a + rank 1's b
+        (a if comm.rank == 0 else b).grad = torch.full((4,), 1.0 + comm.rank)
+    c.grad = torch.full((4,), 1.0 + comm.rank)  # d: no gradient on any rank
+    try:
+        group.sum_partial_grads([a, b, c, d])
+    except ValueError as err:
+        return str(err)
+    return [None if p.grad is None else p.grad.tolist() for p in (a, b, c, d)]
+
+
+def test_partial_gradients_held_on_some_ranks_only_are_refused_on_every_rank(cluster):
+    """A parameter with a gradient on some ranks only: the ranks compare which they hold, and
+    every rank refuses (before, each rank summed its own list of gradients, so rank 0's
+    gradient of one parameter was added to rank 1's of the next); one without a gradient on
+    any rank keeps none."""
+    for message in cluster.run(_grads_held, True)[:2]:
+        assert "the ranks hold gradients of different parameters" in message
+        assert "rank 0: 2 of 4 parameters; rank 1: 2 of 4" in message
+    for grads in cluster.run(_grads_held, False)[:2]:
+        assert grads == [None, None, [3.0] * 4, None]
+
+
 def test_one_rank_runs_no_collective():
     group = TensorParallelGroup(None, WirePolicy("nvfp4"))
     x = torch.ones(2, 3)

@@ -18,6 +18,7 @@ GPUs (a group that every rank of the default group makes with the TensorParallel
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import tensor_parallel as tp
+from ._transport import reraise_peer_error
 from .codecs import SEED_LIMIT, check_int, check_rounding, get_codec
 from .communicator import Communicator
 
@@ -111,6 +113,7 @@ class TensorParallelGroup:
         self._set_policies(1 if comm is None else comm.world_size, forward, backward, seed,
                            sequence_parallel)  # fmt: skip
         self.native_group = None
+        self._grads_held_checked = set()  # gradient patterns the ranks agreed on
         if self.native:
             self.native_group = comm.control_group  # gloo, over the communicator's ranks
             if comm.device.type == "cuda":
@@ -240,9 +243,23 @@ class TensorParallelGroup:
     def sum_partial_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """With SP, the gradients of the parameters every rank holds whole (LayerNorms,
         embedding, head) are partial over the sequence shards: sum them over the ranks, in
-        float32 (exact up to the adds).  A no-op without SP."""
+        float32 (exact up to the adds).  A no-op without SP.
+
+        Every rank passes the same parameters in the same order; a parameter without a
+        gradient on every rank keeps none.  The ranks compare which of them have one, as the
+        communicator checks its calls (over its control group, on the host; every call under
+        ``validate="always"``, each new pattern under "first", never under "never" or while
+        a CUDA graph is captured): a parameter with a gradient on some ranks only is refused on
+        every rank (ValueError), as ``EmulatedTensorParallelGroup`` does, instead of one
+        rank's gradient of a parameter being added to another's of the next."""
+        if not self.sequence_parallel:
+            return
+        params = list(params)
+        held = tuple(p.grad is not None for p in params)
+        if self._check_grads_held(held):
+            self._compare_grads_held(held)
         grads = [p.grad for p in params if p.grad is not None]
-        if not self.sequence_parallel or not grads:
+        if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads]).float()
         flat = self.comm.all_reduce(flat, codec="none-float32")
@@ -250,6 +267,41 @@ class TensorParallelGroup:
         for g in grads:
             g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
+
+    def _check_grads_held(self, held):
+        """Whether ``sum_partial_grads`` compares the pattern ``held`` across the ranks (the
+        communicator's validation policy)."""
+        comm = self.comm
+        if getattr(comm, "control_group", None) is None:
+            return False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False  # a host exchange cannot be captured
+        if getattr(comm.transport, "always_validate", False) or comm.validate == "always":
+            return True
+        return comm.validate == "first" and held not in self._grads_held_checked
+
+    def _compare_grads_held(self, held):
+        """Every rank's (parameters, how many with a gradient, a CRC of which): equal, or
+        ValueError on every rank naming each rank's."""
+        mine = [len(held), sum(held), zlib.crc32(bytes(held))]
+        every = torch.empty(self.size * 3, dtype=torch.int64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        try:
+            gather(every, torch.tensor(mine, dtype=torch.int64), group=self.comm.control_group)
+        except RuntimeError as err:
+            reraise_peer_error(err, "sum_partial_grads (gradient check)", self.rank, self.size)
+        rows = every.view(self.size, 3).tolist()
+        if any(r != mine for r in rows):
+            described = "; ".join(
+                f"rank {r}: {n_held} of {n} parameters" for r, (n, n_held, _) in enumerate(rows)
+            )
+            raise ValueError(
+                "sum_partial_grads: the ranks hold gradients of different parameters "
+                f"({described}); every rank passes the same parameters, and a replica that got "
+                "no gradient on one rank but did on others holds zeros there "
+                "(p.grad = torch.zeros_like(p))"
+            )
+        self._grads_held_checked.add(held)
 
 
 __all__ = ["TensorParallelGroup", "WirePolicy", "check_native"]
