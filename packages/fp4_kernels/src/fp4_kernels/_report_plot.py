@@ -25,8 +25,10 @@ def figure(result):
     _errors_by_matrix(ax0, result, fmts, colors)
     _cost_against_error(ax1, result, fmts, colors, markers)
     name = result["model"]
-    fig.suptitle(
-        f"FP4 formats on {name}: {result['linear_elements']:,} linear weights", fontsize=11
+    fig.suptitle(  # (parse_math off: a "$" in the model's path is not TeX)
+        f"FP4 formats on {name}: {result['linear_elements']:,} linear weights",
+        fontsize=11,
+        parse_math=False,
     )
     fig.tight_layout()
     return fig

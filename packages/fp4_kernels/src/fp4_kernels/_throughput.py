@@ -61,6 +61,8 @@ def _fmt(name):
 def check_elements(elements):
     """``elements`` as an int: 0 (no measurement) or a positive multiple of 256; else
     ValueError."""
+    if isinstance(elements, bool) or not isinstance(elements, (int, np.integer)):
+        raise TypeError(f"an integer expected, got {elements!r}")
     n = int(elements)
     if n < 0 or n % GRANULE:
         raise ValueError(f"must be 0 or a positive multiple of {GRANULE}, got {elements}")

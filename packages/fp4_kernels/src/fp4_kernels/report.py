@@ -19,9 +19,13 @@ Formats (blocks run along a matrix's last dimension, the input features of ``nn.
 
 Reading: float32, float16, bfloat16 and float64 tensors are read with ``safetensors`` into
 numpy (bfloat16 through ``ml_dtypes``); float8 tensors (e4m3, e5m2) through torch, when it is
-installed.  Files are opened lazily and read one matrix at a time, which is measured in slices
-of about ``CHUNK_ELEMENTS`` weights, so the memory needed is about that of the largest matrix
-as stored, not that of the model.  Only regular files are read: anything else named
+installed.  Each file's header is read and the file closed; the matrices are then read one at
+a time, with one file open, and measured in slices of about ``CHUNK_ELEMENTS`` weights, so the
+memory needed is about that of the largest matrix as stored, not that of the model (a matrix
+of one row, or whose FP4Quant groups span many rows, is measured in fewer, larger slices).  A
+tensor that cannot be read (the file changed since its header was read, a read error, not
+enough memory) stops the report with an error naming the file and the tensor; a Git LFS
+pointer saved in place of the weights is named as one.  Only regular files are read: anything else named
 ``*.safetensors`` (a directory, a FIFO, a broken link) is skipped, and the report says so, as
 it does for matrices it cannot measure (an unsupported dtype, no element).  A directory is
 searched recursively and links to directories are followed, each directory once: a
@@ -40,6 +44,8 @@ A linear weight is a 2-D floating tensor named ``*.weight`` that is not a norm n
 ``--include-embeddings``) an embedding table.  Every matrix is named by its file (the path
 relative to PATH) and its tensor name, so same-named tensors of different files stay apart.
 
+Weights are quantized as float32; a float64 matrix's errors are against its own float64
+values (a weight below float32's range counts as lost where its format rounds it to zero).
 Non-finite weights (NaN, +-Inf; also float64 values beyond the float32 range): counted per
 matrix and reported, then measured as 0 (so they neither widen a scale nor make their block
 NaN) and left out of every statistic, which covers the finite weights only.  A matrix with no
@@ -49,8 +55,8 @@ counts those weights.  ``report.json`` is strict JSON: a number that is not fini
 an infinite error) is written as ``null``.
 
 The decode-speed model (a model, not a measurement): generating one token with a decoder
-reads every linear weight matrix once and every other tensor once, except embedding tables,
-of which it reads one row (counted as nothing); the KV cache and activations are not counted.
+reads every linear weight matrix once and every other tensor once, except embedding tables
+of any dtype, measured or not, of which it reads one row (counted as nothing); the KV cache and activations are not counted.
 Per format, those bytes (codes and scales of the quantized matrices, the rest as stored) over
 ``--bandwidth-gbs`` plus ``--fixed-ms`` per token give the time per token.  The defaults are
 an NVIDIA H200's: 4.8 TB/s, the HBM3e bandwidth of its specification (a device-to-device copy
@@ -175,9 +181,16 @@ def evaluate(w, fmt, amax=None):
     with zeros (the padding's codes and scales count in the bytes, its values do not count in
     the errors); FP4Quant's groups run over the flattened rows, padded likewise at the end.
     """
+    if not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.ndim != 2:
+        what = f"{w.dtype} {w.ndim}-d array" if isinstance(w, np.ndarray) else type(w).__name__
+        raise TypeError(f"w: expected a 2-D float32 numpy array of rows, got a {what}")
     n = w.size
     if amax is None:
         amax = np.float32(np.abs(w).max()) if n else np.float32(0)
+    elif not (math.isfinite(amax) and amax >= 0):
+        raise ValueError(
+            f"amax: a finite number >= 0 (the matrix's largest magnitude), got {amax!r}"
+        )
     if fmt == "e2m1":
         return e2m1.decode_e2m1(e2m1.encode_e2m1(w)), n / 2
     if fmt == "e2m1/tensor":
@@ -226,8 +239,12 @@ def measure(t, shape, formats, on_rows=None):
     the report), read in slices of ``chunk_rows`` rows; ``on_rows(n)`` after each slice.
 
     Returns (per-format stats, number of non-finite weights), or None when no weight is
-    finite.  Sums run in float64 over the finite weights (see the module's policy)."""
+    finite.  Sums run in float64 over the finite weights (see the module's policy); the
+    errors of a float64 matrix are against its own values (a weight below float32's range
+    counts as what it is, not as the zero of its float32 copy)."""
+    _check_shape(t, shape)
     rows = shape[0]
+    original64 = isinstance(t, np.ndarray) and t.dtype == np.float64
     step = chunk_rows(shape, formats)
     starts = range(0, rows, step)
     first = float32_rows(t, 0, min(step, rows))
@@ -247,7 +264,11 @@ def measure(t, shape, formats, on_rows=None):
             finite = ~bad
             nonfinite += n_bad
         finite_n += w.size - n_bad
-        w64 = w.astype(np.float64)
+        if original64:
+            w64 = np.array(t[r0 : r0 + w.shape[0]], dtype=np.float64)
+            w64[bad] = 0
+        else:
+            w64 = w.astype(np.float64)
         abs_sum += float(np.abs(w64).sum())
         for fmt in formats:
             q, nbytes = evaluate(w, fmt, amax)
@@ -294,6 +315,18 @@ def measure(t, shape, formats, on_rows=None):
 _SUMS = ("zeros", "finite", "error_sum", "abs_sum")
 
 
+def _check_shape(t, shape):
+    """ValueError unless ``shape`` is the 2-D shape of the loaded matrix ``t``."""
+    try:
+        ok = len(shape) == 2 and tuple(int(d) for d in shape) == tuple(t.shape)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"shape: {shape!r} is not the 2-D shape of the matrix, {tuple(t.shape)}")
+    if 0 in t.shape:
+        raise ValueError(f"shape: {tuple(t.shape)} has no weight to measure")
+
+
 def _ratio(err, abs_sum, nonfinite_outputs):
     """mean|w - q| / mean|w| from the sums; infinite where an output overflowed."""
     if nonfinite_outputs:
@@ -336,7 +369,35 @@ def missing_modules(progress=True, plot=True):
             importlib.import_module(name)
         except ImportError:
             missing.append(name)
+            continue
+        least = _LEAST_VERSIONS.get(name)
+        if least is not None and _release(_installed_version(name)) < least:
+            missing.append(f"{name} >= {'.'.join(map(str, least))}")
     return missing
+
+
+# the oldest releases the report works with (safetensors: safe_open(backend="pread"))
+_LEAST_VERSIONS = {"safetensors": (0, 8)}
+
+
+def _installed_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return sys.modules[name].__dict__.get("__version__", "0")
+
+
+def _release(version):
+    """The leading numbers of a version string: "0.8.0rc1" -> (0, 8, 0)."""
+    parts = []
+    for piece in str(version).split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != piece:
+            break
+    return tuple(parts)
 
 
 def check_extras(progress=True, plot=True):
@@ -345,7 +406,9 @@ def check_extras(progress=True, plot=True):
     missing = missing_modules(progress, plot)
     if missing:
         hint = " (or --no-progress)" if missing == ["tqdm"] else ""
-        raise ReportError(f"needs {', '.join(missing)}, not installed: {REPORT_EXTRA}{hint}")
+        upgrade = any(">=" in m for m in missing)  # installed, but too old
+        cmd = REPORT_EXTRA.replace("pip install", "pip install -U") if upgrade else REPORT_EXTRA
+        raise ReportError(f"needs {', '.join(missing)}, not installed: {cmd}{hint}")
 
 
 def model_label(path):
@@ -435,6 +498,7 @@ def run_report(
     ``fp4 report`` command's default is 2^26."""
     t_start = time.perf_counter()
     formats = check_formats(formats)
+    throughput_elements = _check_throughput_elements(throughput_elements)
     bandwidth_gbs, fixed_ms = check_decode_model(bandwidth_gbs, fixed_ms)
     check_extras(progress=progress, plot=False)
     given, files, skipped, matrices, embedding_bytes = _measure_model(
@@ -460,6 +524,7 @@ def run_report(
     summary = _summary(
         matrices, formats, n_total, other_bytes, other_decode_bytes, bandwidth_gbs, fixed_ms
     )
+    _check_decode_finite(bandwidth_gbs, (stored, *summary.values()))
     for m in matrices:
         for p in m["formats"].values():
             for k in _SUMS:
@@ -495,6 +560,22 @@ def run_report(
     }
 
 
+def _check_throughput_elements(elements):
+    try:
+        return check_elements(elements)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"throughput_elements: {e}") from None
+
+
+def _check_decode_finite(bandwidth_gbs, rows):
+    """ReportError where the decode model's time of a row overflowed (a tiny bandwidth)."""
+    if not all(math.isfinite(d["decode_ms_per_token"]) for d in rows):
+        raise ReportError(
+            f"--bandwidth-gbs {bandwidth_gbs:g}: too small for the decode model (a token's "
+            "time overflows); give the bandwidth in GB/s"
+        )
+
+
 def _measure_model(path, formats, include_embeddings, progress):
     """(the model as given, its files, what was skipped, the measured matrices, the bytes of
     the embedding tables a decoder does not read whole) of ``run_report``."""
@@ -514,6 +595,11 @@ def _measure_model(path, formats, include_embeddings, progress):
         if not todo:
             raise ReportError(_nothing_to_measure(given, skipped))
         matrices = _measure_all(readers, todo, formats, progress, skipped)
+        # embedding tables left out for having no finite weight: not read per token either
+        measured = {(m["file"], m["tensor"]) for m in matrices}
+        embedding_bytes += sum(
+            m.stored_bytes for m in todo if m.embedding and (m.file.name, m.tensor) not in measured
+        )
     finally:
         for r in readers:
             r.close()
@@ -586,11 +672,16 @@ def _measure_all(readers, todo, formats, progress, skipped):
         )
     by_file = {r.file: r for r in readers}
     out = []
+    reading = None  # the one file held open (the matrices come file by file)
     try:
         for m in todo:
             if bar is not None:
                 bar.set_postfix_str(f"reading {m.file.name}: {m.tensor}", refresh=True)
-            t = by_file[m.file].load(m.tensor, m.dtype)
+            if reading is not by_file[m.file]:
+                if reading is not None:
+                    reading.close()
+                reading = by_file[m.file]
+            t = reading.load(m.tensor, m.dtype)
             if bar is not None:
                 bar.set_postfix_str(f"measuring {m.file.name}: {m.tensor}", refresh=False)
             row_bytes = m.shape[1] * ITEMSIZE[m.dtype]
@@ -662,8 +753,10 @@ def format_table(result):
         f"{s['decode_ms_per_token']:>9.3f}"
     )
     for fmt, s in result["summary"].items():
+        # (a result read back from report.json has null for an infinite rel_error)
+        err = math.inf if s["rel_error"] is None else s["rel_error"]
         lines.append(
-            f"{fmt:<14} {s['zero_fraction']:>7.2%} {s['rel_error']:>10.4f} "
+            f"{fmt:<14} {s['zero_fraction']:>7.2%} {err:>10.4f} "
             f"{s['bits_per_weight']:>11.3f} {_mib(s['model_bytes']):>10.2f} "
             f"{s['decode_bytes_per_token'] / 1e6:>9.2f} {s['decode_ms_per_token']:>9.3f}"
         )
@@ -767,6 +860,8 @@ def strict_json(obj):
 def check_out_dir(out):
     """ReportError unless ``out`` is a folder that exists, or one that can be created:
     checked before the computation, so that a bad --out does not waste it."""
+    if isinstance(out, str) and out == "":
+        raise ReportError("--out '': empty; name '.' for the current folder")
     p = Path(out)
     if p.exists() or p.is_symlink():
         if not p.is_dir():
@@ -776,6 +871,8 @@ def check_out_dir(out):
         return p
     parent = p.absolute().parent
     while not parent.exists():
+        if parent.is_symlink():
+            raise ReportError(f"--out {str(p)!r}: {str(parent)!r} is a broken link")
         parent = parent.parent
     if not parent.is_dir():
         raise ReportError(f"--out {str(p)!r}: {str(parent)!r} is not a folder")
