@@ -352,8 +352,10 @@ def test_the_schedule_saves_and_stops_when_told(monkeypatch):
         (["--stop-at-step", "2"], "give it a place with --checkpoint"),
         (["--stop-at-s", "60"], "give it a place with --checkpoint"),
         (["--checkpoint", "c", "--stop-at-step", "0"], "--stop-at-step 0: at least 1"),
-        (["--checkpoint", "c", "--stop-at-s", "0"], "--stop-at-s 0.0: more than 0"),
-        (["--checkpoint", "c", "--checkpoint-every-s", "-1"], "at least 0"),
+        (["--checkpoint", "c", "--stop-at-s", "0"], "--stop-at-s 0.0: a finite number > 0"),
+        (["--checkpoint", "c", "--stop-at-s", "nan"], "--stop-at-s nan: a finite number > 0"),
+        (["--checkpoint", "c", "--checkpoint-every-s", "-1"], "a finite number >= 0"),
+        (["--checkpoint", "c", "--checkpoint-every-s", "nan"], "a finite number >= 0"),
         (["--checkpoint", "c", "--cuda-graph"], "not with --cuda-graph"),
     ],
 )

@@ -213,3 +213,58 @@ def test_reruns_are_set_beside_their_run(tmp_path):
     (again / f"{orphan['name']}.json").write_text(json.dumps(orphan))
     with pytest.raises(SystemExit, match="qwen-125m_tp4_nvfp4_s1"):
         emulated_summary.main([str(folder), "--reruns", str(again), "--out", str(out)])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _write(folder, name, record):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(record if isinstance(record, str) else json.dumps(record))
+
+
+def test_summary_names_a_record_it_cannot_use(tmp_path, capsys):
+    """A file that is not JSON, a summary without a field the tables read, one whose final
+    loss is null (a diverged run, written as null), and two records of one run: each named,
+    where before they gave raw tracebacks or (two records of one run) one silently left out."""
+    good = _summary("tp4", "bf16", "bf16", 0, 3.0)
+    cases = {
+        "truncated": ('{"kind": "emulated_tp_', "not a readable JSON record"),
+        "binary": (b"\xff\xfe\x00".decode("latin-1"), "not a readable JSON record"),
+        "no loss": ({k: v for k, v in good.items() if k != "final_val_loss"},
+                    "without final_val_loss"),
+        "diverged": ({**good, "final_val_loss": None}, "final_val_loss None, not a finite loss"),
+    }  # fmt: skip
+    for i, (what, (record, message)) in enumerate(cases.items()):
+        folder = tmp_path / f"c{i}"
+        _write(folder, "a.json", good if what != "no loss" and what != "diverged" else record)
+        if what in ("truncated", "binary"):
+            _write(folder, "b.json", record)
+        with pytest.raises(SystemExit, match=message):
+            emulated_summary.load([folder])
+    twice = tmp_path / "twice"
+    _write(twice, "a.json", good)
+    _write(twice, "b.json", {**good, "final_val_loss": 9.0})
+    with pytest.raises(SystemExit, match="a.json: two records of one run|b.json and .*a.json"):
+        emulated_summary.load([twice])
+    one = tmp_path / "one"
+    _write(one, "a.json", good)
+    assert len(emulated_summary.load([one, one])) == 1  # a folder named twice: read once
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        emulated_summary.main([str(one), "--out", str(tmp_path / "afile"), "--no-plot"])
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
+def test_sweep_names_unknown_configurations_repeated_seeds_and_nan_budgets(tmp_path, capsys):
+    base = ["--preset", "pp2", "--out", str(tmp_path)]
+    for extra, message in (
+        (["--only", "bogus", "bf16"], "--only bogus: not a configuration of --preset pp2"),
+        (["--seeds", "0", "0"], "--seeds 0 0: a seed given twice"),
+        (["--budget-s", "nan"], "--budget-s nan: a finite number of seconds >= 0"),
+        (["--estimate-s", "0"], "--estimate-s 0.0: a finite number of seconds > 0"),
+        (["--checkpoint-dir", "c", "--stop-at-s", "-1"], "--stop-at-s -1.0: a finite number"),
+    ):
+        with pytest.raises(SystemExit):
+            emulated_sweep.parse_args([*base, *extra])
+        assert message in capsys.readouterr().err, extra

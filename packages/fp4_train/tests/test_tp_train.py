@@ -278,16 +278,135 @@ def test_graph_cache_is_sized_for_error_feedback_sites(argv, gb, monkeypatch):
         raise Stop
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("RANK", "0")  # as under torchrun
     monkeypatch.setattr(fp4_comm.Communicator, "from_env", from_env)
     with pytest.raises(Stop):
         tp_train.main(["--device", "cpu", "--codec", "nvfp4", *argv])
     assert seen["graph_cache"] == want
 
 
-@pytest.mark.parametrize("gb", ["0", "-1", "nan", "1e-12"])
+@pytest.mark.parametrize("gb", ["0", "-1", "nan", "1e-12", "inf"])
 def test_graph_cache_gb_must_be_positive(gb, capsys):
     from fp4_train.experiments import tp_train
 
     with pytest.raises(SystemExit):
         tp_train.parse_args(["--graph-cache-gb", gb])
-    assert f"--graph-cache-gb {float(gb)}: more than 0" in capsys.readouterr().err
+    assert f"--graph-cache-gb {float(gb)}: a finite number of GiB, more than 0" in (
+        capsys.readouterr().err
+    )
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "0"], "--batch 0: at least 1"),
+        (["--seq-len", "-1"], "--seq-len -1: at least 1"),
+        (["--d-model", "0"], "--d-model 0: at least 1"),
+        (["--steps", "0"], "--steps 0: at least 1"),
+        (["--eval-batches", "0"], "--eval-batches 0: at least 1"),
+        (["--threads", "0"], "--threads 0: at least 1"),
+        (["--ffn", "0"], "--ffn 0: at least 1"),
+        (["--kv-heads", "0"], "--kv-heads 0: at least 1"),
+        (["--max-bytes", "0"], "--max-bytes 0: at least 1"),
+        (["--warmup", "-5"], "--warmup -5: at least 0"),
+        (["--eval-every", "-1"], "--eval-every -1: at least 0"),
+        (["--stats-every", "-1"], "--stats-every -1: at least 0"),
+        (["--lr", "nan"], "--lr nan: a finite number >= 0"),
+        (["--lr", "-1"], "--lr -1.0: a finite number >= 0"),
+        (["--lr", "inf"], "--lr inf: a finite number >= 0"),
+        (["--val-fraction", "1.5"], "--val-fraction 1.5: between 0 and 1"),
+        (["--val-fraction", "0"], "--val-fraction 0.0: between 0 and 1"),
+        (["--seed", "-1"], "--seed -1: in [0, 2**32)"),
+        (["--seed", "99999999999999"], "--seed 99999999999999: in [0, 2**32)"),
+        (["--parallel", "pp", "--batch", "16", "--microbatches", "3"],
+         "--microbatches 3: must divide --batch 16"),
+        (["--parallel", "pp", "--sequence-parallel"], "not with --parallel pp"),
+        (["--data-format", "tokens", "--data", "a", "b"], "--data-format tokens: one --data"),
+        (["--d-model", "30", "--heads", "4"], "--d-model 30: a multiple of --heads 4"),
+        (["--codec", "fp4quant-g3"], "argument --codec: FP4Quant.group_size: 3"),
+        (["--codec", "fp4quant", "--group-size", "100"], "--group-size 100:"),
+        (["--graph-cache-gb", "inf"], "--graph-cache-gb inf: a finite number"),
+    ],
+)  # fmt: skip
+def test_run_arguments_out_of_range_are_named(argv, message, capsys):
+    """Sizes, counts, rates and combinations that trained to NaN, scaled the gradient (micro-
+    batches that do not divide the batch), were silently reinterpreted (a negative
+    --eval-every evaluated every step) or failed deep inside a run."""
+    from fp4_train.experiments import tp_train
+
+    with pytest.raises(SystemExit):
+        tp_train.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_out_and_checkpoint_paths_are_checked_before_the_run(tmp_path, capsys):
+    from fp4_train.experiments import tp_train
+
+    (tmp_path / "afile").write_text("x")
+    for argv, message in (
+        (["--out", str(tmp_path / "afile")], "exists and is not a folder"),
+        (["--out", str(tmp_path / "afile" / "sub")], "is not a folder"),
+        (["--checkpoint", str(tmp_path / "afile" / "x.pt")], "is not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            tp_train.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_a_corpus_too_small_or_unreadable_is_named(tmp_path):
+    from fp4_train.experiments import tp_train
+
+    small = tmp_path / "small.txt"
+    small.write_text("twenty bytes of text")
+    args = tp_train.parse_args(["--data", str(small), "--seq-len", "64"])
+    with pytest.raises(SystemExit, match="its training split holds 18 tokens, fewer than "):
+        tp_train.load_data(args)
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(b"not gzip at all")
+    args = tp_train.parse_args(["--data", str(bad)])
+    with pytest.raises(SystemExit, match="--data .*bad.gz: cannot be read as --data-format bytes"):
+        tp_train.load_data(args)
+
+
+def test_tp_train_outside_torchrun_says_how_to_run_it(monkeypatch):
+    from fp4_train.experiments import tp_train
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="tp_train runs one rank a process, under torchrun"):
+        tp_train.main(["--device", "cpu"])
+
+
+def test_emulated_arguments_are_named(capsys):
+    from fp4_train.experiments import emulated_tp
+
+    for argv, message in (
+        (["--name", "myrun"], "--name: emulated runs are named from their configuration"),
+        (["--seeds", "0", "0"], "--seeds 0 0: a seed given twice"),
+        (["--seeds", "-1"], "--seeds: -1 is not in [0, 2**32)"),
+        (["--tokens-per-step", "0"], "--tokens-per-step 0: a positive multiple"),
+        (["--parallel", "pp", "--tokens-per-step", "3072", "--microbatches", "2"],
+         "--microbatches 2: must divide --batch 3"),
+        (["--sequence-parallel", "--seq-len", "15", "--tp", "2"], "--seq-len 15: a multiple"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            emulated_tp.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_a_diverged_runs_record_is_written_with_null_losses(tmp_path):
+    from fp4_train.experiments import records
+
+    records.write_json(tmp_path / "r.json", {"loss": float("nan"), "curve": [[0, float("inf")]]})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"loss": None, "curve": [[0, None]]}
+
+
+def test_late_gap_of_short_runs():
+    from fp4_train.experiments.tp_summary import late_gap
+
+    run = {"steps": [{"loss": 2.0}, {"loss": 1.5}, {"loss": 1.0}]}
+    base = {"steps": [{"loss": 2.0}, {"loss": 1.5}, {"loss": 0.5}]}
+    assert late_gap(run, base) == 0.5  # the last step (a fifth of 3 steps is none)
+    assert late_gap({"steps": []}, base) is None

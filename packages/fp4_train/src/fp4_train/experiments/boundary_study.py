@@ -31,7 +31,7 @@ import re
 import sys
 from pathlib import Path
 
-from .records import finite_or_none, pyplot, write_csv, write_json
+from .records import finite_or_none, pyplot, read_record, write_csv, write_json
 from .tp_summary import late_gap
 
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training where Δ is reported
@@ -67,7 +67,7 @@ def load(folder):
     """{config stem: {seed: record}} of the tp_train records in ``folder``."""
     runs = {}
     for path in sorted(Path(folder).glob("*.json")):
-        record = json.loads(path.read_text())
+        record = read_record(path)
         if "summary" not in record or "steps" not in record:
             continue
         m = _SEED.search(record["name"])
@@ -147,7 +147,7 @@ def analyse(runs):
             key = f"delta_{round(100 * f)}"
             row[key], row[key + "_ci"], _ = mean_ci(deltas) if deltas else (None, None, 0)
             row[key + "_per_seed"] = deltas
-        late = [late_gap(by_seed[s], base[s]) for s in seeds]
+        late = [g for g in (late_gap(by_seed[s], base[s]) for s in seeds) if g is not None]
         row["delta_train_last_fifth"], row["delta_train_last_fifth_ci"], _ = (
             mean_ci(late) if late else (None, None, 0))  # fmt: skip
         row["delta_train_last_fifth_per_seed"] = late

@@ -443,6 +443,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not 257 <= args.vocab_size <= 65536:
         ap.error(f"--vocab-size {args.vocab_size}: 257..65536 (byte alphabet + 1, uint16 ids)")
+    if args.slice_tokens < 1:
+        ap.error(f"--slice-tokens {args.slice_tokens}: at least 1")
+    if args.slice is not None and args.slice.resolve() == args.out.resolve():
+        ap.error(f"--slice {args.slice}: a folder other than --out (the slice's files would "
+                 "replace the corpus's)")  # fmt: skip
+    for option, folder in (("--out", args.out), ("--slice", args.slice)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            ap.error(f"{option} {folder}: exists and is not a folder")
     m = build(args.out, args.vocab_size, args.slice, args.slice_tokens)
     for name, s in m["splits"].items():
         print(f"{name}: {s['documents']} documents, {s['text_bytes'] / 1e6:.1f} MB text, "

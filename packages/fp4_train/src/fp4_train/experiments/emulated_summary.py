@@ -32,14 +32,13 @@ bf16 loss), not the losses.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from pathlib import Path
 
 from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
-from .records import pyplot, write_json
+from .records import pyplot, read_record, write_json
 
 _SEED = re.compile(r"_s(\d+)$")
 BASELINE = "bf16"
@@ -55,14 +54,39 @@ PREPRINT = {
 }
 
 
+# what the tables read of a summary
+_FIELDS = ("name", "model", "layout", "seed", "codec", "grad_codec", "grad_rounding", "config",
+           "final_val_loss", "wall_s", "tokens_per_s", "tokens_per_step")  # fmt: skip
+
+
 def load(folders):
-    """The ``emulated_tp`` summaries in ``folders``."""
-    out = []
+    """The ``emulated_tp`` summaries in ``folders`` (a file given twice, through a folder named
+    twice, read once); SystemExit naming the file for a record that cannot be read, one
+    without a field the tables read or without a finite final loss (a diverged run), and two
+    records of one run (model, layout, policy, seed), which would leave one of them out."""
+    out, seen, where = [], set(), {}
     for folder in folders:
         for path in sorted(Path(folder).glob("*.json")):
-            record = json.loads(path.read_text())
-            if isinstance(record, dict) and record.get("kind") == SUMMARY_KIND:
-                out.append(record)
+            if path.resolve() in seen:
+                continue
+            seen.add(path.resolve())
+            record = read_record(path)
+            if not (isinstance(record, dict) and record.get("kind") == SUMMARY_KIND):
+                continue
+            missing = [k for k in _FIELDS if k not in record]
+            if missing:
+                raise SystemExit(f"{path}: an emulated_tp summary without {', '.join(missing)}")
+            loss = record["final_val_loss"]
+            if isinstance(loss, bool) or not isinstance(loss, (int, float)) \
+                    or not math.isfinite(loss):  # fmt: skip
+                raise SystemExit(f"{path}: final_val_loss {loss!r}, not a finite loss (a "
+                                 "diverged run?); move it out to summarize the others")  # fmt: skip
+            key = (record["model"], record["layout"], policy(record), record["seed"])
+            if key in where:
+                raise SystemExit(f"{path} and {where[key]}: two records of one run "
+                                 f"({', '.join(map(str, key))}); keep one")  # fmt: skip
+            where[key] = path
+            out.append(record)
     return out
 
 
@@ -407,6 +431,8 @@ def main(argv=None):
         help="folders of runs made again (each named as a run in the folders)",
     )
     args = ap.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out}: exists and is not a folder")
     summaries = load(args.folders)
     if not summaries:
         raise SystemExit(f"no emulated_tp summaries in {', '.join(map(str, args.folders))}")

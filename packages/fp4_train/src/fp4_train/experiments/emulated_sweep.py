@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -158,6 +159,19 @@ def parse_args(argv=None):
         ap.error("--jobs: at least 1")
     if args.stop_at_s is not None and args.checkpoint_dir is None:
         ap.error("--stop-at-s stops runs with their checkpoint written: give --checkpoint-dir")
+    # (written so that NaN fails: every comparison with it is false)
+    for option in ("budget_s", "estimate_s", "stop_at_s", "min_piece_s"):
+        value, zero = getattr(args, option), option in ("budget_s", "min_piece_s")
+        if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            bound = ">= 0" if zero else "> 0"
+            ap.error(f"--{option.replace('_', '-')} {value}: a finite number of seconds {bound}")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    names = [name for name, _ in PRESETS[args.preset]["configs"]]
+    unknown = [n for n in args.only or () if n not in names]
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: not a configuration of --preset {args.preset} "
+                 f"({', '.join(names)})")  # fmt: skip
     return args
 
 

@@ -141,12 +141,24 @@ def parse_args(argv=None):
     if own.tp < 1:
         ap.error(f"--tp {own.tp}: at least 1")
     if own.tokens_per_step is not None:
-        if own.tokens_per_step % args.seq_len:
-            ap.error(f"--tokens-per-step {own.tokens_per_step} is no multiple of --seq-len "
-                     f"{args.seq_len}")  # fmt: skip
+        if own.tokens_per_step < 1 or own.tokens_per_step % args.seq_len:
+            ap.error(f"--tokens-per-step {own.tokens_per_step}: a positive multiple of "
+                     f"--seq-len {args.seq_len}")  # fmt: skip
         args.batch = own.tokens_per_step // args.seq_len
+        tp_train.check_run_arguments(ap, args)  # the batch again (--microbatches divides it)
     if not 1 <= own.curve_points:
         ap.error("--curve-points: at least 1")
+    if args.name is not None:
+        ap.error("--name: emulated runs are named from their configuration (model, layout, "
+                 "policy, seed), which emulated_summary reads back; leave it out")  # fmt: skip
+    if own.seeds is not None and len(set(own.seeds)) != len(own.seeds):
+        ap.error(f"--seeds {' '.join(map(str, own.seeds))}: a seed given twice")
+    for seed in own.seeds or ():
+        if not 0 <= seed < tp_train.SEED_LIMIT:
+            ap.error(f"--seeds: {seed} is not in [0, 2**32)")
+    if args.sequence_parallel and args.parallel == "tp" and args.seq_len % own.tp:
+        ap.error(f"--seq-len {args.seq_len}: a multiple of --tp {own.tp} with "
+                 "--sequence-parallel (each rank holds an equal part of the sequence)")  # fmt: skip
     return own, args
 
 

@@ -90,9 +90,30 @@ def plain(value):
 
 
 def write_json(path, obj):
+    """``obj`` as strict JSON at ``path``: a float that is not finite (a diverged run's loss)
+    is written as null, so that the record of such a run is kept, not lost in a ValueError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+    path.write_text(json.dumps(_finite_or_null(obj), indent=1, allow_nan=False) + "\n")
+
+
+def read_record(path):
+    """The JSON value in ``path``; SystemExit naming the file where it cannot be read (a
+    truncated or binary file, a folder named *.json)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{path}: not a readable JSON record ({err})") from None
+
+
+def _finite_or_null(obj):
+    if isinstance(obj, float):
+        return finite_or_none(obj)
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(v) for v in obj]
+    return obj
 
 
 def write_csv(path, rows):

@@ -23,10 +23,9 @@ includes waiting for the other stage (the bubble).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from .records import pyplot, write_csv
+from .records import pyplot, read_record, write_csv
 from .transformer import training_flops
 
 SMOOTH = 20  # training-loss moving average, steps
@@ -39,8 +38,8 @@ CODEC_ORDER = ["native", "bf16", "fp32", "nvfp4", "mxfp4"] + [
 def load(folder):
     runs = []
     for path in sorted(Path(folder).glob("*.json")):
-        record = json.loads(path.read_text())
-        if "summary" in record and "steps" in record:
+        record = read_record(path)
+        if isinstance(record, dict) and "summary" in record and "steps" in record:
             runs.append(record)
 
     def order(r):
@@ -84,7 +83,8 @@ def rows_of(runs):
             loss = sum(b["summary"]["final_val_loss"] for b in paired) / len(paired)
             row["val_loss_minus_bf16"] = round(s["final_val_loss"] - loss, 4)
             if len(paired) == 1 and paired[0] is not r:
-                row["train_loss_minus_bf16_last_fifth"] = round(late_gap(r, paired[0]), 4)
+                gap = late_gap(r, paired[0])
+                row["train_loss_minus_bf16_last_fifth"] = None if gap is None else round(gap, 4)
         rows.append(row)
     return rows
 
@@ -98,7 +98,9 @@ def late_gap(run, base):
     batches at every step): where one validation loss is noisy, many steps are not."""
     a, b = run["steps"], base["steps"]
     n = min(len(a), len(b))
-    tail = range(n - n // 5, n)
+    if n == 0:
+        return None
+    tail = range(n - max(1, n // 5), n)  # (at least the last step of a short run)
     return sum(a[i]["loss"] - b[i]["loss"] for i in tail) / len(tail)
 
 

@@ -16,6 +16,7 @@ prints the runs and their command lines without running anything.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -177,8 +178,17 @@ def main(argv=None):
     ap.add_argument("--order", nargs="*", default=[], help="run these names first, in this order")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
+    if args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: at least 1")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        ap.error(f"--budget-s {args.budget_s}: a finite number of seconds > 0")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    runs = [r for r in expand(preset, args.seeds) if not args.only or r[0] in args.only]
+    everything = expand(preset, args.seeds)
+    unknown = sorted(set(args.only or ()) - {r[0] for r in everything})
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: not a run of --preset {args.preset} (--list "
+                 "names them)")  # fmt: skip
+    runs = [r for r in everything if not args.only or r[0] in args.only]
     rank = {name: i for i, name in enumerate(args.order)}
     runs.sort(key=lambda r: rank.get(r[0], len(rank)))  # stable: the preset's order otherwise
     if args.list:

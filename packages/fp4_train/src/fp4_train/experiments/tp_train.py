@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import lzma
 import math
 import os
 import time
@@ -171,9 +172,60 @@ def parse_args(argv=None):
     _checkpoint_arguments(a)
     args = ap.parse_args(argv)
     _check_checkpoint_arguments(ap, args)
-    if args.graph_cache_gb is not None and not args.graph_cache_gb * 2**30 >= 1:
-        ap.error(f"--graph-cache-gb {args.graph_cache_gb}: more than 0")
+    gb = args.graph_cache_gb
+    if gb is not None and not (math.isfinite(gb) and gb * 2**30 >= 1):
+        ap.error(f"--graph-cache-gb {gb}: a finite number of GiB, more than 0")
+    check_run_arguments(ap, args)
     return args
+
+
+#: --seed's range: the batch order draws from seed * 1_000_003 + step as a 64-bit seed
+SEED_LIMIT = 2**32
+_AT_LEAST_1 = ("layers", "d_model", "heads", "seq_len", "batch", "microbatches", "steps",
+               "eval_batches", "threads", "group_size")  # fmt: skip
+_AT_LEAST_1_IF_GIVEN = ("kv_heads", "ffn", "max_bytes")
+_AT_LEAST_0 = ("warmup", "eval_every", "stats_every", "timing_warmup")
+
+
+def check_run_arguments(ap, args):
+    """The sizes, counts and rates of a run in their ranges, and the combinations that mean
+    something (``ap.error`` naming the option): a zero batch trained to NaN, a negative
+    --eval-every evaluated every step, micro-batches that do not divide the batch scaled the
+    gradient.  Called again by a caller that changes ``args`` (``emulated_tp``)."""
+    for names, least in ((_AT_LEAST_1, 1), (_AT_LEAST_1_IF_GIVEN, 1), (_AT_LEAST_0, 0)):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and value < least:
+                ap.error(f"--{name.replace('_', '-')} {value}: at least {least}")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        ap.error(f"--lr {args.lr}: a finite number >= 0")
+    if not 0 < args.val_fraction < 1:
+        ap.error(f"--val-fraction {args.val_fraction}: between 0 and 1 (both excluded)")
+    if not 0 <= args.seed < SEED_LIMIT:
+        ap.error(f"--seed {args.seed}: in [0, 2**32)")
+    if args.parallel == "pp":
+        if args.sequence_parallel:
+            ap.error("--sequence-parallel: tensor parallelism's; not with --parallel pp")
+        if args.batch % args.microbatches:
+            ap.error(f"--microbatches {args.microbatches}: must divide --batch {args.batch} "
+                     "(each micro-batch's loss is the batch's mean over equal parts)")  # fmt: skip
+    if args.data_format == "tokens" and (len(args.data) > 1 or args.max_bytes is not None):
+        ap.error("--data-format tokens: one --data folder (a build_corpus corpus), no "
+                 "--max-bytes")  # fmt: skip
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (--device cpu, or auto)")
+    for option, path, folder in (("--out", args.out, True),
+                                 ("--checkpoint", args.checkpoint, False)):  # fmt: skip
+        where = unusable_path(path, folder)
+        if where:
+            ap.error(f"{option} {path}: {where}")
+    if args.model == "byte" and args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model}: a multiple of --heads {args.heads}")
+    if "fp4quant" in (args.codec, args.grad_codec, *args.eval_codecs):
+        try:
+            fp4_kernels.FP4Quant(args.group_size, hadamard=not args.no_hadamard)
+        except ValueError as err:
+            ap.error(f"--group-size {args.group_size}: {err}")
 
 
 def graph_cache_bounds(args):
@@ -207,13 +259,32 @@ def _checkpoint_arguments(a):
     # fmt: on
 
 
+def unusable_path(path, folder=True):
+    """Why ``path`` (a folder to write into, or a file when not ``folder``; None: not given)
+    cannot be made, or None: checked before a run rather than at its end."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.exists() and folder and not path.is_dir():
+        return "exists and is not a folder"
+    parent = path.absolute().parent
+    while not parent.exists():
+        if parent.is_symlink():
+            return f"{parent} is a broken link"
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    return None
+
+
 def _check_checkpoint_arguments(ap, args):
-    if args.checkpoint_every_s < 0:
-        ap.error(f"--checkpoint-every-s {args.checkpoint_every_s}: at least 0")
+    # (written so that NaN fails: every comparison with it is false)
+    if not (math.isfinite(args.checkpoint_every_s) and args.checkpoint_every_s >= 0):
+        ap.error(f"--checkpoint-every-s {args.checkpoint_every_s}: a finite number >= 0")
     if args.stop_at_step is not None and args.stop_at_step < 1:
         ap.error(f"--stop-at-step {args.stop_at_step}: at least 1")
-    if args.stop_at_s is not None and args.stop_at_s <= 0:
-        ap.error(f"--stop-at-s {args.stop_at_s}: more than 0")
+    if args.stop_at_s is not None and not (math.isfinite(args.stop_at_s) and args.stop_at_s > 0):
+        ap.error(f"--stop-at-s {args.stop_at_s}: a finite number > 0")
     stops = args.stop_at_step is not None or args.stop_at_s is not None
     if args.checkpoint is None and (stops or args.checkpoint_every_s):
         ap.error("--stop-at-step / --stop-at-s / --checkpoint-every-s write a checkpoint: "
@@ -227,7 +298,10 @@ def _codec_spec(spec):
     if spec in CODECS:
         return spec
     try:
-        if spec.startswith("fp4quant"):
+        if spec.startswith("fp4quant-"):
+            g, hadamard = parse_fp4quant(spec)
+            fp4_kernels.FP4Quant(g, hadamard=hadamard)  # the group size FP4Quant takes
+        elif spec.startswith("fp4quant"):
             parse_fp4quant(spec)
         else:
             fp4_comm.get_codec(spec)  # any codec fp4_comm knows by name
@@ -335,8 +409,26 @@ DATA_FORMATS = {"bytes": _byte_splits, "random": _random_splits, "tokens": _toke
 
 
 def load_data(args):
-    """(train tokens, validation tokens, vocabulary size) of ``--data`` in ``--data-format``."""
-    return DATA_FORMATS[args.data_format](args)
+    """(train tokens, validation tokens, vocabulary size) of ``--data`` in ``--data-format``;
+    SystemExit naming --data where it cannot be read, or where a split is shorter than one
+    sequence or holds ids beyond the vocabulary."""
+    data = " ".join(map(str, args.data))
+    try:
+        train, val, vocab = DATA_FORMATS[args.data_format](args)
+    except (OSError, EOFError, ValueError, KeyError, TypeError, lzma.LZMAError) as err:
+        # (gzip.BadGzipFile is an OSError; a manifest without a field, a KeyError)
+        raise SystemExit(f"--data {data}: cannot be read as --data-format {args.data_format} "
+                         f"({type(err).__name__}: {err})") from None  # fmt: skip
+    need = args.seq_len + 2  # a window and its shifted targets, inside the split
+    for name, t in (("training", train), ("validation", val)):
+        if len(t) < need:
+            raise SystemExit(f"--data {data}: its {name} split holds {len(t)} tokens, fewer "
+                             f"than --seq-len + 2 = {need} (more data, a shorter --seq-len, or "
+                             "another --val-fraction)")  # fmt: skip
+        if int(t.max()) >= vocab or int(t.min()) < 0:
+            raise SystemExit(f"--data {data}: its {name} split holds token ids outside the "
+                             f"vocabulary of {vocab}")  # fmt: skip
+    return train, val, vocab
 
 
 def qwen_config(args, vocab):
@@ -931,6 +1023,12 @@ def _summary(args, vocab, world, device, steps, evals, final_evals):
 
 def main(argv=None):
     args = parse_args(argv)
+    if "RANK" not in os.environ and not dist.is_initialized():
+        raise SystemExit(
+            "tp_train runs one rank a process, under torchrun: `torchrun --standalone "
+            "--nproc-per-node N -m fp4_train.experiments.tp_train ...` (with one process "
+            "too); fp4_train.experiments.emulated_tp runs every rank in this one"
+        )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     device = None
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
