@@ -32,10 +32,16 @@ def parse_args(doc, **extra):
         help=f"output folder (default: %(default)s; --out {COMMITTED_OUT} from the repository "
         "root rewrites the committed results)",
     )
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu or cuda")
     for name, (kind, default, help_text) in extra.items():
         ap.add_argument(f"--{name}", type=kind, default=default, help=help_text)
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    where = records.unusable_path(args.out)
+    if where:
+        ap.error(f"--out {args.out}: {where}")
+    return args
 
 
 def metadata(device):

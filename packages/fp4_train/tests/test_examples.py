@@ -59,3 +59,25 @@ def test_examples_install_line_brings_fp4_comm():
     readme = (ROOT / "packages" / "fp4_train" / "README.md").read_text()
     experiments = re.search(r"## Experiments\n(.*?)\n## ", readme, flags=re.S).group(1)
     assert '"./packages/fp4_train[examples]"' in experiments.split("tp_summary.py")[0]
+
+
+def test_scripts_name_an_unusable_out_or_device_before_running(monkeypatch, tmp_path, capsys):
+    """An --out under a file failed at the first write, after the run; a device name torch
+    does not know failed inside it."""
+    import pytest
+
+    common = _common()
+    threads = torch.get_num_threads()
+    (tmp_path / "afile").write_text("x")
+    try:
+        for argv, message in (
+            (["--out", str(tmp_path / "afile" / "x")], "afile is not a folder"),
+            (["--out", str(tmp_path / "afile")], "exists and is not a folder"),
+            (["--device", "bogus"], "invalid choice: 'bogus'"),
+        ):
+            monkeypatch.setattr(sys, "argv", ["rounding_toys.py", *argv])
+            with pytest.raises(SystemExit):
+                common.parse_args("doc")
+            assert message in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

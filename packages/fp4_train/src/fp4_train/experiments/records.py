@@ -97,6 +97,24 @@ def write_json(path, obj):
     path.write_text(json.dumps(_finite_or_null(obj), indent=1, allow_nan=False) + "\n")
 
 
+def unusable_path(path, folder=True):
+    """Why ``path`` (a folder to write into, or a file when not ``folder``; None: not given)
+    cannot be made, or None: checked before a run rather than at its end."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.exists() and folder and not path.is_dir():
+        return "exists and is not a folder"
+    parent = path.absolute().parent
+    while not parent.exists():
+        if parent.is_symlink():
+            return f"{parent} is a broken link"
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    return None
+
+
 def read_record(path):
     """The JSON value in ``path``; SystemExit naming the file where it cannot be read (a
     truncated or binary file, a folder named *.json)."""

@@ -80,7 +80,7 @@ from .corpus import (
     val_batches,
 )
 from .nonfinite import check_finite
-from .records import finite_or_none, metadata, plain, write_csv, write_json
+from .records import finite_or_none, metadata, plain, unusable_path, write_csv, write_json
 from .transformer import Transformer, lm_loss, training_flops
 
 CODECS = ("none", "none-float32", "nvfp4", "mxfp4", "fp4quant", "native")
@@ -257,24 +257,6 @@ def _checkpoint_arguments(a):
            "workspace, the math attention): slower, but a run and its resumed pieces give "
            "the same bits (the CPU is deterministic without it)")
     # fmt: on
-
-
-def unusable_path(path, folder=True):
-    """Why ``path`` (a folder to write into, or a file when not ``folder``; None: not given)
-    cannot be made, or None: checked before a run rather than at its end."""
-    if path is None:
-        return None
-    path = Path(path)
-    if path.exists() and folder and not path.is_dir():
-        return "exists and is not a folder"
-    parent = path.absolute().parent
-    while not parent.exists():
-        if parent.is_symlink():
-            return f"{parent} is a broken link"
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is not a folder"
-    return None
 
 
 def _check_checkpoint_arguments(ap, args):
