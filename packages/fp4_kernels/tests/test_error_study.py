@@ -260,3 +260,39 @@ def test_example_script_is_the_command_line():
                          text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0 and "--quick" in out.stdout, out.stderr
     assert len(EXAMPLE.read_text().splitlines()) < 20
+
+
+def test_arguments_are_checked(tmp_path, monkeypatch, capsys):
+    """Unknown or string dataset lists, an empty one, invalid SQNR / bits inputs and empty
+    tensors: named, where before they gave plausible numbers (sqnr_db(nan) inf, 'NVFP4'
+    counted as FP4Quant, a substring match loading two datasets for one name) or raw errors."""
+    with pytest.raises(TypeError, match="datasets: a sequence of names"):
+        es.load_datasets(True, "gaussian_activations")
+    with pytest.raises(ValueError, match=r"datasets: \['gausian'\] not among"):
+        es.run_study(True, ("gausian",))
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="rel_mse: a relative MSE >= 0"):
+            es.sqnr_db(bad)
+    assert es.sqnr_db(0.0) == float("inf")
+    with pytest.raises(ValueError, match="fmt: 'NVFP4' is not"):
+        es.bits_per_element("NVFP4", g=16)
+    with pytest.raises(ValueError, match="g: FP4Quant's bits need its group size"):
+        es.bits_per_element("fp4quant")
+    with pytest.raises(ValueError, match="elements: NVFP4's bits need"):
+        es.bits_per_element("nvfp4", elements=0)
+    for shape in ((4, 0), (1024,)):
+        with pytest.raises(ValueError, match="shape: .tokens, channels."):
+            es.activations(shape)
+    with pytest.raises(ValueError, match="has none to measure"):
+        es.measure_dataset("d", [], group_sizes=(16,))
+    with pytest.raises(TypeError, match="must be a non-empty numpy array"):
+        es.measure_dataset("d", [("t", "all", [[1.0] * 16])], group_sizes=(16,))
+    ones = np.ones((1, 1024), np.float32)
+    with pytest.raises(ValueError, match="regular: a channel mask with at least one"):
+        es.measure_dataset("d", [("t", "all", ones)], regular=np.zeros(1024, bool),
+                           group_sizes=(16,))  # fmt: skip
+    monkeypatch.setattr(es, "load_datasets", lambda quick, names: {})  # minilm not installed
+    assert es.main(["--quick", "--datasets", "minilm", "--out", str(tmp_path / "o")]) == 2
+    assert "none could be measured" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    assert es.main(["--quick", "--datasets", ",", "--out", str(tmp_path / "o")]) == 2

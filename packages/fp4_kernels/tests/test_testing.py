@@ -136,3 +136,31 @@ def test_annotation_gaps_names_each_function_and_a_hint_that_does_not_resolve():
     assert annotation_gaps({"typed": typed, "untyped": untyped}) == {"untyped": ["x", "return"]}
     with pytest.raises(TypeError, match="unresolved: its annotations do not resolve"):
         annotation_gaps({"unresolved": unresolved})
+
+
+def test_helpers_name_bad_arguments(tmp_path):
+    """A folder that is not there made the randomness check pass (it found no file);
+    bfloat16 torch tensors, bools and non-strings gave raw numpy / attribute errors."""
+    import fp4_kernels.testing as T
+
+    torch = pytest.importorskip("torch")
+    with pytest.raises(NotADirectoryError, match="does not exist"):
+        T.unprofiled_randomness(tmp_path / "missing")
+    drawn = (
+        "np.random." + "rand(3)"
+    )  # (not written out here: the suite's own check reads this file)
+    (tmp_path / "test_x.py").write_text(f"import numpy as np\nx = {drawn}\n")
+    with pytest.raises(NotADirectoryError, match="is a file, not a folder"):
+        T.unprofiled_randomness(tmp_path / "test_x.py")
+    assert len(T.unprofiled_randomness(tmp_path)) == 1
+    t = torch.ones(2, dtype=torch.bfloat16)
+    assert T.same_bits(t, t.clone()) and not T.same_bits(t, -t)
+    assert T.reference_quantization(torch.ones(2, 16, dtype=torch.bfloat16), "nvfp4")[0].shape == (
+        2, 8,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="rows must be an int"):
+        adversarial_blocks(np.random.default_rng(0), True, 32)
+    with pytest.raises(TypeError, match="rng: a numpy Generator"):
+        adversarial_blocks(object(), 2, 32)
+    with pytest.raises(TypeError, match="name: the test's node id"):
+        T.random_seed(5)

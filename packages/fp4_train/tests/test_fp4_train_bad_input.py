@@ -809,3 +809,55 @@ def test_gpu_module_state_dict_loads_into_a_cpu_model():
     opt.materialize()
     assert torch.equal(plain.weight, model.weight.cpu())
     assert torch.equal(plain.bias, model.bias.cpu())
+
+
+# ------------------------------------------------------------------ gemm and linear (more)
+
+
+@pytest.mark.parametrize("lib", ["torch", "numpy"])
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_fp4_gemm_refuses_an_nvfp4_tensor_scale_dequantize_refuses(lib, value):
+    """fp4_gemm swaps the tensor scales out of its operands before decoding them, so the check
+    dequantize makes of a scale never ran: a negative scale gave -(a @ b^T), 0 zeros, NaN NaN."""
+    import dataclasses
+
+    import fp4_kernels
+    from fp4_train import fp4_gemm
+
+    x, y = torch.randn(4, 64), torch.randn(3, 64)
+    if lib == "numpy":
+        x, y = x.numpy(), y.numpy()
+    a, b = fp4_kernels.quantize(x), fp4_kernels.quantize(y)
+    bad = dataclasses.replace(a, global_scale=a.global_scale * 0 + value)
+    with pytest.raises(ValueError, match=r"a.global_scale: .* positive and finite"):
+        fp4_gemm(bad, b)
+    with pytest.raises(ValueError, match=r"b.global_scale: .* positive and finite"):
+        fp4_gemm(b, dataclasses.replace(bad, shape=bad.shape))
+
+
+def test_native_supported_answers_for_any_device():
+    from fp4_train.gemm import native_supported
+
+    assert native_supported("cpu") is False and native_supported(torch.device("cpu")) is False
+    if not torch.cuda.is_available():
+        assert native_supported("cuda") is False and native_supported(0) is False
+    with pytest.raises(TypeError, match="device: a torch.device"):
+        native_supported(None)
+
+
+def test_fp4_linear_names_a_missing_input_or_weight():
+    from fp4_train import fp4_linear
+
+    with pytest.raises(TypeError, match="fp4_linear: weight must be a torch tensor, got None"):
+        fp4_linear(torch.randn(4, 32), None)
+    with pytest.raises(TypeError, match="fp4_linear: x must be a torch tensor, got None"):
+        fp4_linear(None, torch.randn(16, 32))
+
+
+def test_from_linear_refuses_a_dtype_or_device_it_would_ignore():
+    from fp4_train import FP4Linear
+
+    lin = torch.nn.Linear(32, 16)
+    for option in ({"dtype": torch.float16}, {"device": "meta"}):
+        with pytest.raises(TypeError, match="convert linear first"):
+            FP4Linear.from_linear(lin, **option)

@@ -19,18 +19,18 @@ Formats (blocks run along a matrix's last dimension, the input features of ``nn.
 
 Reading: float32, float16, bfloat16 and float64 tensors are read with ``safetensors`` into
 numpy (bfloat16 through ``ml_dtypes``); float8 tensors (e4m3, e5m2) through torch, when it is
-installed.  Each file's header is read and the file closed; the matrices are then read one at
-a time, with one file open, and measured in slices of about ``CHUNK_ELEMENTS`` weights, so the
-memory needed is about that of the largest matrix as stored, not that of the model (a matrix
-of one row, or whose FP4Quant groups span many rows, is measured in fewer, larger slices).  A
+installed. Each file's header is read and the file closed; the matrices are then read one at a
+time, with one file open, and measured in slices of about ``CHUNK_ELEMENTS`` weights, so the
+memory needed is about that of the largest matrix as stored, not that of the model (a matrix of
+one row, or whose FP4Quant groups span many rows, is measured in fewer, larger slices). A
 tensor that cannot be read (the file changed since its header was read, a read error, not
-enough memory) stops the report with an error naming the file and the tensor; a Git LFS
-pointer saved in place of the weights is named as one.  Only regular files are read: anything else named
+enough memory) stops the report with an error naming the file and the tensor; a Git LFS pointer
+saved in place of the weights is named as one. Only regular files are read: anything else named
 ``*.safetensors`` (a directory, a FIFO, a broken link) is skipped, and the report says so, as
-it does for matrices it cannot measure (an unsupported dtype, no element).  A directory is
-searched recursively and links to directories are followed, each directory once: a
-directory that cannot be read, or a link to one already searched (a loop), is listed as
-skipped with the reason, and a file reached under two names is read once.
+it does for matrices it cannot measure (an unsupported dtype, no element). A directory is
+searched recursively and links to directories are followed, each directory once: a directory
+that cannot be read, or a link to one already searched (a loop), is listed as skipped with the
+reason, and a file reached under two names is read once.
 
 ``report.json`` names the model as PATH was given when it is relative; an absolute PATH is
 written relative to the current directory when inside it, else as its last two parts after
@@ -54,21 +54,21 @@ overflow) has an infinite error there: its ``rel_error`` is infinite, and ``nonf
 counts those weights.  ``report.json`` is strict JSON: a number that is not finite (only such
 an infinite error) is written as ``null``.
 
-The decode-speed model (a model, not a measurement): generating one token with a decoder
-reads every linear weight matrix once and every other tensor once, except embedding tables
-of any dtype, measured or not, of which it reads one row (counted as nothing); the KV cache and activations are not counted.
-Per format, those bytes (codes and scales of the quantized matrices, the rest as stored) over
-``--bandwidth-gbs`` plus ``--fixed-ms`` per token give the time per token.  The defaults are
-an NVIDIA H200's: 4.8 TB/s, the HBM3e bandwidth of its specification (a device-to-device copy
-measures about 4.1 TB/s), and an assumed 1 ms of per-token work that does not scale with the
-weights (kernel launches, synchronization, sampling); set both to what your stack measures.
-A model whose output layer shares the embedding table reads that table every token, which
-the model does not count.
+The decode-speed model (a model, not a measurement): generating one token with a decoder reads
+every linear weight matrix once and every other tensor once, except embedding tables of any
+dtype, measured or not, of which it reads one row (counted as nothing); the KV cache and
+activations are not counted. Per format, those bytes (codes and scales of the quantized
+matrices, the rest as stored) over ``--bandwidth-gbs`` plus ``--fixed-ms`` per token give the
+time per token. The defaults are an NVIDIA H200's: 4.8 TB/s, the HBM3e bandwidth of its
+specification (a device-to-device copy measures about 4.1 TB/s), and an assumed 1 ms of
+per-token work that does not scale with the weights (kernel launches, synchronization,
+sampling); set both to what your stack measures. A model whose output layer shares the
+embedding table reads that table every token, which the model does not count.
 
 On a CUDA GPU it also times ``quantize`` and ``dequantize`` of the formats with a GPU path
 (mxfp4, nvfp4, fp4quant-g64, fp4quant-g256) on a synthetic float32 tensor of
 ``--throughput-elements`` elements (default 2^26; 0: not measured), against a device-to-device
-copy of the same bytes timed in the same run (``fp4_kernels._throughput``).  Without a GPU that
+copy of the same bytes timed in the same run (``fp4_kernels._throughput``). Without a GPU that
 section is skipped, with the reason, and ``report.json`` has ``"throughput": null``.
 """
 

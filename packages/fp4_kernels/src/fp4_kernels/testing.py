@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import types
 import zlib
@@ -90,6 +91,12 @@ def adversarial_blocks(rng: np.random.Generator, rows: int, k: int, block: int =
     scale rounding boundaries.  Non-finite values are a small fraction so the tensor amax
     stays finite.
     """
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: a numpy Generator (np.random.default_rng(seed)), got "
+                        f"{type(rng).__name__}")  # fmt: skip
+    for name, value in (("rows", rows), ("k", k), ("block", block)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"adversarial_blocks: {name} must be an int, got {value!r}")
     if block <= 0 or rows < 0 or k < 0 or k % block:
         raise ValueError(f"adversarial_blocks: rows {rows} and k {k} >= 0, block {block} > 0 "
                          "dividing k")  # fmt: skip
@@ -138,7 +145,7 @@ def reference_quantization(
                          "formats.fp4quant.quantize_reference)")  # fmt: skip
     if scale_layout not in ("linear", "swizzled"):
         raise ValueError(f"scale_layout: {scale_layout!r} is not 'linear' or 'swizzled'")
-    x = np.ascontiguousarray(x, np.float32)
+    x = np.ascontiguousarray(_as_numpy(x), np.float32)
     with np.errstate(all="ignore"):
         if fmt == "nvfp4":
             codes, scales, gs = nvfp4.quantize_reference(
@@ -154,10 +161,25 @@ def reference_quantization(
     return e2m1.pack_e2m1(codes), scales, np.float32(gs), deq
 
 
+def _as_numpy(a):
+    """``a`` as a numpy array: a torch tensor through the CPU (bfloat16 as ml_dtypes',
+    which numpy cannot convert by itself), anything else by ``np.asarray``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        t = a.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(a)
+
+
 def same_bits(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
-    """Bitwise equality of two float arrays of one dtype, NaN payloads aside (any NaN == NaN)."""
-    a = np.asarray(a)
-    b = np.asarray(b)
+    """Bitwise equality of two float arrays of one dtype, NaN payloads aside (any NaN == NaN);
+    torch tensors are compared as numpy arrays (bfloat16 as ml_dtypes' bfloat16)."""
+    a = _as_numpy(a)
+    b = _as_numpy(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     w = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
@@ -372,6 +394,8 @@ def random_seed(name: str) -> int:
     """The seed of a test's random inputs: under the "ci" profile fixed by ``name`` (a test's
     node id: CRC-32), under "explore" fresh from the OS.  Print it, so that a failure can be
     rerun with the same inputs."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: the test's node id, a str; got {type(name).__name__}")
     if current_test_profile() == "explore":
         return int.from_bytes(os.urandom(4), "little")
     return zlib.crc32(name.encode())
@@ -391,8 +415,13 @@ def unprofiled_randomness(folder: str | os.PathLike[str]) -> list[str]:
     the test profile does not control, as "path:line: text"; empty where there is none."""
     from pathlib import Path
 
+    root = Path(folder)
+    if not root.is_dir():  # (rglob of a missing folder or a file finds nothing: a check
+        # that could never fail)
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise NotADirectoryError(f"folder: {str(root)!r} {what}; name the tests' folder")
     found = []
-    for path in sorted(Path(folder).rglob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if _UNPROFILED.search(line):
                 found.append(f"{path}:{n}: {line.strip()}")

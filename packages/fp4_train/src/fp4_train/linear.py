@@ -119,6 +119,8 @@ class _FP4LinearFunction(torch.autograd.Function):
 
 def _check(x, weight, bias):
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name != "bias":
+            raise TypeError(f"fp4_linear: {name} must be a torch tensor, got None")
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"fp4_linear: {name} must be a torch tensor, got {type(t).__name__} "
@@ -295,11 +297,18 @@ class FP4Linear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, **options: Any) -> FP4Linear:
         """An FP4Linear holding (sharing) ``linear``'s weight and bias; ``options`` as in the
-        constructor (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed)."""
+        constructor (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed): not
+        ``dtype`` or ``device``, which are ``linear``'s (convert it first: ``linear.to(...)``)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(
                 f"FP4Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}"
             )
+        for name in ("dtype", "device"):
+            if name in options:
+                raise TypeError(
+                    f"FP4Linear.from_linear: {name}: the layer shares linear's weight and bias, "
+                    f"so they keep linear's {name}; convert linear first (linear.to(...))"
+                )
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **options)
         layer.weight = linear.weight
         layer.bias = linear.bias

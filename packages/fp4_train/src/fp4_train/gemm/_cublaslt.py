@@ -155,7 +155,23 @@ def device_capability(device: torch.device | str | int) -> tuple[int, int]:
 
 
 def native_supported(device: torch.device | str | int) -> bool:
-    """Whether ``device`` (a torch CUDA device) has FP4 tensor cores."""
+    """Whether ``device`` (a torch device, its name or a CUDA index) is a CUDA device with FP4
+    tensor cores: False for a CPU device or where torch has no CUDA device."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"device: a torch.device, a device name or a CUDA index, got {type(device).__name__}"
+        )
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return False
+    return has_fp4_tensor_cores(dev)
+
+
+def has_fp4_tensor_cores(device: torch.device) -> bool:
+    """Whether the CUDA device ``device`` (of an operand fp4_gemm checked) has FP4 tensor
+    cores."""
     return device_capability(device) >= MIN_CAPABILITY
 
 

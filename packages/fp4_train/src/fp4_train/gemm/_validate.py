@@ -137,6 +137,14 @@ def _check_operand(q, name):
             )
     else:
         _check_field(q.global_scale, kind, f"{name}.global_scale", "float32", (1,))
+        if q.fmt == "nvfp4" and not kind.cuda:  # (a GPU value is not read: no sync)
+            value = float(np.asarray(q.global_scale.detach().cpu() if kind.lib == "torch"
+                                     else q.global_scale).reshape(-1)[0])  # fmt: skip
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{name}.global_scale: [{value!r}]; NVFP4's tensor decode scale 1/S is "
+                    "positive and finite, as quantize() returns it"
+                )
     return kind
 
 
