@@ -124,3 +124,97 @@ def test_ddp_hook_recovers_after_one_overflowing_step(cluster, codec):
         assert any("held NaN or Inf" in m and "reset to 0" in m for m in r["warnings"])
     assert np.array_equal(out[0]["weights"], out[1]["weights"])
     assert np.isfinite(out[0]["weights"]).all()
+
+
+def _relative_errors(comms, two_models):
+    """Per step, the relative error of the hook's averaged gradients (NVFP4, error feedback)
+    against the float32 mean of the ranks' local gradients: of a two-layer model whose one
+    bucket DDP rebuilds after the first step in gradient-ready order, and with ``two_models``
+    of a second model registered on the same communicator."""
+    comm = comms[2]
+    if comm is None:
+        return None
+    comm.error_feedback.reset()
+    group = comm.transport.group
+
+    def make():
+        # layer 0's gradients ~1e4 times layer 1's: a residual added to the other layer's
+        # gradient shows
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+        with torch.no_grad():
+            m[0].weight.mul_(1e-4)
+            m[0].bias.zero_()
+        return m
+
+    models = [DDP(make(), process_group=group) for _ in range(2 if two_models else 1)]
+    for m in models:
+        ddp.register(m, comm, codec="nvfp4", error_feedback=True)
+    references = [make() for _ in models]
+    errors = []
+    for step in range(4):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+        xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + r))
+              for r in range(2)]  # fmt: skip
+        x, xs = x * 1e4, [xr * 1e4 for xr in xs]
+        for m, ref in zip(models, references, strict=True):
+            m.zero_grad()
+            m(x).square().sum().backward()
+            ref.zero_grad()
+            for xr in xs:
+                ref(xr).square().sum().backward()  # the sum of the ranks' local gradients
+            for p, q in zip(m.module.parameters(), ref.parameters(), strict=True):
+                exact = q.grad / 2
+                errors.append(float((p.grad - exact).norm() / exact.norm()))
+    names = comm.error_feedback.names()
+    dist.barrier(group)
+    return errors, names
+
+
+@pytest.mark.parametrize("two_models", [False, True])
+def test_ddp_residuals_follow_the_bucket_layout_and_the_registration(cluster, two_models):
+    """A residual kept for one layout of a bucket was added to the rebuilt bucket's other
+    layout (layer 1's gradient 2e3 times off at step 1), and a second model on the same
+    communicator shared the first's residuals (1e3 times off on every step)."""
+    for errors, names in cluster.run(_relative_errors, two_models)[:2]:
+        assert max(errors) < 0.5, errors  # NVFP4's error with its residual: ~0.1
+        assert len(names) == (2 if two_models else 1), names  # one bucket a model, in use
+        assert len({n.split("_")[0] for n in names}) == len(names)  # ddp0_..., ddp1_...
+
+
+def _wrong_group(comms):
+    model = DDP(_model())  # over every rank of the world
+    comm = comms[2]  # ranks 0 and 1 only
+    if comm is None:
+        return None
+    try:
+        ddp.register(model, comm)
+    except ValueError as err:
+        return str(err)
+    return "registered"
+
+
+def test_ddp_register_refuses_a_communicator_of_other_ranks(cluster):
+    for message in cluster.run(_wrong_group)[:2]:
+        assert "comm: its ranks [0, 1] are not DDP's process group's" in message, message
+
+
+def _swapped_state(comms):
+    comm = comms[2]
+    if comm is None:
+        return None
+    mine = comm.state_dict()
+    box = [mine]
+    dist.broadcast_object_list(box, src=0, group=comm.transport.group)  # rank 0's state
+    try:
+        comm.load_state_dict(box[0])
+    except ValueError as err:
+        return str(err)
+    comm.load_state_dict(mine)
+    return "loaded"
+
+
+def test_a_communicator_refuses_another_ranks_state(cluster):
+    out = cluster.run(_swapped_state)[:2]
+    assert out[0] == "loaded"
+    assert "the state of rank 0 of 2, on rank 1 of 2" in out[1], out[1]

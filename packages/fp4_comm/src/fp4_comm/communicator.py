@@ -331,22 +331,36 @@ class Communicator:
     def state_dict(self) -> dict:
         """What a resumed run needs to continue with the same bits: the error-feedback
         residuals (``ErrorFeedback.state_dict``) and the call counters that give the default
-        stochastic-rounding ``step`` and that the ranks compare.  Each rank saves its own (the
-        residuals differ across ranks)."""
+        stochastic-rounding ``step`` and that the ranks compare, with the rank and world size
+        that saved it.  Each rank saves its own (the residuals differ across ranks)."""
         return {
             "calls": self._calls,
             "sends": self._sends,
             "error_feedback": self.error_feedback.state_dict(),
+            "rank": self.rank,
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()`` of this rank (every rank of the group loads its own)."""
-        if not isinstance(state, dict) or set(state) != {"calls", "sends", "error_feedback"}:
-            keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        """Continue from ``state_dict()`` of this rank (every rank of the group loads its own:
+        another rank's state, or one of a group of another size, is refused).  A state saved
+        without its rank and world size (an older release) is taken as this rank's."""
+        keys = {"calls", "sends", "error_feedback"}
+        if not isinstance(state, dict) or set(state) not in (keys, keys | {"rank", "world_size"}):
+            got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                "Communicator.load_state_dict: expected the keys 'calls', 'sends' and "
-                f"'error_feedback' (Communicator.state_dict()), got {keys}"
+                "Communicator.load_state_dict: expected the keys 'calls', 'sends', "
+                f"'error_feedback', 'rank' and 'world_size' (Communicator.state_dict()), got {got}"
             )
+        if "rank" in state:
+            rank = check_int(state["rank"], "rank", 2**31)
+            world = check_int(state["world_size"], "world_size", 2**31)
+            if (rank, world) != (self.rank, self.world_size):
+                raise ValueError(
+                    f"Communicator.load_state_dict: the state of rank {rank} of {world}, on "
+                    f"rank {self.rank} of {self.world_size}; each rank loads the state it saved "
+                    "(its residuals are its own)"
+                )
         calls = check_int(state["calls"], "calls", 2**63)
         sends = check_int(state["sends"], "sends", 2**63)
         self.error_feedback.load_state_dict(state["error_feedback"])

@@ -7,11 +7,19 @@
 Each bucket goes through ``Communicator.all_reduce`` (bit-identical gradients on every rank)
 and is divided by the world size, as DDP's default hook averages.  With error feedback, each
 bucket keeps the residuals of its quantizations and adds them to its next gradients, so the
-quantization error does not accumulate into a bias over the steps.
+quantization error does not accumulate into a bias over the steps.  A bucket's residual is
+named by the registration (the first, second ... hook registered on the communicator: two
+models on one communicator keep theirs apart) and by the bucket's layout (which parameters,
+in which order: the same on every rank).  DDP rebuilds its buckets after the first step, in
+the order the gradients became ready; a bucket whose layout changed starts from residual 0
+(its old residual, laid out for other parameters, is reset) rather than adding one
+parameter's quantization error to another's gradient.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's return annotation as an object.
-from dataclasses import dataclass
+import weakref
+import zlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,6 +38,35 @@ class FP4HookState:
     rounding: Rounding = "nearest"
     error_feedback: bool = True
     seed: int = 0
+    #: the hook's place among those registered on ``comm`` (0, 1, ...): its residuals' prefix
+    registration: int = 0
+    #: id(parameter) -> its position in the model's parameters (the same on every rank)
+    positions: dict = field(default_factory=dict, repr=False)
+    #: (bucket index, its parameters' ids) -> residual name; bucket index -> the name in use
+    names: dict = field(default_factory=dict, repr=False)
+    current: dict = field(default_factory=dict, repr=False)
+
+
+# Communicator -> how many hooks were registered on it (their residuals' prefixes)
+_REGISTRATIONS = weakref.WeakKeyDictionary()
+
+
+def _residual_name(state: FP4HookState, bucket: dist.GradBucket) -> str:
+    """The residual name of ``bucket``'s current layout; a bucket index whose layout changed
+    (DDP's rebuild) has its previous residual reset."""
+    index, params = bucket.index(), bucket.parameters()
+    key = (index, tuple(map(id, params)))
+    name = state.names.get(key)
+    if name is None:
+        layout = [(state.positions.get(id(p), -1), p.numel()) for p in params]
+        crc = zlib.crc32(repr(layout).encode())
+        name = state.names[key] = f"ddp{state.registration}_bucket_{index}_{crc:08x}"
+    previous = state.current.get(index)
+    if previous != name:
+        if previous is not None:
+            state.comm.error_feedback.reset(previous)
+        state.current[index] = name
+    return name
 
 
 def fp4_allreduce_hook(
@@ -37,9 +74,7 @@ def fp4_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's mean over ranks, through the compressed all-reduce."""
     buf = bucket.buffer()
-    # DDP rebuilds its buckets after the first iteration (new sizes under the same indices):
-    # the size in the name keeps a residual from being added to another bucket's gradients.
-    name = f"ddp_bucket_{bucket.index()}_{buf.numel()}" if state.error_feedback else None
+    name = _residual_name(state, bucket) if state.error_feedback else None
     out = state.comm.all_reduce(
         buf, codec=state.codec, rounding=state.rounding, seed=state.seed, error_feedback=name
     )
@@ -73,6 +108,29 @@ def register(
     check_options(rounding, seed)
     if not isinstance(error_feedback, bool):
         raise TypeError(f"error_feedback: True or False, got {error_feedback!r}")
-    state = FP4HookState(comm, codec, rounding, error_feedback, seed)
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"model: expected a torch DistributedDataParallel model, got {type(model).__name__}"
+        )
+    _check_same_ranks(model, comm)
+    registration = _REGISTRATIONS.get(comm, 0)
+    positions = {id(p): i for i, p in enumerate(model.parameters())}
+    state = FP4HookState(comm, codec, rounding, error_feedback, seed, registration, positions)
     model.register_comm_hook(state, fp4_allreduce_hook)
+    _REGISTRATIONS[comm] = registration + 1
     return state
+
+
+def _check_same_ranks(model, comm):
+    """ValueError unless ``comm`` spans the ranks of DDP's process group (a communicator of
+    another group averages over other ranks: the replicas diverge)."""
+    group, control = getattr(model, "process_group", None), comm.control_group
+    if group is None or control is None:
+        return
+    ddp_ranks = dist.get_process_group_ranks(group)
+    comm_ranks = dist.get_process_group_ranks(control)
+    if ddp_ranks != comm_ranks:
+        raise ValueError(
+            f"comm: its ranks {comm_ranks} are not DDP's process group's {ddp_ranks}; make "
+            "the communicator over the group DDP uses (Communicator.from_process_group(group))"
+        )
