@@ -209,3 +209,12 @@ def test_requantized_sum_needs_a_chunk():
     codec = get_codec("nvfp4")
     with pytest.raises(ValueError, match=r"NVFP4Codec.requantized_sum: needs at least one"):
         codec.requantized_sum([torch.zeros(0, b, dtype=torch.uint8) for b in (8, 1, 4)], 16)
+
+
+def test_a_tahquant_name_with_a_non_ascii_digit_is_named():
+    import pytest
+
+    from fp4_comm.codecs import get_codec
+
+    with pytest.raises(ValueError, match="codec: 'tahquant-h²': TAH-Quant's activation codec"):
+        get_codec("tahquant-h²")

@@ -209,3 +209,23 @@ def test_error_feedback_over_a_none_codec_sums_the_values(op, codec):
         assert torch.equal(full, total)
         for ef in residuals:
             assert not ef.residual("g").any()
+
+
+def test_store_checks_before_it_changes_anything():
+    """A bad block size or hop stored the residual but not its count; state_dict() then
+    raised KeyError."""
+    import pytest
+    import torch
+
+    from fp4_comm import ErrorFeedback
+
+    ef = ErrorFeedback()
+    for kwargs, message in (
+        ({"block_size": 0}, "block_size: a positive int"),
+        ({"block_size": 5}, "no whole number of blocks of 5"),
+        ({"hop": "middle"}, "hop: 'middle' is not one of"),
+    ):
+        args = {"name": "b", "hop": "worker", "block_size": 16, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            ef.store(args["name"], args["hop"], torch.ones(64), torch.zeros(64), args["block_size"])
+        assert ef.names() == [] and ef.state_dict() == ErrorFeedback().state_dict()

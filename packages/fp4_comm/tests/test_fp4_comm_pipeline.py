@@ -125,3 +125,33 @@ def test_a_send_has_no_error_feedback():
         pipeline.send_forward(torch.zeros(2), None, 1, error_feedback="boundary")
     with pytest.raises(ValueError, match="grad_rounding: 'up'"):
         pipeline.recv_forward((2,), torch.float32, None, 0, grad_rounding="up")
+
+
+def test_options_used_in_the_backward_are_checked_at_the_call():
+    """A gradient codec, seed or rounding that only the backward uses was checked there, on one
+    stage, while the other waited for the communicator's timeout; the message named codec or
+    rounding instead of grad_codec / grad_rounding."""
+    import pytest
+
+    x = torch.randn(4, 64, requires_grad=True)
+    for call, message in (
+        (lambda: pipeline.recv_forward((4, 64), torch.float32, None, 0, seed=-1), "seed"),
+        (lambda: pipeline.recv_forward((4, 64), torch.float32, None, 0, grad_codec="bogus"),
+         "grad_codec: 'bogus' is not"),
+        (lambda: pipeline.recv_forward((4, 64), torch.float32, None, 0, codec="tahquant-h64"),
+         "grad_rounding: 'stochastic', but grad_codec tahquant-h64 rounds to nearest only"),
+        (lambda: pipeline.send_forward(x, None, 1, grad_codec="bogus"),
+         "grad_codec: 'bogus' is not"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_backward_refuses_what_send_forward_did_not_return():
+    """The activation passed instead of the handle backpropagated uninitialized memory."""
+    import pytest
+
+    h = torch.randn(4, 64, requires_grad=True) * 2
+    for handle in (h, torch.empty(0), "handle"):
+        with pytest.raises(TypeError, match="handle: what send_forward returned"):
+            pipeline.backward(handle)

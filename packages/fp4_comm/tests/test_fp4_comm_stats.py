@@ -26,3 +26,15 @@ def test_padding_excluded_and_exact_payloads():
     assert s == {"sqnr_db": math.inf, "clipped": 0.0, "zeroed": 0.0, "elements": 2}
     assert sqnr_db(x, x) == math.inf
     assert sqnr_db(x, x_hat) == 10 * math.log10(103 / 98)
+
+
+def test_an_exact_all_zero_hop_has_an_infinite_sqnr():
+    """0/0 gave NaN where the docstring (and stats.sqnr_db) say inf: the payload decoded
+    exactly."""
+    import torch
+
+    from fp4_comm.stats import hop_stats
+
+    z = torch.zeros(64)
+    s = hop_stats(z, z.clone(), None)
+    assert s.sqnr_db.item() == float("inf") and s.zeroed.item() == 0.0

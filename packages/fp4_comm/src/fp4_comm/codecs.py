@@ -681,7 +681,7 @@ def _tahquant(spec):
     if spec == "tahquant-grad":
         return TAHQuantGradCodec()
     digits = spec[len("tahquant-h") :] if spec.startswith("tahquant-h") else ""
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):  # ("²" is a digit to str.isdigit)
         raise ValueError(
             f"codec: {spec!r}: TAH-Quant's activation codec ranks tokens, so its name carries "
             "the tokens' hidden size: 'tahquant-h<C>' (e.g. 'tahquant-h768'); 'tahquant-grad' "

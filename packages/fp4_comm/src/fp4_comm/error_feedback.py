@@ -86,6 +86,15 @@ class ErrorFeedback:
         An existing residual is overwritten in place, so a collective captured in a CUDA graph
         reads and writes the same residual tensor on every replay (the reset is in place too,
         and needs no host synchronization)."""
+        # checked before any state changes (a residual stored without its count made
+        # state_dict() fail later)
+        if hop not in HOPS:
+            raise ValueError(f"hop: {hop!r} is not one of {HOPS}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: a positive int, got {block_size!r}")
+        if corrected.numel() % block_size:
+            raise ValueError(f"error feedback {name!r} ({hop}): {corrected.numel()} elements are "
+                             f"no whole number of blocks of {block_size}")  # fmt: skip
         key = (name, hop)
         e = self._residuals.get(key)
         self._cleared.discard(key)

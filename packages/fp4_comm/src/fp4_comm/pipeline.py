@@ -73,12 +73,23 @@ def send_forward(x, comm: Communicator, dst: int, codec="nvfp4", rounding="neare
     """Send the activation ``x`` to the next stage (rank ``dst``); returns the handle that
     ``backward`` takes once that stage has sent the gradient back."""
     opts = direction_options(codec, rounding, seed, None, FORWARD, "send")
+    if grad_codec is not None:  # (checked here: it is used in the backward, on this stage only)
+        direction_options(grad_codec, "nearest", seed, None, BACKWARD, "recv")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: a torch tensor (the activation), got {type(x).__name__}")
     return _SendForward.apply(x, comm, dst, opts, grad_codec or codec, stats)
 
 
 def backward(handle):
     """Receive the gradient of the activation that made ``handle`` and backpropagate it
     through this stage (accumulating into its parameters' ``.grad``)."""
+    if not (isinstance(handle, torch.Tensor)
+            and type(handle.grad_fn) is _SendForward._backward_cls):  # fmt: skip
+        raise TypeError(
+            "handle: what send_forward returned (with grad enabled, of an activation that "
+            f"requires grad), got {type(handle).__name__}"
+            + (" that send_forward did not return" if isinstance(handle, torch.Tensor) else "")
+        )
     torch.autograd.backward(handle, torch.empty_like(handle))
 
 

@@ -19,10 +19,11 @@ class HopStats:
 
     Attributes:
         sqnr_db: 10 log10(sum x^2 / sum (x - x_hat)^2) over the hop's elements, in dB
-            (inf where the decoded payload equals its input).
+            (inf where the decoded payload equals its input, an all-zero one included).
         clipped: fraction of elements encoded with their block's largest magnitude and decoded
             smaller than they were (saturated); 0 for plain-value codecs.
-        zeroed: fraction of nonzero elements that decode to zero.
+        zeroed: fraction of the hop's elements that are nonzero and decode to zero (over all
+            its elements, as ``clipped``: not over the nonzero ones).
         elements: the number of elements (padding excluded).
     """
 
@@ -59,7 +60,8 @@ def hop_stats(
     # float64 sums: float32 squares of 2^20 elements would lose the small error energy.
     signal = torch.sum(x.double() ** 2)
     noise = torch.sum((x.double() - x_hat.double()) ** 2)
-    sqnr_db = 10 * torch.log10(signal / noise)  # inf for noise 0, nan for 0/0
+    # inf for noise 0 (0/0 too: an all-zero payload decoded exactly), without a sync
+    sqnr_db = torch.where(noise == 0, torch.inf, 10 * torch.log10(signal / noise))
     # counts / n in float64: exact fractions for any realistic n
     zeroed = torch.sum((x != 0) & (x_hat == 0)).double() / max(n, 1)
     if saturated is None:

@@ -293,6 +293,9 @@ class _OneSectionNearestCodec(CheckedCodec):
     element), then TAH-Quant's own (nearest rounding only, checked before an empty ``x``
     returns), then the format's work on one section of (chunks, bytes) per chunk."""
 
+    #: what ``tensor_parallel.direction_options`` reads: stochastic rounding is refused
+    nearest_only = True
+
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
     ) -> list[torch.Tensor]:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .codecs import ROUNDINGS, CodecSpec, Rounding
+from .codecs import ROUNDINGS, SEED_LIMIT, CodecSpec, Rounding, check_int, get_codec
 from .communicator import Communicator
 from .stats import HopStats
 
@@ -79,8 +79,21 @@ def direction_options(
     direction's argument names (``FORWARD`` / ``BACKWARD``), for the errors; ``runs`` the
     collective it runs ("all-reduce", "reduce-scatter", "all-gather", "send", or "no
     collective")."""
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise ValueError(f"{names[0]}: {rounding!r} is not one of {ROUNDINGS}")
+    # the codec and the seed too, at the call: a direction that runs in the backward would
+    # otherwise raise there, on one rank, while its peer waits for the collective
+    what = "grad_codec" if names == BACKWARD else "codec"
+    try:
+        spec = get_codec(codec)
+    except ValueError as err:
+        raise ValueError(f"{what}: {str(err).removeprefix('codec: ')}") from None
+    check_int(seed, "seed", SEED_LIMIT)
+    if rounding != "nearest" and getattr(spec, "nearest_only", False):
+        raise ValueError(
+            f"{names[0]}: {rounding!r}, but {what} {spec.name} rounds to nearest only; pass "
+            f"{names[0]}='nearest'"
+        )
     if error_feedback is not None and runs not in _SUMS:
         raise ValueError(
             f"{names[1]}={error_feedback!r}: error feedback corrects a sum (all-reduce or "
