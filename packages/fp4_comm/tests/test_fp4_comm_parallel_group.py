@@ -183,3 +183,42 @@ def test_one_rank_runs_no_collective():
 def test_native_refuses_what_it_does_not_do(forward, backward, sp, match):
     with pytest.raises(ValueError, match=match):
         TensorParallelGroup(None, forward, backward, sequence_parallel=sp)
+
+
+def test_group_arguments_are_named():
+    """TensorParallelGroup('x') raised AttributeError on 'rank'; group.stats = [] raised
+    AttributeError ('setdefault') at the next collective."""
+    with pytest.raises(TypeError, match="comm: a Communicator"):
+        TensorParallelGroup("x")
+    group = TensorParallelGroup(None)
+    with pytest.raises(TypeError, match="stats: None or a dict"):
+        group.stats = []
+    group.stats = {}
+    assert group.stats == {}
+
+
+def _uneven(comms):
+    comm = comms[2]
+    if comm is None:
+        return None
+    group = TensorParallelGroup(comm, WirePolicy("none-float32"), sequence_parallel=True)
+    partial = torch.arange(12.0).view(3, 4) * (comm.rank + 1)  # 3 rows: shards of 2 and 1
+    shard = group.exit(partial, "L0")
+    try:
+        group.enter(shard, "L1")
+        plain = "gathered"
+    except ValueError as err:
+        plain = str(err)
+    return tuple(shard.shape), group.enter(shard, "L1", total_dim0=3).numpy(), plain
+
+
+def test_sequence_parallel_enter_gathers_the_uneven_shards_exit_made(cluster):
+    """exit of a length the ranks do not divide gives shards of 2 and 1 rows, which enter
+    could not gather (it had no total_dim0)."""
+    full = (torch.arange(12.0).view(3, 4) * 3).numpy()  # rank 0's + rank 1's
+    for rank, (shape, gathered, plain) in enumerate(cluster.run(_uneven)[:2]):
+        assert shape == ((2, 4) if rank == 0 else (1, 4))
+        np.testing.assert_array_equal(gathered, full)
+        assert "disagree" in plain or "total_dim0" in plain
+    with pytest.raises(ValueError, match="total_dim0: the gathered length"):
+        TensorParallelGroup(None).enter(torch.ones(2, 4), "L0", total_dim0=2)

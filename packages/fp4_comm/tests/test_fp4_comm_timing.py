@@ -37,3 +37,26 @@ def test_calls_pass_through_and_their_time_adds_up(cluster):
         assert same and (r, world) == (rank, 2)
         assert ms_call > 0 and ms_empty == 0 and ms_p2p > 0
         assert 50 <= ms_sleep < 1000
+
+
+def test_timed_communicator_names_what_is_not_a_communicator_and_copies():
+    """TimedCommunicator(None) raised AttributeError on 'device'; copy.copy recursed in
+    __getattr__ (no 'comm' on the copy yet)."""
+    import copy
+
+    import pytest
+    import torch
+
+    from fp4_comm import TimedCommunicator
+
+    for bad in (None, "x"):
+        with pytest.raises(TypeError, match="comm: a Communicator"):
+            TimedCommunicator(bad)
+
+    class Comm:
+        device = torch.device("cpu")
+        rank, world_size = 0, 1
+
+    timed = TimedCommunicator(Comm())
+    twin = copy.copy(timed)
+    assert twin.rank == 0 and twin.comm is timed.comm

@@ -108,6 +108,12 @@ class TensorParallelGroup:
         seed: int = 0,
         sequence_parallel: bool = False,
     ) -> None:
+        if comm is not None and not all(hasattr(comm, a) for a in ("rank", "world_size",
+                                                                    "all_reduce")):  # fmt: skip
+            raise TypeError(
+                "comm: a Communicator (or a TimedCommunicator of one), or None for one rank; "
+                f"got {type(comm).__name__}"
+            )
         self.comm = comm
         self.rank = 0 if comm is None else comm.rank
         self._set_policies(1 if comm is None else comm.world_size, forward, backward, seed,
@@ -141,6 +147,19 @@ class TensorParallelGroup:
         self.sequence_parallel = sequence_parallel and size > 1
         self.stats = None
         self.native = check_native(forward, self.backward, sequence_parallel) and size > 1
+
+    @property
+    def stats(self) -> dict[str, list] | None:
+        """None, or the dict ``enter`` and ``exit`` fill (see the class docstring)."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: dict[str, list] | None) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(
+                f"stats: None or a dict (kind -> list of WireStats), got {type(value).__name__}"
+            )
+        self._stats = value
 
     def native_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """torch.distributed's all-reduce of ``x`` in its dtype (timed where ``comm`` is a
@@ -177,10 +196,17 @@ class TensorParallelGroup:
                 kw["grad_rounding"] = bwd.rounding
         return kw  # fmt: skip
 
-    def enter(self, x: torch.Tensor, site: str) -> torch.Tensor:
+    def enter(self, x: torch.Tensor, site: str, total_dim0: int | None = None) -> torch.Tensor:
         """A block's input, replicated (or, with SP, gathered) before its column-parallel
-        linear.  ``site``: a name unique to the call site (error-feedback buffers)."""
-        return self._edge(x, site, "enter")
+        linear.  ``site``: a name unique to the call site (error-feedback buffers).
+        ``total_dim0`` (SP only): the gathered length where the ranks' shards differ, as
+        ``exit`` splits a length the ranks do not divide (``shard_rows``)."""
+        if total_dim0 is not None and not self.sequence_parallel:
+            raise ValueError(
+                "total_dim0: the gathered length of sequence parallelism's shards; this group "
+                "gathers nothing (sequence_parallel=False, or one rank)"
+            )
+        return self._edge(x, site, "enter", total_dim0)
 
     def exit(self, x: torch.Tensor, site: str) -> torch.Tensor:
         """A row-parallel linear's partial output, summed over the ranks (with SP: and
@@ -193,13 +219,16 @@ class TensorParallelGroup:
         "exit": ("reduce_from_tensor_parallel", "reduce_scatter_to_sequence_parallel"),
     }
 
-    def _edge(self, x, site, kind):
+    def _edge(self, x, site, kind, total_dim0=None):
         if self.size == 1:
             return x
         if self.native:
             return self._native(x, kind == "exit")
         function = self._EDGE_FUNCTIONS[kind][bool(self.sequence_parallel)]
-        return self._collective(function, x, self._kwargs(site, kind))
+        kw = self._kwargs(site, kind)
+        if total_dim0 is not None:
+            kw["total_dim0"] = total_dim0
+        return self._collective(function, x, kw)
 
     def _collective(self, function, x, kw):
         # ``function`` of ``fp4_comm.tensor_parallel`` over this rank's communicator (the

@@ -27,13 +27,24 @@ class TimedCommunicator:
     wrapped one's, so the tensor-parallel and pipeline functions take it in its place."""
 
     def __init__(self, comm: Any) -> None:
+        device = getattr(comm, "device", None)
+        if not isinstance(device, torch.device):
+            raise TypeError(
+                "comm: a Communicator (or an object with its methods and a torch.device "
+                f"'device'), got {type(comm).__name__}"
+            )
         self.comm = comm
-        self._cuda = comm.device.type == "cuda"
+        self._cuda = device.type == "cuda"
         self._events, self._cpu_s = [], 0.0
         self._graph_events = []
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.comm, name)
+        # (only for names not set on the instance; ``comm`` itself read from __dict__, so a
+        # copy under construction, which has none yet, raises AttributeError, not recursion)
+        comm = self.__dict__.get("comm")
+        if comm is None:
+            raise AttributeError(name)
+        return getattr(comm, name)
 
     def timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, its time counted as communication (e.g. a torch.distributed
