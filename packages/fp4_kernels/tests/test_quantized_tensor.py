@@ -10,6 +10,7 @@ import pytest
 from numba import cuda
 
 import fp4_kernels as fk
+from fp4_kernels._calls import payload_views
 from fp4_kernels.formats.e4m3 import decode_e4m3
 from fp4_kernels.formats.e8m0 import decode_e8m0
 from fp4_kernels.testing import adversarial_blocks, same_bits
@@ -183,11 +184,13 @@ def test_cpu_of_device_arrays_gives_numpy(kernels, rng):
         q = fk.quantize(_x(rng), fmt=fmt)
         if q.payload is None:
             qd = dataclasses.replace(q, **{k: cuda.to_device(getattr(q, k)) for k in _ARRAYS})
-        else:
+        else:  # FP4Quant: data and scales are views of the payload, as quantize() makes them
             p = cuda.to_device(q.payload)
-            n = q.numel()
-            qd = dataclasses.replace(q, payload=p, data=p[: n // 2].reshape(q.data.shape),
-                                     scales=cuda.to_device(q.scales))  # fmt: skip
+            data, scales = payload_views(p, q.shape, q.numel(), q.block_size, "numba")
+            qd = dataclasses.replace(q, payload=p, data=data, scales=scales)
+            # scales that are no view of the payload: a move would give the payload's
+            with pytest.raises(ValueError, match="payload: data and scales are not the views"):
+                dataclasses.replace(qd, scales=cuda.to_device(q.scales)).cpu()
         h = qd.cpu()
         assert isinstance(h.data, np.ndarray) and isinstance(h.scales, np.ndarray)
         _same_q(h, q)

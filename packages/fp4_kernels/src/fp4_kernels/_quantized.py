@@ -316,6 +316,8 @@ def _layout(a):
         return (type(a), a.data_ptr(), tuple(a.shape), a.dtype, a.stride())
     if isinstance(a, np.ndarray):
         address = a.__array_interface__["data"][0]
+    elif hasattr(a, "_ary"):  # numba's simulator: a host array stands for the device one
+        address = a._ary.__array_interface__["data"][0]
     elif hasattr(a, "device_ctypes_pointer"):  # numba
         address = a.device_ctypes_pointer.value
     else:  # CuPy
