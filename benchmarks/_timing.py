@@ -115,8 +115,8 @@ def host_time_us(fn, args, reps=200):
 
 
 def commit_id():
-    """The commit a result belongs to: ``FP4_COMMIT`` when set (the GPU machine gets a copy of
-    the tree whose .git, if any, may be stale), else ``git rev-parse --short HEAD``."""
+    """The commit a result belongs to: ``FP4_COMMIT`` when set (a copy of the tree measured on
+    another machine may carry a stale .git, or none), else ``git rev-parse --short HEAD``."""
     if os.environ.get("FP4_COMMIT"):
         return os.environ["FP4_COMMIT"]
     try:

@@ -1,8 +1,8 @@
 """NCCL transport through ``cupy.cuda.nccl``, rendezvous through torch.distributed.
 
 The NCCL unique id is made on group rank 0 and broadcast over a gloo group of torch.distributed
-(whose TCPStore rendezvous torchrun already did), not with ``cupyx.distributed``, whose own
-rendezvous fails on the GPU machines.  Every NCCL call is queued on the caller's current torch
+(whose TCPStore rendezvous torchrun already did), not with ``cupyx.distributed``, which sets
+up a rendezvous of its own.  Every NCCL call is queued on the caller's current torch
 stream (a CuPy caller's stream is made torch's current one in ``communicator.py``); nothing here
 waits for the GPU, except ``synchronize``.
 """

@@ -7,14 +7,14 @@ A preset is the arguments every run shares (model, tokens per step, steps, learn
 a list of configurations, each run once per seed (``--seeds`` replaces the preset's); the
 arguments after ``--`` are added to every run and override the preset's.  Runs whose summary
 is already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathered from other
-machines) are skipped, so a grid is run over several sittings: ``--budget-s``
-starts no run that would end past the budget (its length estimated by the longest run this
-sitting, or ``--estimate-s`` before one has ended) and lists those left out.  ``--jobs``
+machines) are skipped, so a grid is run over several jobs: ``--budget-s``
+starts no run that would end past the budget (its length estimated by the longest run of this
+invocation, or ``--estimate-s`` before one has ended) and lists those left out.  ``--jobs``
 processes share the GPU (a 125 M model with 4 emulated ranks takes a few GB of its memory);
 each writes its log to ``<out>/logs``.  ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
-Runs longer than one sitting: with ``--checkpoint-dir DIR`` every run resumes from and writes
+Runs longer than one job: with ``--checkpoint-dir DIR`` every run resumes from and writes
 its checkpoint ``DIR/<run name>`` (``emulated_tp --checkpoint``), and ``--stop-at-s S`` stops
 each run after its first step that ends S seconds or more after the sweep started (the run
 writes its checkpoint and exits with status 75, ``checkpoint.EX_TEMPFAIL``); no run starts

@@ -8,7 +8,7 @@ each run once per seed of the preset; arguments after ``--`` are added to every 
 override the preset's).  Runs whose JSON already exists in ``--out`` are skipped (``--force``
 reruns them), so an interrupted sweep resumes.  ``--budget-s`` stops starting runs once the
 next one (estimated from the longest run so far) would end past the budget; the runs left
-out are printed, so a sweep split over several sittings says what it did not run.
+out are printed, so a sweep split over several jobs says what it did not run.
 ``--order`` runs the named runs first; ``--seeds`` replaces the preset's seeds.  ``--list``
 prints the runs and their command lines without running anything.
 """
