@@ -36,7 +36,7 @@ def test_calls_pass_through_and_their_time_adds_up(cluster):
         same, r, world, ms_call, ms_empty, ms_sleep, ms_p2p = out
         assert same and (r, world) == (rank, 2)
         assert ms_call > 0 and ms_empty == 0 and ms_p2p > 0
-        assert 50 <= ms_sleep < 1000
+        assert 50 <= ms_sleep < 30_000  # (a loaded machine may oversleep; never undersleep)
 
 
 def test_timed_communicator_names_what_is_not_a_communicator_and_copies():

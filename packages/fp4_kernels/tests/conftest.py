@@ -55,7 +55,7 @@ def kernels():
 def gpu():
     """Real-GPU-only tests (full sizes): skipped with a reason elsewhere."""
     if not REAL_GPU:
-        pytest.skip("needs a real CUDA GPU (run `nox -s gpu` on the GPU machine)")
+        pytest.skip("needs a real CUDA GPU (`nox -s gpu` on a machine with one)")
     return True
 
 

@@ -491,18 +491,22 @@ def test_a_key_called_once_runs_unplanned_and_the_second_call_records(fake, monk
 
 
 def test_disabled_makes_no_plan(fake):
+    x = _x()
     with _plans.disabled():
-        fk.quantize(_x())
-        fk.hadamard(_x(), group_size=64)
-    assert not _plans._PLANS
+        for _ in range(_plans.RECORD_AT):  # as many calls as make a plan outside disabled()
+            fk.quantize(x)
+            fk.hadamard(x, group_size=64)
+    assert not _plans._PLANS and not _plans._SEEN
+    for _ in range(_plans.RECORD_AT):
+        fk.quantize(x)
+    assert len(_plans._PLANS) == 1  # (the same calls outside it do make one)
 
 
 def test_a_plan_is_not_made_for_empty_tensors(fake):
     x = torch.empty((0, 64), dtype=torch.bfloat16)
-    with _plans.disabled():
-        pass
-    fk.quantize(x)
-    assert not _plans._PLANS
+    for _ in range(_plans.RECORD_AT):
+        fk.quantize(x)
+    assert not _plans._PLANS and not _plans._SEEN
 
 
 # ---------------------------------------------------------------------- on a GPU

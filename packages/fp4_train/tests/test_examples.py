@@ -24,9 +24,14 @@ def _common():
     return module
 
 
-def test_scripts_write_outside_the_repository_unless_told(monkeypatch):
+def test_scripts_write_outside_the_repository_unless_told(monkeypatch, tmp_path):
     """A rerun must not rewrite the committed results in docs/results: the default --out is
     outside the repository; `--out docs/results` still writes there."""
+    import tempfile
+
+    # (a temporary folder of the test's own: a file left at the shared default would fail
+    # parse_args's check of --out)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     common = _common()
     threads = torch.get_num_threads()  # parse_args sets one torch thread for the scripts
     try:

@@ -69,3 +69,13 @@ def to_host(a):
             return raw.cpu().numpy().view(NP_DTYPES[name])
         return a.cpu().numpy()
     return a.get()  # cupy
+
+
+def use_network_variant(monkeypatch, variant):
+    """Run the butterfly network ``variant`` (``FP4_HADAMARD_VARIANT``) from here on: the
+    variable is read when a kind of torch call is planned, so the plans made before are
+    forgotten too (else a later variant's torch calls would run the earlier one's kernels)."""
+    from fp4_kernels import _plans
+
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    _plans.clear()

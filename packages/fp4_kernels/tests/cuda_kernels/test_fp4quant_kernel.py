@@ -4,7 +4,7 @@ sizes, every group size)."""
 
 import numpy as np
 import pytest
-from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
+from _devices import NP_DTYPES, available_kinds, to_gpu, to_host, use_network_variant
 from conftest import REAL_GPU, SIMULATOR
 
 import fp4_kernels as fk
@@ -59,7 +59,7 @@ SIM_CASES = [
 def test_kernels_match_reference(
     kernels, rng, monkeypatch, variant, kind, g, hadamard, dtype, rounding, rows
 ):
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)  # the transform's network
+    use_network_variant(monkeypatch, variant)  # the transform's network
     fmt = fk.FP4Quant(g, hadamard)
     x = _data(rng, rows, g, dtype, g)
     q = fk.quantize(to_gpu(x, kind), fmt=fmt, rounding=rounding, seed=2**33 + 5, step=3)
@@ -91,7 +91,7 @@ def test_quantize_dequantize_is_the_round_trip(kernels, rng, kind, g, hadamard, 
 def test_smem_network_across_warps(kernels, rng, monkeypatch, g, dtype, rounding, rows, variant):
     """The shared-memory network's CTA exchange (a CTA is one group) in both kernels, with and
     without the prefetch of the next tile."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     fmt = fk.FP4Quant(g)
     x = _data(rng, rows, g, dtype, g)
     q = fk.quantize(to_gpu(x, "numba"), fmt=fmt, rounding=rounding, seed=7, step=2)
@@ -103,7 +103,7 @@ def test_smem_decode_several_tiles_a_cta(kernels, rng, monkeypatch, variant):
     """Several tiles per CTA (the grid-stride loop iterates): with the prefetch, each tile's
     codes and scales were loaded during the previous tile; to bf16 and to float32 (which
     prefetches the codes too)."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     fmt = fk.FP4Quant(64)
     x = _data(rng, 200, 64, "bfloat16", 64)
     q = fk.quantize(to_gpu(x, "numba"), fmt=fmt, seed=5)
@@ -118,7 +118,7 @@ def test_smem_decode_several_tiles_a_cta(kernels, rng, monkeypatch, variant):
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
 @pytest.mark.parametrize("variant", ["smem-pf", "smem", "shfl"])
 def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     n = (1 << 22) + 3 * 8192
     x = _data(rng, n // g, g, dtype, g)
     for hadamard, rounding in ((True, "nearest"), (True, "stochastic"), (False, "nearest")):

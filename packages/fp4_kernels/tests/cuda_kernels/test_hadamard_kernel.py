@@ -3,7 +3,7 @@ butterfly order), in the simulator (small: one or two CTAs) and on a real GPU (f
 
 import numpy as np
 import pytest
-from _devices import NP_DTYPES, available_kinds, to_gpu, to_host
+from _devices import NP_DTYPES, available_kinds, to_gpu, to_host, use_network_variant
 from conftest import REAL_GPU, SIMULATOR
 
 import fp4_kernels as fk
@@ -45,7 +45,7 @@ SIM_CASES = [
 def test_kernel_matches_reference(
     kernels, rng, monkeypatch, variant, kind, g, dtype, inverse, seed, rows
 ):
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     x = (rng.standard_normal((rows, g)) * 2).astype(NP_DTYPES[dtype])
     x.reshape(-1)[:3] = [0.0, -0.0, 1e4]  # signed zeros and a value that dominates a group
     y = fk.hadamard(to_gpu(x, kind), group_size=g, inverse=inverse, signs=seed)
@@ -58,7 +58,7 @@ def test_smem_network_every_stage_and_sign(kernels, rng, monkeypatch, variant, g
     """bf16 (the prefetching kind) at a group size whose transposes move 8 and 16 bytes an
     access, and at the largest (a CTA of 8 warps, three barriers a tile, 8-byte stores);
     several tiles per CTA so that the prefetch and the buffers' reuse are exercised."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     rows = 3 if g == 8192 else 200
     x = (rng.standard_normal((rows, g)) * 2).astype(NP_DTYPES["bfloat16"])
     for inverse, seed in ((False, 11), (True, 12)):
@@ -76,7 +76,7 @@ def test_network_choice_prefetches_no_float32_input(kernels, monkeypatch, varian
     """One rule for the transform and FP4Quant's kernels: float32 input (32 more registers)
     does not prefetch; 16-bit elements and packed codes (None) do under ``smem-pf``.  The
     host sizes the CTA by the resolved choice: 128 threads with the prefetch, 256 without."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     assert launch.network_choice(64, kind) == choice
     assert launch.network_choice(16, kind) == (False, False)  # below "smem"'s smallest g
     if kind is not None:
@@ -102,7 +102,7 @@ def test_launch_grid(kernels, monkeypatch, variant, dtype, g, grid):
     4 of 128 at 4096, 2 of 256 at 8192), from g = 2048 by the shared-memory carveout too
     (``prefetch_threads_per_sm``: 384 at 2048; the launcher's occupancy cap then follows the
     carveout); the others up to 2048 threads (8 CTAs of 256, 32 of 64)."""
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     monkeypatch.setattr(launch, "sm_count", lambda device_id: 1)
     asked = []
     monkeypatch.setattr(launch, "launch", lambda k, blocks, threads, ctx, a, threads_per_sm=None:
@@ -124,7 +124,7 @@ def test_prefetching_transform_carveout(gpu, monkeypatch, g):
 
     from fp4_kernels import _numba_abi as abi
 
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
+    use_network_variant(monkeypatch, "smem-pf")
     x = np.ones((64, g), NP_DTYPES["bfloat16"])
     kernel = H.transform_kernel(KIND_BF16, g, False, False)[0]
     fk.hadamard(to_gpu(x, "numba"), group_size=g)
@@ -167,7 +167,7 @@ def test_kernel_nan_stays_in_its_group(kernels):
 @pytest.mark.parametrize("dtype,g", FULL_CASES)
 @pytest.mark.parametrize("variant", list(NETWORK_VARIANTS))
 def test_full_size_matches_reference(gpu, rng, monkeypatch, variant, kind, dtype, g):
-    monkeypatch.setenv("FP4_HADAMARD_VARIANT", variant)
+    use_network_variant(monkeypatch, variant)
     n = (1 << 22) + 3 * 8192  # not a multiple of the CTA tile: a partial last tile
     x = (rng.standard_normal(n) * 4).astype(NP_DTYPES[dtype]).reshape(-1, g)
     for inverse, seed in ((False, 1234), (True, None)):

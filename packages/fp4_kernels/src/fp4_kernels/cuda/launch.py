@@ -152,7 +152,9 @@ def max_blocks(default_per_sm, device_id):
 
 def network_variant():
     """The butterfly network variant ``FP4_HADAMARD_VARIANT`` names (default
-    ``launch_table.DEFAULT_NETWORK_VARIANT``)."""
+    ``launch_table.DEFAULT_NETWORK_VARIANT``).  Read when a call's kernels are chosen: a
+    torch call whose kind has a plan keeps the variant of its plan (a change in a running
+    process takes effect for them after ``fp4_kernels._plans.clear()``)."""
     name = os.environ.get("FP4_HADAMARD_VARIANT") or DEFAULT_NETWORK_VARIANT
     if name not in NETWORK_VARIANTS:
         raise ValueError(
