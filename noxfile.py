@@ -69,7 +69,7 @@ NO_SIMULATOR = {"NUMBA_ENABLE_CUDASIM": "0"}
 # database; fixed seeds): fp4_kernels.testing.load_test_profile.  `tests_explore` draws fresh
 # ones and keeps hypothesis's failures in .hypothesis/ to replay them.
 EXPLORE = {"FP4_TEST_PROFILE": "explore"}
-# NVLink multicast (NVLS) off for NCCL on the GPU machines, unless the caller says otherwise.
+# NVLink multicast (NVLS) off for NCCL, unless the caller says otherwise.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
 # Several ranks on one GPU: NCCL >= 2.30's multi-rank mode, NVLink multicast off everywhere
 # (NCCL, torch's symmetric memory, NVSHMEM).
@@ -338,7 +338,7 @@ def corpus(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def study_gpu(session: nox.Session) -> None:
-    """A training study preset on the GPU machine, in the Python that runs nox.
+    """A training study preset on a GPU machine, in the Python that runs nox.
 
     The args after `--` go to fp4_train.experiments.boundary_study (`--run --preset
     h200-boundary --out ...`) or, after `sweep`, to tp_sweep (`sweep --preset h200-tp ...`)."""
