@@ -38,9 +38,13 @@ def _torch():
 
 
 def to_numpy(a):
-    """A numpy array of a torch tensor (copied to the host if it is on a GPU) or ``a`` itself."""
+    """A numpy array of a torch tensor (copied to the host if it is on a GPU; bfloat16 as
+    ml_dtypes' bfloat16, which torch's ``numpy()`` refuses) or ``a`` itself."""
     if hasattr(a, "detach"):
-        return a.detach().cpu().numpy()
+        t = a.detach().cpu()
+        if t.dtype == _torch().bfloat16:
+            return t.view(_torch().int16).numpy().view(numpy_dtype("bfloat16"))
+        return t.numpy()
     return a
 
 

@@ -380,11 +380,17 @@ def missing_modules(progress=True, plot=True):
 _LEAST_VERSIONS = {"safetensors": (0, 8)}
 
 
-def _installed_version(name):
+def _dist_version(name):
+    """The installed distribution ``name``'s version, or None."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return sys.modules[name].__dict__.get("__version__", "0")
+        return None
+
+
+def _installed_version(name):
+    """The version of the imported module ``name``: its distribution's, else its own."""
+    return _dist_version(name) or sys.modules[name].__dict__.get("__version__", "0")
 
 
 def _release(version):
@@ -463,13 +469,7 @@ def decode_ms(bytes_per_token, bandwidth_gbs, fixed_ms):
 
 def versions():
     """Versions of what computed the report (None: not installed)."""
-
-    def dist(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+    dist = _dist_version
     return {
         "fp4-kernels": __version__,
         "numba": dist("numba"),
@@ -580,7 +580,8 @@ def _measure_model(path, formats, include_embeddings, progress):
     """(the model as given, its files, what was skipped, the measured matrices, the bytes of
     the embedding tables a decoder does not read whole) of ``run_report``."""
     if path is None:
-        given = f"{DEFAULT_MODEL_DISTRIBUTION} {_dist_version()} (the default model)"
+        version = _dist_version(DEFAULT_MODEL_DISTRIBUTION) or "(version unknown)"
+        given = f"{DEFAULT_MODEL_DISTRIBUTION} {version} (the default model)"
         default = default_model_path()
         files, skipped = [ModelFile(default, "model/model.safetensors", default.stat().st_size)], []
     else:
@@ -634,13 +635,6 @@ def _summary(matrices, formats, n_total, other_bytes, other_decode_bytes, bandwi
             "decode_ms_per_token": decode_ms(decode_bytes, bandwidth, fixed),
         }
     return summary
-
-
-def _dist_version():
-    try:
-        return importlib.metadata.version(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "(version unknown)"
 
 
 def _nothing_to_measure(given, skipped):

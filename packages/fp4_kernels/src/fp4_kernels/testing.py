@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import types
 import zlib
@@ -26,6 +25,8 @@ from typing import Any, SupportsFloat
 
 import numpy as np
 import numpy.typing as npt
+
+from . import _arrays as arrays
 
 WARP_SIZE = 32
 
@@ -145,7 +146,7 @@ def reference_quantization(
                          "formats.fp4quant.quantize_reference)")  # fmt: skip
     if scale_layout not in ("linear", "swizzled"):
         raise ValueError(f"scale_layout: {scale_layout!r} is not 'linear' or 'swizzled'")
-    x = np.ascontiguousarray(_as_numpy(x), np.float32)
+    x = np.ascontiguousarray(arrays.to_numpy(x), np.float32)
     with np.errstate(all="ignore"):
         if fmt == "nvfp4":
             codes, scales, gs = nvfp4.quantize_reference(
@@ -161,25 +162,11 @@ def reference_quantization(
     return e2m1.pack_e2m1(codes), scales, np.float32(gs), deq
 
 
-def _as_numpy(a):
-    """``a`` as a numpy array: a torch tensor through the CPU (bfloat16 as ml_dtypes',
-    which numpy cannot convert by itself), anything else by ``np.asarray``."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(a, torch.Tensor):
-        t = a.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-    return np.asarray(a)
-
-
 def same_bits(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
     """Bitwise equality of two float arrays of one dtype, NaN payloads aside (any NaN == NaN);
     torch tensors are compared as numpy arrays (bfloat16 as ml_dtypes' bfloat16)."""
-    a = _as_numpy(a)
-    b = _as_numpy(b)
+    a = np.asarray(arrays.to_numpy(a))
+    b = np.asarray(arrays.to_numpy(b))
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     w = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
