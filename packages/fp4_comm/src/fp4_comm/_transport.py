@@ -110,8 +110,9 @@ def reraise_peer_error(err: Exception, op: str, rank: int, world_size: int, peer
     raise mapped from err
 
 
-def _all_gather_into(out, inp, group):
-    # torch >= 2.10 names it all_gather_single and deprecates all_gather_into_tensor.
+def all_gather_into(out, inp, group):
+    """torch.distributed's all-gather of ``inp`` into the flat ``out`` over ``group`` (torch >=
+    2.10 names it all_gather_single and deprecates all_gather_into_tensor)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
 
@@ -211,7 +212,7 @@ class GlooTransport(Transport):
     def all_gather(self, pairs):
         with self._peer_errors("all_gather"):
             for send, recv in pairs:
-                _all_gather_into(recv.reshape(-1), send.reshape(-1), self.group)
+                all_gather_into(recv.reshape(-1), send.reshape(-1), self.group)
 
     def send(self, tensors, peer):
         with self._peer_errors("send", peer):

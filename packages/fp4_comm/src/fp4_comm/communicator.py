@@ -32,6 +32,7 @@ from ._transport import (
     CommTimeoutError,
     GlooTransport,
     Transport,
+    all_gather_into,
     check_timeout as _check_timeout,
     reraise_peer_error,
 )
@@ -824,8 +825,7 @@ class Communicator:
         mine = torch.tensor(sig, dtype=torch.int64)
         every = torch.empty(self.world_size * _SIG_LEN, dtype=torch.int64)
         try:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(every, mine, group=self.control_group)
+            all_gather_into(every, mine, self.control_group)
         except RuntimeError as err:
             self._check_failed(err, f"{op} (argument check)")
         rows = every.view(self.world_size, _SIG_LEN).tolist()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import tensor_parallel as tp
-from ._transport import reraise_peer_error
+from ._transport import all_gather_into, reraise_peer_error
 from .codecs import SEED_LIMIT, check_int, check_rounding, get_codec
 from .communicator import Communicator
 
@@ -314,9 +314,8 @@ class TensorParallelGroup:
         ValueError on every rank naming each rank's."""
         mine = [len(held), sum(held), zlib.crc32(bytes(held))]
         every = torch.empty(self.size * 3, dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         try:
-            gather(every, torch.tensor(mine, dtype=torch.int64), group=self.comm.control_group)
+            all_gather_into(every, torch.tensor(mine, dtype=torch.int64), self.comm.control_group)
         except RuntimeError as err:
             reraise_peer_error(err, "sum_partial_grads (gradient check)", self.rank, self.size)
         rows = every.view(self.size, 3).tolist()
