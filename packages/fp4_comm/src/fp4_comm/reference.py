@@ -32,6 +32,7 @@ raises stops the others at their next exchange; the error is raised in the calle
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -672,30 +673,27 @@ class EmulatedRanks:
         total_dim0 = check_gather_shards(xs, total_dim0)
         return self._run("all_gather", xs, kwargs, {"total_dim0": total_dim0})
 
-    def send_recv(
-        self,
-        x: torch.Tensor,
-        src: int,
-        dst: int,
-        codec: CodecSpec = "nvfp4",
-        rounding: Rounding = "nearest",
-        seed: int = 0,
-        step: int | None = None,
-        stats: bool = False,
-    ) -> Any:
-        """Rank ``src``'s ``send(x, dst, ...)`` and rank ``dst``'s ``recv``: what ``dst``
-        receives (with ``stats``: and the sender's {hop: HopStats}).  ``step`` None: the
-        sender's count of sends, as ``Communicator.send`` says."""
+    def send_recv(self, x: torch.Tensor, src: int, dst: int, **kwargs: Any) -> Any:
+        """Rank ``src``'s ``Communicator.send(x, dst, **kwargs)`` and rank ``dst``'s ``recv``
+        (of the same codec): what ``dst`` receives (with ``stats=True``: and the sender's
+        {hop: HopStats}).  ``step`` None (the default): the sender's count of sends, as
+        ``Communicator.send`` says."""
         check_rank_tensors("send", [x])
         self._check_device("send", [x])
         _check_peers(src, dst, self.world_size)
+        # the options are bound here, not on the sender's thread: a wrong keyword raised
+        # there would leave the receiver waiting for its message until the timeout
+        try:
+            inspect.signature(Communicator.send).bind(None, x, dst, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"EmulatedRanks.send_recv: {err}; the options are "
+                            "Communicator.send's") from None  # fmt: skip
+        codec = kwargs.get("codec", "nvfp4")
         tasks: list[Any] = [None] * self.world_size
-        send_kw = {"codec": codec, "rounding": rounding, "seed": seed, "step": step,
-                   "stats": stats}  # fmt: skip
-        tasks[src] = lambda _: self.comms[src].send(x, dst, **send_kw)
+        tasks[src] = lambda _: self.comms[src].send(x, dst, **kwargs)
         tasks[dst] = lambda _: self.comms[dst].recv(tuple(x.shape), x.dtype, src, codec=codec)
         out = self._threads.run(tasks)
-        if stats:
+        if kwargs.get("stats", False):
             return out[dst], out[src][1]
         return out[dst]
 
