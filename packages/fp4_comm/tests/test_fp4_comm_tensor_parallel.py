@@ -288,3 +288,25 @@ def test_a_policy_that_cannot_apply_is_refused_by_name(cluster, fn_name, kwargs,
 
     for message in cluster.run(_bad_call, fn_name, kwargs)[:2]:
         assert re.search(match, message), message
+
+
+_FUNCTIONS = ["copy_to_tensor_parallel", "reduce_from_tensor_parallel",
+              "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel"]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn_name", _FUNCTIONS)
+def test_an_array_or_a_dict_of_stats_is_named_before_any_collective(fn_name):
+    """A numpy array for x raised AttributeError ('contiguous') inside the autograd function;
+    stats={} raised AttributeError ('append') after the collective had moved the data.  Both
+    are refused before the communicator is touched (here: none at all)."""
+    from fp4_comm import pipeline
+
+    fn = getattr(tp, fn_name)
+    with pytest.raises(TypeError, match=f"{fn_name}: x: expected a torch tensor, got ndarray"):
+        fn(np.ones((4, 16), np.float32), None)
+    with pytest.raises(TypeError, match=f"{fn_name}: stats: expected a list .* got dict"):
+        fn(torch.ones(4, 16), None, stats={})
+    with pytest.raises(TypeError, match="send_forward: x: expected a torch tensor, got list"):
+        pipeline.send_forward([1.0], None, 1)
+    with pytest.raises(TypeError, match="recv_forward: stats: expected a list .* got dict"):
+        pipeline.recv_forward((4, 16), torch.float32, None, 0, stats={})

@@ -113,7 +113,8 @@ class Communicator:
     - ``codec``: "nvfp4", "mxfp4", "none" (bfloat16 values: the baseline through the same
       path), "none-float32", "none-float16", or a ``Codec`` instance (``fp4_comm.codecs``).
     - ``rounding``: "nearest" or "stochastic" (FP4 codecs; each rank and hop draws its own
-      random words, keyed by ``seed``, rank and hop, at counter ``step``).
+      random words, keyed by ``seed``, rank and hop, at counter ``step``).  The "none" codecs
+      cast, rounding to nearest even, whatever ``rounding`` says: it is checked, not used.
     - ``seed``: an int, 0 <= seed < 2^64.  ``step``: the stochastic-rounding counter, an int,
       0 <= step < 2^32; default: the number of collectives this communicator has run, modulo
       2^32 (the same on every rank).  Out of range or not an int: ValueError / TypeError, as

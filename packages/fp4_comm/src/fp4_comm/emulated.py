@@ -51,6 +51,7 @@ from .tensor_parallel import (
     FORWARD,
     RESIDUAL_GRAD_ROUNDING,
     WireStats,
+    check_call,
     direction_options,
     function_options,
 )
@@ -187,9 +188,7 @@ def _inputs(x, ranks, what, stats):
     if not isinstance(ranks, EmulatedRanks):
         raise TypeError(f"{what}: ranks: expected fp4_comm.reference.EmulatedRanks, got "
                         f"{type(ranks).__name__}")  # fmt: skip
-    if stats is not None and not isinstance(stats, list):
-        raise TypeError(f"{what}: stats: expected a list (the WireStats are appended) or None, "
-                        f"got {type(stats).__name__}")  # fmt: skip
+    check_call(what, None, stats)
     if is_per_rank(x):
         if len(x) != ranks.world_size:
             raise ValueError(f"{what}: {len(x)} per-rank values for {ranks.world_size} ranks")

@@ -38,7 +38,10 @@ class WirePolicy:
 
     ``codec``: as ``Communicator`` takes it, or ``"native"``.  ``rounding``: "nearest",
     "stochastic", or None for the collective's default (``fp4_comm.tensor_parallel``: the
-    forward's rounding for a summed gradient, stochastic for the residual stream's gradient).
+    forward's rounding for a summed gradient, stochastic for the residual stream's gradient);
+    it applies to the FP4 codecs: the "none" codecs cast to nearest and "native" sums in the
+    tensors' own dtype, whatever it says (as a bf16 baseline beside FP4 runs of either
+    rounding).
     ``error_feedback``: keep a residual at every site whose collective in this direction is a
     sum (buffer names ``<site>.out`` forward, ``<site>.in.grad`` backward); a forward residual
     moves in training only (not under ``torch.no_grad``).  Error feedback makes a sum over

@@ -35,6 +35,7 @@ from .tensor_parallel import (
     BACKWARD,
     FORWARD,
     RESIDUAL_GRAD_ROUNDING,
+    check_call,
     direction_options,
     run_collective,
 )
@@ -75,8 +76,7 @@ def send_forward(x, comm: Communicator, dst: int, codec="nvfp4", rounding="neare
     opts = direction_options(codec, rounding, seed, None, FORWARD, "send")
     if grad_codec is not None:  # (checked here: it is used in the backward, on this stage only)
         direction_options(grad_codec, "nearest", seed, None, BACKWARD, "recv")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: a torch tensor (the activation), got {type(x).__name__}")
+    check_call("send_forward", x, stats)
     return _SendForward.apply(x, comm, dst, opts, grad_codec or codec, stats)
 
 
@@ -99,6 +99,7 @@ def recv_forward(shape, dtype, comm: Communicator, src: int, codec="nvfp4", seed
     grad enabled it requires grad, and the backward pass sends its gradient to ``src``."""
     grad_opts = direction_options(grad_codec or codec, grad_rounding, seed, None, BACKWARD,
                                   "send")  # fmt: skip
+    check_call("recv_forward", None, stats)
     device = comm.device
     anchor = torch.empty(0, device=device, requires_grad=torch.is_grad_enabled())
     return _RecvForward.apply(anchor, comm, shape, dtype, src, codec, grad_opts, stats)

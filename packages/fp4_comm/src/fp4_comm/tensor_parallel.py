@@ -139,6 +139,17 @@ def function_options(
     return opts, grad_opts
 
 
+def check_call(function: str, x: Any, stats: Any) -> None:
+    """TypeError naming ``function``'s argument, before any collective moves: ``x`` not a
+    torch tensor (None: not checked), ``stats`` neither a list nor None."""
+    if x is not None and not isinstance(x, torch.Tensor):
+        raise TypeError(f"{function}: x: expected a torch tensor, got {type(x).__name__} "
+                        "(torch.as_tensor(...) makes one of an array)")  # fmt: skip
+    if stats is not None and not isinstance(stats, list):
+        raise TypeError(f"{function}: stats: expected a list (the WireStats are appended) or "
+                        f"None, got {type(stats).__name__}")  # fmt: skip
+
+
 def run_collective(
     comm: Communicator,
     op: str,
@@ -227,6 +238,7 @@ def copy_to_tensor_parallel(
     The forward runs no collective: ``codec`` and ``rounding`` only give the gradient's
     defaults, and ``error_feedback`` must be None (the gradient's sum takes
     ``grad_error_feedback``)."""
+    check_call("copy_to_tensor_parallel", x, stats)
     _, grad_opts = function_options("copy_to_tensor_parallel", codec, rounding, seed,
                                     error_feedback, grad_codec, grad_rounding or rounding,
                                     grad_error_feedback)  # fmt: skip
@@ -244,6 +256,7 @@ def reduce_from_tensor_parallel(
     stats: list[WireStats] | None = None,
 ) -> torch.Tensor:
     """All-reduce forward (a row-parallel layer's partial outputs); identity backward."""
+    check_call("reduce_from_tensor_parallel", x, stats)
     opts, _ = function_options("reduce_from_tensor_parallel", codec, rounding, seed,
                                error_feedback)  # fmt: skip
     return _ReduceFromTensorParallel.apply(x, comm, opts, stats)
@@ -265,6 +278,7 @@ def gather_from_sequence_parallel(
 ) -> torch.Tensor:
     """All-gather along dim 0 forward; reduce-scatter of the gradient backward.
     ``total_dim0``: the gathered length, when the ranks' shards differ (``shard_rows``)."""
+    check_call("gather_from_sequence_parallel", x, stats)
     opts, grad_opts = function_options("gather_from_sequence_parallel", codec, rounding, seed,
                                        error_feedback, grad_codec, grad_rounding or rounding,
                                        grad_error_feedback)  # fmt: skip
@@ -287,6 +301,7 @@ def reduce_scatter_to_sequence_parallel(
     """Reduce-scatter along dim 0 forward (any length: ``shard_rows``); all-gather of the
     gradient back to x's length backward, stochastically rounded unless ``grad_rounding``
     says otherwise (the residual stream's gradient: see the module docstring)."""
+    check_call("reduce_scatter_to_sequence_parallel", x, stats)
     opts, grad_opts = function_options("reduce_scatter_to_sequence_parallel", codec, rounding,
                                        seed, error_feedback, grad_codec, grad_rounding,
                                        grad_error_feedback)  # fmt: skip
