@@ -116,6 +116,36 @@ def test_native_all_reduce(cluster):
         np.testing.assert_array_equal(grad, np.full((3, 4), 4.0))  # 2 + 2
 
 
+def _native_mismatch(comms, what):
+    comm = comms[2]
+    if comm is None:
+        return None
+    group = TensorParallelGroup(comm, WirePolicy("native"), WirePolicy("native"))
+    if what == "shape":
+        x = torch.ones(3 + comm.rank, 4)
+    else:
+        x = torch.ones(3, 4, dtype=torch.float32 if comm.rank == 0 else torch.bfloat16)
+    try:
+        group.exit(x, "L0")
+    except ValueError as err:
+        ok = group.exit(torch.ones(2, 2), "L0")  # the group still serves matching calls
+        return str(err), ok.tolist()
+    return "no error", None
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype"])
+def test_native_all_reduce_of_different_tensors_is_an_error_on_every_rank(cluster, what):
+    """Ranks passing tensors of different shapes to gloo's all-reduce aborted the process
+    (SIGABRT): the ranks compare shape and dtype first, as the communicator checks its calls."""
+    for message, ok in cluster.run(_native_mismatch, what)[:2]:
+        assert "native all-reduce: the ranks' tensors differ in shape or dtype" in message, message
+        words = ["rank 0: float32, 2 dims", "rank 1: float32, 2 dims"]
+        if what == "dtype":
+            words = ["rank 0: float32", "rank 1: bfloat16"]
+        assert all(w in message for w in words), message
+        assert ok == [[2.0, 2.0], [2.0, 2.0]]
+
+
 def _partial_grads(comms, sp):
     comm = comms[2]
     if comm is None:

@@ -18,7 +18,7 @@ import sys
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -817,22 +817,38 @@ class Communicator:
             raise ValueError(f"{wrong}\n{err}") from None
         raise ValueError(wrong)
 
-    def _validate_collective(self, op, shape, dtype, codec, rounding, call):
-        sig = self._signature(op, shape, dtype, codec, rounding, call)
-        key = tuple(sig[:_CALL] + sig[_CALL + 1 :])
+    def agree(
+        self, what: str, key: Hashable, values: Sequence[int], message: Callable[[list], str]
+    ) -> None:
+        """The ranks' check, as ``validate`` says (every call; the first of each ``key``;
+        never; not while a CUDA graph captures), that each passes the same ``values`` (ints,
+        as many on every rank) for a call of kind ``key``: ValueError on every rank with
+        ``message(rows)`` (``rows[r]``: rank r's values) where they differ, CommPeerError where
+        a rank is gone.  For checks of calls beside this communicator's own collectives (a
+        native all-reduce, a gradient layout), made with its policy and control group."""
         if not self._should_validate(key):
             return
-        op = op.removesuffix("_one_shot")  # the user's name of the call in the messages
-        mine = torch.tensor(sig, dtype=torch.int64)
-        every = torch.empty(self.world_size * _SIG_LEN, dtype=torch.int64)
+        values = [int(v) for v in values]
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = torch.empty(self.world_size * len(values), dtype=torch.int64)
         try:
             all_gather_into(every, mine, self.control_group)
         except RuntimeError as err:
-            self._check_failed(err, f"{op} (argument check)")
-        rows = every.view(self.world_size, _SIG_LEN).tolist()
-        if any(r != sig for r in rows):
-            raise ValueError(f"{op}: the ranks disagree:\n" + _describe(rows) + _hint(rows))
+            self._check_failed(err, f"{what} (argument check)")
+        rows = every.view(self.world_size, len(values)).tolist()
+        if any(r != values for r in rows):
+            raise ValueError(message(rows))
         self._validated.add(key)
+
+    def _validate_collective(self, op, shape, dtype, codec, rounding, call):
+        sig = self._signature(op, shape, dtype, codec, rounding, call)
+        key = tuple(sig[:_CALL] + sig[_CALL + 1 :])
+        op = op.removesuffix("_one_shot")  # the user's name of the call in the messages
+
+        def message(rows):
+            return f"{op}: the ranks disagree:\n" + _describe(rows) + _hint(rows)
+
+        self.agree(op, key, sig, message)
 
     def _validate_p2p(self, op, shape, dtype, codec, rounding, peer):
         # Sender and receiver compare (shape, dtype, codec); rounding is the sender's business.

@@ -13,7 +13,11 @@ Without sequence parallelism ``enter`` is ``copy_to_tensor_parallel`` and ``exit
 (``fp4_comm.tensor_parallel``).  Codec ``"native"`` (both policies) runs torch.distributed's own
 all-reduce instead (tensor parallelism without SP or error feedback): the reference the
 compressed collectives have to beat; gloo's over the communicator's ranks on the CPU, NCCL's on
-GPUs (a group that every rank of the default group makes with the TensorParallelGroup).
+GPUs (a group that every rank of the default group makes with the TensorParallelGroup).  Its
+ranks compare each call's shape and dtype first as the communicator compares its own calls
+(``Communicator.agree``: every call under ``validate="always"``, each new shape and dtype
+under "first"), outside the time a ``TimedCommunicator`` measures: a mismatch is a ValueError
+on every rank, not an abort in gloo or a hang in NCCL.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from . import tensor_parallel as tp
-from ._transport import all_gather_into, reraise_peer_error
 from .codecs import SEED_LIMIT, check_int, check_rounding, get_codec
 from .communicator import Communicator
 
@@ -122,7 +125,6 @@ class TensorParallelGroup:
         self._set_policies(1 if comm is None else comm.world_size, forward, backward, seed,
                            sequence_parallel)  # fmt: skip
         self.native_group = None
-        self._grads_held_checked = set()  # gradient patterns the ranks agreed on
         if self.native:
             self.native_group = comm.control_group  # gloo, over the communicator's ranks
             if comm.device.type == "cuda":
@@ -167,6 +169,14 @@ class TensorParallelGroup:
     def native_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """torch.distributed's all-reduce of ``x`` in its dtype (timed where ``comm`` is a
         ``TimedCommunicator``)."""
+        # The ranks compare shape and dtype first, as the communicator checks its own calls
+        # (under validate="first": once per shape and dtype): ranks whose tensors differ
+        # would abort the process in gloo, or hang or sum misaligned data in NCCL.
+        shape = tuple(x.shape)
+        self.comm.agree("native all-reduce", ("native_all_reduce", shape, x.dtype),
+                        [_NATIVE_DTYPES.index(x.dtype) if x.dtype in _NATIVE_DTYPES else -1,
+                         len(shape), zlib.crc32(repr(shape).encode())],
+                        lambda rows: _native_message(rows, shape))  # fmt: skip
 
         def run(x):
             y = x.contiguous().clone()
@@ -288,8 +298,12 @@ class TensorParallelGroup:
             return
         params = list(params)
         held = tuple(p.grad is not None for p in params)
-        if self._check_grads_held(held):
-            self._compare_grads_held(held)
+        self.comm.agree(
+            "sum_partial_grads (gradient check)",
+            ("sum_partial_grads", held),
+            [len(held), sum(held), zlib.crc32(bytes(held))],
+            _grads_held_message,
+        )
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
@@ -300,39 +314,31 @@ class TensorParallelGroup:
             g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
-    def _check_grads_held(self, held):
-        """Whether ``sum_partial_grads`` compares the pattern ``held`` across the ranks (the
-        communicator's validation policy)."""
-        comm = self.comm
-        if getattr(comm, "control_group", None) is None:
-            return False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return False  # a host exchange cannot be captured
-        if getattr(comm.transport, "always_validate", False) or comm.validate == "always":
-            return True
-        return comm.validate == "first" and held not in self._grads_held_checked
 
-    def _compare_grads_held(self, held):
-        """Every rank's (parameters, how many with a gradient, a CRC of which): equal, or
-        ValueError on every rank naming each rank's."""
-        mine = [len(held), sum(held), zlib.crc32(bytes(held))]
-        every = torch.empty(self.size * 3, dtype=torch.int64)
-        try:
-            all_gather_into(every, torch.tensor(mine, dtype=torch.int64), self.comm.control_group)
-        except RuntimeError as err:
-            reraise_peer_error(err, "sum_partial_grads (gradient check)", self.rank, self.size)
-        rows = every.view(self.size, 3).tolist()
-        if any(r != mine for r in rows):
-            described = "; ".join(
-                f"rank {r}: {n_held} of {n} parameters" for r, (n, n_held, _) in enumerate(rows)
-            )
-            raise ValueError(
-                "sum_partial_grads: the ranks hold gradients of different parameters "
-                f"({described}); every rank passes the same parameters, and a replica that got "
-                "no gradient on one rank but did on others holds zeros there "
-                "(p.grad = torch.zeros_like(p))"
-            )
-        self._grads_held_checked.add(held)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _native_message(rows, shape):
+    def dtype(i):
+        return str(_NATIVE_DTYPES[i]).removeprefix("torch.") if i >= 0 else "another dtype"
+
+    described = "; ".join(f"rank {r}: {dtype(d)}, {n} dims" for r, (d, n, _) in enumerate(rows))
+    return (
+        f"native all-reduce: the ranks' tensors differ in shape or dtype (this rank's: {shape}; "
+        f"{described}); every rank of the group passes a tensor of the same shape and dtype"
+    )
+
+
+def _grads_held_message(rows):
+    described = "; ".join(
+        f"rank {r}: {n_held} of {n} parameters" for r, (n, n_held, _) in enumerate(rows)
+    )
+    return (
+        "sum_partial_grads: the ranks hold gradients of different parameters "
+        f"({described}); every rank passes the same parameters, and a replica that got "
+        "no gradient on one rank but did on others holds zeros there "
+        "(p.grad = torch.zeros_like(p))"
+    )
 
 
 __all__ = ["TensorParallelGroup", "WirePolicy", "check_native"]
