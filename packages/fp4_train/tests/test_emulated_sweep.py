@@ -85,6 +85,42 @@ def test_a_finished_run_is_reported_with_its_loss_or_without_a_summary(tmp_path)
     assert sweep.outcome("b") == sweep.outcome("c") == " (no summary)"
 
 
+def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrency(
+    tmp_path, monkeypatch
+):
+    """Two error-feedback runs were started two at a time with an estimate of the grid's other
+    runs (470 s) and cut off unfinished at a 584 s limit: a configuration's own records set its
+    estimate, and a run that does not fit is left out while a shorter one starts."""
+    done = tmp_path / "done"
+    done.mkdir()
+    records = {"m_tp4_nvfp4_ef_s0": (600.0, 2), "m_tp4_nvfp4_ef_s1": (650.0, 2),
+               "m_tp4_bf16_s0": (300.0, 1), "m_tp4_bf16_s1": (460.0, 2),
+               "m_tp4_mxfp4_s0": (float("nan"), 2)}  # fmt: skip
+    for name, (wall, jobs) in records.items():
+        (done / f"{name}.json").write_text(json.dumps({"wall_s": wall, "concurrent_runs": jobs}))
+    (done / "m_tp4_g64_s0.json").write_text("{")  # unreadable: passed over
+    assert emulated_sweep.recorded_lengths([done], 2) == {"m_tp4_nvfp4_ef": 650.0,
+                                                          "m_tp4_bf16": 460.0}  # fmt: skip
+    assert emulated_sweep.recorded_lengths([done], 1) == {"m_tp4_bf16": 300.0}
+    args = emulated_sweep.parse_args(["--preset", "tp4", "--out", str(tmp_path / "out"),
+                                      "--done", str(done), "--jobs", "2", "--estimate-s", "470",
+                                      "--budget-s", "584"])  # fmt: skip
+    todo = [("m_tp4_nvfp4_ef_s2", []), ("m_tp4_bf16_s2", []), ("m_tp4_mxfp4_s2", [])]
+    sweep = emulated_sweep.Sweep(args, todo)
+    assert [sweep.estimate(n) for n, _ in todo] == [650.0, 460.0, 470.0]
+
+    class Running:
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Running())
+    sweep.start_runs()
+    assert sweep.left_out == ["m_tp4_nvfp4_ef_s2"]
+    assert [v[0] for v in sweep.running.values()] == ["m_tp4_bf16_s2", "m_tp4_mxfp4_s2"]
+    for _, _, log in sweep.running.values():
+        log.close()
+
+
 # ------------------------------------------------------------------ the table
 
 

@@ -8,8 +8,10 @@ a list of configurations, each run once per seed (``--seeds`` replaces the prese
 arguments after ``--`` are added to every run and override the preset's.  Runs whose summary
 is already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathered from other
 machines) are skipped, so a grid is run over several jobs: ``--budget-s``
-starts no run that would end past the budget (its length estimated by the longest run of this
-invocation, or ``--estimate-s`` before one has ended) and lists those left out.  ``--jobs``
+starts no run that would end past the budget and lists those left out.  A run's length is
+estimated by the longest recorded ``wall_s`` of its configuration (any seed) made ``--jobs``
+at a time, from the summaries in those folders; for a configuration without such a record, by
+the longest run of this invocation, or ``--estimate-s`` before one has ended.  ``--jobs``
 processes share the GPU (a 125 M model with 4 emulated ranks takes a few GB of its memory);
 each writes its log to ``<out>/logs``.  ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
@@ -42,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -136,7 +139,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run that would end later than this after the start")  # fmt: skip
     ap.add_argument("--estimate-s", type=float, default=None,
-                    help="a run's length before one has ended (default: no estimate)")  # fmt: skip
+                    help="a run's length where its configuration has no record at --jobs "
+                         "and no run has ended yet (default: no estimate)")  # fmt: skip
     ap.add_argument("--checkpoint-dir", type=Path, default=None,
                     help="each run resumes from and writes <dir>/<run name> (emulated_tp "
                          "--checkpoint); a finished run's is removed")  # fmt: skip
@@ -219,6 +223,23 @@ def piece_args(args, run_name, elapsed_s):
     return extra
 
 
+def recorded_lengths(folders, jobs):
+    """{run name without its ``_s<seed>``: the longest ``wall_s`` of its finished runs made
+    ``jobs`` at a time} from the run summaries in ``folders`` (unreadable ones passed over)."""
+    lengths = {}
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.json")):
+            try:
+                summary = json.loads(path.read_text())
+                wall, concurrent = float(summary["wall_s"]), int(summary["concurrent_runs"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            config = re.sub(r"_s\d+$", "", path.stem)
+            if concurrent == jobs and math.isfinite(wall) and config != path.stem:
+                lengths[config] = max(lengths.get(config, 0.0), wall)
+    return lengths
+
+
 class Sweep:
     """The runs of one invocation: started ``--jobs`` at a time, each polled until it exits
     (0: finished; ``EX_TEMPFAIL``: stopped at ``--stop-at-s``, resumable; else failed)."""
@@ -229,23 +250,30 @@ class Sweep:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
         self.start, self.longest = time.monotonic(), args.estimate_s
+        self.recorded = recorded_lengths([args.out, *getattr(args, "done", [])], args.jobs)
         self.running, self.left_out = {}, []
         self.finished, self.resumable, self.failed = [], [], []
 
-    def fits(self, elapsed):
-        """Whether a run started now fits ``--budget-s`` and ``--stop-at-s``."""
-        args = self.args
-        if args.budget_s is not None and self.longest is not None and (
-                elapsed + self.longest > args.budget_s):  # fmt: skip
+    def estimate(self, run_name):
+        """The length expected of run ``run_name``: its configuration's record, else the
+        longest run of this invocation (or ``--estimate-s``); None: unknown."""
+        return self.recorded.get(re.sub(r"_s\d+$", "", run_name), self.longest)
+
+    def fits(self, elapsed, run_name):
+        """Whether run ``run_name`` started now fits ``--budget-s`` and ``--stop-at-s``."""
+        args, length = self.args, self.estimate(run_name)
+        if args.budget_s is not None and length is not None and elapsed + length > args.budget_s:
             return False
         return args.stop_at_s is None or elapsed + args.min_piece_s <= args.stop_at_s
 
     def start_runs(self):
         while self.pending and len(self.running) < self.args.jobs:
             elapsed = time.monotonic() - self.start
-            if not self.fits(elapsed):
-                self.left_out += [n for n, _ in self.pending]
-                self.pending = []
+            # (a run that does not fit now never will: the time left only shrinks)
+            fitting = [i for i, (n, _) in enumerate(self.pending) if self.fits(elapsed, n)]
+            self.left_out += [n for i, (n, _) in enumerate(self.pending) if i not in fitting]
+            self.pending = [self.pending[i] for i in fitting]
+            if not self.pending:
                 return
             run_name, run_argv = self.pending.pop(0)
             log = (self.logs / f"{run_name}.log").open("a")
@@ -253,7 +281,9 @@ class Sweep:
                    *piece_args(self.args, run_name, elapsed)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
             self.running[proc] = (run_name, time.monotonic(), log)
-            print(f"started {run_name}", flush=True)
+            length = self.estimate(run_name)
+            expected = "" if length is None else f" (expected {length:.0f} s)"
+            print(f"started {run_name}{expected}", flush=True)
 
     def poll(self):
         for proc in list(self.running):
