@@ -53,6 +53,23 @@ def test_gradient_flows_through_a_graph(rng):
     assert torch.equal(x.grad, 2.0 * w)
 
 
+def test_under_torch_compile_through_compiler_disable(rng):
+    """The README's recipe: a compiled function calls quantize_dequantize through
+    torch.compiler.disable (a graph break) and gets the eager bits and gradient."""
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        pytest.skip("torch.compile is not supported on this Python")
+    torch._dynamo.reset()
+    qdq = torch.compiler.disable(fk.quantize_dequantize)
+    x = _leaf(rng, torch.float32)
+    compiled = torch.compile(lambda t: qdq(t, "mxfp4") * 3.0, backend="aot_eager")
+    y = compiled(x)
+    y.backward(torch.ones_like(y))
+    _same_bits(y.detach(), fk.quantize_dequantize(x.detach(), "mxfp4") * 3.0)
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
 def test_global_amax_and_a_non_leaf_input(rng):
     x = _leaf(rng, torch.float32)
     h = x * 1.0  # a non-leaf: requires grad through the graph
