@@ -10,8 +10,10 @@ More ranks than GPUs share them: NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=
 (``nox -s gpu_multirank`` sets it).
 """
 
+import contextlib
 import datetime
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -386,7 +388,11 @@ def test_single_gpu_capture_resets_non_finite_blocks(single):
     assert counts == cpu.error_feedback.nonfinite_blocks("cap-nan") > 0
 
 
+@contextlib.contextmanager
 def _no_warning():
-    import contextlib
-
-    return contextlib.nullcontext()
+    """No RuntimeWarning (the error feedback's non-finite notice) inside."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        yield
+    notices = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not notices, notices

@@ -332,6 +332,7 @@ def test_cuda_kernels_equal_the_cpu_path(dtype, chunks, tokens):
     for codec in (TAHQuantCodec(C), TAHQuantGradCodec()):
         (cpu,) = codec.encode(x)
         (gpu,) = codec.encode(x.cuda())
+        assert gpu.is_cuda  # encoded where x lives (a CPU payload would compare equal)
         bad = (gpu.cpu() != cpu).nonzero()
         assert bad.numel() == 0, (codec.name, bad[:8].tolist())
         for out in (torch.float32, dtype):
@@ -354,6 +355,7 @@ def test_cuda_entropy_of_every_block_geometry(C):
     x[3, 0] = NAN
     x[4, -1] = INF
     got = K.entropies(torch.from_numpy(x.reshape(1, T * C)).cuda(), C)
+    assert got.is_cuda
     want = tahquant.token_entropy(torch.from_numpy(x).reshape(1, T, C))
     _same_floats(got.cpu().numpy(), want.numpy())
 

@@ -105,6 +105,7 @@ def test_identity_gradient_on_cuda(gpu, rng, fmt):
         pytest.skip("needs a CUDA build of torch")
     x = _leaf(rng, torch.bfloat16, device="cuda")
     y = fk.quantize_dequantize(x, fmt=fmt, rounding="stochastic", seed=7)
+    assert y.device == x.device  # computed where x lives (a CPU result would compare equal)
     _same_bits(y.detach().cpu(), fk.quantize_dequantize(x.detach().cpu(), fmt, "stochastic", 7))
     g = torch.randn(x.shape, device="cuda").bfloat16()
     y.backward(g)  # the backward runs on autograd's own thread for CUDA tensors
@@ -237,11 +238,13 @@ def test_hadamard_gradient_on_cuda(gpu, rng, g, inverse, signs):
     arg, _ = _signs(g, signs)
     x = torch.randn(64, 4 * g, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = fk.hadamard(x, group_size=g, inverse=inverse, signs=arg)
+    assert y.device == x.device  # computed where x lives (a CPU result would compare equal)
     _same_bits(
         y.detach().cpu(), fk.hadamard(x.detach().cpu(), group_size=g, inverse=inverse, signs=arg)
     )
     w = torch.randn(x.shape, device="cuda").bfloat16()
     y.backward(w)  # on autograd's own thread for CUDA tensors
+    assert x.grad.device == x.device
     _same_bits(x.grad.cpu(), fk.hadamard(w.cpu(), group_size=g, inverse=not inverse, signs=arg))
     for _ in range(2):  # planned calls (the second takes the plan) record the graph too
         x.grad = None
