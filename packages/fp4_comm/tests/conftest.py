@@ -6,7 +6,7 @@ import threading
 import pytest
 from fp4_comm_cluster import Cluster
 
-from fp4_kernels.testing import load_test_profile
+from fp4_kernels.testing import load_test_profile, seed_torch_generators
 
 # hypothesis derandomized and without a database unless FP4_TEST_PROFILE=explore
 # (nox -s tests_explore)
@@ -55,3 +55,9 @@ def cluster():
     c = Cluster(WORLD, sizes=(4, 3, 2))
     yield c
     c.close()
+
+
+@pytest.fixture(autouse=True)
+def _torch_generators(request):
+    """torch's global generators seeded by the test's id (``seed_torch_generators``)."""
+    seed_torch_generators(request.node.nodeid)

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 from numba import config, cuda
 
-from fp4_kernels.testing import install_simulator_warp_intrinsics, load_test_profile, random_seed
+from fp4_kernels.testing import (
+    install_simulator_warp_intrinsics,
+    load_test_profile,
+    random_seed,
+    seed_torch_generators,
+)
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 install_simulator_warp_intrinsics()
@@ -57,6 +62,12 @@ def gpu():
     if not REAL_GPU:
         pytest.skip("needs a real CUDA GPU (`nox -s gpu` on a machine with one)")
     return True
+
+
+@pytest.fixture(autouse=True)
+def _torch_generators(request):
+    """torch's global generators seeded by the test's id (``seed_torch_generators``)."""
+    seed_torch_generators(request.node.nodeid)
 
 
 @pytest.fixture

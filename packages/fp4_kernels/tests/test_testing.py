@@ -70,6 +70,22 @@ def test_random_seed_is_fixed_by_the_name_under_ci_and_fresh_under_explore(monke
         testing.random_seed("a::b")
 
 
+def test_torch_generators_are_seeded_by_the_test_alone(request, monkeypatch):
+    """Draws from torch's global generator depended on the tests run before in the process
+    (xdist's distribution among them): the conftest seeds it by the test's id."""
+    torch = pytest.importorskip("torch")
+    from fp4_kernels import testing
+
+    monkeypatch.delenv(testing.TEST_PROFILE_ENV, raising=False)
+    assert torch.initial_seed() == testing.random_seed(request.node.nodeid)  # the fixture's
+    first = torch.randn(4)
+    torch.randn(100)  # what another test would have drawn before
+    assert testing.seed_torch_generators(request.node.nodeid) == torch.initial_seed()
+    assert torch.equal(torch.randn(4), first)
+    testing.seed_torch_generators("another::test")
+    assert not torch.equal(torch.randn(4), first)
+
+
 def test_unprofiled_randomness_finds_each_kind(tmp_path):
     from fp4_kernels.testing import unprofiled_randomness
 

@@ -388,6 +388,21 @@ def random_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+def seed_torch_generators(name: str) -> int | None:
+    """Seed torch's global generators (the CPU one, and CUDA's, lazily) with
+    ``random_seed(name)``, so that a test's draws from them (``torch.randn`` without a
+    ``generator``) depend on the test alone, not on what ran before it in the process: every
+    conftest calls it before each test.  Returns the seed; None where torch is not installed
+    (nothing to seed)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    seed = random_seed(name)
+    torch.manual_seed(seed)
+    return seed
+
+
 # Randomness that would escape the test profile: the OS's, an unseeded generator (numpy's
 # global one is seeded from the OS), hypothesis settings of a test's own.
 _UNPROFILED = re.compile(
