@@ -338,7 +338,8 @@ _CASES = [
      RuntimeError, r"^a parameter that FP4StoredWeights released was used.*"
          r"Call FP4StoredWeights.attach\(model\) once.*mat2 must be a matrix"),
     ("sw/released-parameter-updated",
-     lambda: _unattached_linear(torch.optim.AdamW).weight.add_(1.0),
+     # (the model held while add_ runs: a dropped wrapper gives its parameters back)
+     lambda: (m := _unattached_linear(torch.optim.AdamW)).weight.add_(1.0) and m,
      RuntimeError,
      r"^a parameter that FP4StoredWeights released .*FP4StoredWeights.step\(\), not the "
          r"wrapped optimizer's own step\(\)"),

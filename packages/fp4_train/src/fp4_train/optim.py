@@ -22,7 +22,17 @@ Checkpoints: ``module.state_dict()`` of a module passed to ``attach`` holds the 
 (ordinary tensors of the parameters' shapes and dtypes, loadable into the same model without
 FP4StoredWeights), and ``module.load_state_dict()`` stores the loaded weights in FP4.
 ``FP4StoredWeights.state_dict()`` holds the packed weights themselves, the residuals and the
-wrapped optimizer's state: restoring it resumes training bit for bit.
+wrapped optimizer's state: restoring it resumes training bit for bit.  As torch's
+``Optimizer.state_dict()``, the optimizer's part holds its live tensors (momentum, moments),
+which later steps change: ``torch.save`` the state, or ``copy.deepcopy`` it to keep it in memory.
+
+A parameter that an update leaves unchanged (no gradient) keeps its packed form; a changed
+bfloat16 / float16 parameter is stored as its FP4 value plus the update, in float32 (its own
+dtype holds the FP4 value rounded, whose error would otherwise be requantized every step).  The
+parameters keep the dtype and device they had when the optimizer was wrapped: convert or move
+the model first (``model.half()``, ``model.cuda()``); a change after is refused (ValueError).
+A wrapper that is dropped without ``attach`` decodes its released parameters back into full
+precision (an attached module keeps its wrapper alive).
 """
 
 from __future__ import annotations
@@ -123,6 +133,7 @@ class FP4StoredWeights:
                 )
         self.shapes = [tuple(p.shape) for p in self.params]
         self.dtypes = [p.dtype for p in self.params]
+        self.devices = [p.device for p in self.params]
         self.step_count = 0
         self._error_feedback = (
             ErrorFeedback(fmt, "nearest") if rounding == "error_feedback" else None
@@ -134,6 +145,10 @@ class FP4StoredWeights:
         if release:
             self.release()
         _WRAPPERS[optimizer] = weakref.ref(self)
+        # (the lists are changed in place, never replaced: the finalizer holds them, not self)
+        done = weakref.finalize(self, _restore_released, self.params, self.packed, self._released,
+                                self.shapes, self.dtypes)  # fmt: skip
+        done.atexit = False
 
     # -- storage -----------------------------------------------------------------------------
 
@@ -142,7 +157,8 @@ class FP4StoredWeights:
 
     def _check_residuals(self, residuals, block):
         """ValueError unless each of a state's error-feedback ``residuals`` (name -> tensor)
-        belongs to a parameter here and has its flattened, block-padded shape."""
+        is a finite torch tensor, belongs to a parameter here and has its flattened,
+        block-padded shape; each is moved to its parameter's device."""
         names = {self._name(i): i for i in range(len(self.params))}
         for name, r in residuals.items():
             what = f"state['error_feedback']['residuals'][{name!r}]"
@@ -150,6 +166,13 @@ class FP4StoredWeights:
                 raise ValueError(f"{what}: no such parameter here (param0 .. "
                                  f"param{len(self.params) - 1})")  # fmt: skip
             i = names[name]
+            if not isinstance(r, torch.Tensor):
+                raise ValueError(f"{what}: {type(r).__name__}; expected the torch tensor that "
+                                 "state_dict() holds")  # fmt: skip
+            if not bool(torch.isfinite(r).all()):
+                raise ValueError(f"{what}: holds NaN or infinite values; a residual is "
+                                 "finite (a block of non-finite weights has it reset)")  # fmt: skip
+            residuals[name] = r.to(self.devices[i])  # where its parameter lives
             padded = (-(-_numel(self.shapes[i]) // block) * block,)
             if tuple(r.shape) != padded:
                 raise ValueError(
@@ -174,13 +197,19 @@ class FP4StoredWeights:
 
     def _decoded(self, i):
         """Parameter i in full precision, decoded from its packed form (padding dropped)."""
-        flat = fp4_kernels.dequantize(self.packed[i], dtype=torch.float32)
-        shape = self.shapes[i]
-        n = _numel(shape)
-        # a tensor of its own (not a view of the padded buffer), so a checkpoint of it holds
-        # exactly the parameter's elements
-        w = flat[:n] if n == flat.numel() else flat[:n].clone()
-        return w.view(shape).to(self.dtypes[i])
+        return _decode(self.packed[i], self.shapes[i]).to(self.dtypes[i])
+
+    def _check_unmoved(self, what):
+        """ValueError naming the first parameter whose dtype or device changed since it was
+        stored (``model.half()`` / ``.cuda()`` after wrapping: decoding would undo it)."""
+        for i, p in enumerate(self.params):
+            if p.dtype != self.dtypes[i] or p.device != self.devices[i]:
+                raise ValueError(
+                    f"{what}: parameter {i} is {p.dtype} on {p.device} now, but was stored in FP4 "
+                    f"as {self.dtypes[i]} on {self.devices[i]}: convert or move the model "
+                    "(.half(), .to(...), .cuda()) before wrapping its optimizer in "
+                    "FP4StoredWeights"
+                )
 
     def _decode_all(self):
         self._materialize(range(len(self.params)), force=True)
@@ -204,6 +233,7 @@ class FP4StoredWeights:
 
     def materialize(self) -> None:
         """Decode every released parameter into full precision (for a forward pass)."""
+        self._check_unmoved("materialize")
         self._materialize(range(len(self.params)))
 
     def release(self) -> None:
@@ -304,7 +334,8 @@ class FP4StoredWeights:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of the wrapped optimizer in full precision, then store it in FP4."""
         self._check_params("step")
-        self.materialize()
+        self._check_unmoved("step")
+        self._materialize(range(len(self.params)))
         if closure is not None:
             with torch.enable_grad():
                 loss = self.optimizer.step(closure)
@@ -312,12 +343,25 @@ class FP4StoredWeights:
             loss = self.optimizer.step()
         self.step_count += 1
         for i, p in enumerate(self.params):
-            self.packed[i] = self._store(i, p.detach())
+            self._store_update(i, p.detach())
         if self.release_after_step:
             self.release()
         else:
             self._decode_all()
         return loss
+
+    def _store_update(self, i, w):
+        """Store parameter i after the optimizer's update (``w``): unchanged, it keeps its
+        packed form and residual; a changed bfloat16 / float16 one is stored as its FP4 value
+        plus the update, in float32 (the module docstring says why)."""
+        before32 = _decode(self.packed[i], self.shapes[i])
+        before = before32.to(self.dtypes[i])
+        if torch.equal(w, before):
+            return
+        if self.dtypes[i] in (torch.bfloat16, torch.float16):
+            # (both exact in float32, so the difference is the update as the optimizer made it)
+            w = before32 + (w.float() - before.float())
+        self.packed[i] = self._store(i, w)
 
     # -- memory and checkpoints ---------------------------------------------------------------
 
@@ -447,9 +491,9 @@ class FP4StoredWeights:
         packed = []
         for i, s in enumerate(state["packed"]):
             padded = (-(-_numel(self.shapes[i]) // block) * block,)
-            if tuple(s["shape"]) != padded:
+            if not isinstance(s["shape"], (tuple, list, torch.Size)) or tuple(s["shape"]) != padded:
                 raise ValueError(
-                    f"state['packed'][{i}]: shape {tuple(s['shape'])}, expected {padded} for a "
+                    f"state['packed'][{i}]: shape {s['shape']!r}, expected {padded} for a "
                     f"parameter of shape {self.shapes[i]}"
                 )
             fields = [s.get(k) for k in ("data", "scales", "global_scale")]
@@ -486,7 +530,8 @@ class FP4StoredWeights:
         self._load_optimizer_state(state["optimizer"], state.get("optimizer_class"))
         if residuals is not None:
             self._error_feedback._assign(residuals)
-        self.seed, self.step_count, self.packed = seed, step_count, packed
+        self.seed, self.step_count = seed, step_count
+        self.packed[:] = packed  # (in place: the finalizer holds the list)
         self._decode_all()
         if self.release_after_step:
             self.release()
@@ -579,6 +624,26 @@ def _checked_shapes(shapes: Any) -> list[tuple[int, ...]]:
             "state_dict() holds them"
         )
     return [tuple(s) for s in shapes]
+
+
+def _decode(q, shape):
+    """The float32 tensor of ``shape`` stored as ``q`` (flattened, padded to whole blocks)."""
+    flat = fp4_kernels.dequantize(q, dtype=torch.float32)
+    n = _numel(shape)
+    # a tensor of its own (not a view of the padded buffer), so a checkpoint of it holds
+    # exactly the parameter's elements
+    w = flat[:n] if n == flat.numel() else flat[:n].clone()
+    return w.view(shape)
+
+
+def _restore_released(params, packed, released, shapes, dtypes):
+    """A dropped wrapper's finalizer: decode its released parameters back into full
+    precision, so that they stay usable (and can be wrapped again)."""
+    for i, p in enumerate(params):
+        if released[i]:
+            _mark_released(p, False)
+            released[i] = False
+            p.data = _decode(packed[i], shapes[i]).to(dtypes[i])
 
 
 def _numel(shape: Iterable[int]) -> int:
