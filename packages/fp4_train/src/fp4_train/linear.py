@@ -236,7 +236,13 @@ class FP4Linear(torch.nn.Module):
         rounding, grad_rounding, quantize_backward, hadamard_wgrad: as in ``fp4_linear``.
         seed: stochastic rounding's seed, an int in [0, 2**64); the counter is the number of
             training-mode forward calls so far (``self.step``, saved in the state dict) modulo
-            2**32.
+            2**32.  Layers of one seed called in step draw the same words for operands of the
+            same shape: give each layer a seed of its own (``seed=base + index``).
+            Activation checkpointing (``torch.utils.checkpoint``) recomputes the forward as one
+            more call, with the next counter: with ``rounding="stochastic"`` the recomputed
+            activations are rounded with other words than those the forward used, so the
+            gradients belong to another rounding; use ``rounding="nearest"`` inside a
+            checkpointed region (``grad_rounding`` is unaffected: the backward runs once).
         device, dtype: of the master weights (float32 by default; bfloat16 or float16).
 
     Checkpoints: the state dict is ``torch.nn.Linear``'s (``weight``, ``bias``) plus
