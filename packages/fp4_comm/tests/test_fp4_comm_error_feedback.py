@@ -229,3 +229,31 @@ def test_store_checks_before_it_changes_anything():
         with pytest.raises(ValueError, match=message):
             ef.store(args["name"], args["hop"], torch.ones(64), torch.zeros(64), args["block_size"])
         assert ef.names() == [] and ef.state_dict() == ErrorFeedback().state_dict()
+
+
+def test_store_refuses_what_would_break_its_state_before_changing_it():
+    """A transposed corrected raised torch's view error after the residual was kept without
+    its count (state_dict() and every later store failed); a decoded of another shape was
+    broadcast into a wrong residual; a residual of another shape was resized in place; a
+    float16 residual did not load back; a non-str name broke names()."""
+    ef = ErrorFeedback()
+    ok = torch.zeros(16, 32)
+    cases = [
+        (lambda: ef.store("a", "worker", torch.randn(32, 16).t(), ok, 16), "not contiguous"),
+        (lambda: ef.store("a", "worker", torch.randn(16, 32).half(), ok, 16), "torch.float16"),
+        (lambda: ef.store("a", "worker", torch.randn(16, 32), torch.zeros(32), 16),
+         r"decoded has shape \(32,\), corrected \(16, 32\)"),
+        (lambda: ef.store(1, "worker", torch.randn(16, 32), ok, 16), "name: a buffer name"),
+    ]  # fmt: skip
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call()
+        assert ef.names() == [] and ef.state_dict()["residuals"] == {}
+    ef.store("a", "worker", torch.ones(16, 32), ok, 16)
+    with pytest.raises(ValueError, match=r"residual has shape \(16, 32\), this call \(8, 32\)"):
+        ef.store("a", "worker", torch.ones(8, 32), torch.zeros(8, 32), 16)
+    assert torch.equal(ef.residual("a", "worker"), torch.ones(16, 32))
+    ef.reset("a")  # after a reset, a payload of another shape replaces the residual
+    ef.store("a", "worker", torch.ones(8, 32), torch.zeros(8, 32), 16)
+    assert ef.residual("a", "worker").shape == (8, 32)
+    ErrorFeedback().load_state_dict(ef.state_dict())

@@ -38,3 +38,14 @@ def test_an_exact_all_zero_hop_has_an_infinite_sqnr():
     z = torch.zeros(64)
     s = hop_stats(z, z.clone(), None)
     assert s.sqnr_db.item() == float("inf") and s.zeroed.item() == 0.0
+
+
+def test_sqnr_db_of_other_sizes_is_refused_and_of_zero_signal_is_minus_inf():
+    """Broadcast (4 against 1 element) gave a number; a zero signal raised math's domain
+    error where hop_stats gives -inf."""
+    import pytest
+
+    with pytest.raises(ValueError, match="x has 4 elements, x_hat 1"):
+        sqnr_db(torch.randn(4), torch.randn(1))
+    assert sqnr_db(torch.zeros(4), torch.ones(4)) == -math.inf
+    assert sqnr_db(torch.zeros(4), torch.zeros(4)) == math.inf

@@ -88,15 +88,31 @@ class ErrorFeedback:
         and needs no host synchronization)."""
         # checked before any state changes (a residual stored without its count made
         # state_dict() fail later)
+        if not isinstance(name, str):
+            raise TypeError(f"name: a buffer name (str), got {type(name).__name__}")
         if hop not in HOPS:
             raise ValueError(f"hop: {hop!r} is not one of {HOPS}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: a positive int, got {block_size!r}")
+        what = f"error feedback {name!r} ({hop})"
+        if corrected.dtype != torch.float32 or not corrected.is_contiguous():
+            raise ValueError(f"{what}: corrected is a {corrected.dtype} tensor"
+                             f"{'' if corrected.is_contiguous() else ', not contiguous'}; "
+                             "the residual is float32, laid out as it")  # fmt: skip
+        if decoded.shape != corrected.shape:
+            raise ValueError(f"{what}: decoded has shape {tuple(decoded.shape)}, corrected "
+                             f"{tuple(corrected.shape)}: one payload's values")  # fmt: skip
         if corrected.numel() % block_size:
-            raise ValueError(f"error feedback {name!r} ({hop}): {corrected.numel()} elements are "
+            raise ValueError(f"{what}: {corrected.numel()} elements are "
                              f"no whole number of blocks of {block_size}")  # fmt: skip
         key = (name, hop)
         e = self._residuals.get(key)
+        if e is not None and e.shape != corrected.shape:
+            if key not in self._cleared:
+                raise ValueError(f"{what}: the residual has shape {tuple(e.shape)}, this call "
+                                 f"{tuple(corrected.shape)}; reset({name!r}) for a buffer of "
+                                 "another shape")  # fmt: skip
+            e = None  # reset: a payload of another shape replaces it (new storage)
         self._cleared.discard(key)
         if e is None:
             e = self._residuals[key] = corrected.sub_(decoded)

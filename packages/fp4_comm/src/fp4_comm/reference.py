@@ -33,6 +33,7 @@ raises stops the others at their next exchange; the error is raised in the calle
 from __future__ import annotations
 
 import inspect
+import math
 import queue
 import threading
 import time
@@ -342,14 +343,23 @@ def _options(codec, rounding, seed, step, error_feedback, residuals, world_size,
             )
         if not all(isinstance(e, ErrorFeedback) for e in residuals):
             raise TypeError("residuals: expected fp4_comm.ErrorFeedback objects, one per rank")
+        if len({id(e) for e in residuals}) != world_size:
+            # (the ranks run at once: one object's residuals would be read and written by
+            # several ranks, in whatever order their threads take)
+            raise ValueError("residuals: one ErrorFeedback object appears for several ranks "
+                             "([ErrorFeedback()] * k?); each rank keeps its own: "
+                             "[ErrorFeedback() for _ in range(k)]")  # fmt: skip
     elif residuals is not None:
         raise ValueError("residuals are given but no error_feedback buffer name")
+    # (a one-element integer tensor is taken as its value; a float, negative or too large one,
+    # or None, is refused here: Communicator's device steps do not apply to these functions)
+    step = check_int(step, "step", STEP_LIMIT)
     return [
         collectives.Options(
             codec,
             rounding,
             int(seed),
-            int(step),
+            step,
             None if error_feedback is None else residuals[r],
             error_feedback,
             stats,
@@ -514,6 +524,12 @@ class EmulatedRanks:
         graph_cache: tuple[int, int] | None = None,
     ) -> None:
         self.world_size = _check_world_size(world_size)
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not (0 < timeout_s < math.inf)
+        ):
+            raise ValueError(f"timeout_s: {timeout_s!r}; a positive finite number of seconds")
         collectives.check_all_reduce_algorithm(all_reduce_algorithm)
         one_shot_auto = _check_transport_name(transport) == "p2p"
         self.device = torch.device(device)

@@ -77,7 +77,12 @@ def _all(t):
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """SQNR of ``x_hat`` against ``x`` in dB, as a float (for tests and reports)."""
+    if x.numel() != x_hat.numel():
+        raise ValueError(f"sqnr_db: x has {x.numel()} elements, x_hat {x_hat.numel()}; the "
+                         "same values before and after a round trip")  # fmt: skip
     x = x.double().reshape(-1)
     noise = float(torch.sum((x - x_hat.double().reshape(-1)) ** 2))
     signal = float(torch.sum(x**2))
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    if noise == 0:
+        return math.inf
+    return -math.inf if signal == 0 else 10 * math.log10(signal / noise)
