@@ -218,3 +218,23 @@ def test_a_tahquant_name_with_a_non_ascii_digit_is_named():
 
     with pytest.raises(ValueError, match="codec: 'tahquant-h²': TAH-Quant's activation codec"):
         get_codec("tahquant-h²")
+
+
+@pytest.mark.parametrize(
+    ("codec", "kwargs", "error", "match"),
+    [
+        # a rounding that is no rounding was taken as stochastic (twice the bound)
+        ("nvfp4", {"rounding": "up"}, ValueError, "rounding: 'up' is not one of"),
+        ("tahquant-h64", {"rounding": "stochastic"}, ValueError, "rounds to nearest only"),
+        ("mxfp4", {"dtype": torch.float64}, TypeError, "dtype torch.float64"),
+        ("mxfp4", {"x": np.ones((2, 48), np.float32)}, ValueError, "48"),
+        ("nvfp4", {"x": torch.ones(2, 64)}, TypeError, "expected a \\(chunks, n\\) float32 numpy"),
+        ("none", {"x": np.ones(64, np.float32)}, TypeError, "float32 array of shape \\(64,\\)"),
+    ],
+)  # fmt: skip
+def test_error_bound_names_its_bad_arguments(codec, kwargs, error, match):
+    """error_bound checked none of its arguments: numpy broadcast and reshape errors, a
+    KeyError for float64, AttributeError for a torch tensor."""
+    kwargs = {"x": np.ones((2, 64), np.float32), **kwargs}
+    with pytest.raises(error, match=match):
+        get_codec(codec).error_bound(**kwargs)

@@ -220,6 +220,7 @@ class NoneCodec(CheckedCodec):
     ) -> np.ndarray:
         """For ``|x|`` up to the largest value of the wire dtype (bfloat16: 3.39e38; float16:
         65504): beyond, the cast gives infinity."""
+        check_error_bound_args(self, x, rounding, dtype)
         rel = REL_HALF_ULP[self.dtype] + (REL_HALF_ULP[dtype] if dtype != self.dtype else 0.0)
         absolute = HALF_SUBNORMAL_STEP[self.dtype]
         absolute += HALF_SUBNORMAL_STEP[dtype] if dtype != self.dtype else 0.0
@@ -362,6 +363,7 @@ class NVFP4Codec(_FP4BlockCodec):
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
+        check_error_bound_args(self, x, rounding, dtype)
         finite = np.abs(x[np.isfinite(x)])
         amax = np.float32(finite.max() if finite.size else 0.0)
         # S and the 1/S sent with the chunk, as the encoder makes them in float32 (S clamped
@@ -410,6 +412,7 @@ class MXFP4Codec(_FP4BlockCodec):
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
+        check_error_bound_args(self, x, rounding, dtype)
         amax_b = self._block_amax(x)
         with np.errstate(divide="ignore"):
             e = np.floor(np.log2(np.where(amax_b > 0, amax_b, 1.0))) - 2
@@ -470,6 +473,7 @@ class FP4QuantCodec(CheckedCodec):
     def error_bound(
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
+        check_error_bound_args(self, x, rounding, dtype)
         g = self.granularity
         stages = g.bit_length() - 1 if self.fmt.hadamard else 0
         groups = np.abs(x.astype(np.float64)).reshape(-1, g)
@@ -599,6 +603,22 @@ def check_encode_args(codec, x, rounding, seed, step):
         return [torch.empty(x.shape[0], b, dtype=torch.uint8, device=x.device)
                 for b in codec.section_nbytes(n)]  # fmt: skip
     return None
+
+
+def check_error_bound_args(codec, x, rounding, dtype):
+    """Check ``error_bound``'s arguments: a (chunks, n) float32 numpy array with n a multiple
+    of the codec's granularity, a rounding the codec encodes with, a decoded dtype."""
+    what = f"{type(codec).__name__}.error_bound"
+    check_rounding(rounding)
+    if rounding == "stochastic" and getattr(codec, "nearest_only", False):
+        raise ValueError(f"{what}: rounding 'stochastic': {codec.name} rounds to nearest only")
+    if dtype not in REL_HALF_ULP:
+        raise TypeError(f"{what}: dtype {dtype!r}: use torch.float32, bfloat16 or float16")
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2:
+        kind = f"{x.dtype} array of shape {x.shape}" if isinstance(x, np.ndarray) else (
+            type(x).__name__)  # fmt: skip
+        raise TypeError(f"{what}: x: expected a (chunks, n) float32 numpy array, got {kind}")
+    check_n(codec, x.shape[1])
 
 
 def _decode_args(codec, sections, n, dtype):

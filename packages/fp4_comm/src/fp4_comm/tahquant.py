@@ -87,6 +87,7 @@ from .codecs import (
     CheckedCodec,
     Rounding,
     check_encode_args,
+    check_error_bound_args,
     check_n,
     hadamard_f64,
 )
@@ -501,6 +502,7 @@ class TAHQuantCodec(_OneSectionNearestCodec):
         """Per-element bound on the round-trip error for finite ``x`` (chunks, n) whose tiles
         stay within fp16's range after the transform.  Derived per tile in float64 from the
         values the encoder quantizes (the transform decision is exact in float64 too)."""
+        check_error_bound_args(self, x, rounding, dtype)
         R, n = x.shape
         C = self.token_size
         T = n // C
@@ -596,6 +598,7 @@ class TAHQuantGradCodec(_OneSectionNearestCodec):
         self, x: np.ndarray, rounding: Rounding = "nearest", dtype: torch.dtype = torch.float32
     ) -> np.ndarray:
         """Per-element bound for finite ``x`` whose tiles' max |x| stays below fp16's 65504."""
+        check_error_bound_args(self, x, rounding, dtype)
         R, n = x.shape
         amax = np.abs(x.astype(np.float64)).reshape(R, -1, GRAD_TILE_SIZE).max(-1)
         scale = amax * (1 + FP16_REL_HALF_ULP) + FP16_ABS_HALF_STEP
