@@ -118,9 +118,6 @@ class ErrorFeedback:
             e = self._residuals[key] = corrected.sub_(decoded)
         else:
             torch.sub(corrected, decoded, out=e)
-        if e.numel() % block_size:
-            raise ValueError(f"error feedback {name!r} ({hop}): {e.numel()} elements are no "
-                             f"whole number of blocks of {block_size}")  # fmt: skip
         blocks = e.view(-1, block_size)
         bad = ~torch.isfinite(blocks).all(dim=1, keepdim=True)
         blocks.masked_fill_(bad, 0.0)

@@ -146,8 +146,8 @@ class FP4StoredWeights:
             self.release()
         _WRAPPERS[optimizer] = weakref.ref(self)
         # (the lists are changed in place, never replaced: the finalizer holds them, not self)
-        done = weakref.finalize(self, _restore_released, self.params, self.packed, self._released,
-                                self.shapes, self.dtypes)  # fmt: skip
+        done = weakref.finalize(self, _materialize, self.params, self.packed, self._released,
+                                self.shapes, self.dtypes, range(len(self.params)))  # fmt: skip
         done.atexit = False
 
     # -- storage -----------------------------------------------------------------------------
@@ -215,13 +215,8 @@ class FP4StoredWeights:
         self._materialize(range(len(self.params)), force=True)
 
     def _materialize(self, indices, force=False):
-        for i in indices:
-            if force or self._released[i]:
-                p = self.params[i]
-                if self._released[i]:
-                    _mark_released(p, False)
-                self._released[i] = False
-                p.data = self._decoded(i)
+        _materialize(self.params, self.packed, self._released, self.shapes, self.dtypes, indices,
+                     force)  # fmt: skip
 
     def _release(self, indices):
         for i in indices:
@@ -636,12 +631,15 @@ def _decode(q, shape):
     return w.view(shape)
 
 
-def _restore_released(params, packed, released, shapes, dtypes):
-    """A dropped wrapper's finalizer: decode its released parameters back into full
-    precision, so that they stay usable (and can be wrapped again)."""
-    for i, p in enumerate(params):
-        if released[i]:
-            _mark_released(p, False)
+def _materialize(params, packed, released, shapes, dtypes, indices, force=False):
+    """Decode parameters ``indices`` that are released (all of them with ``force``) into full
+    precision.  Also a dropped wrapper's finalizer, over every parameter: they stay usable
+    (and can be wrapped again); it holds the wrapper's lists, not the wrapper."""
+    for i in indices:
+        if force or released[i]:
+            p = params[i]
+            if released[i]:
+                _mark_released(p, False)
             released[i] = False
             p.data = _decode(packed[i], shapes[i]).to(dtypes[i])
 
