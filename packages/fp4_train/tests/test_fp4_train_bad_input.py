@@ -264,6 +264,26 @@ _CASES = [
              {"fmt": "nvfp4", "rounding": "nearest", "seed": 0, "residuals": {}, "steps": {"w": -1}}
          ),
      ValueError, r"^state\['steps'\]\['w'\]: -1 is outside"),
+    # (a NaN residual made the next output's block NaN; other names and numpy fmt / rounding
+    # were kept or met numpy's "truth value of an array is ambiguous")
+    ("ef/load-nan-residual", lambda: _ef_load(residuals={"w": torch.full((16,), NAN)}),
+     ValueError, r"^state\['residuals'\]\['w'\]: holds NaN or infinite values"),
+    ("ef/load-inf-numpy-residual", lambda: _ef_load(residuals={"w": np.full(16, INF, np.float32)}),
+     ValueError, r"^state\['residuals'\]\['w'\]: holds NaN or infinite values"),
+    ("ef/load-residual-beyond-float32",
+     lambda: _ef_load(residuals={"w": np.full(16, 1e300)}),
+     ValueError, r"^state\['residuals'\]\['w'\]: holds NaN or infinite values"),
+    ("ef/load-int-residual-name", lambda: _ef_load(residuals={3: torch.zeros(16)}), TypeError,
+     r"^state\['residuals'\]: name 3 is int; expected the str names"),
+    ("ef/load-int-step-name", lambda: _ef_load(steps={3: 1}), TypeError,
+     r"^state\['steps'\]: name 3 is int; expected the str names"),
+    ("ef/load-fmt-ndarray", lambda: _ef_load(fmt=np.array(["nvfp4", "mxfp4"])), ValueError,
+     r"^state\['fmt'\]: array\(.*\) is not one of 'nvfp4', 'mxfp4'"),
+    ("ef/load-rounding-ndarray", lambda: _ef_load(rounding=np.array(["nearest"])), ValueError,
+     r"^state\['rounding'\]: array\(.*\) is not one of 'nearest', 'stochastic'"),
+    ("sw/load-nan-residual-named",
+     lambda: _ef_residual_load(torch.full((1024,), NAN)),
+     ValueError, r"^state\['error_feedback'\]\['residuals'\]\['param0'\]: holds NaN"),
     # -- FP4StoredWeights ----------------------------------------------------------------
     ("sw/optimizer-list", lambda: FP4StoredWeights([_param(32)]), TypeError,
      r"^optimizer: expected a torch.optim.Optimizer.*torch.optim.SGD\(params"),
@@ -413,6 +433,11 @@ def _packed_data_on_meta():
     state = _sw().state_dict()
     state["packed"][0] = {**state["packed"][0], "data": state["packed"][0]["data"].to("meta")}
     return state
+
+
+def _ef_load(**entries):
+    """``ErrorFeedback().load_state_dict`` of a valid state with ``entries`` replaced."""
+    ErrorFeedback().load_state_dict({**ErrorFeedback().state_dict(), **entries})
 
 
 def _ef_residual_load(residual, name="param0"):
@@ -672,6 +697,27 @@ def test_policy_fp4linear_and_linear_state_dicts():
     # a missing weight is still missing
     with pytest.raises(RuntimeError, match='Missing key.*"weight"'):
         FP4Linear(32, 16).load_state_dict({"bias": plain.bias})
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        {"residuals": {"w": torch.full((16,), NAN)}},
+        {"residuals": {"w": torch.zeros(16), 3: torch.zeros(16)}},
+        {"steps": {"w": 1, 3: 1}},
+        {"rounding": np.array(["nearest"])},
+    ],
+    ids=["nan", "int-name", "int-step-name", "rounding-ndarray"],
+)
+def test_a_refused_error_feedback_state_changes_nothing(entries):
+    ef = ErrorFeedback(seed=5)
+    x = torch.linspace(-1, 1, 16)
+    ef.qdq("w", x)
+    before = ef.state_dict()
+    good = {**before, "seed": 9, "residuals": {"w": torch.ones(16)}, "steps": {"w": 4}}
+    with pytest.raises((TypeError, ValueError)):
+        ef.load_state_dict({**good, **entries})
+    assert _same(ef.state_dict(), before)
 
 
 def test_policy_failed_error_feedback_call_changes_no_step():

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import fp4_kernels
+from fp4_kernels._calls import check_choice
 from fp4_kernels.formats import e2m1
 
 Array = torch.Tensor | np.ndarray
@@ -257,33 +258,50 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict``; ValueError if it was saved with another format or rounding,
-        or is not an ``ErrorFeedback.state_dict()`` (nothing changes then)."""
+        holds a NaN or infinite residual, or is not an ``ErrorFeedback.state_dict()`` (names
+        that are not str, a residual that is not a real floating-point array, a step outside
+        [0, 2**32)): TypeError / ValueError naming the entry, and nothing changes then."""
         self._assign(self._checked_state(state))
 
     def _assign(self, checked):
         self.seed, self._residuals, self._steps = checked
 
-    def _checked_state(self, state):
-        """(seed, residuals, steps) of ``state``, checked and copied; this object unchanged."""
+    def _checked_state(self, state, where="state"):
+        """(seed, residuals, steps) of ``state``, checked and copied; this object unchanged.
+        ``where``: how the messages name ``state``."""
         check_state_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
-        for key in ("fmt", "rounding"):
+        for key, choices in (("fmt", tuple(fp4_kernels.FORMATS)), ("rounding", e2m1.ROUNDINGS)):
+            check_choice(state[key], f"{where}[{key!r}]", choices)
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"error feedback state has {key}={state[key]!r}, "
                     f"this one {getattr(self, key)!r}"
                 )
-        seed = check_seed(state["seed"], "state['seed']")
+        seed = check_seed(state["seed"], f"{where}['seed']")
         for key in ("residuals", "steps"):
             if not isinstance(state.get(key, {}), dict):
-                raise TypeError(f"state[{key!r}]: expected a dict of name -> value (the one "
+                raise TypeError(f"{where}[{key!r}]: expected a dict of name -> value (the one "
                                 f"ErrorFeedback.state_dict() holds), got "
                                 f"{type(state[key]).__name__}")  # fmt: skip
+            for k in state.get(key, {}):
+                if not isinstance(k, str):
+                    raise TypeError(f"{where}[{key!r}]: name {k!r} is {type(k).__name__}; "
+                                    "expected the str names that qdq / quantize take, as "
+                                    "ErrorFeedback.state_dict() holds them")  # fmt: skip
         residuals = {}
         for k, v in dict(state["residuals"]).items():
-            _check_input(v, f"state['residuals'][{k!r}]")
-            residuals[k] = v.detach().float().clone() if _is_torch(v) else np.array(v, np.float32)
+            what = f"{where}['residuals'][{k!r}]"
+            _check_input(v, what)
+            with np.errstate(over="ignore"):  # a float64 value beyond float32: refused below
+                r = v.detach().float().clone() if _is_torch(v) else np.array(v, np.float32)
+            if not bool((torch.isfinite(r) if _is_torch(r) else np.isfinite(r)).all()):
+                raise ValueError(
+                    f"{what}: holds NaN or infinite values; a residual is finite (a block of "
+                    "non-finite input has it reset to 0): the state is corrupt"
+                )
+            residuals[k] = r
         steps = {
-            k: check_step(v, f"state['steps'][{k!r}]") for k, v in state.get("steps", {}).items()
+            k: check_step(v, f"{where}['steps'][{k!r}]") for k, v in state.get("steps", {}).items()
         }
         return seed, residuals, steps
 

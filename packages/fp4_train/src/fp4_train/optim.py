@@ -156,9 +156,10 @@ class FP4StoredWeights:
         return f"param{i}"
 
     def _check_residuals(self, residuals, block):
-        """ValueError unless each of a state's error-feedback ``residuals`` (name -> tensor)
-        is a finite torch tensor, belongs to a parameter here and has its flattened,
-        block-padded shape; each is moved to its parameter's device."""
+        """ValueError unless each of a state's error-feedback ``residuals`` (name -> tensor,
+        finite: ``ErrorFeedback._checked_state`` checked them) is a torch tensor, belongs to a
+        parameter here and has its flattened, block-padded shape; each is moved to its
+        parameter's device."""
         names = {self._name(i): i for i in range(len(self.params))}
         for name, r in residuals.items():
             what = f"state['error_feedback']['residuals'][{name!r}]"
@@ -169,9 +170,6 @@ class FP4StoredWeights:
             if not isinstance(r, torch.Tensor):
                 raise ValueError(f"{what}: {type(r).__name__}; expected the torch tensor that "
                                  "state_dict() holds")  # fmt: skip
-            if not bool(torch.isfinite(r).all()):
-                raise ValueError(f"{what}: holds NaN or infinite values; a residual is "
-                                 "finite (a block of non-finite weights has it reset)")  # fmt: skip
             residuals[name] = r.to(self.devices[i])  # where its parameter lives
             padded = (-(-_numel(self.shapes[i]) // block) * block,)
             if tuple(r.shape) != padded:
@@ -518,7 +516,9 @@ class FP4StoredWeights:
         if self._error_feedback is not None:
             if state.get("error_feedback") is None:
                 raise ValueError("state: no 'error_feedback' entry for rounding='error_feedback'")
-            residuals = self._error_feedback._checked_state(state["error_feedback"])
+            residuals = self._error_feedback._checked_state(
+                state["error_feedback"], "state['error_feedback']"
+            )
             self._check_residuals(residuals[1], block)
         # Everything is checked; the optimizer's state is the last part that can fail, and a
         # failed load leaves it as it was.  Nothing after it raises: no half-loaded object.
