@@ -213,6 +213,20 @@ _CASES = [
     ("FP4Linear/from-ragged-linear",
      lambda: FP4Linear.from_linear(torch.nn.Linear(10, 16)),
      ValueError, r"in_features=10"),
+    # (float64 was accepted and failed at the first forward, a LazyLinear met the constructor's
+    # "in_features=0", bias= Python's "got multiple values for argument")
+    ("FP4Linear/from-float64-linear",
+     lambda: FP4Linear.from_linear(torch.nn.Linear(32, 16, dtype=torch.float64)), TypeError,
+     r"^FP4Linear.from_linear: linear's weight has dtype torch.float64; .*float32, bfloat16 or "
+         r"float16.*linear.float\(\)"),
+    ("FP4Linear/from-lazy-linear", lambda: FP4Linear.from_linear(_lazy_linear(16)), ValueError,
+     r"^FP4Linear.from_linear: linear is a LazyLinear whose weight is not initialized yet"),
+    *(
+        (f"FP4Linear/from-linear-{name}",
+         functools.partial(FP4Linear.from_linear, torch.nn.Linear(32, 16), **{name: value}),
+         TypeError, rf"^FP4Linear.from_linear: {name}: it is linear's")
+        for name, value in (("bias", False), ("in_features", 64), ("out_features", 32))
+    ),
     ("FP4Linear/extra-state-empty", lambda: FP4Linear(16, 16).set_extra_state({}), ValueError,
      r"extra state: expected \{'step': \.\.\., 'seed': \.\.\.\}"),
     ("FP4Linear/extra-state-negative-step",
@@ -433,6 +447,14 @@ def _packed_data_on_meta():
     state = _sw().state_dict()
     state["packed"][0] = {**state["packed"][0], "data": state["packed"][0]["data"].to("meta")}
     return state
+
+
+def _lazy_linear(out_features):
+    import warnings
+
+    with warnings.catch_warnings():  # torch's "lazy modules are a new feature" warning
+        warnings.simplefilter("ignore")
+        return torch.nn.LazyLinear(out_features)
 
 
 def _ef_load(**entries):

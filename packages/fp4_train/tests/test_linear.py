@@ -139,6 +139,16 @@ def test_from_linear_shares_the_master_weights():
     assert layer.weight is linear.weight and layer.bias is linear.bias
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_from_linear_takes_the_training_mode_of_linear(training):
+    # a model converted in eval mode stays in eval mode: its forwards count no steps
+    linear = torch.nn.Linear(32, 16).train(training)
+    layer = FP4Linear.from_linear(linear)
+    assert layer.training is training
+    layer(torch.ones(2, 32))
+    assert layer.step == int(training)
+
+
 def test_bfloat16_activations_keep_their_dtype():
     x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
     layer = FP4Linear(32, 16)

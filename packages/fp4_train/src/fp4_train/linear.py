@@ -304,7 +304,13 @@ class FP4Linear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, **options: Any) -> FP4Linear:
         """An FP4Linear holding (sharing) ``linear``'s weight and bias; ``options`` as in the
         constructor (rounding, grad_rounding, quantize_backward, hadamard_wgrad, seed): not
-        ``dtype`` or ``device``, which are ``linear``'s (convert it first: ``linear.to(...)``)."""
+        ``dtype`` or ``device``, which are ``linear``'s (convert it first: ``linear.to(...)``),
+        nor ``in_features``, ``out_features`` or ``bias``, which are linear's too.
+
+        ``linear``'s weight is float32, bfloat16 or float16 (``linear.float()`` converts a
+        float64 one), and initialized (a ``torch.nn.LazyLinear`` after its first forward).
+        The layer takes ``linear``'s training mode: a model converted in eval mode stays in
+        eval mode (``layer.train()`` switches it)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(
                 f"FP4Linear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}"
@@ -315,10 +321,29 @@ class FP4Linear(torch.nn.Module):
                     f"FP4Linear.from_linear: {name}: the layer shares linear's weight and bias, "
                     f"so they keep linear's {name}; convert linear first (linear.to(...))"
                 )
+        for name in ("in_features", "out_features", "bias"):
+            if name in options:
+                raise TypeError(
+                    f"FP4Linear.from_linear: {name}: it is linear's (the layer shares linear's "
+                    f"weight and bias); build FP4Linear(...) for another {name}"
+                )
+        if torch.nn.parameter.is_lazy(linear.weight):
+            raise ValueError(
+                "FP4Linear.from_linear: linear is a LazyLinear whose weight is not initialized "
+                "yet (its in_features come from the first input); run a forward through it "
+                "first, or build FP4Linear(in_features, out_features)"
+            )
+        for name, t in (("weight", linear.weight), ("bias", linear.bias)):
+            if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(
+                    f"FP4Linear.from_linear: linear's {name} has dtype {t.dtype}; the master "
+                    "weights are float32, bfloat16 or float16: convert linear first "
+                    "(linear.float())"
+                )
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **options)
         layer.weight = linear.weight
         layer.bias = linear.bias
-        return layer
+        return layer.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``fp4_linear(x, self.weight, self.bias, ...)``; counts the step in training mode."""
