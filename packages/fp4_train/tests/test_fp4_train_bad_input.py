@@ -831,6 +831,37 @@ def test_failed_load_leaves_the_stored_weights_unchanged(corrupt):
     _trained(opt, model, steps=1)  # and it trains on
 
 
+class _ProjectedMoments(torch.optim.Optimizer):
+    """An optimizer of another library, without 'differentiable' in its defaults, that keeps
+    exp_avg in a shape of its own (as low-rank projections do)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                s = self.state[p]
+                s["exp_avg"] = s.get("exp_avg", torch.zeros(2)) + p.grad.sum()
+                p.sub_(group["lr"] * s["exp_avg"].mean())
+
+
+@pytest.mark.parametrize("optimizer", [_ProjectedMoments, torch.optim.Adafactor])
+def test_the_state_of_an_optimizer_without_differentiable_in_its_groups_loads(optimizer):
+    # torch's load adds 'differentiable' to the optimizer's defaults, not to its groups: the
+    # check for another optimizer's groups took it for a missing hyperparameter (and the
+    # factored Adafactor moments or a state of another shape are loaded as they are)
+    models = [torch.nn.Linear(32, 16) for _ in range(2)]
+    opts = [FP4StoredWeights(optimizer(m.parameters())) for m in models]
+    for opt, model in zip(opts, models, strict=True):
+        opt.attach(model)
+    _trained(opts[0], models[0])
+    for _ in range(2):  # and again, with 'differentiable' in the defaults now
+        opts[1].load_state_dict(opts[0].state_dict())
+    _trained(opts[1], models[1], steps=1)
+
+
 def test_a_refused_sgd_state_leaves_adamw_working():
     (model, _), (opt, _) = _ef_pair()
     sgd_state = _ef_pair(torch.optim.SGD)[1][1].state_dict()

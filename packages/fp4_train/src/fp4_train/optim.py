@@ -431,6 +431,9 @@ class FP4StoredWeights:
                 f"returns, got {type(saved).__name__}"
             )
         before = opt.state_dict()
+        # the hyperparameters its groups hold now (torch's load adds 'differentiable' to the
+        # defaults of an optimizer whose groups never held it, as Adafactor's)
+        needed = [k for k in opt.defaults if all(k in g for g in opt.param_groups)]
         try:
             opt.load_state_dict(saved)
         except Exception:
@@ -438,7 +441,7 @@ class FP4StoredWeights:
             raise
         # torch's load keeps the saved groups' hyperparameters (filling only those its
         # version added), so a group of another optimizer would fail at the next step()
-        missing = sorted({k for g in opt.param_groups for k in opt.defaults if k not in g})
+        missing = sorted({k for g in opt.param_groups for k in needed if k not in g})
         if missing:
             opt.load_state_dict(before)
             raise ValueError(
