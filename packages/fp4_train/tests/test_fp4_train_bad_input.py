@@ -807,6 +807,18 @@ def _ef_pair(optimizer=torch.optim.AdamW):
     return models, opts
 
 
+def _adamw_state_of_shapes(*shapes):
+    """The AdamW state (two steps) of parameters of ``shapes``."""
+    params = [_param(*shape) for shape in shapes]
+    opt = FP4StoredWeights(torch.optim.AdamW(params, lr=0.05), rounding="error_feedback",
+                           release=False)  # fmt: skip
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    return opt.state_dict()["optimizer"]
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [
@@ -817,8 +829,11 @@ def _ef_pair(optimizer=torch.optim.AdamW):
         lambda s: {**_without_class(s), "optimizer": _ef_pair(torch.optim.SGD)[1][1]
                    .state_dict()["optimizer"]},
         lambda s: {**s, "optimizer": None},
+        # Adam's moments of another model's parameters: torch loads them, and step() raised
+        # after it had counted the step
+        lambda s: {**s, "optimizer": _adamw_state_of_shapes((32, 16), (16,))},
     ],
-    ids=["group-count", "class", "sgd-groups", "none"],
+    ids=["group-count", "class", "sgd-groups", "none", "moment-shapes"],
 )  # fmt: skip
 def test_failed_load_leaves_the_stored_weights_unchanged(corrupt):
     (model, _), (opt, other) = _ef_pair()
@@ -829,6 +844,28 @@ def test_failed_load_leaves_the_stored_weights_unchanged(corrupt):
         opt.load_state_dict(bad)
     assert _same(_snapshot(opt), before)
     _trained(opt, model, steps=1)  # and it trains on
+
+
+def _momentum_of_another_shape():
+    a, b = (_param(32, 32), _param(32)), (_param(32, 32), _param(16))
+    for p in a + b:
+        p.grad = torch.ones_like(p)
+    sw = _sw(list(a), release=False)
+    sw.optimizer.param_groups[0]["momentum"] = 0.9
+    other = _sw(list(b))
+    other.optimizer.param_groups[0]["momentum"] = 0.9
+    other.step()
+    return sw, {**sw.state_dict(), "optimizer": other.state_dict()["optimizer"]}
+
+
+def test_a_momentum_of_another_shape_is_refused_at_load():
+    # torch loads it; step() then updated parameter 0's momentum and raised at parameter 1's
+    sw, state = _momentum_of_another_shape()
+    with pytest.raises(ValueError, match=r"^state\['optimizer'\]: parameter 1 has shape \(32,\) "
+                                         r"but its momentum_buffer \(16,\)"):  # fmt: skip
+        sw.load_state_dict(state)
+    assert sw.optimizer.state_dict()["state"] == {}
+    sw.step()  # as before the refused load
 
 
 class _ProjectedMoments(torch.optim.Optimizer):
@@ -850,8 +887,9 @@ class _ProjectedMoments(torch.optim.Optimizer):
 @pytest.mark.parametrize("optimizer", [_ProjectedMoments, torch.optim.Adafactor])
 def test_the_state_of_an_optimizer_without_differentiable_in_its_groups_loads(optimizer):
     # torch's load adds 'differentiable' to the optimizer's defaults, not to its groups: the
-    # check for another optimizer's groups took it for a missing hyperparameter (and the
-    # factored Adafactor moments or a state of another shape are loaded as they are)
+    # check for another optimizer's groups took it for a missing hyperparameter.  The factored
+    # Adafactor moments, and an exp_avg of its own shape in an optimizer that is not torch's,
+    # are loaded as they are (the shape check covers torch's optimizers only)
     models = [torch.nn.Linear(32, 16) for _ in range(2)]
     opts = [FP4StoredWeights(optimizer(m.parameters())) for m in models]
     for opt, model in zip(opts, models, strict=True):

@@ -56,6 +56,9 @@ from .error_feedback import (
 )
 
 ROUNDINGS = e2m1.ROUNDINGS + ("error_feedback",)
+# the per-parameter states that torch.optim's optimizers keep in the parameter's shape
+# (SGD, RMSprop, Muon: momentum_buffer; Adam, AdamW, NAdam, RAdam, Adamax: exp_avg; ...)
+_PARAMETER_SHAPED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -416,8 +419,9 @@ class FP4StoredWeights:
 
     def _load_optimizer_state(self, saved, saved_class):
         """The wrapped optimizer's ``load_state_dict(saved)``, refused (ValueError, the
-        optimizer unchanged) for the state of another kind of optimizer: its parameter groups
-        would lack the hyperparameters that this one's step() reads."""
+        optimizer unchanged) for the state of another kind of optimizer (its parameter groups
+        would lack the hyperparameters that this one's step() reads) and, for torch's own
+        optimizers, for momenta or moments not of their parameters' shapes."""
         opt = self.optimizer
         here = type(opt).__name__
         if saved_class is not None and saved_class != here:
@@ -451,13 +455,40 @@ class FP4StoredWeights:
                 f"{', '.join(map(repr, sorted(set().union(*saved['param_groups']) - {'params'})))})"
                 "; wrap the same kind of optimizer to resume"
             )
+        wrong = self._misshapen_optimizer_state()
+        if wrong:
+            opt.load_state_dict(before)
+            i, name, shape = wrong
+            raise ValueError(
+                f"state['optimizer']: parameter {i} has shape {self.shapes[i]} but its {name} "
+                f"{shape} in the state, which {here}.step() could not use: it is the optimizer "
+                "state of another model"
+            )
+
+    def _misshapen_optimizer_state(self):
+        """(parameter index, state name, shape) of the first moment or momentum in the wrapped
+        optimizer's state that is not of its parameter's shape, or None.  Only for torch's own
+        optimizers, which keep ``_PARAMETER_SHAPED_STATE`` in the parameter's shape; others may
+        keep a state of that name in another shape (a factored or projected moment)."""
+        if type(self.optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+            return None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for p, s in self.optimizer.state.items():
+            i = index.get(id(p))
+            for name in _PARAMETER_SHAPED_STATE:
+                v = s.get(name) if i is not None else None
+                if isinstance(v, torch.Tensor) and tuple(v.shape) != self.shapes[i]:
+                    return i, name, tuple(v.shape)
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; ValueError / TypeError if it belongs to parameters of
         other shapes, to another rounding or format, to another kind of optimizer (SGD's state
-        into an AdamW), has a step count that is not an int >= 0, or is not an
-        ``FP4StoredWeights.state_dict()``.  Everything is checked before anything is replaced:
-        after an error this object is as it was."""
+        into an AdamW), holds momenta or moments of other shapes than the parameters' (checked
+        for torch.optim's optimizers: SGD, Adam, AdamW, ...; an optimizer of another library
+        may keep them in shapes of its own), has a step count that is not an int >= 0, or is
+        not an ``FP4StoredWeights.state_dict()``.  Everything is checked before anything is
+        replaced: after an error this object is as it was."""
         keys = ("rounding", "fmt", "seed", "step_count", "shapes", "packed", "optimizer")
         check_state_keys(state, keys, "FP4StoredWeights")
         shapes = _checked_shapes(state["shapes"])
