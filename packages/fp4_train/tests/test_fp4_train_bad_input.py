@@ -178,6 +178,21 @@ _CASES = [
      r"rounding='up' is not one of"),
     ("linear/grad-rounding", lambda: fp4_linear(X, W, grad_rounding=None), ValueError,
      r"grad_rounding=None is not one of"),
+    # (a one-element numpy array compared equal to a rounding, was kept and failed later; a
+    # longer one met numpy's "truth value of an array is ambiguous")
+    *(
+        (f"{where}/{name}-ndarray{len(value)}", functools.partial(call, **{name: value}),
+         ValueError, rf"{name}(: |=)array\(")
+        for where, call, name in (
+            ("linear", functools.partial(fp4_linear, X, W), "rounding"),
+            ("linear", functools.partial(fp4_linear, X, W), "grad_rounding"),
+            ("FP4Linear", functools.partial(FP4Linear, 16, 16), "rounding"),
+            ("FP4Linear", functools.partial(FP4Linear, 16, 16), "grad_rounding"),
+            ("ef", ErrorFeedback, "rounding"),
+            ("sw", _sw, "rounding"),
+        )
+        for value in (np.array(["nearest"]), np.array(["nearest", "stochastic"]))
+    ),
     ("linear/hadamard-int", lambda: fp4_linear(X, W, hadamard_wgrad=1), TypeError,
      r"hadamard_wgrad is True or False, got 1"),
     ("linear/quantize-backward-str", lambda: fp4_linear(X, W, quantize_backward="no"), TypeError,

@@ -162,7 +162,7 @@ class ErrorFeedback:
                 f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)} (error feedback "
                 "keeps NVFP4 or MXFP4 residuals)"
             )
-        if rounding not in e2m1.ROUNDINGS:
+        if not isinstance(rounding, str) or rounding not in e2m1.ROUNDINGS:
             raise ValueError(f"rounding: {rounding!r} is not 'nearest' or 'stochastic'")
         self.fmt = fmt
         self.rounding = rounding

@@ -205,7 +205,7 @@ def fp4_linear(
     would be silently wrong.
     """
     for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
-        if value not in ROUNDINGS:
+        if not isinstance(value, str) or value not in ROUNDINGS:
             raise ValueError(f"fp4_linear: {name}={value!r} is not one of {ROUNDINGS}")
     _check(x, weight, bias)
     for name, flag in (
@@ -275,7 +275,7 @@ class FP4Linear(torch.nn.Module):
             features.append(n)
         in_features, out_features = features
         for name, value in (("rounding", rounding), ("grad_rounding", grad_rounding)):
-            if value not in ROUNDINGS:
+            if not isinstance(value, str) or value not in ROUNDINGS:
                 raise ValueError(f"FP4Linear: {name}={value!r} is not one of {ROUNDINGS}")
         for name, flag in (
             ("bias", bias),

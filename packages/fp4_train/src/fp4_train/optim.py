@@ -104,7 +104,7 @@ class FP4StoredWeights:
                 f"optimizer: expected a torch.optim.Optimizer over the parameters to store, got "
                 f"{type(optimizer).__name__} (wrap them first: torch.optim.SGD(params, lr=...))"
             )
-        if rounding not in ROUNDINGS:
+        if not isinstance(rounding, str) or rounding not in ROUNDINGS:
             raise ValueError(f"rounding: {rounding!r} is not one of {ROUNDINGS}")
         if not isinstance(fmt, str) or fmt not in fp4_kernels.FORMATS:
             raise ValueError(f"fmt: {fmt!r} is not one of {tuple(fp4_kernels.FORMATS)}")
