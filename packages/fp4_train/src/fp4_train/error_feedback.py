@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 import fp4_kernels
-from fp4_kernels._calls import check_choice
 from fp4_kernels.formats import e2m1
 
 Array = torch.Tensor | np.ndarray
@@ -271,7 +270,11 @@ class ErrorFeedback:
         ``where``: how the messages name ``state``."""
         check_state_keys(state, ("fmt", "rounding", "seed", "residuals"), "ErrorFeedback")
         for key, choices in (("fmt", tuple(fp4_kernels.FORMATS)), ("rounding", e2m1.ROUNDINGS)):
-            check_choice(state[key], f"{where}[{key!r}]", choices)
+            value = state[key]
+            if not isinstance(value, str) or value not in choices:  # (an array: no elementwise in)
+                raise ValueError(
+                    f"{where}[{key!r}]: {value!r} is not one of {', '.join(map(repr, choices))}"
+                )
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"error feedback state has {key}={state[key]!r}, "
