@@ -66,6 +66,28 @@ def test_decode_of_chunks_from_separate_encodes(name):
         assert torch.equal(y[i : i + 1].view(torch.int16), ref.view(torch.int16))
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3])
+@pytest.mark.parametrize("name", [*CODECS, "tahquant-h64", "tahquant-grad"])
+def test_decode_of_sections_cut_from_a_byte_buffer_at_any_offset(name, offset):
+    # A receiver may hand decode sections that are slices of one flat uint8 buffer, each at
+    # whatever offset it lies: torch cannot view bytes at an offset that is no multiple of 2
+    # or 4 as bfloat16 / float32, which raised its storage_offset error from inside decode.
+    codec = _codec(name)
+    x = _data(np.random.default_rng(4), 3, 128)
+    sections = codec.encode(x)
+    flat = torch.cat([torch.zeros(offset, dtype=torch.uint8)] + [s.reshape(-1) for s in sections])
+    cut, at = [], offset
+    for s in sections:
+        cut.append(flat[at : at + s.numel()].view(s.shape))
+        at += s.numel()
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = codec.decode(cut, 128, dtype), codec.decode(sections, 128, dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if hasattr(codec, "requantized_sum"):
+        got, want = codec.requantized_sum(cut, 128), codec.requantized_sum(sections, 128)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_nvfp4_sections_carry_the_tensor_scale():
     x = _data(np.random.default_rng(3), 2, 32)
     q = fp4_kernels.quantize(x, fmt="nvfp4")

@@ -65,6 +65,10 @@ HALF_SUBNORMAL_STEP = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torc
 # NVFP4 cast does so; FP4Quant likewise): a block whose scale is below 1 / FLT_MAX is encoded
 # from x * FLT_MAX instead of x / scale, so its codes come out smaller, down to 0.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The widest field a built-in codec reads through a view of its uint8 sections (float32: NVFP4's
+# 1/S, the "none-float32" values).  torch views bytes as such fields only where they start at a
+# multiple of the field's size in their storage; decode copies a section that does not.
+SECTION_VIEW_ALIGN = 4
 
 Rounding = Literal["nearest", "stochastic"]
 
@@ -125,7 +129,9 @@ class Codec(ABC):
     ) -> Callable[[], torch.Tensor]:
         """``f()``: ``decode(sections, n, dtype)`` of whatever ``sections`` hold when it is
         called, with the views and the objects that do not depend on the bytes made once.
-        ``sections`` as ``section_nbytes`` lays them out (not checked again)."""
+        ``sections`` as ``section_nbytes`` lays them out (not checked again; for the built-in
+        codecs each at a multiple of ``SECTION_VIEW_ALIGN`` bytes of its storage, as the
+        collectives' receive buffers place them)."""
         return lambda: self.decode(sections, n, dtype)
 
     def saturated(self, sections: Sequence[torch.Tensor], n: int) -> torch.Tensor | None:
@@ -152,7 +158,9 @@ class Codec(ABC):
 class CheckedCodec(Codec):
     """The built-in codecs' ``encode`` / ``decode``: the argument checks (``check_encode_args`` /
     ``_decode_args``: the empty result where there is no element), then the format's work on
-    checked, non-empty arguments (``_encode_checked`` / ``_decode_checked``)."""
+    checked, non-empty arguments (``_encode_checked`` / ``_decode_checked``).  ``decode`` takes
+    sections at any byte offset of their storage (slices of one flat byte buffer): one whose
+    offset is no multiple of ``SECTION_VIEW_ALIGN`` is read from a copy."""
 
     def encode(
         self, x: torch.Tensor, rounding: Rounding = "nearest", seed: int = 0, step: int = 0
@@ -168,7 +176,7 @@ class CheckedCodec(Codec):
         empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
-        return self._decode_checked(sections, n, dtype)
+        return self._decode_checked(_viewable(sections), n, dtype)
 
     def _encode_checked(self, x, rounding, seed, step):
         """Checked, non-empty ``x`` (chunks, n) -> its sections, one row per chunk."""
@@ -292,7 +300,7 @@ class _FP4BlockCodec(CheckedCodec):
             raise ValueError(
                 f"{type(self).__name__}.requantized_sum: needs at least one chunk of n > 0"
             )
-        return self.requantizer(sections, n)()
+        return self.requantizer(_viewable(sections), n)()
 
     def requantizer(
         self, sections: Sequence[torch.Tensor], n: int
@@ -648,6 +656,15 @@ def _decode_args(codec, sections, n, dtype):
     if chunks == 0 or n == 0:
         return torch.empty(chunks, n, dtype=dtype, device=device)
     return None
+
+
+def _viewable(sections):
+    """``sections``, each one whose byte offset in its storage is no multiple of
+    ``SECTION_VIEW_ALIGN`` replaced by a copy, which starts at offset 0 (a view of wider fields
+    is then possible)."""
+    if all(t.storage_offset() % SECTION_VIEW_ALIGN == 0 for t in sections):
+        return sections
+    return [t if t.storage_offset() % SECTION_VIEW_ALIGN == 0 else t.clone() for t in sections]
 
 
 def _dtype_name(dtype):
