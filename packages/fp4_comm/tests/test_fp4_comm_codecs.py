@@ -88,6 +88,22 @@ def test_decode_of_sections_cut_from_a_byte_buffer_at_any_offset(name, offset):
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("name", [*CODECS, "tahquant-h64", "tahquant-grad"])
+def test_decode_takes_n_as_any_integer(name):
+    # n is checked as an integer (operator.index: a 0-d integer tensor, a numpy integer), but
+    # the value passed on to fp4_kernels was the caller's object: a TypeError from inside it.
+    codec = _codec(name)
+    sections = codec.encode(_data(np.random.default_rng(5), 2, 128))
+    want = codec.decode(sections, 128)
+    for n in (torch.tensor(128), np.int64(128)):
+        assert torch.equal(codec.decode(sections, n).view(torch.int32), want.view(torch.int32))
+        if hasattr(codec, "requantized_sum"):
+            got, ref = codec.requantized_sum(sections, n), codec.requantized_sum(sections, 128)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    with pytest.raises(TypeError, match="n: expected an integer, got float"):
+        codec.decode(sections, 128.0)
+
+
 def test_nvfp4_sections_carry_the_tensor_scale():
     x = _data(np.random.default_rng(3), 2, 32)
     q = fp4_kernels.quantize(x, fmt="nvfp4")

@@ -173,7 +173,7 @@ class CheckedCodec(Codec):
     def decode(
         self, sections: Sequence[torch.Tensor], n: int, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        empty = _decode_args(self, sections, n, dtype)
+        n, empty = _decode_args(self, sections, n, dtype)
         if empty is not None:
             return empty
         return self._decode_checked(_viewable(sections), n, dtype)
@@ -296,7 +296,8 @@ class _FP4BlockCodec(CheckedCodec):
         (``fp4_kernels.requantized_sum``: on a GPU kernels that read the encoded chunks and
         write the encoded sum, no float32 intermediate; NVFP4 decodes each chunk under the
         tensor scale it came with)."""
-        if _decode_args(self, sections, n, torch.float32) is not None or n == 0:
+        n, empty = _decode_args(self, sections, n, torch.float32)
+        if empty is not None:
             raise ValueError(
                 f"{type(self).__name__}.requantized_sum: needs at least one chunk of n > 0"
             )
@@ -631,9 +632,10 @@ def check_error_bound_args(codec, x, rounding, dtype):
 
 def _decode_args(codec, sections, n, dtype):
     """Check ``decode``'s arguments: as many uint8 (chunks, section_nbytes(n)[i]) tensors as
-    the codec has sections, contiguous, on one device.  The (empty) result where there is no
-    element, else None."""
+    the codec has sections, contiguous, on one device.  ``n`` as an int (``check_n``), and the
+    (empty) result where there is no element, else None."""
     what = f"{type(codec).__name__}.decode"
+    n = check_n(codec, n)
     sizes = codec.section_nbytes(n)
     if dtype not in REL_HALF_ULP:
         raise TypeError(f"{what}: dtype {dtype!r}: use torch.float32, bfloat16 or float16")
@@ -654,8 +656,8 @@ def _decode_args(codec, sections, n, dtype):
         if t.device != device or not t.is_contiguous():
             raise ValueError(f"{what}: the sections must be contiguous and on one device")
     if chunks == 0 or n == 0:
-        return torch.empty(chunks, n, dtype=dtype, device=device)
-    return None
+        return n, torch.empty(chunks, n, dtype=dtype, device=device)
+    return n, None
 
 
 def _viewable(sections):
