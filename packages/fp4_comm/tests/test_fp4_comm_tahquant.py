@@ -296,6 +296,47 @@ def test_rejected(call, error, words):
         assert w in str(info.value)
 
 
+_H = torch.arange(20, dtype=torch.float32).reshape(2, 10)  # (R, T) entropies
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        # n_low -1 ranked all tokens but the last as low (a slice [:-1]); 11 of 10 all of them
+        (lambda: tahquant.low_precision_tokens(_H, -1), ValueError, ["n_low", "-1", "[0, 11)"]),
+        (lambda: tahquant.low_precision_tokens(_H, 11), ValueError, ["n_low", "11", "[0, 11)"]),
+        (lambda: tahquant.low_precision_tokens(_H, 2.0), TypeError, ["n_low", "float"]),
+        (lambda: tahquant.low_precision_tokens(_H.numpy(), 2), TypeError, ["h", "ndarray"]),
+        (lambda: tahquant.low_precision_tokens(_H[0], 2), ValueError, ["h", "(R, T)", "(10,)"]),
+        (lambda: tahquant.low_precision_tokens(_H.double(), 2), TypeError, ["h", "float64"]),
+        # a 0-d tensor: IndexError; a numpy array: AttributeError ('abs')
+        (lambda: tahquant.token_entropy(torch.tensor(1.0)), ValueError, ["x", "(..., T, C)"]),
+        (lambda: tahquant.token_entropy(torch.ones(64)), ValueError, ["x", "(64,)"]),
+        (lambda: tahquant.token_entropy(np.ones((2, 64), np.float32)), TypeError, ["x", "ndarray"]),
+        (
+            lambda: tahquant.token_entropy(torch.ones(2, 64, dtype=torch.int32)),
+            TypeError,
+            ["x", "int32", "float32"],
+        ),
+        # -5 tokens gave -1 low tokens; 2.5 gave 0.0
+        (lambda: tahquant.low_token_count(-5), ValueError, ["tokens", "-5"]),
+        (lambda: tahquant.low_token_count(2.5), TypeError, ["tokens", "float"]),
+    ],  # fmt: skip
+)
+def test_ranking_helpers_reject_bad_arguments(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_ranking_helpers_take_the_edge_values():
+    assert tahquant.low_token_count(0) == 0 and tahquant.low_token_count(np.int64(10)) == 2
+    assert not tahquant.low_precision_tokens(_H, 0).any()
+    assert tahquant.low_precision_tokens(_H, torch.tensor(10)).all()
+    assert tahquant.token_entropy(torch.ones(3, 0)).shape == (3,)
+
+
 def test_empty_payloads():
     for codec, n in ((TAHQuantCodec(64), 128), (TAHQuantGradCodec(), 64)):
         s = codec.encode(torch.zeros(0, n))

@@ -575,7 +575,8 @@ def check_int(value, name: str, limit: int) -> int:
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
     if not 0 <= v < limit:
-        raise ValueError(f"{name}: {v} is outside [0, 2**{limit.bit_length() - 1})")
+        bound = f"2**{limit.bit_length() - 1}" if limit & (limit - 1) == 0 else str(limit)
+        raise ValueError(f"{name}: {v} is outside [0, {bound})")
     return v
 
 

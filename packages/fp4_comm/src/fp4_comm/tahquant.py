@@ -88,6 +88,7 @@ from .codecs import (
     Rounding,
     check_encode_args,
     check_error_bound_args,
+    check_int,
     check_n,
     hadamard_f64,
 )
@@ -115,8 +116,9 @@ LN_SERIES = tuple(np.float32(1.0 / k) for k in (9, 7, 5, 3, 1))  # Horner order
 
 
 def low_token_count(tokens: int) -> int:
-    """How many of a chunk's ``tokens`` get LOW_BITS: the (100 - HIGH_PERCENT) % of lowest
-    entropy, rounded down."""
+    """How many of a chunk's ``tokens`` (an int >= 0) get LOW_BITS: the (100 - HIGH_PERCENT) %
+    of lowest entropy, rounded down."""
+    tokens = check_int(tokens, "low_token_count: tokens", 2**63)
     return tokens * (100 - HIGH_PERCENT) // 100
 
 
@@ -149,8 +151,21 @@ def _halving_sum(a):
     return a[..., 0]
 
 
+def _check_float32(what, t, dims, min_dim):
+    """TypeError / ValueError beginning with ``what`` unless ``t`` is a float32 torch tensor of
+    at least ``min_dim`` dimensions (``dims``: their names, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a float32 torch tensor {dims}, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{what}: expected float32, got {t.dtype} (.float() converts)")
+    if t.dim() < min_dim:
+        raise ValueError(f"{what}: expected {dims}, got shape {tuple(t.shape)}")
+
+
 def token_entropy(x):
-    """(…, T, C) float32 -> (…, T) float32 entropies; -inf where a token's sum is not finite."""
+    """(…, T, C) float32 torch tensor -> (…, T) float32 entropies; -inf where a token's sum is
+    not finite."""
+    _check_float32("token_entropy: x", x, "(..., T, C)", 2)
     a = x.abs()
     total = _halving_sum(a)
     p = a / total.unsqueeze(-1)
@@ -162,8 +177,13 @@ def token_entropy(x):
 
 
 def low_precision_tokens(h, n_low):
-    """(R, T) entropies -> (R, T) bool: the ``n_low`` lowest of each row (ties: lower index)."""
+    """(R, T) float32 entropies -> (R, T) bool: the ``n_low`` lowest of each row (ties: lower
+    index), ``0 <= n_low <= T``."""
+    _check_float32("low_precision_tokens: h", h, "(R, T)", 2)
+    if h.dim() != 2:
+        raise ValueError(f"low_precision_tokens: h: expected (R, T), got shape {tuple(h.shape)}")
     R, T = h.shape
+    n_low = check_int(n_low, "low_precision_tokens: n_low", T + 1)
     bits = h.contiguous().view(torch.int32).to(torch.int64)
     # Entropies are >= +0 or -inf: the bits of a non-negative float order like the float;
     # -inf ranks first.  Keys are unique, so any sort gives this order.
