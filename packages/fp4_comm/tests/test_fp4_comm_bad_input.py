@@ -57,6 +57,9 @@ _EVERY_COLLECTIVE = [
     ("step 2**32", lambda f, x: f(x, step=2**32), "ValueError", ["step", "[0, 2**32)"]),
     ("step 2**40", lambda f, x: f(x, step=2**40), "ValueError", ["step", str(2**40), "[0, 2**32)"]),
     ("step 3.0", lambda f, x: f(x, step=3.0), "TypeError", ["step", "integer", "float"]),
+    # taken by truth value: "no" as True, a list (tensor_parallel's kind of stats) as a flag
+    ("stats 'no'", lambda f, x: f(x, stats="no"), "TypeError", ["stats", "True or False", "str"]),
+    ("stats []", lambda f, x: f(x, stats=[]), "TypeError", ["stats", "True or False", "list"]),
 ]  # fmt: skip
 # the same for the collectives that take error_feedback
 _ERROR_FEEDBACK = [

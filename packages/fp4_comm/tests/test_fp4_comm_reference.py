@@ -566,6 +566,18 @@ def test_bad_arguments_name_what_is_wrong(call, error, match):
         call()
 
 
+@pytest.mark.parametrize("stats", ["no", [], [0], 1, None], ids=repr)
+def test_stats_must_be_true_or_false(stats):
+    # stats is a flag here (True: also return the HopStats): a truthy string or a list was
+    # taken as True and an empty list as False, where tensor_parallel's stats is a list that
+    # the WireStats are appended to.
+    xs = [torch.ones(4, 32)] * 2
+    for name, call in _rank_calls():
+        with pytest.raises(TypeError, match=r"stats: True or False") as info:
+            call(xs, stats=stats)
+        assert type(stats).__name__ in str(info.value), name
+
+
 # (case, the k = 2 ranks' inputs, exception type, words its message must hold): what
 # fp4_comm.reference's functions and EmulatedRanks refuse, naming the rank, as a Communicator
 # refuses it on that rank
@@ -591,12 +603,13 @@ def _rank_calls():
         ("reference.all_reduce", reference.all_reduce),
         ("reference.reduce_scatter", reference.reduce_scatter),
         ("reference.all_gather", reference.all_gather),
-        ("reference.send_recv", lambda xs: reference.send_recv(xs[1] if type(xs) is list else xs)),
+        ("reference.send_recv", lambda xs, **kw: reference.send_recv(xs[1] if type(xs) is list
+                                                                     else xs, **kw)),
         ("EmulatedRanks.all_reduce", ranks.all_reduce),
         ("EmulatedRanks.reduce_scatter", ranks.reduce_scatter),
         ("EmulatedRanks.all_gather", ranks.all_gather),
-        ("EmulatedRanks.send_recv", lambda xs: ranks.send_recv(xs[1] if type(xs) is list else xs,
-                                                               0, 1)),
+        ("EmulatedRanks.send_recv", lambda xs, **kw: ranks.send_recv(xs[1] if type(xs) is list
+                                                                     else xs, 0, 1, **kw)),
     ]  # fmt: skip
 
 

@@ -87,7 +87,11 @@ def _crc(s: str) -> int:
 
 
 def check_options(
-    rounding: Rounding, seed: int, step: int | None = None, error_feedback: str | None = None
+    rounding: Rounding,
+    seed: int,
+    step: int | None = None,
+    error_feedback: str | None = None,
+    stats: bool = False,
 ) -> None:
     """The collectives' options that need no tensor: ValueError / TypeError naming the argument
     (before anything moves, so a bad option on every rank leaves the group in step)."""
@@ -99,6 +103,10 @@ def check_options(
         raise TypeError(
             f"error_feedback: a buffer name (str) or None, got {type(error_feedback).__name__}"
         )
+    if not isinstance(stats, bool):
+        raise TypeError(f"stats: True or False (True: also return the {{hop: HopStats}}), got "
+                        f"{type(stats).__name__} (a list of WireStats is what "
+                        "fp4_comm.tensor_parallel's and emulated's functions take)")  # fmt: skip
 
 
 class Communicator:
@@ -124,7 +132,8 @@ class Communicator:
     - ``error_feedback``: a buffer name (reduce_scatter, all_reduce): the residual of each
       quantization of that buffer is added before its next one (``comm.error_feedback``; a
       block that held NaN or Inf starts again from residual 0).
-    - ``stats``: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this rank.
+    - ``stats``: True: also return {hop: HopStats} (SQNR, clipped and zeroed fractions) of this
+      rank.  True or False: anything else is a TypeError.
 
     Non-finite input: a NaN or Inf makes its codec block NaN in the result, on every rank (FP4
     codecs; the other blocks are unaffected), or goes through as IEEE arithmetic says
@@ -530,13 +539,14 @@ class Communicator:
                 )
                 and (peer is None or type(peer) is int)
                 and (total_dim0 is None or type(total_dim0) is int)
+                and type(stats) is bool
             ):
                 if step is None:
                     step = (call if peer is None else default_step) % STEP_LIMIT
                 return self._run_planned(entry, kind, op, x, rounding, seed, step, ef_name,
                                          stats, peer, total_dim0, call)  # fmt: skip
         codec = get_codec(codec)
-        check_options(rounding, seed, step, ef_name)
+        check_options(rounding, seed, step, ef_name, stats)
         seed = operator.index(seed)
         if step is None:
             step = (call if peer is None else default_step) % STEP_LIMIT

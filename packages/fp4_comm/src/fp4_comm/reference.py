@@ -333,7 +333,7 @@ def check_gather_shards(xs: Sequence[torch.Tensor], total_dim0: int | None) -> i
 
 
 def _options(codec, rounding, seed, step, error_feedback, residuals, world_size, stats):
-    check_options(rounding, seed, step, error_feedback)
+    check_options(rounding, seed, step, error_feedback, stats)
     codec = get_codec(codec)
     if error_feedback is not None:
         if residuals is None or len(residuals) != world_size:
@@ -642,7 +642,7 @@ class EmulatedRanks:
             return None  # the first call runs eagerly (and checks the arguments)
         if not entry.graphable:
             return None
-        check_options(rounding, kwargs.get("seed", 0), kwargs.get("step"), ef_name)
+        check_options(rounding, kwargs.get("seed", 0), kwargs.get("step"), ef_name, stats)
         if entry.replay is None:
             entry.eager += 1  # beyond EAGER_CALLS: this call captures
         return entry
