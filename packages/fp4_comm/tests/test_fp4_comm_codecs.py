@@ -200,6 +200,24 @@ def test_padded_chunk():
     assert codecs.padded_chunk(1000, 3, 16) == 336  # ceil(1000/3) = 334 -> 336
     assert codecs.padded_chunk(1, 4, 32) == 32
     assert codecs.padded_chunk(96, 3, 32) == 32  # divides evenly: no padding
+    assert codecs.padded_chunk(0, 2, 16) == 16  # at least one element a chunk
+    assert codecs.padded_chunk(2**60 + 1, 1, 1) == 2**60 + 1  # (a float quotient rounds)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((64, 0, 16), ValueError, r"padded_chunk: chunks: 0; expected an int >= 1"),
+        ((64, 2, 0), ValueError, r"padded_chunk: granularity: 0; expected an int >= 1"),
+        ((64, -2, 16), ValueError, r"chunks: -2"),
+        ((-1, 2, 16), ValueError, r"padded_chunk: n: -1 is outside"),
+        ((64, 2.0, 16), TypeError, r"padded_chunk: chunks: expected an integer, got float"),
+    ],
+)
+def test_padded_chunk_names_a_bad_argument(args, error, match):
+    # chunks = 0 raised ZeroDivisionError, granularity = 0 too; -2 chunks gave a negative width
+    with pytest.raises(error, match=match):
+        codecs.padded_chunk(*args)
 
 
 def _chunks_encoded_apart(codec, x):

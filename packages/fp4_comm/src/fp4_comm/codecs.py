@@ -27,7 +27,6 @@ current stream); bit-identical on both.
 
 from __future__ import annotations
 
-import math
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -731,7 +730,15 @@ def _tahquant(spec):
 
 
 def padded_chunk(n: int, chunks: int, granularity: int) -> int:
-    """Elements per chunk when ``n`` elements are split into ``chunks`` equal chunks, each a
-    multiple of ``granularity`` (zeros pad the end)."""
-    per = max(1, math.ceil(n / chunks))
-    return math.ceil(per / granularity) * granularity
+    """Elements per chunk when ``n`` elements (an int >= 0) are split into ``chunks`` equal
+    chunks (an int >= 1), each a multiple of ``granularity`` (an int >= 1; zeros pad the end)."""
+    n = check_int(n, "padded_chunk: n", 2**63)
+    for name, value in (("chunks", chunks), ("granularity", granularity)):
+        try:
+            positive = check_int(value, f"padded_chunk: {name}", 2**63) >= 1
+        except ValueError:
+            positive = False
+        if not positive:
+            raise ValueError(f"padded_chunk: {name}: {value}; expected an int >= 1") from None
+    per = max(1, -(-n // chunks))
+    return -(-per // granularity) * granularity
