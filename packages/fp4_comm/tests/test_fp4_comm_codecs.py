@@ -104,6 +104,24 @@ def test_decode_takes_n_as_any_integer(name):
         codec.decode(sections, 128.0)
 
 
+@pytest.mark.parametrize("codec", ["none", "none-float32"])
+def test_none_codec_round_trip_shares_memory_as_documented(codec):
+    # NoneCodec's policy (its docstring): no copy where none is needed, so a local round trip
+    # to the wire dtype is a view of the input; a collective's result is not.
+    from fp4_comm import reference
+
+    c = get_codec(codec)
+    x = torch.randn(2, 32).to(c.dtype)
+    y = c.decode(c.encode(x), 32, c.dtype)
+    assert y.data_ptr() == x.data_ptr()
+    assert c.decode(c.encode(x), 32, torch.float16).data_ptr() != x.data_ptr()
+    xs = [x, x.clone()]
+    for ys in (reference.all_reduce(xs, codec=codec), reference.all_gather(xs, codec=codec)):
+        before = [y.clone() for y in ys]
+        x.add_(1)
+        assert all(torch.equal(a, b) for a, b in zip(ys, before, strict=True))
+
+
 def test_nvfp4_sections_carry_the_tensor_scale():
     x = _data(np.random.default_rng(3), 2, 32)
     q = fp4_kernels.quantize(x, fmt="nvfp4")

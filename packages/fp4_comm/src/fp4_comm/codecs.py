@@ -191,7 +191,13 @@ def _bytes_per_chunk(t, chunks):
 
 
 class NoneCodec(CheckedCodec):
-    """The values as they are, in ``dtype`` (default bfloat16, the usual baseline)."""
+    """The values as they are, in ``dtype`` (default bfloat16, the usual baseline).
+
+    No copy where none is needed: ``encode`` of a tensor already in ``dtype`` returns a view of
+    its bytes (sent as they are), and ``decode`` to ``dtype`` a view of its section
+    (``decode_copies`` is False).  So a local ``decode(encode(x), n, x.dtype)`` shares ``x``'s
+    memory and changes with it; ``.clone()`` it to keep it.  The collectives' results never
+    share their input's memory: they decode what their receive buffers hold."""
 
     granularity = 1
 
