@@ -481,6 +481,35 @@ class FP4StoredWeights:
                     return i, name, tuple(v.shape)
         return None
 
+    def _checked_packed(self, i, s, block):
+        """The QuantizedTensor of parameter ``i`` from its fields ``s`` in a state (checked,
+        moved to the parameter's device)."""
+        padded = (-(-_numel(self.shapes[i]) // block) * block,)
+        if not isinstance(s["shape"], (tuple, list, torch.Size)) or tuple(s["shape"]) != padded:
+            raise ValueError(
+                f"state['packed'][{i}]: shape {s['shape']!r}, expected {padded} for a "
+                f"parameter of shape {self.shapes[i]}"
+            )
+        fields = [s.get(k) for k in ("data", "scales", "global_scale")]
+        if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in fields):
+            raise TypeError(
+                f"state['packed'][{i}]: data, scales and global_scale must be torch tensors "
+                "holding values (not on the meta device)"
+            )
+        device = self.params[i].device
+        data, scales, global_scale = (t.to(device) for t in fields)
+        q = fp4_kernels.QuantizedTensor(
+            data=data,
+            scales=scales,
+            global_scale=global_scale,
+            fmt=self.fmt,
+            shape=padded,
+            dtype="float32",
+            scale_layout="linear",
+        )
+        fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
+        return q
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; ValueError / TypeError if it belongs to parameters of
         other shapes, to another rounding or format, to another kind of optimizer (SGD's state
@@ -515,33 +544,7 @@ class FP4StoredWeights:
                     f"the state has {key}={state[key]!r}, this one {getattr(self, key)!r}"
                 )
         block = fp4_kernels.FORMATS[self.fmt]
-        packed = []
-        for i, s in enumerate(state["packed"]):
-            padded = (-(-_numel(self.shapes[i]) // block) * block,)
-            if not isinstance(s["shape"], (tuple, list, torch.Size)) or tuple(s["shape"]) != padded:
-                raise ValueError(
-                    f"state['packed'][{i}]: shape {s['shape']!r}, expected {padded} for a "
-                    f"parameter of shape {self.shapes[i]}"
-                )
-            fields = [s.get(k) for k in ("data", "scales", "global_scale")]
-            if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in fields):
-                raise TypeError(
-                    f"state['packed'][{i}]: data, scales and global_scale must be torch tensors "
-                    "holding values (not on the meta device)"
-                )
-            device = self.params[i].device
-            data, scales, global_scale = (t.to(device) for t in fields)
-            q = fp4_kernels.QuantizedTensor(
-                data=data,
-                scales=scales,
-                global_scale=global_scale,
-                fmt=self.fmt,
-                shape=padded,
-                dtype="float32",
-                scale_layout="linear",
-            )
-            fp4_kernels.dequantize(q)  # validates every field it reads (dtype, shape, device)
-            packed.append(q)
+        packed = [self._checked_packed(i, s, block) for i, s in enumerate(state["packed"])]
         seed = check_seed(state["seed"], "state['seed']")
         step_count = check_integer(state["step_count"], "state['step_count']")
         if step_count < 0:
