@@ -225,6 +225,36 @@ def test_a_launch_policy_sizes_every_kernels_carveout(fake, monkeypatch):
             pass
 
 
+def test_a_planned_call_sets_the_carveout_it_was_recorded_with(fake, monkeypatch):
+    """The carveout is an attribute of the kernel that follows its latest launch: a planned
+    call after a launch of another policy sizes it again as its plan was recorded (the
+    transform's 4 CTAs an SM at g = 4096 after the driver's choice; the FP4Quant encoder's
+    driver choice after 4)."""
+    monkeypatch.setenv("FP4_HADAMARD_VARIANT", "smem-pf")
+    x = _x((8, 4096))
+
+    def carveouts(op, **policy):
+        """The carveouts of the kernels ``op`` launched, as they are after it."""
+        fake.launches.clear()
+        with launch_policy(**policy):
+            op()
+        return [fake.carveouts.get(launched[0], "unset") for launched in fake.launches]
+
+    def transform():
+        fk.hadamard(x, group_size=4096)
+
+    def encode():
+        fk.quantize(x, fmt=G64)
+
+    for _ in range(3):  # unplanned, recorded, planned
+        assert carveouts(transform) == [4]
+        assert carveouts(encode) == ["unset"]  # the driver's, never set
+    assert carveouts(transform, threads_per_sm=0) == [None]
+    assert carveouts(encode, threads_per_sm=512) == [4]  # CTAs of 128
+    assert carveouts(transform) == [4]  # the plans' launches size them again
+    assert carveouts(encode) == [None]
+
+
 def _wire_roles(launches, named):
     """``_roles`` with a pointer outside the named tensors read as ("wire", offset from the
     first such pointer): the one buffer a call does not return, FP4Quant's wire buffer between

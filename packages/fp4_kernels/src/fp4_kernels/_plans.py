@@ -368,9 +368,9 @@ class Tracer(launch.GpuContext):
             self.keep.append(arr)  # a cached constant (sign words, the MXFP4 scale 1.0)
         return super().view(arr, np_dtype)
 
-    def submit(self, launcher, blocks, threads, args):
+    def submit(self, launcher, blocks, threads, args, ctas_per_sm=None):
         """Record the launch: its values, with the positions a call patches (the pointers into
-        its inputs and outputs, the probe scalars)."""
+        its inputs and outputs, the probe scalars), and the carveout it was sized for."""
         values, positions = launch.launch_values(args)
         pointers, scalars = [], []
         for a, pos in zip(args, positions, strict=True):
@@ -384,14 +384,14 @@ class Tracer(launch.GpuContext):
                 if a.dtype == dt and a == probe:
                     scalars.append((pos, i))
                     break
-        self.launches.append((launcher, blocks, threads, values, pointers, scalars))
+        self.launches.append((launcher, blocks, threads, values, pointers, scalars, ctas_per_sm))
 
     def plan(self, result, scalars=()):
         """The plan of what was recorded; ``result``: the placeholders (or None) the call
         returns, in the order the plan returns them; ``scalars``: the probes (indices into
         seed low, seed high, step, amax) the call must find in the arguments, or a per-call
         value would silently be the probe's."""
-        found = {k for *_, probes in self.launches for _, k in probes}
+        found = {k for *_, probes, _ in self.launches for _, k in probes}
         missing = set(scalars) - found
         if missing:
             raise RuntimeError(f"probe scalars {sorted(missing)} not found in the launches")
@@ -424,8 +424,9 @@ class Plan:
                 launcher, blocks, threads, values,
                 tuple((pos, slot[source], rel) for pos, source, rel in pointers)
                 + tuple((pos, len(order) + k, 0) for pos, k in scalars),
+                ctas,
             )
-            for launcher, blocks, threads, values, pointers, scalars in tracer.launches
+            for launcher, blocks, threads, values, pointers, scalars, ctas in tracer.launches
         ]  # fmt: skip
         self.result = self._result_views(result, sections, own, torch.uint8)
 
@@ -520,7 +521,9 @@ class Plan:
                 bases.append(t)
             slots += scalars
             stream = self.current_stream(self.device_id)
-            for launcher, blocks, threads, template, patches in self.launches:
+            for launcher, blocks, threads, template, patches, ctas in self.launches:
+                if launcher.ctas_per_sm != ctas:  # another kind of launch resized it since
+                    launch.set_carveout(launcher, ctas)
                 values = template.copy()
                 for pos, slot, rel in patches:
                     values[pos] = slots[slot] + rel

@@ -82,7 +82,7 @@ def grid_for(work_items, per_cta):
 
 _compiled = {}  # (kernel, device, argument dtypes) -> PackedLauncher
 _resident = {}  # (that key, threads, resident threads an SM) -> CTAs resident at once
-_carveout = {}  # that key -> the CTAs an SM its shared-memory carveout is sized for (None: driver)
+_carveout = {}  # that key -> its launcher's ctas_per_sm: the carveout's CTAs an SM (None: driver)
 
 
 def current_device_id():
@@ -116,20 +116,30 @@ def launch(kernel, blocks, threads, ctx, args, threads_per_sm=None):
         cu_kernel = abi.compile_kernel(kernel, map(numba_type, args))
         launcher = _compiled[key] = PackedLauncher(cu_kernel, args)
         launcher.cu_kernel = cu_kernel
+        launcher.key = key
     forced = current_policy().threads_per_sm
     if forced is not None:
         threads_per_sm = forced or None
     ctas_per_sm = None if threads_per_sm is None else max(1, threads_per_sm // threads)
-    if _carveout.get(key) != ctas_per_sm:  # a function attribute: follows the latest launch
-        abi.set_carveout(launcher.cu_kernel, device, ctas_per_sm)
-        _carveout[key] = ctas_per_sm
+    if launcher.ctas_per_sm != ctas_per_sm:
+        set_carveout(launcher, ctas_per_sm)
     resident = _resident.get((key, threads, ctas_per_sm))
     if resident is None:
         per_sm = launcher.cu_kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         resident = _resident[(key, threads, ctas_per_sm)] = max(1, per_sm) * sm_count(device)
     blocks = min(blocks, resident)
-    ctx.submit(launcher, blocks, threads, args)  # queued, or recorded into a plan (``_plans``)
+    # queued, or recorded into a plan (``_plans``) with the carveout it was launched under
+    ctx.submit(launcher, blocks, threads, args, ctas_per_sm)
     return blocks
+
+
+def set_carveout(launcher, ctas_per_sm):
+    """Size the shared-memory carveout of ``launcher``'s kernel for ``ctas_per_sm`` CTAs an SM
+    (None: the driver's choice).  It is an attribute of the kernel, which follows the latest
+    launch of any kind: ``launch`` and a plan's launches set it again where it differs from
+    what they were sized for (``launcher.ctas_per_sm``)."""
+    abi.set_carveout(launcher.cu_kernel, launcher.key[1], ctas_per_sm)
+    launcher.ctas_per_sm = _carveout[launcher.key] = ctas_per_sm
 
 
 def seed_step_args(ctx, seed, step, step_array=None):
@@ -328,8 +338,9 @@ class GpuContext:
             return torch.full(values.shape, bits[0].item(), dtype=dtype, device=device)
         return torch.from_numpy(bits.copy()).to(device)
 
-    def submit(self, launcher, blocks, threads, args):
-        """Queue a compiled launch (``launch.launch``) on the caller's stream."""
+    def submit(self, launcher, blocks, threads, args, ctas_per_sm=None):
+        """Queue a compiled launch (``launch.launch``, which has sized the kernel's carveout
+        for ``ctas_per_sm``) on the caller's stream."""
         launcher(self.stream.ptr, blocks, threads, args)
 
     def float_dtype_of_kind(self, kind):
@@ -534,6 +545,7 @@ class PackedLauncher:
         base = ctypes.addressof(self.buffer)
         self.pointers = (ctypes.c_void_p * len(params))(*[base + o for o, _ in params])
         self.function = int(cu_kernel.handle)
+        self.ctas_per_sm = None  # the carveout last set (``set_carveout``; None: the driver's)
         self.cu_launch_kernel = _cu_launch_kernel()
         self.lock = threading.Lock()  # the buffer is shared: pack and launch as one step
 
