@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from dataclasses import dataclass
 
 
@@ -119,6 +120,20 @@ DEFAULT_POLICY = LaunchPolicy()
 POLICY = contextvars.ContextVar("fp4_kernels_launch_policy", default=None)
 
 
+def _policy_int(value, name):
+    """A policy field as an int (None stays None); TypeError for anything else: a float or a
+    bool equal to an int would share that int's plans (``LaunchPolicy`` compares equal) and
+    fail in an unplanned launch."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}") from None
+
+
 @contextlib.contextmanager
 def launch_policy(threads=None, max_blocks=None, lanes_per_block=None, threads_per_sm=None):
     """Launch every kernel queued inside the block with ``threads`` per CTA (a multiple of 32),
@@ -126,8 +141,19 @@ def launch_policy(threads=None, max_blocks=None, lanes_per_block=None, threads_p
     or 2 for NVFP4; 1, 2 or 4 for MXFP4) and a shared-memory carveout sized for
     ``threads_per_sm`` resident threads an SM (0: the driver's choice, which fits the most
     CTAs).  Results do not depend on it; speed does."""
+    threads, max_blocks, lanes_per_block, threads_per_sm = (
+        _policy_int(v, name)
+        for v, name in (
+            (threads, "threads"),
+            (max_blocks, "max_blocks"),
+            (lanes_per_block, "lanes_per_block"),
+            (threads_per_sm, "threads_per_sm"),
+        )
+    )
     if threads is not None and (threads <= 0 or threads % 32):
         raise ValueError(f"threads: {threads} is not a positive multiple of 32")
+    if max_blocks is not None and max_blocks <= 0:
+        raise ValueError(f"max_blocks: {max_blocks} is not positive (None: the table's grid)")
     if lanes_per_block not in (None, 1, 2, 4):
         raise ValueError(f"lanes_per_block: {lanes_per_block} is not 1, 2 or 4")
     if threads_per_sm is not None and threads_per_sm < 0:
