@@ -255,6 +255,29 @@ def test_a_planned_call_sets_the_carveout_it_was_recorded_with(fake, monkeypatch
     assert carveouts(encode) == [None]
 
 
+@pytest.mark.parametrize(
+    "policy, error, message",
+    [
+        ({"max_blocks": 2.0}, TypeError, "max_blocks: expected an int or None, got float"),
+        ({"threads": 64.0}, TypeError, "threads: expected an int or None, got float"),
+        ({"lanes_per_block": True}, TypeError, "lanes_per_block: expected an int or None"),
+        ({"threads_per_sm": 512.0}, TypeError, "threads_per_sm: expected an int or None"),
+        ({"max_blocks": 0}, ValueError, "max_blocks: 0 is not positive"),
+        ({"max_blocks": -3}, ValueError, "max_blocks: -3 is not positive"),
+    ],
+)
+def test_a_launch_policy_takes_ints(fake, policy, error, message):
+    """A float or bool field equal to an int compared equal to it, so a call under it reused
+    the int policy's plan (or failed in its unplanned launch); max_blocks = 0 gave empty
+    grids.  Refused when the block is entered; a numpy integer is an int."""
+    with pytest.raises(error, match=message):
+        with launch_policy(**policy):
+            pass
+    with launch_policy(max_blocks=np.int64(2), threads=np.int32(64)):
+        fk.quantize(_x((8, 64)))
+    assert {launched[1:3] for launched in fake.launches} <= {(1, 64), (2, 64)}
+
+
 def _wire_roles(launches, named):
     """``_roles`` with a pointer outside the named tensors read as ("wire", offset from the
     first such pointer): the one buffer a call does not return, FP4Quant's wire buffer between
@@ -357,11 +380,14 @@ def test_each_call_gets_its_own_seed_and_step(fake):
 
 
 def test_each_call_gets_its_own_float_amax(fake):
+    """... launched as the unplanned path launches it (-0.0 as 0.0: a plan's patch adds)."""
     x = _x()
     _planned(lambda: fk.quantize(x, global_amax=1.0))
-    for amax in (2.5, 0.0, 1e30, 7, np.float32(0.25), np.int64(3)):
+    _planned(lambda: fk.quantize_dequantize(x, global_amax=1.0))
+    for amax in (2.5, 0.0, -0.0, 1e30, 7, np.float32(0.25), np.int64(3), np.float32(-0.0)):
         _compare(fake, lambda: fk.quantize(x, global_amax=amax), {"x": x}, new_plan=False)  # noqa: B023
-    assert len(_plans._PLANS) == 1
+        _compare(fake, lambda: fk.quantize_dequantize(x, global_amax=amax), {"x": x}, False)  # noqa: B023
+    assert len(_plans._PLANS) == 2
 
 
 def test_a_launch_policy_is_part_of_the_plan(fake):

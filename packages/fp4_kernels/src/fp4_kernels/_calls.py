@@ -338,8 +338,8 @@ AMAX_F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 def checked_amax(value):
-    """``global_amax`` as a float, or ValueError unless it is finite, >= 0 and within float32's
-    range."""
+    """``global_amax`` as a float (-0.0 as 0.0: one launch value for one amax, as a planned
+    call passes it), or ValueError unless it is finite, >= 0 and within float32's range."""
     try:
         v, shown = float(value), repr(value)
     except OverflowError:  # an int beyond float64's range (its repr may be too long to print)
@@ -353,7 +353,7 @@ def checked_amax(value):
             f"{float(np.finfo(np.float32).max)!r}), in which the tensor scale is computed; "
             "pass at most that (the amax of a float32, bfloat16 or float16 tensor always is)"
         )
-    return v
+    return v + 0.0  # (-0.0 + 0.0 is +0.0)
 
 
 def checked_amax_array(a, backend):
