@@ -31,7 +31,7 @@ def test_presets_list_their_runs(preset, tmp_path, capsys):
 
 
 def test_a_codec_fp4_comm_does_not_know_is_listed_as_unavailable(tmp_path, monkeypatch, capsys):
-    preset = {"args": ["--model", "qwen-tiny"], "seeds": [0, 1],
+    preset = {"args": ["--model", "qwen-tiny", "--tp", "2"], "seeds": [0, 1],
               "configs": [("bf16", ["--codec", "none"]),
                           ("tahquant", ["--codec", "tahquant-hx"])]}  # fmt: skip
     monkeypatch.setitem(emulated_sweep.PRESETS, "odd", preset)

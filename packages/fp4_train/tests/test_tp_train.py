@@ -246,7 +246,10 @@ def test_pipeline_refuses_error_feedback(flag):
 
     from fp4_train.experiments import tp_train
 
-    args = tp_train.parse_args(["--parallel", "pp", "--codec", "nvfp4", flag])
+    with pytest.raises(SystemExit):  # named on the command line
+        tp_train.parse_args(["--parallel", "pp", "--codec", "nvfp4", flag])
+    args = tp_train.parse_args(["--parallel", "pp", "--codec", "nvfp4"])
+    setattr(args, flag[2:].replace("-", "_"), True)  # and by the Runner of other callers
     comm = SimpleNamespace(world_size=2, rank=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="the pipeline's sends have none"):
         tp_train.Runner(args, comm, torch.device("cpu"))
@@ -329,6 +332,15 @@ def test_graph_cache_gb_must_be_positive(gb, capsys):
         (["--codec", "fp4quant-g3"], "argument --codec: FP4Quant.group_size: 3"),
         (["--codec", "fp4quant", "--group-size", "100"], "--group-size 100:"),
         (["--graph-cache-gb", "inf"], "--graph-cache-gb inf: a finite number"),
+        (["--model", "qwen", "--d-model", "30", "--heads", "2"],
+         "--d-model 30: a multiple of 2 x --heads 2"),
+        (["--model", "qwen", "--heads", "4", "--kv-heads", "3"], "--kv-heads 3: must divide"),
+        (["--parallel", "pp", "--codec", "native"], "--codec native / --grad-codec native:"),
+        (["--parallel", "pp", "--codec", "nvfp4", "--grad-codec", "native"],
+         "--codec native / --grad-codec native:"),
+        (["--parallel", "pp", "--codec", "nvfp4", "--error-feedback"],
+         "--error-feedback / --grad-error-feedback correct sums"),
+        (["--data-format", "random", "--vocab", "300"], "--vocab 300: --model byte has a byte"),
     ],
 )  # fmt: skip
 def test_run_arguments_out_of_range_are_named(argv, message, capsys):
@@ -354,6 +366,54 @@ def test_out_and_checkpoint_paths_are_checked_before_the_run(tmp_path, capsys):
         with pytest.raises(SystemExit):
             tp_train.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (["--heads", "2"], 3, "--heads (2): must divide by the 3 processes"),
+        (["--model", "qwen", "--heads", "4", "--kv-heads", "2"], 4, "--kv-heads (2): must"),
+        (["--model", "qwen", "--ffn", "102"], 4, "--ffn (102): must divide by the 4"),
+        (["--model", "qwen-tiny"], 3, "heads of --model qwen-tiny (4): must divide by the 3"),
+        (["--sequence-parallel", "--seq-len", "9"], 2, "--seq-len 9: a multiple of the 2"),
+        (["--parallel", "pp"], 3, "--parallel pp: two pipeline stages, one a rank; not the 3"),
+    ],
+)  # fmt: skip
+def test_a_model_that_does_not_split_over_the_ranks_is_named(argv, world, message, capsys,
+                                                              monkeypatch):  # fmt: skip
+    """Heads and widths that the ranks cannot split equally, refused with the option named
+    before the corpus is read and the process group made (they failed inside the model's
+    construction, with a traceback on every rank)."""
+    import fp4_comm
+    from fp4_train.experiments import tp_train
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("the process group was made")
+
+    monkeypatch.setattr(fp4_comm.Communicator, "from_env", no_group)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        tp_train.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+    tp_train.parse_args(["--device", "cpu", *argv])  # the arguments themselves are valid
+
+
+def test_byte_model_refuses_a_token_vocabulary(monkeypatch):
+    import torch
+
+    from fp4_train.experiments import tp_train
+
+    def tokens(args):
+        ids = torch.arange(4096) % 1000
+        return ids[:3000], ids[3000:], 1000
+
+    monkeypatch.setitem(tp_train.DATA_FORMATS, "tokens", tokens)
+    args = tp_train.parse_args(["--data-format", "tokens", "--seq-len", "16"])
+    with pytest.raises(SystemExit, match="gives a vocabulary of 1000; --model byte has a byte"):
+        tp_train.load_data(args)
+    args = tp_train.parse_args(["--data-format", "tokens", "--seq-len", "16", "--model", "qwen"])
+    assert tp_train.load_data(args)[2] == 1000
 
 
 def test_a_corpus_too_small_or_unreadable_is_named(tmp_path):
@@ -390,6 +450,10 @@ def test_emulated_arguments_are_named(capsys):
         (["--parallel", "pp", "--tokens-per-step", "3072", "--microbatches", "2"],
          "--microbatches 2: must divide --batch 3"),
         (["--sequence-parallel", "--seq-len", "15", "--tp", "2"], "--seq-len 15: a multiple"),
+        (["--tp", "3", "--heads", "2"], "--heads (2): must divide by --tp 3"),
+        (["--tp", "2", "--model", "qwen", "--heads", "4", "--kv-heads", "1"],
+         "--kv-heads (1): must divide by --tp 2"),
+        (["--tp", "8", "--model", "qwen-tiny"], "of --model qwen-tiny"),
     ):  # fmt: skip
         with pytest.raises(SystemExit):
             emulated_tp.parse_args(argv)

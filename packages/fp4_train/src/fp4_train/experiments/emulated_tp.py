@@ -156,9 +156,8 @@ def parse_args(argv=None):
     for seed in own.seeds or ():
         if not 0 <= seed < tp_train.SEED_LIMIT:
             ap.error(f"--seeds: {seed} is not in [0, 2**32)")
-    if args.sequence_parallel and args.parallel == "tp" and args.seq_len % own.tp:
-        ap.error(f"--seq-len {args.seq_len}: a multiple of --tp {own.tp} with "
-                 "--sequence-parallel (each rank holds an equal part of the sequence)")  # fmt: skip
+    if args.parallel == "tp":  # (--parallel pp emulates its two stages whatever --tp says)
+        tp_train.check_ranks(ap, args, own.tp, f"--tp {own.tp}")
     return own, args
 
 

@@ -100,7 +100,10 @@ GRAPH_CACHE_GRAPHS = 4096
 # ------------------------------------------------------------------------------------ args
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, world_size=None):
+    """The run's arguments, checked (``ap.error`` naming the option); ``world_size``: the
+    processes of the run where known (``main``: torchrun's ``WORLD_SIZE``), whose ranks the
+    model's heads and widths must split over."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a = ap.add_argument
     # fmt: off
@@ -176,6 +179,8 @@ def parse_args(argv=None):
     if gb is not None and not (math.isfinite(gb) and gb * 2**30 >= 1):
         ap.error(f"--graph-cache-gb {gb}: a finite number of GiB, more than 0")
     check_run_arguments(ap, args)
+    if world_size is not None:
+        check_ranks(ap, args, world_size, f"the {world_size} processes (torchrun's WORLD_SIZE)")
     return args
 
 
@@ -209,6 +214,12 @@ def check_run_arguments(ap, args):
         if args.batch % args.microbatches:
             ap.error(f"--microbatches {args.microbatches}: must divide --batch {args.batch} "
                      "(each micro-batch's loss is the batch's mean over equal parts)")  # fmt: skip
+        if "native" in (args.codec, args.grad_codec):
+            ap.error("--codec native / --grad-codec native: torch.distributed's all-reduce, "
+                     "tensor parallelism's (--parallel tp); the pipeline sends")  # fmt: skip
+        if args.error_feedback or args.grad_error_feedback:
+            ap.error("--error-feedback / --grad-error-feedback correct sums (--parallel tp); "
+                     "the pipeline's sends have none")  # fmt: skip
     if args.data_format == "tokens" and (len(args.data) > 1 or args.max_bytes is not None):
         ap.error("--data-format tokens: one --data folder (a build_corpus corpus), no "
                  "--max-bytes")  # fmt: skip
@@ -221,11 +232,49 @@ def check_run_arguments(ap, args):
             ap.error(f"{option} {path}: {where}")
     if args.model == "byte" and args.d_model % args.heads:
         ap.error(f"--d-model {args.d_model}: a multiple of --heads {args.heads}")
+    if args.model == "byte" and args.data_format == "random" and args.vocab != VOCAB:
+        ap.error(f"--vocab {args.vocab}: --model byte has a byte vocabulary ({VOCAB}); give "
+                 f"--vocab {VOCAB}, or a --model qwen")  # fmt: skip
+    if args.model == "qwen":
+        heads, kv_heads = args.heads, args.kv_heads or args.heads
+        if args.d_model % (2 * heads):
+            ap.error(f"--d-model {args.d_model}: a multiple of 2 x --heads {heads} (--model "
+                     "qwen: heads of an even width, RoPE rotates pairs)")  # fmt: skip
+        if heads % kv_heads:
+            ap.error(f"--kv-heads {kv_heads}: must divide --heads {heads} (grouped-query "
+                     "attention)")  # fmt: skip
     if "fp4quant" in (args.codec, args.grad_codec, *args.eval_codecs):
         try:
             fp4_kernels.FP4Quant(args.group_size, hadamard=not args.no_hadamard)
         except ValueError as err:
             ap.error(f"--group-size {args.group_size}: {err}")
+
+
+def check_ranks(ap, args, ranks, what):
+    """``ap.error`` where the run cannot be split over ``ranks`` ranks (``what``: the option
+    that sets them, for the message): the pipeline has two stages; tensor parallelism splits
+    the heads and the MLP's width, and with --sequence-parallel the sequence, into equal parts
+    per rank.  Called before anything is loaded or built."""
+    if args.parallel == "pp":
+        if ranks != 2:
+            ap.error(f"--parallel pp: two pipeline stages, one a rank; not {what}")
+        return
+    if ranks == 1:
+        return
+    if args.model == "byte":
+        sizes = (("--heads", args.heads), ("the MLP width 4 x --d-model", 4 * args.d_model))
+    else:
+        cfg = qwen_config(args, VOCAB)
+        given = args.model == "qwen"
+        sizes = [(f"--{name}" if given else f"{name} of --model {args.model}", n)
+                 for name, n in (("heads", cfg.heads), ("kv-heads", cfg.kv_heads),
+                                 ("ffn", cfg.ffn))]  # fmt: skip
+    for name, n in sizes:
+        if n % ranks:
+            ap.error(f"{name} ({n}): must divide by {what}, each rank holding an equal part")
+    if args.sequence_parallel and args.seq_len % ranks:
+        ap.error(f"--seq-len {args.seq_len}: a multiple of {what} with --sequence-parallel "
+                 "(each rank holds an equal part of the sequence)")  # fmt: skip
 
 
 def graph_cache_bounds(args):
@@ -392,8 +441,9 @@ DATA_FORMATS = {"bytes": _byte_splits, "random": _random_splits, "tokens": _toke
 
 def load_data(args):
     """(train tokens, validation tokens, vocabulary size) of ``--data`` in ``--data-format``;
-    SystemExit naming --data where it cannot be read, or where a split is shorter than one
-    sequence or holds ids beyond the vocabulary."""
+    SystemExit naming --data where it cannot be read, where its vocabulary is not the bytes of
+    --model byte, or where a split is shorter than one sequence or holds ids beyond the
+    vocabulary."""
     data = " ".join(map(str, args.data))
     try:
         train, val, vocab = DATA_FORMATS[args.data_format](args)
@@ -401,6 +451,10 @@ def load_data(args):
         # (gzip.BadGzipFile is an OSError; a manifest without a field, a KeyError)
         raise SystemExit(f"--data {data}: cannot be read as --data-format {args.data_format} "
                          f"({type(err).__name__}: {err})") from None  # fmt: skip
+    if args.model == "byte" and vocab != VOCAB:
+        raise SystemExit(f"--data {data}: --data-format {args.data_format} gives a vocabulary "
+                         f"of {vocab}; --model byte has a byte vocabulary ({VOCAB}): give a "
+                         "--model qwen")  # fmt: skip
     need = args.seq_len + 2  # a window and its shifted targets, inside the split
     for name, t in (("training", train), ("validation", val)):
         if len(t) < need:
@@ -1004,7 +1058,8 @@ def _summary(args, vocab, world, device, steps, evals, final_evals):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    world = os.environ.get("WORLD_SIZE", "")
+    args = parse_args(argv, int(world) if world.isdigit() else None)
     if "RANK" not in os.environ and not dist.is_initialized():
         raise SystemExit(
             "tp_train runs one rank a process, under torchrun: `torchrun --standalone "
