@@ -121,3 +121,23 @@ def test_describe_names_codecs_other_than_the_tables():
     assert bs.describe(lever) == "nvfp4: forward nearest + backward stochastic"
     native = _record("tp_native", 0, 0.0, parallel="tp", codec="native")
     assert bs.describe(native) == "torch.distributed's all-reduce (NCCL's on GPUs)"
+
+
+def test_a_record_without_what_the_tables_read_is_named(tmp_path):
+    """A tp_train record lacking a field the study reads is named with the field, not a
+    KeyError; JSON that is no tp_train record (a list, a number) is left out."""
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "number.json").write_text("5")
+    for i, drop in enumerate(("name", "evals")):
+        record = _record("pp_bf16", i, 0.0)
+        del record[drop]
+        (tmp_path / "broken.json").write_text(json.dumps(record))
+        with pytest.raises(SystemExit, match=f"broken.json: a tp_train record without {drop}"):
+            bs.load(tmp_path)
+    record = _record("pp_bf16", 0, 0.0)
+    del record["config"]["seed"]
+    (tmp_path / "broken.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="without config.seed"):
+        bs.main(["--out", str(tmp_path)])
+    (tmp_path / "broken.json").write_text(json.dumps(_record("pp_bf16", 0, 0.0)))
+    assert list(bs.load(tmp_path)) == ["pp_bf16"]

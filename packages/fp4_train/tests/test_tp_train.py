@@ -431,6 +431,23 @@ def test_a_corpus_too_small_or_unreadable_is_named(tmp_path):
         tp_train.load_data(args)
 
 
+def test_summary_names_a_record_without_what_its_tables_read(tmp_path):
+    """tp_summary over a folder holding a tp_train record that lacks a field: the file and the
+    field named, not a KeyError; other JSON left out."""
+    import json
+
+    from fp4_train.experiments import tp_summary
+
+    (tmp_path / "other.json").write_text("[1, 2]")
+    (tmp_path / "a.json").write_text(json.dumps({"summary": {}, "steps": [], "name": "a"}))
+    with pytest.raises(SystemExit, match="a.json: a tp_train record without codec, config, "
+                                         "evals, world_size, config.parallel"):  # fmt: skip
+        tp_summary.main([str(tmp_path)])
+    (tmp_path / "a.json").unlink()
+    with pytest.raises(SystemExit, match="no tp_train records"):
+        tp_summary.main([str(tmp_path)])
+
+
 def test_tp_train_outside_torchrun_says_how_to_run_it(monkeypatch):
     from fp4_train.experiments import tp_train
 

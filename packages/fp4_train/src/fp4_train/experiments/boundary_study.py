@@ -68,8 +68,15 @@ def load(folder):
     runs = {}
     for path in sorted(Path(folder).glob("*.json")):
         record = read_record(path)
-        if "summary" not in record or "steps" not in record:
-            continue
+        if not (isinstance(record, dict) and "summary" in record and "steps" in record):
+            continue  # other JSON: not a tp_train record
+        config = record.get("config")
+        missing = [k for k in ("name", "evals") if k not in record] + [
+            f"config.{k}" for k in ("seed", "parallel", "codec", "rounding")
+            if not isinstance(config, dict) or k not in config]  # fmt: skip
+        if missing:
+            raise SystemExit(f"{path}: a tp_train record without {', '.join(missing)}; move "
+                             "it out to summarize the others")  # fmt: skip
         m = _SEED.search(record["name"])
         stem = record["name"][: m.start()] if m else record["name"]
         runs.setdefault(stem, {})[record["config"]["seed"]] = record

@@ -35,11 +35,24 @@ CODEC_ORDER = ["native", "bf16", "fp32", "nvfp4", "mxfp4"] + [
 ]
 
 
+#: what the tables read of a tp_train record (besides its summary and steps)
+_FIELDS = ("name", "codec", "config", "evals", "world_size")
+
+
 def load(folder):
+    """The tp_train records in ``folder`` (JSON with a summary and steps; other JSON is not
+    one); SystemExit naming the file for one without a field the tables read."""
     runs = []
     for path in sorted(Path(folder).glob("*.json")):
         record = read_record(path)
         if isinstance(record, dict) and "summary" in record and "steps" in record:
+            missing = [k for k in _FIELDS if k not in record]
+            config = record.get("config", {})
+            if not (isinstance(config, dict) and "parallel" in config):
+                missing.append("config.parallel")
+            if missing:
+                raise SystemExit(f"{path}: a tp_train record without {', '.join(missing)}; "
+                                 "move it out to summarize the others")  # fmt: skip
             runs.append(record)
 
     def order(r):
