@@ -296,3 +296,16 @@ def test_arguments_are_checked(tmp_path, monkeypatch, capsys):
     assert "none could be measured" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert es.main(["--quick", "--datasets", ",", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_an_out_that_is_not_a_folder_is_named_before_the_study(tmp_path, monkeypatch, capsys):
+    def study(*args, **kwargs):
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(es, "run_study", study)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, why in ((afile, "exists and is not a folder"), (afile / "sub", "is not a folder")):
+        assert es.main(["--quick", "--datasets", "gaussian", "--out", str(out)]) == 2
+        assert f"--out {out}: " in (err := capsys.readouterr().err) and why in err
+    assert afile.read_text() == "x"
