@@ -307,5 +307,5 @@ def test_an_out_that_is_not_a_folder_is_named_before_the_study(tmp_path, monkeyp
     afile.write_text("x")
     for out, why in ((afile, "exists and is not a folder"), (afile / "sub", "is not a folder")):
         assert es.main(["--quick", "--datasets", "gaussian", "--out", str(out)]) == 2
-        assert f"--out {out}: " in (err := capsys.readouterr().err) and why in err
+        assert f"--out {str(out)!r}: " in (err := capsys.readouterr().err) and why in err
     assert afile.read_text() == "x"

@@ -921,16 +921,6 @@ def _parser():
     return p
 
 
-def _unusable_out(out):
-    """Why the folder ``out`` cannot be made or written into, or None."""
-    if out.exists():
-        return None if out.is_dir() else "exists and is not a folder; name a folder"
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    return None if parent.is_dir() else f"{parent} is not a folder"
-
-
 def main(argv=None):
     args = _parser().parse_args(argv)
     names = tuple(n for n in args.datasets.split(",") if n)
@@ -941,9 +931,12 @@ def main(argv=None):
     if not names:
         print(f"--datasets: none given (from {', '.join(DATASETS)})", file=sys.stderr)
         return 2
-    where = _unusable_out(Path(args.out))
-    if where:  # named before the study runs, not after it
-        print(f"--out {args.out}: {where}", file=sys.stderr)
+    from fp4_kernels.report import ReportError, check_out_dir
+
+    try:
+        check_out_dir(args.out)  # named before the study runs, not after it
+    except ReportError as err:
+        print(err, file=sys.stderr)
         return 2
     try:
         result = run_study(args.quick, names, args.commit,
