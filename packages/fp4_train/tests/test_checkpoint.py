@@ -212,6 +212,39 @@ def test_resuming_with_other_arguments_names_them(tmp, uninterrupted):
         _emulated(tmp, "tp2-g64-nearest", tmp / "tp2-g64-nearest-whole", "--lr", "2e-3")
 
 
+def test_a_checkpoint_path_of_another_kind_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "folder.pt").mkdir()
+    for path, message in [("notes.txt", "a file that does not end in .pt"),
+                          ("folder.pt", "a folder ending in .pt")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            tp_train.parse_args(["--checkpoint", str(tmp_path / path)])
+        assert f"--checkpoint {tmp_path / path}: {message}" in capsys.readouterr().err
+
+
+def test_an_unreadable_checkpoint_is_named(tmp, uninterrupted):
+    whole = (tmp / "tp2-g64-nearest-whole" / "rank0.pt").read_bytes()
+    for name, data in [("truncated", whole[: len(whole) // 2]), ("garbage", b"\0" * 100)]:
+        (tmp / name).mkdir(exist_ok=True)
+        (tmp / name / "rank0.pt").write_bytes(data)
+        with pytest.raises(SystemExit, match=r"^--checkpoint .*rank0\.pt \(.*\) is not a "
+                                             r"readable checkpoint; delete it"):  # fmt: skip
+            _emulated(tmp, "tp2-g64-nearest", tmp / name)
+
+
+def test_resuming_with_another_tp_names_it(tmp, capsys):
+    argv = [*BASE, "--data", str(tmp / "corpus.txt"), "--checkpoint", str(tmp / "tp-change")]
+    with pytest.raises(SystemExit) as stop:
+        emulated_tp.main([*argv, "--tp", "2", "--stop-at-step", "1"])
+    assert stop.value.code == checkpoint.EX_TEMPFAIL
+    assert checkpoint.load(tmp / "tp-change" / "rank0.pt")["config"]["tp"] == 2
+    with pytest.raises(ValueError, match="--tp 2 there, 1 here"):
+        emulated_tp.main([*argv, "--tp", "1"])
+    # a checkpoint that does not record --tp (an older one) is compared without it
+    args = tp_train.parse_args(BASE)
+    checkpoint.check_config(checkpoint.config_of(args), args, "c", {"tp": 2})
+
+
 # ------------------------------------------------------------------ tp_train, 2 gloo processes
 
 

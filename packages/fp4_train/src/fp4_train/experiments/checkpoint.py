@@ -67,14 +67,30 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def read(path: Path) -> tuple[dict | None, str | None]:
+    """(``load(path)``, None), or (None, why) where ``path`` is not a checkpoint ``save``
+    wrote (truncated, corrupt, another kind of file)."""
+    try:
+        state = load(path)
+    except Exception as e:  # torch.load's errors: RuntimeError, UnpicklingError, EOFError...
+        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    if not isinstance(state, dict) or not {"format", "records", "runner"} <= state.keys():
+        return None, "not a checkpoint of this program"
+    return state, None
+
+
 def config_of(args) -> dict:
     """The arguments that fix a run's bits (every one but ``RUNTIME_ARGS``), as plain values."""
     return {k: plain(v) for k, v in sorted(vars(args).items()) if k not in RUNTIME_ARGS}
 
 
-def check_config(saved: dict, args, path) -> None:
-    """ValueError naming the arguments in which this run differs from the checkpoint's."""
-    mine = config_of(args)
+def check_config(saved: dict, args, path, options=None) -> None:
+    """ValueError naming the arguments in which this run differs from the checkpoint's.
+    ``options``: the caller's own arguments that fix the run's bits, beside ``args``
+    (``emulated_tp``'s ``--tp``), compared where the checkpoint records them (an older one
+    may not)."""
+    options = {k: v for k, v in (options or {}).items() if k in saved}
+    mine = {**config_of(args), **options}
     differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {mine.get(k)!r} here"
               for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]  # fmt: skip
     if differ:

@@ -262,7 +262,9 @@ def run(args, tp, curve_points=CURVE_POINTS):
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    record = tp_train.train(args, None, device, make_runner(tp))
+    # --tp fixes the run's bits (not --parallel pp's, which emulates its two stages)
+    options = {} if args.parallel == "pp" else {"tp": tp}
+    record = tp_train.train(args, None, device, make_runner(tp), options)
     if record is None:
         return None
     if device.type == "cuda":

@@ -320,6 +320,14 @@ def _check_checkpoint_arguments(ap, args):
     if args.checkpoint is None and (stops or args.checkpoint_every_s):
         ap.error("--stop-at-step / --stop-at-s / --checkpoint-every-s write a checkpoint: "
                  "give it a place with --checkpoint PATH")  # fmt: skip
+    ckpt = args.checkpoint
+    if ckpt is not None and ckpt.suffix != ".pt" and ckpt.exists() and not ckpt.is_dir():
+        ap.error(f"--checkpoint {ckpt}: a file that does not end in .pt; the checkpoint "
+                 "is a folder (a file per process) or a file ending in .pt: give another "
+                 "path")  # fmt: skip
+    if ckpt is not None and ckpt.suffix == ".pt" and ckpt.is_dir():
+        ap.error(f"--checkpoint {ckpt}: a folder ending in .pt; a path ending in .pt is the "
+                 "checkpoint file itself: give another path")  # fmt: skip
     if args.checkpoint is not None and args.cuda_graph:
         ap.error("--checkpoint: not with --cuda-graph (a resumed run would capture its graph "
                  "without the eager warm-up steps); run eagerly to checkpoint")  # fmt: skip
@@ -846,11 +854,13 @@ def set_deterministic():
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def train(args, comm, device=None, make_runner=None):
+def train(args, comm, device=None, make_runner=None, options=None):
     """Run one configuration on this rank (every rank of ``comm`` calls it); the record, or
     None where it stopped (``--stop-at-step``, ``--stop-at-s``) with its checkpoint written:
     a call with the same arguments resumes it from ``--checkpoint``.
-    ``make_runner(args, device, vocab)``: the runner (default: ``Runner`` over ``comm``)."""
+    ``make_runner(args, device, vocab)``: the runner (default: ``Runner`` over ``comm``);
+    ``options``: the caller's own arguments that fix the run's bits, beside ``args``
+    (``emulated_tp``'s ``{"tp": k}``), kept in the checkpoint and compared at a resume."""
     device = device or (comm.device if comm is not None else torch.device("cpu"))
     if comm is not None:
         comm.error_feedback.reset()  # a run starts without residuals left by an earlier one
@@ -859,7 +869,7 @@ def train(args, comm, device=None, make_runner=None):
     if args.deterministic:
         set_deterministic()
     schedule = checkpoint.Schedule(args)  # the clock of --stop-at-s starts here
-    run = Training(args, comm, device, make_runner)
+    run = Training(args, comm, device, make_runner, options)
     schedule.group = run.group
     for step in range(len(run.steps), args.steps):
         run.step(step)
@@ -881,8 +891,9 @@ class Training:
     """One run's training loop on this rank: its runner and data, what it has recorded, its
     checkpoint (``--checkpoint``: read back here where it exists)."""
 
-    def __init__(self, args, comm, device, make_runner=None):
+    def __init__(self, args, comm, device, make_runner=None, options=None):
         self.args, self.device, self.start = args, device, time.monotonic()
+        self.options = dict(options or {})
         self.train_tokens, val_tokens, self.vocab = load_data(args)
         self.corpus_tokens = len(self.train_tokens) + len(val_tokens)
         self.val = val_batches(val_tokens, args.eval_batches, args.batch, args.seq_len)
@@ -902,23 +913,30 @@ class Training:
     def resume(self):
         """Continue from this rank's checkpoint where it exists (every rank, or none)."""
         processes = self.processes
-        state = checkpoint.load(self.path) if self.path.exists() else None
-        done = -1 if state is None else len(state["records"]["steps"])
+        state, why = checkpoint.read(self.path) if self.path.exists() else (None, None)
+        # -2: unreadable, -1: none, else the steps done (every rank raises alike)
+        done = -2 if why else -1 if state is None else len(state["records"]["steps"])
+        every = [done]
         if self.group is not None:
             every = [None] * processes
             dist.all_gather_object(every, done, group=self.group)
-            if len(set(every)) > 1:
-                raise ValueError(
-                    f"checkpoint {self.args.checkpoint}: the ranks' shards are at steps "
-                    f"{every} (-1: none); resuming needs them at one step"
-                )
+        if -2 in every:
+            where = f"{self.path} ({why})" if why else f"rank {every.index(-2)}'s shard"
+            raise SystemExit(f"--checkpoint {self.args.checkpoint}: {where} is not a readable "
+                             "checkpoint; delete it to start over, or give another "
+                             "--checkpoint")  # fmt: skip
+        if len(set(every)) > 1:
+            raise ValueError(
+                f"checkpoint {self.args.checkpoint}: the ranks' shards are at steps "
+                f"{every} (-1: none); resuming needs them at one step"
+            )
         if state is None:
             return
         if state["format"] != checkpoint.FORMAT or state["world_size"] != processes:
             raise ValueError(f"checkpoint {self.path}: format {state['format']} of "
                              f"{state['world_size']} processes; this run reads format "
                              f"{checkpoint.FORMAT} of {processes}")  # fmt: skip
-        checkpoint.check_config(state["config"], self.args, self.path)
+        checkpoint.check_config(state["config"], self.args, self.path, self.options)
         self.runner.load_state_dict(state["runner"])
         checkpoint.set_rng_state(state["rng"], self.device)
         records = state["records"]
@@ -941,7 +959,8 @@ class Training:
     def save(self):
         """Write this rank's checkpoint."""
         checkpoint.save(self.path, {
-            "format": checkpoint.FORMAT, "config": checkpoint.config_of(self.args),
+            "format": checkpoint.FORMAT,
+            "config": {**checkpoint.config_of(self.args), **self.options},
             "world_size": self.processes,
             "runner": self.runner.state_dict(), "rng": checkpoint.rng_state(self.device),
             "records": {"steps": self.steps, "evals": self.evals, "wire": self.wire},
