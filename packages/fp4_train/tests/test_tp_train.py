@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from _processes import ROOT, spawn, write_corpus
@@ -234,6 +235,27 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
     names = [line.split()[0] for line in lines]
     assert len(names) == 18 * 3 and "pp_fwd-rn_bwd-sr_s2" in names
     assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seeds", "-1"], "--seeds: -1 is not in [0, 2**32)"),
+        (["--seeds", "0", "0"], "--seeds 0 0: a seed given twice"),
+        (["--seeds"], "--seeds: expected at least one argument"),
+        (["--order", "tp_bf16_s0", "tp_nope_s0"], "--order tp_nope_s0: not a run of --preset"),
+        (["--out", "FILE"], "exists and is not a folder; name a folder"),
+    ],
+)
+def test_sweep_refuses_arguments_that_cannot_mean_what_they_say(argv, message, tmp_path, capsys):
+    from fp4_train.experiments import tp_sweep
+
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    with pytest.raises(SystemExit) as stop, mock.patch("subprocess.run") as run:
+        tp_sweep.main(["--out", str(tmp_path / "out"), "--no-summary", *argv])
+    assert stop.value.code == 2 and not run.called
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--error-feedback", "--grad-error-feedback"])

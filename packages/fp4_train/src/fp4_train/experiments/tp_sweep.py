@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from .records import unusable_path
+
 # (name, extra arguments).  "native": torch.distributed's own all-reduce (NCCL on GPUs) in the
 # compute dtype; "bf16": bfloat16 values through fp4_comm's path.
 CODECS = [
@@ -159,6 +161,30 @@ def command(preset, name, run_args, extra, out, nproc):
             *preset["common"], *run_args, *extra, "--name", name, "--out", str(out)]  # fmt: skip
 
 
+def check_args(ap, args, names):
+    """``ap.error`` naming the option where the arguments cannot mean what they say;
+    ``names``: the runs of the preset with its seeds."""
+    from .tp_train import SEED_LIMIT
+
+    if args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: at least 1")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        ap.error(f"--budget-s {args.budget_s}: a finite number of seconds > 0")
+    for seed in args.seeds or ():
+        if not 0 <= seed < SEED_LIMIT:
+            ap.error(f"--seeds: {seed} is not in [0, 2**32) (tp_train's --seed)")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    for option, given in (("--only", args.only), ("--order", args.order)):
+        unknown = sorted(set(given or ()) - names)
+        if unknown:
+            ap.error(f"{option} {' '.join(unknown)}: not a run of --preset {args.preset} "
+                     "(--list names them)")  # fmt: skip
+    why = unusable_path(args.out)
+    if why:
+        ap.error(f"--out {args.out}: {why}; name a folder (every run writes its record there)")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -168,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="run names to run (default: the preset's all)")
-    ap.add_argument("--seeds", type=int, nargs="*", help="the seeds (default: the preset's)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="the seeds (default: the preset's)")
     ap.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
     ap.add_argument("--list", action="store_true", help="print the runs, run nothing")
     ap.add_argument("--no-summary", action="store_true", help="skip tp_summary (matplotlib)")
@@ -178,16 +204,9 @@ def main(argv=None):
     ap.add_argument("--order", nargs="*", default=[], help="run these names first, in this order")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
-    if args.nproc < 1:
-        ap.error(f"--nproc {args.nproc}: at least 1")
-    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
-        ap.error(f"--budget-s {args.budget_s}: a finite number of seconds > 0")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     everything = expand(preset, args.seeds)
-    unknown = sorted(set(args.only or ()) - {r[0] for r in everything})
-    if unknown:
-        ap.error(f"--only {' '.join(unknown)}: not a run of --preset {args.preset} (--list "
-                 "names them)")  # fmt: skip
+    check_args(ap, args, {r[0] for r in everything})
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     runs = [r for r in everything if not args.only or r[0] in args.only]
     rank = {name: i for i, name in enumerate(args.order)}
     runs.sort(key=lambda r: rank.get(r[0], len(rank)))  # stable: the preset's order otherwise
