@@ -304,3 +304,12 @@ def test_sweep_names_unknown_configurations_repeated_seeds_and_nan_budgets(tmp_p
         with pytest.raises(SystemExit):
             emulated_sweep.parse_args([*base, *extra])
         assert message in capsys.readouterr().err, extra
+
+
+def test_sweep_names_a_done_folder_that_is_not_there(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    for done, message in (("missing", "no such folder"), ("afile", "not a folder")):
+        with pytest.raises(SystemExit):
+            emulated_sweep.parse_args(["--preset", "pp2", "--out", str(tmp_path / "out"),
+                                       "--done", str(tmp_path), str(tmp_path / done)])  # fmt: skip
+        assert f"--done {tmp_path / done}: {message}" in capsys.readouterr().err

@@ -171,6 +171,11 @@ def parse_args(argv=None):
             ap.error(f"--{option.replace('_', '-')} {value}: a finite number of seconds {bound}")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    for folder in args.done:
+        if not folder.is_dir():
+            what = "not a folder" if folder.exists() else "no such folder"
+            ap.error(f"--done {folder}: {what}; name the folders that hold finished runs' "
+                     "summaries")  # fmt: skip
     names = [name for name, _ in PRESETS[args.preset]["configs"]]
     unknown = [n for n in args.only or () if n not in names]
     if unknown:
