@@ -141,3 +141,21 @@ def test_a_record_without_what_the_tables_read_is_named(tmp_path):
         bs.main(["--out", str(tmp_path)])
     (tmp_path / "broken.json").write_text(json.dumps(_record("pp_bf16", 0, 0.0)))
     assert list(bs.load(tmp_path)) == ["pp_bf16"]
+
+
+def test_run_options_without_run_are_refused_and_the_preset_checked(tmp_path, capsys, monkeypatch):
+    out = ["--out", str(tmp_path)]
+    for extra, message in (
+        (["--preset", "h200"], "--preset: for the runs of --run, which this call does not"),
+        (["--budget-s", "60"], "--budget-s: for the runs of --run"),
+        (["--", "--data", "c.txt"], "arguments after --: for the runs of --run"),
+        (["--run", "--preset", "bogus"], "--preset: invalid choice: 'bogus'"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            bs.main([*out, *extra])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, extra
+    sweeps = []
+    monkeypatch.setattr(bs.tp_sweep, "main", sweeps.append)
+    monkeypatch.setattr(bs, "write", lambda folder: "written")
+    assert bs.main([*out, "--run"]) == 0 and bs.main([*out, "--run", "--preset", "h200"]) == 0
+    assert [s[:2] for s in sweeps] == [["--preset", "cpu-boundary"], ["--preset", "h200"]]

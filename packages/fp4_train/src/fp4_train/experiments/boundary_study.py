@@ -31,9 +31,11 @@ import re
 import sys
 from pathlib import Path
 
+from . import tp_sweep
 from .records import finite_or_none, pyplot, read_record, write_csv, write_json
 from .tp_summary import late_gap
 
+PRESET = "cpu-boundary"  # --run's default tp_sweep preset
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training where Δ is reported
 EXACT = "none-float32"
 DEFAULT_CODEC = "fp4quant-g64"  # the codec the table's header names
@@ -324,13 +326,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="the folder of the runs")
     ap.add_argument("--run", action="store_true", help="first run the preset's missing runs")
-    ap.add_argument("--preset", default="cpu-boundary", help="tp_sweep preset (with --run)")
+    ap.add_argument("--preset", choices=sorted(tp_sweep.PRESETS), default=None,
+                    help=f"tp_sweep preset (with --run; default {PRESET})")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=None, help="tp_sweep's, with --run")
     args = ap.parse_args(argv)
+    if not args.run:
+        options = (("--preset", args.preset), ("--budget-s", args.budget_s),
+                   ("arguments after --", extra or None))  # fmt: skip
+        given = [option for option, value in options if value is not None]
+        if given:
+            ap.error(f"{' / '.join(given)}: for the runs of --run, which this call does not "
+                     "make; add --run, or leave them out to tabulate --out")  # fmt: skip
     if args.run:
-        from . import tp_sweep
-
-        sweep = ["--preset", args.preset, "--out", str(args.out), "--no-summary"]
+        sweep = ["--preset", args.preset or PRESET, "--out", str(args.out), "--no-summary"]
         if args.budget_s is not None:
             sweep += ["--budget-s", str(args.budget_s)]
         tp_sweep.main([*sweep, "--", "--quiet", *extra])
