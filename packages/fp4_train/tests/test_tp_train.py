@@ -376,6 +376,25 @@ def test_run_arguments_out_of_range_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--layers", "--d-model", "--heads", "--kv-heads", "--ffn"])
+def test_a_qwen_preset_refuses_the_sizes_it_fixes(option, capsys):
+    """A --model qwen-<size> preset fixes the model's sizes: a given one (even the default's
+    value) was silently ignored; it is named.  The defaults recorded in the run's arguments
+    stay as they were, with a preset too."""
+    from fp4_train.experiments import emulated_tp, tp_train
+
+    value = "64" if option == "--d-model" else "2"
+    for parse in (tp_train.parse_args, emulated_tp.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--model", "qwen-tiny", option, value])
+        assert f"{option}: --model qwen-tiny is a preset of fixed sizes" in capsys.readouterr().err
+    for model in ("byte", "qwen", "qwen-tiny"):
+        args = tp_train.parse_args(["--model", model])
+        assert (args.layers, args.d_model, args.heads) == (4, 256, 4)
+    args = tp_train.parse_args(["--model", "qwen", option, value])
+    assert getattr(args, option[2:].replace("-", "_")) == int(value)
+
+
 def test_out_and_checkpoint_paths_are_checked_before_the_run(tmp_path, capsys):
     from fp4_train.experiments import tp_train
 

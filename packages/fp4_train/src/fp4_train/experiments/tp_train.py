@@ -121,14 +121,7 @@ def parse_args(argv=None, world_size=None):
       help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
     a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
       help="residual per gradient sum (TP; default: --error-feedback)")
-    a("--model", choices=MODELS, default="byte",
-      help="byte: transformer.Transformer (LayerNorm, GELU, no positions); qwen: qwen.Qwen of "
-           "--layers/--d-model/--heads/--kv-heads/--ffn; qwen-<size>: a qwen.SIZES preset")
-    a("--layers", type=int, default=4)
-    a("--d-model", type=int, default=256)
-    a("--heads", type=int, default=4)
-    a("--kv-heads", type=int, default=None, help="qwen: key/value heads (default: --heads)")
-    a("--ffn", type=int, default=None, help="qwen: SwiGLU width (default: 8/3 d, to 64)")
+    _model_arguments(a)
     a("--seq-len", type=int, default=256)
     a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
     a("--microbatches", type=int, default=2, help="pipeline micro-batches per step")
@@ -174,6 +167,7 @@ def parse_args(argv=None, world_size=None):
     # fmt: on
     _checkpoint_arguments(a)
     args = ap.parse_args(argv)
+    _model_shape(ap, args)
     _check_checkpoint_arguments(ap, args)
     gb = args.graph_cache_gb
     if gb is not None and not (math.isfinite(gb) and gb * 2**30 >= 1):
@@ -182,6 +176,40 @@ def parse_args(argv=None, world_size=None):
     if world_size is not None:
         check_ranks(ap, args, world_size, f"the {world_size} processes (torchrun's WORLD_SIZE)")
     return args
+
+
+#: --layers, --d-model, --heads where not given (--model byte and qwen; a qwen-<size> preset
+#: fixes its own, but the run's arguments record these)
+MODEL_SHAPE = {"layers": 4, "d_model": 256, "heads": 4}
+
+
+def _model_arguments(a):
+    # fmt: off
+    a("--model", choices=MODELS, default="byte",
+      help="byte: transformer.Transformer (LayerNorm, GELU, no positions); qwen: qwen.Qwen of "
+           "--layers/--d-model/--heads/--kv-heads/--ffn; qwen-<size>: a qwen.SIZES preset")
+    a("--layers", type=int, default=None, help=f"default {MODEL_SHAPE['layers']}")
+    a("--d-model", type=int, default=None, help=f"default {MODEL_SHAPE['d_model']}")
+    a("--heads", type=int, default=None, help=f"default {MODEL_SHAPE['heads']}")
+    a("--kv-heads", type=int, default=None, help="qwen: key/value heads (default: --heads)")
+    a("--ffn", type=int, default=None, help="qwen: SwiGLU width (default: 8/3 d, to 64)")
+    # fmt: on
+
+
+def _model_shape(ap, args):
+    """``ap.error`` where a ``--model qwen-<size>`` preset is given sizes it would ignore;
+    then ``MODEL_SHAPE``'s defaults of the sizes not given."""
+    if args.model.startswith("qwen-"):
+        given = [f"--{name.replace('_', '-')}" for name in (*MODEL_SHAPE, "kv_heads", "ffn")
+                 if getattr(args, name) is not None]  # fmt: skip
+        if given:
+            ap.error(
+                f"{' / '.join(given)}: --model {args.model} is a preset of fixed sizes "
+                "(qwen.SIZES); leave them out, or give --model qwen and the sizes"
+            )
+    for name, value in MODEL_SHAPE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 #: --seed's range: the batch order draws from seed * 1_000_003 + step as a 64-bit seed
