@@ -292,11 +292,13 @@ def test_summary_names_a_record_it_cannot_use(tmp_path, capsys):
     assert "exists and is not a folder" in capsys.readouterr().err
 
 
-def test_sweep_names_unknown_configurations_repeated_seeds_and_nan_budgets(tmp_path, capsys):
+def test_sweep_names_unknown_configurations_bad_seeds_and_nan_budgets(tmp_path, capsys):
     base = ["--preset", "pp2", "--out", str(tmp_path)]
     for extra, message in (
         (["--only", "bogus", "bf16"], "--only bogus: not a configuration of --preset pp2"),
         (["--seeds", "0", "0"], "--seeds 0 0: a seed given twice"),
+        (["--seeds", "-1"], "--seeds: -1 is not in [0, 2**32)"),
+        (["--seeds", str(2**32)], f"--seeds: {2**32} is not in [0, 2**32)"),
         (["--budget-s", "nan"], "--budget-s nan: a finite number of seconds >= 0"),
         (["--estimate-s", "0"], "--estimate-s 0.0: a finite number of seconds > 0"),
         (["--checkpoint-dir", "c", "--stop-at-s", "-1"], "--stop-at-s -1.0: a finite number"),

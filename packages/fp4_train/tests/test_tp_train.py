@@ -243,6 +243,7 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
         (["--seeds", "-1"], "--seeds: -1 is not in [0, 2**32)"),
         (["--seeds", "0", "0"], "--seeds 0 0: a seed given twice"),
         (["--seeds"], "--seeds: expected at least one argument"),
+        (["--only"], "--only: name at least one run"),
         (["--order", "tp_bf16_s0", "tp_nope_s0"], "--order tp_nope_s0: not a run of --preset"),
         (["--out", "FILE"], "exists and is not a folder; name a folder"),
     ],
@@ -393,6 +394,17 @@ def test_a_qwen_preset_refuses_the_sizes_it_fixes(option, capsys):
         assert (args.layers, args.d_model, args.heads) == (4, 256, 4)
     args = tp_train.parse_args(["--model", "qwen", option, value])
     assert getattr(args, option[2:].replace("-", "_")) == int(value)
+
+
+@pytest.mark.parametrize("option", ["--kv-heads", "--ffn"])
+def test_the_byte_model_refuses_qwen_sizes(option, capsys):
+    """--model byte has no grouped-query heads and a 4 x d MLP: --kv-heads / --ffn given to it
+    were silently ignored; they are named."""
+    from fp4_train.experiments import tp_train
+
+    with pytest.raises(SystemExit):
+        tp_train.parse_args(["--model", "byte", option, "2"])
+    assert f"{option}: qwen sizes; --model byte" in capsys.readouterr().err
 
 
 def test_out_and_checkpoint_paths_are_checked_before_the_run(tmp_path, capsys):

@@ -175,6 +175,9 @@ def check_args(ap, args, names):
             ap.error(f"--seeds: {seed} is not in [0, 2**32) (tp_train's --seed)")
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    if args.only == []:  # (a bare --only: no run named, not every run)
+        ap.error("--only: name at least one run (--list names them), or leave it out to run "
+                 "the preset's all")  # fmt: skip
     for option, given in (("--only", args.only), ("--order", args.order)):
         unknown = sorted(set(given or ()) - names)
         if unknown:

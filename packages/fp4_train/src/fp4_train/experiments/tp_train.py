@@ -197,8 +197,8 @@ def _model_arguments(a):
 
 
 def _model_shape(ap, args):
-    """``ap.error`` where a ``--model qwen-<size>`` preset is given sizes it would ignore;
-    then ``MODEL_SHAPE``'s defaults of the sizes not given."""
+    """``ap.error`` where a ``--model qwen-<size>`` preset or ``--model byte`` is given sizes
+    it would ignore; then ``MODEL_SHAPE``'s defaults of the sizes not given."""
     if args.model.startswith("qwen-"):
         given = [f"--{name.replace('_', '-')}" for name in (*MODEL_SHAPE, "kv_heads", "ffn")
                  if getattr(args, name) is not None]  # fmt: skip
@@ -207,6 +207,11 @@ def _model_shape(ap, args):
                 f"{' / '.join(given)}: --model {args.model} is a preset of fixed sizes "
                 "(qwen.SIZES); leave them out, or give --model qwen and the sizes"
             )
+    if args.model == "byte":
+        given = [f"--{n.replace('_', '-')}" for n in ("kv_heads", "ffn") if getattr(args, n)]
+        if given:
+            ap.error(f"{' / '.join(given)}: qwen sizes; --model byte has as many key/value "
+                     "heads as heads and an MLP of 4 x --d-model")  # fmt: skip
     for name, value in MODEL_SHAPE.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
