@@ -200,6 +200,75 @@ def test_per_call_values_of_a_planned_kind_are_still_checked():
         comm.all_reduce(x, seed=np.uint64(1), step=np.int32(2))  # the full way: accepted
 
 
+def test_a_kept_plan_is_for_dense_strided_tensors_only():
+    """A sparse or mkldnn tensor of a kept kind's shape took the plan and failed inside torch
+    (copy_ between dense and sparse, ...); a negative view kept a plan under no kind."""
+    x = torch.randn(4, 32)
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            getattr(comm, op)(x)
+            for other in (x.to_sparse(), x.to_sparse_csr(), x.to_mkldnn()):
+                with pytest.raises(TypeError, match=f"{op}: a torch"):
+                    getattr(comm, op)(other)
+        kept = len(comm._plans)
+        comm.all_reduce(torch._neg_view(torch.randn(6, 32)))
+        assert len(comm._plans) == kept and None not in comm._plans
+
+
+def test_setting_the_algorithm_or_graphs_checks_it_and_drops_the_kept_plans():
+    """A kept all-reduce plan ran the algorithm it was made with after
+    ``all_reduce_algorithm`` changed (other bits than the algorithm set: one-shot quantizes
+    once, two-shot twice)."""
+    xs = _inputs(2, (4, 64), seed=7)
+    comms = _communicators(2)  # two-shot
+    _on_threads(2, lambda r: comms[r].all_reduce(xs[r], codec="nvfp4", step=0))
+    for c in comms:
+        c.all_reduce_algorithm = "one_shot"
+        assert not c._plans
+    got = _on_threads(2, lambda r: comms[r].all_reduce(xs[r], codec="nvfp4", step=0))
+    fresh = _communicators(2, "all_reduce_one_shot")
+    want = _on_threads(2, lambda r: fresh[r].all_reduce(xs[r], codec="nvfp4", step=0))
+    two_shot = _communicators(2)
+    other = _on_threads(2, lambda r: two_shot[r].all_reduce(xs[r], codec="nvfp4", step=0))
+    assert not torch.equal(want[0], other[0])  # (the check below can tell them apart)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    with pytest.raises(ValueError, match="all_reduce_algorithm"):
+        comms[0].all_reduce_algorithm = "three_shot"
+    with pytest.raises(ValueError, match="graphs: 'sometimes'"):
+        comms[0].graphs = "sometimes"
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        comm.all_reduce(xs[0])
+        comm.graphs = "never"
+        assert not comm._plans
+
+
+def test_a_kept_recv_plan_takes_int_sizes_only():
+    """A shape of floats (or bools) equal to a kept recv's ints hashed as them and took its
+    plan; the checks refuse it, as they do on a first call."""
+    x = torch.randn(4, 64)
+    comms = _communicators(2)
+
+    def run(rank):
+        if rank == 0:
+            comms[0].send(x, 1, codec="nvfp4")
+            return None
+        comms[1].recv((4, 64), x.dtype, 0, codec="nvfp4")
+        for shape in ((4.0, 64), (True, 64)):
+            with pytest.raises(TypeError, match="recv: shape: .* not an int"):
+                comms[1].recv(shape, x.dtype, 0, codec="nvfp4")
+        return None
+
+    _on_threads(2, run)
+
+
+def test_an_empty_error_feedback_name_is_refused():
+    with fake_gpu_communicator(2) as (comm, _, _, _):
+        with pytest.raises(ValueError, match="error_feedback: '' names no buffer"):
+            comm.all_reduce(torch.randn(4, 32), error_feedback="")
+        assert not comm._plans
+
+
 # ---------------------------------------------------------------------- bytes that move
 
 

@@ -72,6 +72,7 @@ _OPS = {
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 # Kinds of call whose plans a communicator keeps (least recently used dropped first).
 PLAN_CACHE_SIZE = 64
+STRIDED = torch.strided  # the one layout a kept plan takes (sparse, mkldnn: the full checks)
 # Signature: op, dtype, codec, rounding, call, ndim, numel, then the shape (up to _MAX_DIMS
 # dims; beyond, the first _MAX_DIMS - 1 and -1), then a CRC of the whole shape, so that shapes
 # of more dims that differ only after the first ones differ too.  "call" is the number of
@@ -103,6 +104,8 @@ def check_options(
         raise TypeError(
             f"error_feedback: a buffer name (str) or None, got {type(error_feedback).__name__}"
         )
+    if error_feedback == "":
+        raise ValueError("error_feedback: '' names no buffer; give a name, or None for none")
     if not isinstance(stats, bool):
         raise TypeError(f"stats: True or False (True: also return the {{hop: HopStats}}), got "
                         f"{type(stats).__name__} (a list of WireStats is what "
@@ -169,33 +172,19 @@ class Communicator:
     ) -> None:
         if validate not in VALIDATE:
             raise ValueError(f"validate: {validate!r} is not one of {VALIDATE}")
-        collectives.check_all_reduce_algorithm(all_reduce_algorithm)
-        if graphs is None:
-            graphs = _graphs.default_graphs(transport)
-        _graphs.check_graphs(graphs)
-        if graphs == "auto" and transport.always_validate:
-            raise ValueError(
-                "graphs='auto' replays CUDA graphs; this transport (gloo) moves CPU tensors and "
-                "checks every call: use graphs='never' (or None, the default)"
-            )
-        if graphs == "auto" and not transport.graph_capturable:
-            raise ValueError(
-                f"graphs='auto' replays CUDA graphs; {type(transport).__name__} cannot be "
-                "captured in one: use graphs='never' (or None, the default)"
-            )
+        self.transport = transport
+        self._graphed = _graphs.graph_cache(graph_cache)  # kinds of call replayed from graphs
+        self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()  # kind of call -> plan
+        self.all_reduce_algorithm = all_reduce_algorithm  # (checked by the setters)
+        self.graphs = graphs
         if control_group is None and isinstance(transport, GlooTransport):
             # gloo needs every call checked (GlooTransport): over its own group where no
             # other is given.
             control_group = dist.group.WORLD if transport.group is None else transport.group
-        self.transport = transport
         self.control_group = control_group
         self.validate = validate
-        self.graphs = graphs
-        self.all_reduce_algorithm = all_reduce_algorithm
         self.error_feedback = ErrorFeedback()
-        self._graphed = _graphs.graph_cache(graph_cache)  # kinds of call replayed from graphs
         self._validated: set[tuple] = set()
-        self._plans: OrderedDict[tuple, _PlanEntry] = OrderedDict()  # kind of call -> plan
         self._calls = 0  # collectives made: the default stochastic-rounding step
         self._sends = 0
 
@@ -325,14 +314,57 @@ class Communicator:
             _check_timeout(timeout_s)
         self.transport.synchronize(timeout_s)
 
+    @property
+    def graphs(self) -> Graphs:
+        """ "auto" or "never" (the class doc); set it to change how the calls after run: the
+        value is checked, and the kept plans, which were made under the old one, go."""
+        return self._graphs_setting
+
+    @graphs.setter
+    def graphs(self, graphs: Graphs | None) -> None:
+        transport = self.transport
+        if graphs is None:
+            graphs = _graphs.default_graphs(transport)
+        _graphs.check_graphs(graphs)
+        if graphs == "auto" and transport.always_validate:
+            raise ValueError(
+                "graphs='auto' replays CUDA graphs; this transport (gloo) moves CPU tensors and "
+                "checks every call: use graphs='never' (or None, the default)"
+            )
+        if graphs == "auto" and not transport.graph_capturable:
+            raise ValueError(
+                f"graphs='auto' replays CUDA graphs; {type(transport).__name__} cannot be "
+                "captured in one: use graphs='never' (or None, the default)"
+            )
+        self._graphs_setting = graphs
+        self._drop_plans()
+
+    @property
+    def all_reduce_algorithm(self) -> AllReduceAlgorithm:
+        """ "auto", "one_shot" or "two_shot" (the class doc); set it (on every rank alike) to
+        change the all-reduces after: the value is checked, and the kept plans, whose
+        all-reduces were planned with the old one, go."""
+        return self._all_reduce_algorithm
+
+    @all_reduce_algorithm.setter
+    def all_reduce_algorithm(self, algorithm: AllReduceAlgorithm) -> None:
+        collectives.check_all_reduce_algorithm(algorithm)
+        self._all_reduce_algorithm = algorithm
+        self._drop_plans()
+
+    def _drop_plans(self):
+        """Forget the kept plans (and their graphs, which go first: they hold the plans'
+        buffers)."""
+        self._graphed.clear()
+        self._plans.clear()
+
     def close(self) -> None:
         """Stop the NCCL watchdog and destroy the NCCL communicator (nothing to release over
         gloo), and drop the plans and the buffers they keep; no collective may follow on an
         NCCL communicator.  A p2p communicator's close is collective: every rank waits for its
         kernels, the ranks meet, and the buffers go.  The CUDA graphs go first (they hold
         the transport's resources)."""
-        self._graphed.clear()
-        self._plans.clear()  # and with them the buffers they keep
+        self._drop_plans()  # and with them the buffers they keep
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
@@ -458,6 +490,8 @@ class Communicator:
         torch tensor on this communicator's device)."""
         kind = ("recv", shape, dtype, src, codec)
         entry = self._planned(kind) if like is None and type(src) is int else None
+        if entry is not None and not all(type(d) is int for d in shape):
+            entry = None  # a float or bool equal to an int hashes as it: the checks name it
         if entry is not None:
             plan = entry.plan
             if self._needs_check(entry):
@@ -522,7 +556,7 @@ class Communicator:
             default_step = self._sends
             self._sends += 1
         kind = None
-        if type(x) is torch.Tensor and not (x.is_nested or x.is_neg()):
+        if type(x) is torch.Tensor and x.layout is STRIDED and not (x.is_nested or x.is_neg()):
             # A torch tensor in a kind of call made before: its plan, if the per-call values
             # are plain ints in range (anything else goes the full way, which checks it).
             kind = (op, codec, rounding, ef_name, stats, peer, total_dim0, x.shape, x.dtype,
@@ -571,7 +605,7 @@ class Communicator:
             )  # fmt: skip
             extra = (total_dim0,) if op == "all_gather" else ()
             plan = plan_class(self.transport, opts, t.shape, t.dtype, *extra)
-            if type(x) is torch.Tensor:  # CuPy arrays come through _stream_of: not kept
+            if kind is not None:  # (CuPy arrays, negative views and the like: not kept)
                 nbytes = t.numel() * t.element_size()
                 self._keep_plan(kind, plan, (codec, rounding, ef_name, stats, nbytes))
             try:
@@ -1011,6 +1045,8 @@ def _shape(shape, what):
     out = []
     for d in dims:
         try:
+            if isinstance(d, bool):  # an int to operator.index; True for 1 is a slip
+                raise TypeError
             d = operator.index(d)
         except TypeError:
             raise TypeError(f"{what}: {dims!r} holds a {type(d).__name__}, not an int") from None
