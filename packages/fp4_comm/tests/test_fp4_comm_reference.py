@@ -439,6 +439,37 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
         reference.EmulatedRanks(2, graphs="auto")
 
 
+def test_a_group_graph_keeps_the_plans_its_ranks_ran_alive(monkeypatch):
+    """A group graph replays the ranks' calls on their communicators' plans, reading and
+    writing the plans' buffers; a communicator drops plans beyond its cache's bound (each
+    error-feedback name is a kind of call: more sites than PLAN_CACHE_SIZE), and a dropped
+    plan's buffers would go back to the allocator while the graph still used them: the
+    graph keeps them alive, as long as it lives."""
+    import gc
+    import weakref
+
+    from fp4_comm import communicator, graphs
+
+    monkeypatch.setattr(communicator, "PLAN_CACHE_SIZE", 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    ranks = reference.EmulatedRanks(2)
+    ranks.graphs = "auto"  # on the CPU, for the stand-in
+    monkeypatch.setattr(graphs, "capture_group", _fake_group_capture(ranks, []))
+    xs = [torch.randn(4, 32) for _ in range(2)]
+    for _ in range(3):  # two eager calls, then the capture
+        ranks.all_reduce(xs, codec="nvfp4", error_feedback="site0")
+    captured = [weakref.ref(next(reversed(c._plans.values())).plan) for c in ranks.comms]
+    for i in range(1, 4):  # other sites: the communicators drop the captured kind's plan
+        ranks.all_reduce(xs, codec="nvfp4", error_feedback=f"site{i}")
+    gc.collect()
+    for c, ref in zip(ranks.comms, captured, strict=True):
+        assert ref() is not None and all(e.plan is not ref() for e in c._plans.values())
+    ranks._graphed.clear()  # the graph goes: so do the plans it held
+    gc.collect()
+    assert all(ref() is None for ref in captured)
+
+
 def test_group_graphs_of_another_seed_or_replaced_residuals_run_eagerly(monkeypatch):
     """A call of another seed than captured runs eagerly (the graph stays); a reset refills
     the residuals in place (the graph goes on replaying), but a payload of another shape

@@ -667,8 +667,13 @@ class EmulatedRanks:
             return False
         nbytes = sum(s.numel() for s in statics) * dtype.itemsize
         steps = [kw["step"] for kw in per_rank] if entry.random else None  # the graph's own
+        # The plans the ranks' calls ran in the capture (each communicator's most recent: its
+        # call was the last): the graph reads and writes their buffers on every replay, and a
+        # communicator drops plans beyond its cache's bound, whose buffers would go back to the
+        # allocator while the graph still used them.  The replay holds them.
+        plans = [next(reversed(c._plans.values()), None) for c in self.comms]
         entry.replay = _GroupReplay(graph, statics, outs, nbytes, steps, per_rank[0].get("seed", 0),
-                                    self._residuals(per_rank[0]))  # fmt: skip
+                                    self._residuals(per_rank[0]), plans)  # fmt: skip
         self._graphed.keep(entry.kind, entry)
         return entry.replay is not None  # a graph bigger than the cache's bound is dropped
 
@@ -730,14 +735,17 @@ class _GroupReplay:
     each rank's input in, replays on the current stream (after the last replay's stream, whose
     buffers it shares), counts the call on every rank's communicator as its eager call would,
     and returns copies of the ranks' results.  ``seed`` and ``residuals``: what the graph was
-    captured with (``fits``, ``Communicator``'s graphs)."""
+    captured with (``fits``, ``Communicator``'s graphs); ``plans``: the ranks' plan entries
+    the graph ran, kept alive with it."""
 
     __slots__ = ("graph", "inputs", "outputs", "nbytes", "steps", "seed", "residuals",
-                 "_stream")  # fmt: skip
+                 "plans", "_stream")  # fmt: skip
 
-    def __init__(self, graph, inputs, outputs, nbytes, steps=None, seed=0, residuals=()):
+    def __init__(self, graph, inputs, outputs, nbytes, steps=None, seed=0, residuals=(),
+                 plans=()):  # fmt: skip
         self.graph, self.inputs, self.outputs, self.nbytes = graph, inputs, outputs, nbytes
         self.steps, self.seed, self.residuals = steps, seed, residuals
+        self.plans = plans  # the ranks' plans the graph ran: their buffers live as long as it
         self._stream = None
 
     def fits(self, seed):
