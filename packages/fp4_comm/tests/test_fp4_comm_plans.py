@@ -184,6 +184,18 @@ def test_the_plan_cache_is_bounded(monkeypatch):
         assert [k[7][0] for k in comm._plans] == [6, 8, 2]  # least recently used dropped
 
 
+def test_with_graphs_the_plan_cache_holds_as_many_plans_as_graphs(monkeypatch):
+    """A kind whose plan is dropped loses its graph: with more kinds than plans (a site of
+    error feedback each) they cycled, captured and dropped again.  Where graphs replay, the
+    plan cache holds as many plans as the graph cache may keep graphs."""
+    monkeypatch.setattr(communicator, "PLAN_CACHE_SIZE", 3)
+    for graph_cache, kept in ((None, 8), ((5, 1 << 30), 5), ((2, 1 << 30), 3)):
+        with fake_gpu_communicator(2, graphs="auto", graph_cache=graph_cache) as (comm, *_):
+            for rows in range(1, 11):
+                comm.all_reduce(torch.randn(rows, 16))
+            assert len(comm._plans) == kept, graph_cache
+
+
 def test_per_call_values_of_a_planned_kind_are_still_checked():
     x = torch.randn(8, 32)
     with fake_gpu_communicator(2) as (comm, _, _, _):

@@ -210,8 +210,9 @@ def _fused_reduction(opts: Options):
 # whole number of chunks) for its next calls where they take at most this many bytes: an FP4
 # all-reduce of up to about 28 MB of bfloat16.  Larger ones come from torch's caching
 # allocator on every call: a few microseconds beside transfers of that size, and no memory
-# held between calls.  With the communicator's PLAN_CACHE_SIZE plans, at most
-# PLAN_CACHE_SIZE * REUSE_STREAMS * REUSE_MAX_BYTES are held, typically far less.
+# held between calls.  With the communicator's PLAN_CACHE_SIZE plans (more where its graph
+# cache keeps more graphs), at most PLAN_CACHE_SIZE * REUSE_STREAMS * REUSE_MAX_BYTES are
+# held, typically far less.
 REUSE_MAX_BYTES = 16 << 20
 # Streams one plan keeps buffers for (a call on another stream drops the oldest set).
 REUSE_STREAMS = 2

@@ -664,7 +664,13 @@ class Communicator:
             self._plans[kind] = _PlanEntry(plan, self._validated_for_good(), graphable)
         except TypeError:
             return
-        while len(self._plans) > PLAN_CACHE_SIZE:
+        # where graphs replay, room for a plan per graph the cache may keep: a kind whose plan
+        # goes loses its graph, and with more kinds than plans they would cycle (captured,
+        # dropped, captured again: each site of error feedback is a kind)
+        bound = PLAN_CACHE_SIZE
+        if self.graphs == "auto":
+            bound = max(bound, self._graphed.max_graphs)
+        while len(self._plans) > bound:
             self._graphed.drop(self._plans.popitem(last=False)[0])
 
     # -- graphs: repeated kinds of call replayed (fp4_comm.graphs)
