@@ -1050,12 +1050,10 @@ def _shape(shape, what):
         raise TypeError(f"{what}: expected a sequence of ints, got {kind}") from None
     out = []
     for d in dims:
-        try:
-            if isinstance(d, bool):  # an int to operator.index; True for 1 is a slip
-                raise TypeError
-            d = operator.index(d)
-        except TypeError:
-            raise TypeError(f"{what}: {dims!r} holds a {type(d).__name__}, not an int") from None
+        # (a bool is an int to operator.index; True for 1 is a slip)
+        if isinstance(d, bool) or not hasattr(type(d), "__index__"):
+            raise TypeError(f"{what}: {dims!r} holds a {type(d).__name__}, not an int")
+        d = operator.index(d)
         if d < 0:
             raise ValueError(f"{what}: {dims!r} has a negative size")
         out.append(d)

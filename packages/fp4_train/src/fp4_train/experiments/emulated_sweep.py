@@ -169,13 +169,9 @@ def parse_args(argv=None):
         if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
             bound = ">= 0" if zero else "> 0"
             ap.error(f"--{option.replace('_', '-')} {value}: a finite number of seconds {bound}")
-    from .tp_train import SEED_LIMIT
+    from .tp_train import check_seeds
 
-    for seed in args.seeds or ():
-        if not 0 <= seed < SEED_LIMIT:
-            ap.error(f"--seeds: {seed} is not in [0, 2**32) (tp_train's --seed)")
-    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
-        ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    check_seeds(ap, args.seeds)
     for folder in args.done:
         if not folder.is_dir():
             what = "not a folder" if folder.exists() else "no such folder"

@@ -151,11 +151,7 @@ def parse_args(argv=None):
     if args.name is not None:
         ap.error("--name: emulated runs are named from their configuration (model, layout, "
                  "policy, seed), which emulated_summary reads back; leave it out")  # fmt: skip
-    if own.seeds is not None and len(set(own.seeds)) != len(own.seeds):
-        ap.error(f"--seeds {' '.join(map(str, own.seeds))}: a seed given twice")
-    for seed in own.seeds or ():
-        if not 0 <= seed < tp_train.SEED_LIMIT:
-            ap.error(f"--seeds: {seed} is not in [0, 2**32)")
+    tp_train.check_seeds(ap, own.seeds)
     if args.parallel == "tp":  # (--parallel pp emulates its two stages whatever --tp says)
         tp_train.check_ranks(ap, args, own.tp, f"--tp {own.tp}")
     return own, args

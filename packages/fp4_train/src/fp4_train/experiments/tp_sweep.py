@@ -164,17 +164,13 @@ def command(preset, name, run_args, extra, out, nproc):
 def check_args(ap, args, names):
     """``ap.error`` naming the option where the arguments cannot mean what they say;
     ``names``: the runs of the preset with its seeds."""
-    from .tp_train import SEED_LIMIT
+    from .tp_train import check_seeds
 
     if args.nproc < 1:
         ap.error(f"--nproc {args.nproc}: at least 1")
     if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
         ap.error(f"--budget-s {args.budget_s}: a finite number of seconds > 0")
-    for seed in args.seeds or ():
-        if not 0 <= seed < SEED_LIMIT:
-            ap.error(f"--seeds: {seed} is not in [0, 2**32) (tp_train's --seed)")
-    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
-        ap.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    check_seeds(ap, args.seeds)
     if args.only == []:  # (a bare --only: no run named, not every run)
         ap.error("--only: name at least one run (--list names them), or leave it out to run "
                  "the preset's all")  # fmt: skip

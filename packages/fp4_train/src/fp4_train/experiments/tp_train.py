@@ -219,6 +219,18 @@ def _model_shape(ap, args):
 
 #: --seed's range: the batch order draws from seed * 1_000_003 + step as a 64-bit seed
 SEED_LIMIT = 2**32
+
+
+def check_seeds(ap, seeds):
+    """``ap.error`` unless ``seeds`` (a --seeds list of the sweeps, or None) holds each seed
+    once, each in [0, SEED_LIMIT) (tp_train's --seed)."""
+    for seed in seeds or ():
+        if not 0 <= seed < SEED_LIMIT:
+            ap.error(f"--seeds: {seed} is not in [0, 2**32) (tp_train's --seed)")
+    if seeds is not None and len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds {' '.join(map(str, seeds))}: a seed given twice")
+
+
 _AT_LEAST_1 = ("layers", "d_model", "heads", "seq_len", "batch", "microbatches", "steps",
                "eval_batches", "threads", "group_size")  # fmt: skip
 _AT_LEAST_1_IF_GIVEN = ("kv_heads", "ffn", "max_bytes")
