@@ -336,7 +336,16 @@ def test_model_abort_ends_a_wait_long_before_its_deadline():
     model = ModelWorld(2, timeout_s=60.0, lanes=1)
     model.dead.add(1)
     t = model.transports[0]
-    timer = threading.Timer(0.3, t.abort, args=("stopped by the test",))
+
+    def abort_while_waiting():
+        # once the launch waits (an abort before the call would make the call itself raise,
+        # on a machine that stalls this thread for the timer's 0.3 s)
+        while model.launches == 0:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        t.abort("stopped by the test")
+
+    timer = threading.Thread(target=abort_while_waiting, daemon=True)
     timer.start()
     took, err = _exchange_once(t)
     timer.join()
