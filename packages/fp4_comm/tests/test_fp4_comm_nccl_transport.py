@@ -127,13 +127,16 @@ def _on_threads(world, fn):
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     if errors:
         raise errors[0]
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:  # (its result would read as None)
+        raise TimeoutError(f"rank(s) {hung} of {world} still running after 120 s")
     return results
 
 
