@@ -41,6 +41,8 @@ from .gemm import fp4_gemm
 BLOCK = fp4_kernels.FORMATS["nvfp4"]  # 16
 HADAMARD_GROUP = 16  # tokens per Hadamard group on the wgrad path, one NVFP4 block
 ROUNDINGS = e2m1.ROUNDINGS
+#: the dtypes of x, of the master weights and of the bias
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _quantize(t, rounding, seed, step):
@@ -130,7 +132,7 @@ def _check(x, weight, bias):
         if t is not None:
             check_storage(t, f"fp4_linear: {name}")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if t is not None and t.dtype not in DTYPES:
             raise TypeError(
                 f"fp4_linear: {name} has dtype {t.dtype}; use float32, bfloat16 or float16"
             )
@@ -284,7 +286,7 @@ class FP4Linear(torch.nn.Module):
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"FP4Linear: {name} is True or False, got {flag!r}")
-        if dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        if dtype is not None and dtype not in DTYPES:
             raise TypeError(
                 f"FP4Linear: dtype={dtype}; the master weights are float32, bfloat16 or float16"
             )
@@ -334,7 +336,7 @@ class FP4Linear(torch.nn.Module):
                 "first, or build FP4Linear(in_features, out_features)"
             )
         for name, t in (("weight", linear.weight), ("bias", linear.bias)):
-            if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if t is not None and t.dtype not in DTYPES:
                 raise TypeError(
                     f"FP4Linear.from_linear: linear's {name} has dtype {t.dtype}; the master "
                     "weights are float32, bfloat16 or float16: convert linear first "
