@@ -158,7 +158,12 @@ class FP4StoredWeights:
     def _name(self, i):
         return f"param{i}"
 
-    def _check_residuals(self, residuals, block):
+    def _padded_shape(self, i):
+        """The shape of parameter i's packed form: flattened, padded to whole blocks."""
+        block = fp4_kernels.FORMATS[self.fmt]
+        return (-(-_numel(self.shapes[i]) // block) * block,)
+
+    def _check_residuals(self, residuals):
         """ValueError unless each of a state's error-feedback ``residuals`` (name -> tensor,
         finite: ``ErrorFeedback._checked_state`` checked them) is a torch tensor, belongs to a
         parameter here and has its flattened, block-padded shape; each is moved to its
@@ -174,7 +179,7 @@ class FP4StoredWeights:
                 raise ValueError(f"{what}: {type(r).__name__}; expected the torch tensor that "
                                  "state_dict() holds")  # fmt: skip
             residuals[name] = r.to(self.devices[i])  # where its parameter lives
-            padded = (-(-_numel(self.shapes[i]) // block) * block,)
+            padded = self._padded_shape(i)
             if tuple(r.shape) != padded:
                 raise ValueError(
                     f"{what}: shape {tuple(r.shape)}, expected {padded} (parameter {i} of "
@@ -475,16 +480,18 @@ class FP4StoredWeights:
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, s in self.optimizer.state.items():
             i = index.get(id(p))
+            if i is None:
+                continue
             for name in _PARAMETER_SHAPED_STATE:
-                v = s.get(name) if i is not None else None
+                v = s.get(name)
                 if isinstance(v, torch.Tensor) and tuple(v.shape) != self.shapes[i]:
                     return i, name, tuple(v.shape)
         return None
 
-    def _checked_packed(self, i, s, block):
+    def _checked_packed(self, i, s):
         """The QuantizedTensor of parameter ``i`` from its fields ``s`` in a state (checked,
         moved to the parameter's device)."""
-        padded = (-(-_numel(self.shapes[i]) // block) * block,)
+        padded = self._padded_shape(i)
         if not isinstance(s["shape"], (tuple, list, torch.Size)) or tuple(s["shape"]) != padded:
             raise ValueError(
                 f"state['packed'][{i}]: shape {s['shape']!r}, expected {padded} for a "
@@ -543,8 +550,7 @@ class FP4StoredWeights:
                 raise ValueError(
                     f"the state has {key}={state[key]!r}, this one {getattr(self, key)!r}"
                 )
-        block = fp4_kernels.FORMATS[self.fmt]
-        packed = [self._checked_packed(i, s, block) for i, s in enumerate(state["packed"])]
+        packed = [self._checked_packed(i, s) for i, s in enumerate(state["packed"])]
         seed = check_seed(state["seed"], "state['seed']")
         step_count = check_integer(state["step_count"], "state['step_count']")
         if step_count < 0:
@@ -556,7 +562,7 @@ class FP4StoredWeights:
             residuals = self._error_feedback._checked_state(
                 state["error_feedback"], "state['error_feedback']"
             )
-            self._check_residuals(residuals[1], block)
+            self._check_residuals(residuals[1])
         # Everything is checked; the optimizer's state is the last part that can fail, and a
         # failed load leaves it as it was.  Nothing after it raises: no half-loaded object.
         self._load_optimizer_state(state["optimizer"], state.get("optimizer_class"))
