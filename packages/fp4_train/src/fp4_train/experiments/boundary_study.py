@@ -27,19 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
 from . import tp_sweep
-from .records import finite_or_none, pyplot, read_record, write_csv, write_json
+from .records import finite_or_none, pyplot, read_record, run_stem, write_csv, write_json
 from .tp_summary import late_gap
 
 PRESET = "cpu-boundary"  # --run's default tp_sweep preset
 FRACTIONS = (0.25, 0.5, 1.0)  # points of training where Δ is reported
 EXACT = "none-float32"
 DEFAULT_CODEC = "fp4quant-g64"  # the codec the table's header names
-_SEED = re.compile(r"_s(\d+)$")
 
 
 def t_quantile(p, df):
@@ -79,8 +77,7 @@ def load(folder):
         if missing:
             raise SystemExit(f"{path}: a tp_train record without {', '.join(missing)}; move "
                              "it out to summarize the others")  # fmt: skip
-        m = _SEED.search(record["name"])
-        stem = record["name"][: m.start()] if m else record["name"]
+        stem = run_stem(record["name"])
         runs.setdefault(stem, {})[record["config"]["seed"]] = record
     return runs
 

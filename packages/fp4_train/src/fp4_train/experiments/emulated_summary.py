@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from pathlib import Path
 
 from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
-from .records import pyplot, read_record, write_json
+from .records import pyplot, read_record, run_stem, write_json
 
-_SEED = re.compile(r"_s(\d+)$")
 BASELINE = "bf16"
 # The preprint's final losses (quoted): 4-way TP of Qwen 7B, and a PP boundary.
 PREPRINT_BF16 = 2.1505
@@ -92,7 +90,7 @@ def load(folders):
 
 def policy(summary):
     """The wire policy part of the run name: 'bf16', 'fp4quant-g64_sr', ..."""
-    stem = _SEED.sub("", summary["name"])
+    stem = run_stem(summary["name"])
     return stem[len(f"{summary['model']}_{summary['layout']}_") :]
 
 

@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -56,6 +55,7 @@ import fp4_comm
 
 from . import emulated_tp
 from .checkpoint import EX_TEMPFAIL
+from .records import run_stem
 
 MODULE = "fp4_train.experiments.emulated_tp"
 # What every run of the study shares: the 125 M model, 16 k tokens a step (16 sequences of
@@ -240,7 +240,7 @@ def recorded_lengths(folders, jobs):
                 wall, concurrent = float(summary["wall_s"]), int(summary["concurrent_runs"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            config = re.sub(r"_s\d+$", "", path.stem)
+            config = run_stem(path.stem)
             if concurrent == jobs and math.isfinite(wall) and config != path.stem:
                 lengths[config] = max(lengths.get(config, 0.0), wall)
     return lengths
@@ -263,7 +263,7 @@ class Sweep:
     def estimate(self, run_name):
         """The length expected of run ``run_name``: its configuration's record, else the
         longest run of this invocation (or ``--estimate-s``); None: unknown."""
-        return self.recorded.get(re.sub(r"_s\d+$", "", run_name), self.longest)
+        return self.recorded.get(run_stem(run_name), self.longest)
 
     def fits(self, elapsed, run_name):
         """Whether run ``run_name`` started now fits ``--budget-s`` and ``--stop-at-s``."""

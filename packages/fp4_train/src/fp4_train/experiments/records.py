@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def commit(cwd=None):
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+#: A run name's seed suffix ("..._s3"), after its configuration's name.
+SEED_SUFFIX = re.compile(r"_s(\d+)$")
+
+
+def run_stem(name):
+    """``name`` without its seed suffix: the name its configuration's runs of every seed
+    share."""
+    return SEED_SUFFIX.sub("", name)
 
 
 #: The packages whose code a run executes, hashed by ``source_digest``.
