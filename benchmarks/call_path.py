@@ -1,7 +1,8 @@
 """The host path of a torch CUDA call: the package's source files and the Python function calls
 from the public function to ``cuLaunchKernel``, for each op, warm (its plan made), at the first
-call of its kind (a new shape: checks, descriptor, the host function against the caller's
-context; kernels compiled) and at the second (the same checks, the plan recorded and run).
+call of its kind (checks, descriptor, the host function against the caller's context; kernels
+compiled), at the second (the same checks, the plans recorded and run) and at the first call
+of a new shape of the kind (its plan made from the kind's plan of every shape).
 
     python benchmarks/call_path.py
 
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 from _fake_cuda import Recorder, call_path, fake_cuda  # noqa: E402
 
 import fp4_kernels as fk  # noqa: E402
+from fp4_kernels import _plans  # noqa: E402
 
 
 def _quantized_rows(fmt):
@@ -63,19 +65,23 @@ def main():
     torch.set_num_threads(1)
     print(
         f"{'op':34s} {'warm files':>10s} {'calls':>6s} {'first files':>12s} {'calls':>6s} "
-        f"{'recording calls':>15s}"
+        f"{'recording calls':>15s} {'new shape files':>15s} {'calls':>6s}"
     )
     with fake_cuda(Recorder(keep=False)):
-        for i, (name, op) in enumerate(ops().items()):
+        for name, op in ops().items():
             prepare, f = op if isinstance(op, tuple) else ((lambda x: (x,)), op)
-            f(*prepare(torch.randn(64, 256).to(torch.bfloat16)))  # the kernels: built, "compiled"
-            args = prepare(torch.randn(128 + i, 256).to(torch.bfloat16))  # a shape of its own
+            with _plans.disabled():  # the kernels: built, "compiled"
+                f(*prepare(torch.randn(64, 256).to(torch.bfloat16)))
+            args = prepare(torch.randn(128, 256).to(torch.bfloat16))
             first_calls, first_files = call_path(functools.partial(f, *args))
             recording_calls, _ = call_path(functools.partial(f, *args))
             warm_calls, warm_files = call_path(functools.partial(f, *args))
+            new = prepare(torch.randn(96, 256).to(torch.bfloat16))  # another shape of the kind
+            new_calls, new_files = call_path(functools.partial(f, *new))
             print(
                 f"{name:34s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "
-                f"{first_calls:6d} {recording_calls:15d}   warm: {', '.join(warm_files)}"
+                f"{first_calls:6d} {recording_calls:15d} {len(new_files):15d} {new_calls:6d}"
+                f"   warm: {', '.join(warm_files)}"
             )
 
 

@@ -11,8 +11,8 @@ the GPU, not on Python) and the Python function calls of one warm call (cProfile
 
 Then the first call of a shape, as a caller whose shapes keep changing makes it (inference
 over many sequence lengths): 200 calls, each on a (rows, 256) tensor of rows not seen before,
-with plans (the default: such a call runs unplanned, its plan is made at its shape's second
-call) and without; the tensors are made before the timed loop.
+with plans (the default: such a call's plan is made from its kind's plan of every shape) and
+without; the tensors are made before the timed loop.
 
 Without ``--cuda``: every torch tensor pretends to live on ``cuda:0`` (``tests/_fake_cuda.py``):
 the checks, plans, allocation (on the CPU), argument packing and the launch call run as on a

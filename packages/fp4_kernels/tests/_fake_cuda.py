@@ -152,7 +152,7 @@ def fake_cuda(recorder=None):
     # machine the real ones hold real launchers and device pointers, restored afterwards)
     caches = [
         (launch, "_sm_count"), (launch, "_compiled"), (launch, "_resident"), (launch, "_carveout"),
-        (launch, "CONSTANTS"), (_plans, "_PLANS"),
+        (launch, "CONSTANTS"), (_plans, "_PLANS"), (_plans, "_SEEN"), (_plans, "_KINDS"),
     ]  # fmt: skip
     saved_caches = [(obj, name, getattr(obj, name)) for obj, name in caches]
     for obj, name, value in saved_caches:

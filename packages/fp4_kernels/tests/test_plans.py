@@ -10,6 +10,7 @@ so that the two paths' launches compare although their allocations differ.  On a
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import pytest
@@ -536,7 +537,7 @@ def test_a_key_called_once_runs_unplanned_and_the_second_call_records(fake, monk
     assert (
         len(_plans._PLANS) == 1
         and recordings == [1]
-        and xs[4].shape not in [key.x[2] for key in _plans._SEEN]
+        and not any(kind[1][3] == xs[4].shape[-1] for kind in _plans._SEEN)  # (counted by kind)
     )
     fk.quantize(xs[4])
     assert recordings == [1]
@@ -563,6 +564,176 @@ def test_a_plan_is_not_made_for_empty_tensors(fake):
     for _ in range(_plans.RECORD_AT):
         fk.quantize(x)
     assert not _plans._PLANS and not _plans._SEEN
+
+
+# ---------------------------------------------------------------------- plans of every shape
+
+# leading dimensions of one kind of call (its last dimension 256): small and large grids (the
+# amax pass and the encoder capped at the CTAs resident at once from ~17K rows on the pretend
+# GPU's 132 SMs), one row
+NEW_ROWS = (3, 1, 640, 5000, 100_000, 17)
+
+
+def _x_of(shape, dtype=torch.bfloat16):
+    return torch.randn(math.prod(shape)).to(dtype).reshape(shape)
+
+
+def _fields(q):
+    names = ("data", "scales", "global_scale")
+    return {f: getattr(q, f) for f in names if getattr(q, f) is not None}
+
+
+def _new_shapes(fake, monkeypatch, make_call, shapes):
+    """``make_call(shape)`` (a call and its named inputs) planned at ``shapes[0]``, then called
+    once at each other shape:
+    each first call launches exactly what the unplanned path launches at that shape, its plan
+    made without a recording while the shape is one its kind's plans admit.  Returns the number
+    of recordings after the first shape's."""
+    recordings = []
+    real = _plans.record
+    monkeypatch.setattr(_plans, "record", lambda *a: recordings.append(1) or real(*a))
+    call, _ = make_call(shapes[0])
+    _planned(call)
+    assert len(recordings) == 1 and not _plans.KIND_FAILURES
+    recordings.clear()
+    for shape in shapes[1:]:
+        call, inputs = make_call(shape)
+        with _plans.disabled():
+            ref_result, ref = _launches(fake, call, inputs)
+        n_plans = len(_plans._PLANS)
+        result, got = _launches(fake, call, inputs)  # the first call of its key
+        assert got == ref, shape
+        _same_structure(result, ref_result)
+        assert len(_plans._PLANS) == n_plans + 1  # its plan kept: the next call runs it
+        _, warm = _launches(fake, call, inputs)
+        assert warm == ref
+    assert not _plans.KIND_FAILURES
+    return len(recordings)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", sorted(QUANTIZE_CASES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_new_shape_of_a_planned_kind_launches_what_the_unplanned_path_launches(
+    fake, monkeypatch, case, dtype, fused
+):
+    kw = QUANTIZE_CASES[case]
+    f = fk.quantize_dequantize if fused else fk.quantize
+    if fused and "scale_layout" in kw:
+        pytest.skip("quantize_dequantize has no scale layout")
+    xs = {}
+
+    def make_call(shape):
+        x = xs[shape] = xs.get(shape, _x_of(shape, dtype))
+        return lambda: f(x, **kw), {"x": x}
+
+    shapes = [(64, 256)] + [(r, 256) for r in NEW_ROWS]
+    recorded = _new_shapes(fake, monkeypatch, make_call, shapes)
+    # a new range of grids (the capped ones) records once; the rest are made from the plans
+    assert recorded <= 2
+
+
+def test_new_shapes_of_several_leading_dimensions(fake, monkeypatch):
+    amax = torch.tensor([3.0])
+    xs = {}
+
+    def make_call(shape):
+        x = xs[shape] = xs.get(shape, _x_of(shape))
+        call = lambda: fk.quantize(x, global_amax=amax, rounding="stochastic", seed=9, step=2)  # noqa: E731
+        return call, {"x": x, "amax": amax}
+
+    shapes = [(2, 7, 128), (5, 3, 128), (1, 1, 128), (40, 900, 128), (3, 2, 128)]
+    _new_shapes(fake, monkeypatch, make_call, shapes)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", G64, fk.FP4Quant(256, hadamard=False)])
+@pytest.mark.parametrize("out", [None, torch.float32])
+def test_a_new_shape_of_a_planned_dequantize(fake, monkeypatch, fmt, out):
+    qs = {}
+
+    def make_call(shape):
+        if shape not in qs:
+            with _plans.disabled():
+                qs[shape] = fk.quantize(_x_of(shape), fmt=fmt)
+        q = qs[shape]
+        return lambda: fk.dequantize(q, out), _fields(q)
+
+    shapes = [(64, 512)] + [(r, 512) for r in NEW_ROWS]
+    _new_shapes(fake, monkeypatch, make_call, shapes)
+
+
+def test_a_new_shape_of_a_planned_dequantize_of_swizzled_scales(fake, monkeypatch):
+    qs = {}
+
+    def make_call(shape):
+        if shape not in qs:
+            with _plans.disabled():
+                qs[shape] = fk.quantize(_x_of(shape), scale_layout="swizzled")
+        return lambda: fk.dequantize(qs[shape]), _fields(qs[shape])
+
+    # the scales' padded length is in the kind (rows padded to 128): 1-128 rows share it
+    shapes = [(100, 256), (3, 256), (128, 256), (1, 256)]
+    _new_shapes(fake, monkeypatch, make_call, shapes)
+
+
+@pytest.mark.parametrize("g", [16, 256, 2048, 8192])
+@pytest.mark.parametrize("signs", [None, 5])
+def test_a_new_shape_of_a_planned_transform(fake, monkeypatch, g, signs):
+    xs = {}
+
+    def make_call(shape):
+        x = xs[shape] = xs.get(shape, _x_of(shape))
+        return lambda: fk.hadamard(x, group_size=g, signs=signs, inverse=signs is None), {"x": x}
+
+    shapes = [(8, 8192), (1, 8192), (3, 8192), (700, 8192), (2, 8192)]
+    _new_shapes(fake, monkeypatch, make_call, shapes)
+
+
+def test_a_kind_keeps_a_few_plans_of_every_shape(fake, monkeypatch):
+    monkeypatch.setattr(_plans, "KIND_PLANS_PER_KIND", 2)
+    x = _x_of((64, 256))
+    _planned(lambda: fk.quantize(x))
+    kinds = list(_plans._KINDS.values())
+    assert len(kinds) == 1 and len(kinds[0]) == 1
+    for rows in (100_000, 3, 200_000, 5):  # capped grids, then small ones again: no new one
+        fk.quantize(_x_of((rows, 256)))
+    assert len(kinds[0]) == 1 and len(_plans._KINDS[next(iter(_plans._KINDS))]) == 2
+    with launch_policy(max_blocks=1):  # another policy: another kind
+        _planned(lambda: fk.quantize(x))
+    assert len(_plans._KINDS) == 2
+
+
+def test_a_new_shape_that_is_not_contiguous_or_empty_takes_the_checked_path(fake):
+    x = _x_of((64, 256))
+    _planned(lambda: fk.quantize(x))
+    n_plans = len(_plans._PLANS)
+    with pytest.raises(ValueError, match="contiguous"):
+        fk.quantize(_x_of((256, 512))[:, :256])
+    empty = fk.quantize(_x_of((0, 256)))
+    assert empty.data.shape == (0, 128) and len(_plans._PLANS) == n_plans
+
+
+def test_a_host_function_that_needs_a_concrete_size_is_planned_per_shape(fake, monkeypatch):
+    from fp4_kernels.cuda import quantize as op
+
+    real = op.run
+
+    def concrete(ctx, call):
+        range(call.geometry.n)  # a concrete size: no plan of every shape
+        return real(ctx, call)
+
+    monkeypatch.setattr(op, "run", concrete)
+    monkeypatch.setattr(_plans, "KIND_FAILURES", [])
+    recordings = []
+    real_record = _plans.record
+    monkeypatch.setattr(_plans, "record", lambda *a: recordings.append(1) or real_record(*a))
+    x = _x_of((64, 256))
+    _compare(fake, lambda: fk.quantize(x), {"x": x})
+    assert len(_plans.KIND_FAILURES) == 1 and "Unplannable" in _plans.KIND_FAILURES[0][1]
+    assert list(_plans._KINDS.values()) == [_plans.FAILED]
+    x2 = _x_of((3, 256))
+    _compare(fake, lambda: fk.quantize(x2), {"x": x2})  # its first call unplanned, as before
+    assert len(recordings) == 2 and len(_plans.KIND_FAILURES) == 1
 
 
 # ---------------------------------------------------------------------- on a GPU
@@ -625,6 +796,54 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
             assert torch.equal(a, f) and torch.equal(a, b) and torch.equal(a, c), name
     assert len(_plans._PLANS) == len(calls)  # each call's plan made and run
     _plans.clear()
+
+
+def test_a_plan_of_every_shape_that_misses_its_own_shape_is_not_used(fake, monkeypatch):
+    monkeypatch.setattr(_plans, "KIND_FAILURES", [])
+    monkeypatch.setattr(_plans, "same_plan", lambda a, b: False)  # as a wrong expression would
+    x = _x_of((64, 256))
+    _planned(lambda: fk.quantize(x))
+    assert not _plans.KIND_FAILURES  # (checked when a new shape first needs it)
+    x2 = _x_of((3, 256))
+    _compare(fake, lambda: fk.quantize(x2), {"x": x2})  # unplanned first, as per shape
+    assert len(_plans.KIND_FAILURES) == 1 and "differs" in _plans.KIND_FAILURES[0][1]
+    assert list(_plans._KINDS.values()) == [_plans.FAILED]
+
+
+@pytest.mark.gpu
+def test_new_shapes_of_planned_kinds_equal_unplanned_on_the_gpu(gpu):
+    """Every op's first call of a new shape, its plan made from its kind's plan of every shape
+    (small grids and grids at their cap), gives the unplanned path's bits."""
+    _plans.clear()
+    dev = torch.device("cuda")
+    calls = {}
+    for name, kw in QUANTIZE_CASES.items():
+        calls[f"quantize_{name}"] = lambda x, kw=kw: fk.quantize(x, **kw)
+        if "scale_layout" not in kw:
+            calls[f"qdq_{name}"] = lambda x, kw=kw: fk.quantize_dequantize(x, **kw)
+    for g in (256, 4096):
+        calls[f"hadamard_{g}"] = lambda x, g=g: fk.hadamard(x, group_size=g, signs=3)
+    for fmt in ("nvfp4", "mxfp4", G64):
+        calls[f"dequantize_{fmt}"] = lambda x, fmt=fmt: fk.dequantize(
+            _unplanned(lambda: fk.quantize(x, fmt=fmt)), torch.float32
+        )
+    for name, call in calls.items():
+        for i, rows in enumerate((64, 64, 3, 1, 2000, 20_000, 17)):
+            x = torch.randn(rows, 4096, device=dev).to(torch.bfloat16)
+            x[0, 5] = float("nan")
+            ref = _bits(_unplanned(lambda: call(x)))  # noqa: B023
+            n_plans = len(_plans._PLANS)
+            got = _bits(call(x))  # the kind's first call unplanned, then a plan each shape
+            assert len(_plans._PLANS) == n_plans + (i > 0), (name, rows)
+            for a, b in zip(ref, got, strict=True):
+                assert torch.equal(a, b), (name, rows)
+    assert not _plans.KIND_FAILURES
+    _plans.clear()
+
+
+def _unplanned(call):
+    with _plans.disabled():
+        return call()
 
 
 def test_a_host_function_that_transforms_a_scalar_gets_no_plan(fake, monkeypatch):

@@ -215,15 +215,26 @@ FIRST_OPS = {
 }  # fmt: skip
 
 
+# a new shape of a kind of call planned before, made from its plan of every shape before any
+# check: the public function's module, the kind key (_calls), the plan and the launcher
+NEW_SHAPE_FILES = 4
+NEW_SHAPE_OPS = {"nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "hadamard"}
+
+
 @pytest.mark.parametrize("op", sorted(FIRST_OPS))
 def test_the_first_call_of_a_shape_passes_at_most_six_files(op):
     _plans.clear()
     with fake_cuda():
-        FIRST_OPS[op](torch.randn(64, 256).to(torch.bfloat16))()  # the kernels built
-        call = FIRST_OPS[op](torch.randn(128, 256).to(torch.bfloat16))  # a shape of its own
+        with _plans.disabled():
+            FIRST_OPS[op](torch.randn(64, 256).to(torch.bfloat16))()  # the kernels built
+        call = FIRST_OPS[op](torch.randn(128, 256).to(torch.bfloat16))  # its kind's first call
         _, first = call_path(call)
         _, recording = call_path(call)
         _, warm = call_path(call)
+        _, new_shape = call_path(FIRST_OPS[op](torch.randn(96, 256).to(torch.bfloat16)))
     _plans.clear()
     assert len(first) <= FIRST_CALL_FILES, first
     assert len(recording) > len(warm) == 3, (recording, warm)
+    assert len(new_shape) <= FIRST_CALL_FILES, new_shape
+    if op in NEW_SHAPE_OPS:
+        assert len(new_shape) <= NEW_SHAPE_FILES and "_plans.py" in new_shape, new_shape

@@ -33,6 +33,7 @@ from ._calls import (
     is_torch_tensor,
     normalize_dtype,
     payload_views,
+    quantize_kind,
 )
 from ._quantized import (
     SCALE_LAYOUTS,
@@ -132,6 +133,8 @@ def quantize_dequantize(
 def _quantize(x, fmt, rounding, seed, step, global_amax, scale_layout, fused):
     key = _quantize_key(x, fmt, rounding, step, global_amax, scale_layout, fused)
     plan = _plans.get(key)
+    if plan is None and key is not None:  # a new shape of a kind of call planned before?
+        plan = _plans.shape_plan(key, quantize_kind(key), _plan_inputs(key, x, step, global_amax))
     # (a value the full checks would refuse, a float amax beyond float32's range among them,
     # takes the checked path below, which names it)
     if (
@@ -237,12 +240,18 @@ def _checked_step(step, backend):
     return check_int(value, "step", 0, STEP_LIMIT), None
 
 
+def _plan_inputs(key, x, step, global_amax):
+    """The arrays of a planned quantize, in the order its plan takes them."""
+    inputs = (x,) if key.amax is None or key.amax == AMAX_NUMBER else (x, global_amax)
+    return inputs if key.step is None else (*inputs, step)
+
+
 def _run_quantize_plan(plan, key, fmt, x, seed, step, global_amax):
     """One planned quantize of ``fmt`` as the caller gave it; ``global_amax`` and ``step`` as
     its key says (None, a float or an array; an int or an array)."""
     number = key.amax == AMAX_NUMBER
-    inputs = (x,) if key.amax is None or number else (x, global_amax)
-    if key.step is not None:
+    inputs = (x,) if key.amax is None or number else (x, global_amax)  # (``_plan_inputs``,
+    if key.step is not None:  # written out: a warm call makes no call it can do without)
         inputs, step = (*inputs, step), 0
     outputs = plan(
         inputs, (seed & 0xFFFFFFFF, seed >> 32, step, np.float32(global_amax) if number else 0.0)

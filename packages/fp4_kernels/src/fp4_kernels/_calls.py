@@ -75,6 +75,12 @@ class Geometry(NamedTuple):
             return cls(shape, n, kb, pk, (pr * pk,), pr * pk != rows * kb, True)
         return cls(shape, n, kb, kb, shape[:-1] + (kb,), False, False)
 
+    def resized(self, shape):
+        """The geometry of ``shape`` (its last dimension this one's) in this block size and
+        scale layout: what a plan of every shape recomputes from symbolic leading dimensions."""
+        block = self.shape[-1] // self.kb
+        return Geometry.of(shape, block, "swizzled" if self.swizzled else "linear")
+
 
 def payload_views(payload, shape, n, g, lib):
     """(codes (..., K/2) uint8, scales (..., K/g) uint16) views of the FP4Quant wire buffer of
@@ -465,9 +471,44 @@ class CallDescriptor:
 
     def traced(self, tracer):
         """(the call as a plan records it: its arrays the tracer's placeholders, and the probe
-        scalars its launches must take)."""
+        scalars its launches must take).  A symbolic tracer's placeholders have symbolic
+        leading dimensions (``_sizes``), and so has every size derived from them."""
         placeholders = {name: tracer.input(getattr(self, name)) for name in self.ARRAYS}
         return dataclasses.replace(self, **placeholders), ()
+
+    def kind_key(self):
+        """The key of this call's kind: its plan key without its arrays' leading dimensions and
+        strides (a checked call's arrays are C-contiguous), or None where this kind of call is
+        planned per shape only.  Calls of one kind share a plan of every shape
+        (``_plans.KindPlan``)."""
+        return None
+
+    def plan_dims(self):
+        """The leading dimensions of the call's arrays, in the order ``traced`` records them:
+        the values a plan of every shape is evaluated at."""
+        dims = []
+        for name in self.ARRAYS:
+            a = getattr(self, name)
+            if a is not None:
+                dims += a.shape[:-1]
+        return dims
+
+
+def kind_of(tensor_key):
+    """A ``_plans.tensor_key`` without its shape and strides: (type, dtype, number of
+    dimensions, last dimension, device, misalignment)."""
+    kind, dtype, shape, _, device, misalign = tensor_key
+    return kind, dtype, len(shape), shape[-1] if shape else None, device, misalign
+
+
+def quantize_kind(key):
+    """The kind key of a ``QuantizeKey`` (``CallDescriptor.kind_key``): a plain tuple."""
+    return ("quantize", kind_of(key.x), *key[1:])
+
+
+def hadamard_kind(key):
+    """The kind key of a ``HadamardKey``."""
+    return ("hadamard", kind_of(key.x), *key[1:])
 
 
 @dataclass(frozen=True)
@@ -505,9 +546,14 @@ class QuantizeCall(CallDescriptor):
             step=PROBE_STEP,
             amax_value=PROBE_AMAX if number else -1.0,
         )
+        if tracer.symbolic:
+            traced = dataclasses.replace(traced, geometry=self.geometry.resized(traced.x.shape))
         # a step array is an input of the plan: its probe is not in the launches
         probes = SEED_STEP_PROBES if self.step_array is None else SEED_PROBES
         return traced, probes + ((AMAX_PROBE,) if number else ())
+
+    def kind_key(self):
+        return None if self.key is None else quantize_kind(self.key)
 
 
 @dataclass(frozen=True)
@@ -526,6 +572,22 @@ class DequantizeCall(CallDescriptor):
     geometry: Geometry
     key: DequantizeKey | None = None
     out: Any = None
+
+    def traced(self, tracer):
+        traced, probes = super().traced(tracer)
+        if tracer.symbolic:  # (the check made data's leading dimensions the shape's)
+            shape = traced.data.shape[:-1] + self.geometry.shape[-1:]
+            traced = dataclasses.replace(traced, geometry=self.geometry.resized(shape))
+        return traced, probes
+
+    def kind_key(self):
+        key = self.key
+        if key is None:
+            return None
+        shape = self.geometry.shape
+        op, fmt, _, dtype, layout, data, scales, *rest = key
+        return (op, fmt, len(shape), shape[-1], dtype, layout, kind_of(data), kind_of(scales),
+                *rest)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -546,6 +608,9 @@ class HadamardCall(CallDescriptor):
     @property
     def n(self):
         return math.prod(self.x.shape)
+
+    def kind_key(self):
+        return None if self.key is None else hadamard_kind(self.key)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ._calls import (
     backend_of,
     check_has_values,
     dtype_name,
+    hadamard_kind,
     is_c_contiguous,
     is_torch_tensor,
 )
@@ -76,6 +77,8 @@ def hadamard(
         )
     key = _hadamard_key(x, group_size, inverse, signs)
     plan = _plans.get(key)
+    if plan is None and key is not None:  # a new shape of a kind of call planned before?
+        plan = _plans.shape_plan(key, hadamard_kind(key), (x,))
     if plan is None:
         call = _hadamard_call(x, group_size, inverse, signs, key)
         if not call.backend.gpu:

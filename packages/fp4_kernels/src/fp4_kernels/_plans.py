@@ -4,8 +4,8 @@ Every GPU call arrives here as a call descriptor (``_calls``) with the host func
 (``cuda.<op>.run(ctx, call)``, which chooses kernels and grids).  A call whose ``key`` is set
 (a torch CUDA tensor, plans enabled: the static part of the call, its input's type, dtype,
 shape, strides, device and 16-byte alignment and the launch policy) is planned.  The first
-call of a key runs unplanned (below); the second (``RECORD_AT``), checked in full by the API,
-runs its host function once against a ``Tracer``:
+call of a kind of call runs unplanned (below); the second (``RECORD_AT``), checked in full by
+the API, runs its host function once against a ``Tracer``:
 placeholder arrays whose addresses are tagged symbols, and a context that records each launch
 instead of queuing it.  The recording is the plan: the launchers, grids, the packed argument
 values (``_numba_launch.launch_values``) with the places where a call's pointers (inputs, outputs)
@@ -15,12 +15,27 @@ tensor scale and scratch, each 256-byte aligned in it; a float result is a tenso
 writes its pointers and scalars into the recorded arguments and launches on torch's current
 stream; no check is repeated, because everything a check reads is in the key.
 
+Plans of every shape: when a plan is recorded, the host function also runs against a symbolic
+tracer, whose placeholders' leading dimensions are ``_sizes.Size`` expressions, so that every
+size it derives (element counts, grids, the outputs' byte offsets and shapes) is an expression
+of the call's dimensions and every comparison of one (a branch, a grid's cap) a guard.  The
+result, a ``KindPlan`` of the call's kind (its key without the arrays' leading dimensions and
+strides: ``kind_key``), makes the plan of any shape its guards admit by evaluating one generated
+function, with no trace: the first call of a new shape of a kind planned before costs a plan's
+run and that evaluation (the API's ``shape_plan``, before any check: what the checks read of a
+new shape, contiguity and emptiness, is read there; everything else is in the kind).  It must
+give the concrete recording's plan at the shape it was recorded at, or it is not kept; a host
+function that needs a concrete size (``_sizes.Unplannable``) leaves its kind planned per shape.
+Host functions derive every size from the descriptor's geometry and arrays (never from its key
+or another concrete source), which is what makes this sound.  A kind keeps up to
+``KIND_PLANS_PER_KIND`` of them (ranges of shapes: a grid under its cap, a grid at it).
+
 Calls without a key (numpy, CuPy, numba arrays, the simulator, signs given as a vector),
-empty tensors and the first call of a key run their host function against the caller's context
-(``run_unplanned``).  The cache is bounded: ``PLAN_CACHE_SIZE`` plans (and as many keys called
-once), least recently used evicted first; ``clear()``
-empties it and ``disabled()`` turns it off for the calls inside it (the unplanned path then runs
-for torch tensors too).
+empty tensors and the first call of a kind (of a key, where the kind has no plan of every
+shape) run their host function against the caller's context (``run_unplanned``).  The cache is
+bounded: ``PLAN_CACHE_SIZE`` plans (and as many keys called once, and kinds), least recently
+used evicted first; ``clear()`` empties it and ``disabled()`` turns it off for the calls inside
+it (the unplanned path then runs for torch tensors too).
 
 ``on_device`` makes the input's GPU numba's current device for the duration of a call.
 """
@@ -36,7 +51,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays as arrays
+from . import _arrays as arrays, _sizes
 from ._calls import FP4QUANT_KEY, PROBE_AMAX, PROBE_SEED, PROBE_STEP, DequantizeKey
 from ._quantized import FP4Quant, QuantizedTensor
 from .cuda import launch
@@ -49,7 +64,14 @@ PLAN_CACHE_SIZE = 256
 RECORD_AT = 2
 
 _PLANS: OrderedDict = OrderedDict()
-_SEEN: OrderedDict = OrderedDict()  # key -> its calls so far, while fewer than RECORD_AT
+_SEEN: OrderedDict = OrderedDict()  # key (or kind) -> its calls so far, while fewer than RECORD_AT
+#: Plans of every shape a kind of call holds (``KindPlan``, one a range of shapes its guards
+#: admit), most recently used first.
+KIND_PLANS_PER_KIND = 4
+_KINDS: OrderedDict = OrderedDict()  # kind key -> [KindPlan, ...], or FAILED
+FAILED = ()  # a kind whose host function needs concrete sizes: planned per shape
+#: Why recent recordings of a plan of every shape failed (kind key, reason): for diagnosis.
+KIND_FAILURES: list = []
 _LOCK = threading.Lock()  # held while a plan is added or evicted
 _DISABLED = contextvars.ContextVar("fp4_kernels_plans_disabled", default=False)
 
@@ -76,6 +98,7 @@ def clear() -> None:
     with _LOCK:
         _PLANS.clear()
         _SEEN.clear()
+        _KINDS.clear()
 
 
 @contextlib.contextmanager
@@ -179,26 +202,98 @@ def put(key, plan):
 
 
 def plan_for(call, host):
-    """The plan of the checked GPU ``call`` (its tensors not empty), recorded from
-    ``host(tracer, call)`` at the ``RECORD_AT``-th call of its key; None before that and for a
-    call without a key: the caller runs it unplanned (``run_unplanned``)."""
+    """The plan of the checked GPU ``call`` (its tensors not empty): its key's, else one made
+    for its shape from a plan of its kind's every shape, else recorded from
+    ``host(tracer, call)`` at the ``RECORD_AT``-th call of its kind (of its key where the kind
+    has no plan of every shape); None before that and for a call without a key: the caller
+    runs it unplanned (``run_unplanned``)."""
     key = call.key
     if key is None:
         return None
     plan = get(key)
-    if plan is None:
-        with _LOCK:
+    if plan is not None:
+        return plan
+    kind = call.kind_key()
+    kind_plans = _kind_plans(kind)
+    if kind_plans:
+        plan = _from_kind(key, kind, kind_plans, call.plan_dims())
+        if plan is not None:
+            return plan
+    # counted by kind (a kind of call whose shapes keep changing gets its plan at its second
+    # call), by key where the kind's sizes cannot be symbolic; a kind with plans of every
+    # shape, none of which admits this one, records at once
+    counted = key if kind is None or kind_plans is FAILED else kind
+    with _LOCK:
+        try:
+            seen = _SEEN.pop(counted, 0) + 1
+        except TypeError:  # an unhashable argument: never planned
+            return None
+        if seen < RECORD_AT and not kind_plans:
+            _SEEN[counted] = seen
+            while len(_SEEN) > PLAN_CACHE_SIZE:
+                _SEEN.popitem(last=False)
+            return None
+    plan = record(call, host)
+    if kind is not None and kind_plans is not FAILED:
+        _add_kind_plan(kind, record_kind(call, host, plan, kind))
+    return put(key, plan)
+
+
+def shape_plan(key, kind, arrays):
+    """The plan of ``key``, a key not seen before, made from a plan of every shape of
+    ``kind`` (the API's own route to a new shape's plan, before any check: a plan of the kind
+    exists only once a call of it passed them, and what they read of a new shape is read
+    here: the arrays, ``arrays`` in the order the call's descriptor records them, C-contiguous
+    and the first not empty); None otherwise."""
+    try:
+        plans = _KINDS.get(kind)
+    except TypeError:
+        return None
+    if not plans:
+        return None
+    dims = []
+    for a in arrays:
+        if not a.is_contiguous():
+            return None
+        dims += a.shape[:-1]
+    if not arrays[0].numel():
+        return None
+    return _from_kind(key, kind, plans, dims)
+
+
+def _from_kind(key, kind, plans, dims):
+    """The plan of ``key`` from the first of ``kind``'s ``plans`` that admits ``dims``, kept."""
+    for kind_plan in plans:
+        plan = kind_plan.instantiate(dims)
+        if plan is not None:
             try:
-                seen = _SEEN.pop(key, 0) + 1
-            except TypeError:  # an unhashable argument: never planned
-                return None
-            if seen < RECORD_AT:
-                _SEEN[key] = seen
-                while len(_SEEN) > PLAN_CACHE_SIZE:
-                    _SEEN.popitem(last=False)
-                return None
-        plan = put(key, record(call, host))
-    return plan
+                _KINDS.move_to_end(kind)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+            return put(key, plan)
+    return None
+
+
+def _kind_plans(kind):
+    """The plans of every shape of ``kind`` (a list, most recently used first; FAILED; or None:
+    none yet)."""
+    if kind is None:
+        return None
+    try:
+        return _KINDS.get(kind)
+    except TypeError:  # an unhashable argument
+        return FAILED
+
+
+def _add_kind_plan(kind, kind_plan):
+    with _LOCK:
+        plans = _KINDS.pop(kind, None) or []
+        if kind_plan is None:
+            _KINDS[kind] = plans or FAILED
+        else:
+            _KINDS[kind] = [kind_plan, *plans][:KIND_PLANS_PER_KIND]
+        while len(_KINDS) > PLAN_CACHE_SIZE:
+            _KINDS.popitem(last=False)
 
 
 def record(call, host):
@@ -208,6 +303,29 @@ def record(call, host):
     with on_device(tracer):  # the kernels compile for the input's device
         outputs = host(tracer, traced)
     return tracer.plan(outputs, probes)
+
+
+def record_kind(call, host, plan, kind):
+    """The plan of every shape of ``call``'s kind that admits ``call``: ``host`` run against a
+    symbolic ``Tracer``; it must give ``plan`` (``call``'s, recorded concretely) at ``call``'s
+    shape.  None where the host function needed a concrete size (``_sizes.Unplannable``) or
+    anything else failed: the kind is then planned per shape, and ``KIND_FAILURES`` says why."""
+    try:
+        tracer = Tracer(call.anchor.device.index, symbolic=True)
+        with _sizes.recording() as guards:
+            traced, probes = call.traced(tracer)
+            with on_device(tracer):
+                outputs = host(tracer, traced)
+            symbolic = tracer.plan(outputs, probes)
+    except Exception as err:  # a plan of every shape is an optimization: never the call's error
+        _failed(kind, err)
+        return None
+    return KindPlan(symbolic, guards, tracer.n_dims, kind, (call.plan_dims(), plan))
+
+
+def _failed(kind, err):
+    KIND_FAILURES.append((kind, f"{type(err).__name__}: {err}"))
+    del KIND_FAILURES[:-16]
 
 
 def run_unplanned(call, host):
@@ -288,7 +406,8 @@ class VirtualArray:
         self.misalign = misalign
 
     def data_ptr(self):
-        return _TAG | (self.source << _SOURCE_SHIFT) | (self.misalign + self.offset)
+        # (the low bits added, not or-ed: a symbolic offset is a ``_sizes.Size``)
+        return (_TAG | (self.source << _SOURCE_SHIFT)) + (self.misalign + self.offset)
 
     def numel(self):
         return math.prod(self.shape)
@@ -305,8 +424,18 @@ class VirtualArray:
     def __getitem__(self, index):
         if len(self.shape) != 1 or not isinstance(index, slice) or index.step not in (None, 1):
             raise TypeError("a plan records 1-D slices only")
-        start, stop, _ = index.indices(self.shape[0])
-        stop = max(start, stop)
+        length, start, stop = self.shape[0], index.start, index.stop
+        if any(isinstance(v, _sizes.Size) for v in (length, start, stop)):
+            # a symbolic size: the slices host functions take, of non-negative bounds
+            start = 0 if start is None else start
+            stop = length if stop is None else stop
+            if start < 0 or stop < 0:
+                raise _sizes.Unplannable("a negative bound of a symbolic slice")
+            stop = min(stop, length)
+            start = min(start, stop)
+        else:
+            start, stop, _ = index.indices(length)
+            stop = max(start, stop)
         return self._like(self.offset + start * self.itemsize, (stop - start,))
 
     def reshape(self, *shape):
@@ -330,7 +459,7 @@ class Tracer(launch.GpuContext):
     """The ``GpuContext`` a host function runs against while its plan is recorded: it hands out
     placeholders for the call's arrays and records each launch instead of queuing it."""
 
-    def __init__(self, device_id):
+    def __init__(self, device_id, symbolic=False):
         launch.init_torch_tables()
         self.backend = arrays.Backend("torch", True, None)
         self.simulator = False
@@ -340,6 +469,10 @@ class Tracer(launch.GpuContext):
         self.launches = []
         self.keep = []  # constant device arrays the recorded arguments point into
         self._misaligns = {}
+        # symbolic: the inputs' leading dimensions are ``_sizes.Size`` d0, d1, ... (in the
+        # order of the inputs): a plan of every shape of the call's kind is recorded
+        self.symbolic = symbolic
+        self.n_dims = 0
 
     def input(self, t):
         """A placeholder for the input tensor ``t`` (its misalignment kept); None for None."""
@@ -348,9 +481,13 @@ class Tracer(launch.GpuContext):
         self.sources.append(("input",))
         source = len(self.sources) - 1
         self._misaligns[source] = t.data_ptr() % _ALIGN
-        return VirtualArray(
-            source, 0, tuple(t.shape), t.dtype, t.element_size(), self._misaligns[source]
-        )
+        shape = tuple(t.shape)
+        if self.symbolic:
+            k = self.n_dims
+            lead = tuple(_sizes.Size.dimension(k + i, d) for i, d in enumerate(shape[:-1]))
+            self.n_dims += len(lead)
+            shape = lead + shape[-1:]
+        return VirtualArray(source, 0, shape, t.dtype, t.element_size(), self._misaligns[source])
 
     def empty(self, shape, np_dtype, like_dtype=None, zero=False):
         # a float result (like_dtype) is a tensor of its own; byte outputs share one buffer
@@ -375,11 +512,15 @@ class Tracer(launch.GpuContext):
         pointers, scalars = [], []
         for a, pos in zip(args, positions, strict=True):
             if isinstance(a, launch.DeviceBuffer):
-                if a.ptr & _TAG == _TAG:
-                    source = (a.ptr >> _SOURCE_SHIFT) & 0xFFFF
-                    rel = (a.ptr & ((1 << _SOURCE_SHIFT) - 1)) - self._misaligns.get(source, 0)
-                    pointers.append((pos, source, rel))
+                ptr = a.ptr  # (a symbolic offset makes it a Size: its value says the source)
+                tagged = ptr.value if isinstance(ptr, _sizes.Size) else ptr
+                if tagged & _TAG == _TAG:
+                    source = (tagged >> _SOURCE_SHIFT) & 0xFFFF
+                    base = _TAG | (source << _SOURCE_SHIFT)
+                    pointers.append((pos, source, ptr - base - self._misaligns.get(source, 0)))
                 continue
+            if isinstance(a, _sizes.Size):
+                continue  # a symbolic size stays in the template (``KindPlan``)
             for i, (dt, probe) in enumerate(_PROBES):
                 if a.dtype == dt and a == probe:
                     scalars.append((pos, i))
@@ -539,3 +680,117 @@ class Plan:
         finally:
             if scope is not None:
                 scope.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------- plans of every shape
+
+
+class KindPlan:
+    """A plan recorded with symbolic leading dimensions (``Tracer(symbolic=True)``): the
+    ``Plan`` of any shape of its kind that satisfies the recording's guards.
+
+    The symbolic plan's fields (templates, grids, section sizes, result views) are written out
+    as the source of one Python function of the dimensions, which checks the guards and
+    returns the fields of the concrete plan: making a new shape's plan costs one call of it.
+    The function is compiled when a new shape first asks for it (a kind called at one shape
+    never does), and checked then against ``check``: (dimensions, the plan recorded
+    concretely at them), which it must give; if not, it is never used."""
+
+    def __init__(self, plan, guards, n_dims, kind, check):
+        self.n_dims = n_dims
+        self.kind = kind
+        self.symbolic = (plan, guards)
+        self.check = check
+        self.fields = None
+        self.source = None
+
+    def _compile(self):
+        plan, guards = self.symbolic
+        constants = []
+        fields = _source(dict(vars(plan)), constants)
+        names = ", ".join(f"d{i}" for i in range(self.n_dims))
+        checks = " and ".join(src if want else f"not {src}" for src, want in guards.items())
+        body = f"    if not ({checks}):\n        return None\n" if checks else ""
+        source = f"def fields({names}):\n{body}    return {fields}\n"
+        scope = {f"c{i}": c for i, c in enumerate(constants)}
+        exec(compile(source, "<fp4_kernels plan of every shape>", "exec"), scope)
+        self.source = source
+        dims, concrete = self.check
+        if not same_plan(self._make(scope["fields"], dims), concrete):
+            raise RuntimeError("the plan of every shape differs from the plan of its own shape")
+        return scope["fields"]
+
+    def instantiate(self, dims):
+        """The ``Plan`` at the leading dimensions ``dims`` (``call.plan_dims()``), or None where
+        they fall outside the recording's guards."""
+        fields = self.fields
+        if fields is None:
+            if self.symbolic is None:  # its check failed
+                return None
+            try:
+                fields = self.fields = self._compile()
+            except Exception as err:
+                self.symbolic = None
+                _failed(self.kind, err)
+                with _LOCK:  # the kind is planned per shape from now on
+                    _KINDS[self.kind] = FAILED
+                return None
+            self.symbolic = self.check = None  # (the compiled function holds what it needs)
+        if len(dims) != self.n_dims:
+            return None
+        return self._make(fields, dims)
+
+    @staticmethod
+    def _make(fields, dims):
+        try:
+            values = fields(*dims)
+        except ZeroDivisionError:
+            return None
+        if values is None:
+            return None
+        plan = Plan.__new__(Plan)
+        plan.__dict__.update(values)
+        return plan
+
+
+def _source(obj, constants):
+    """Python source that builds ``obj`` with its symbolic sizes evaluated: literals for plain
+    values and containers, names ``c<i>`` for the other objects (appended to ``constants``)."""
+    t = type(obj)
+    if t is _sizes.Size:
+        return obj.src
+    if obj is None or t is bool or t is int or t is str:
+        return repr(obj)
+    if t is tuple:
+        items = [_source(v, constants) for v in obj]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if t is list:
+        return "[" + ", ".join(_source(v, constants) for v in obj) + "]"
+    if t is dict:
+        return "{" + ", ".join(f"{k!r}: {_source(v, constants)}" for k, v in obj.items()) + "}"
+    constants.append(obj)  # (floats and numpy scalars too: their exact type and bits)
+    return f"c{len(constants) - 1}"
+
+
+def same_plan(a, b):
+    """Whether two plans queue the same launches, allocate the same way and return the same
+    views (the kept constants compared by identity)."""
+    if a is None or b is None:
+        return False
+    da, db = vars(a), vars(b)
+    if da.keys() != db.keys():
+        return False
+    for name, va in da.items():
+        vb = db[name]
+        if name == "keep":
+            if len(va) != len(vb) or any(x is not y for x, y in zip(va, vb, strict=True)):
+                return False
+        elif name == "launches":
+            if len(va) != len(vb):
+                return False
+            for la, lb in zip(va, vb, strict=True):
+                if la[0] is not lb[0] or la[1:] != lb[1:]:
+                    return False
+        elif va != vb:
+            return False
+    return True

@@ -109,7 +109,7 @@ def tensor_scale_args(ctx, call, xw, aligned, scratch):
         n_parts = amax_partials(ctx, xw, aligned, call.kind, call.geometry.n, parts)
     else:
         parts, n_parts = gs, 0
-    return parts, np.int64(n_parts), np.float32(call.amax_value), gs
+    return parts, launch.int64(n_parts), np.float32(call.amax_value), gs
 
 
 def amax_partials(ctx, xw, aligned, kind, n, parts):
@@ -120,7 +120,7 @@ def amax_partials(ctx, xw, aligned, kind, n, parts):
     blocks = launch.grid_for(-(-n_vec // UNROLL), threads)
     blocks = min(blocks, max_partials(ctx.device_id))
     return launch.launch(
-        amax_kernel(kind, aligned), blocks, threads, ctx, (xw, np.int64(n_vec), parts)
+        amax_kernel(kind, aligned), blocks, threads, ctx, (xw, launch.int64(n_vec), parts)
     )
 
 

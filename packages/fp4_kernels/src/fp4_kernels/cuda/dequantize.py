@@ -122,9 +122,9 @@ def run(ctx, call):
             ctx.view(call.scales),
             ctx.view(ctx.constant(ONE) if call.global_scale is None else call.global_scale),
             ctx.view(out, np.uint32),
-            np.int64(n_items),
-            np.int64(geo.kb),
-            np.int64(geo.padded_kb),
+            launch.int64(n_items),
+            launch.int64(geo.kb),
+            launch.int64(geo.padded_kb),
         ),
     )
     return (out,)

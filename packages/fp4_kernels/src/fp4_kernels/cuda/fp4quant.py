@@ -726,7 +726,7 @@ def encode(ctx, x, codes, scales, n, seed, step, kind, group_size, hadamard, sto
         threads,
         ctx,
         (xw, ctx.view(codes, np.uint32 if run == CHUNK else np.uint16),
-         ctx.view(scales, np.uint16), np.int64(n), *seed_step),
+         ctx.view(scales, np.uint16), launch.int64(n), *seed_step),
     )  # fmt: skip
 
 
@@ -744,5 +744,5 @@ def decode(ctx, codes, scales, out, n, out_kind, group_size, hadamard):
         blocks,
         threads,
         ctx,
-        (codes_w, ctx.view(scales, np.uint16), ctx.view(out, np.uint32), np.int64(n)),
+        (codes_w, ctx.view(scales, np.uint16), ctx.view(out, np.uint32), launch.int64(n)),
     )  # fmt: skip

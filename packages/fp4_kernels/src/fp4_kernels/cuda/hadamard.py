@@ -294,6 +294,6 @@ def hadamard(ctx, x, out, n, sign_words, kind, group_size, inverse, signed):
         blocks,
         threads,
         ctx,
-        (xw, ctx.view(out, np.uint32), np.int64(n), sign_words),
+        (xw, ctx.view(out, np.uint32), launch.int64(n), sign_words),
         threads_per_sm=prefetch_threads_per_sm(group_size) if prefetch and whole_groups else None,
     )

@@ -33,6 +33,7 @@ from numba import config
 from .. import _numba_abi as abi
 from .._arrays import DTYPES, numpy_dtype
 from .._scalar import KIND_F32
+from .._sizes import Size
 from .launch_table import (
     DEFAULT_NETWORK_VARIANT,
     DEFAULT_POLICY,
@@ -44,7 +45,7 @@ from .launch_table import (
     launch_policy,
 )
 
-__all__ = ["GpuContext", "LaunchPolicy", "current_policy", "launch", "launch_policy"]
+__all__ = ["GpuContext", "LaunchPolicy", "current_policy", "int64", "launch", "launch_policy"]
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)  # numba's CUDA simulator runs the kernels
 
@@ -67,6 +68,14 @@ def sm_count(device_id):
     return n
 
 
+def int64(value):
+    """A kernel's int64 scalar argument: ``np.int64(value)``, or a symbolic size (``_sizes``:
+    a plan of every shape being recorded) kept symbolic."""
+    if type(value) is Size:
+        return value.as_int64()
+    return np.int64(value)
+
+
 def threads_for(default):
     """The CTA size: the policy's if it sets one, else the op's ``default``."""
     threads = current_policy().threads
@@ -75,7 +84,9 @@ def threads_for(default):
 
 def grid_for(work_items, per_cta):
     """CTAs for ``work_items`` when one CTA takes ``per_cta`` of them per pass (>= 1)."""
-    blocks = max(1, -(-work_items // per_cta))
+    blocks = -(-work_items // per_cta)
+    if blocks < 1:  # (not ``max(1, ...)``: a symbolic size's guard is then the rare case)
+        blocks = 1
     cap = current_policy().max_blocks
     return blocks if cap is None else min(blocks, cap)
 
@@ -461,13 +472,13 @@ _SCALAR_CODES = {np.dtype(np.int64): "q", np.dtype(np.uint32): "I", np.dtype(np.
 
 def numba_type(arg):
     """The numba type a launch argument compiles as: a DeviceBuffer is a 1-D C array of its
-    dtype, a numpy scalar its own type."""
+    dtype, a numpy scalar (or a symbolic ``int64`` size) its own type."""
     from numba.core import types
     from numba.np import numpy_support
 
     if isinstance(arg, DeviceBuffer):
         return types.Array(numpy_support.from_dtype(arg.dtype), 1, "C")
-    return numpy_support.from_dtype(np.asarray(arg).dtype)
+    return numpy_support.from_dtype(arg.dtype)
 
 
 def parameter_layout(args):

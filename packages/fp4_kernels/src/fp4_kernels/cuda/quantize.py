@@ -217,9 +217,9 @@ def run(ctx, call):
             codes,
             ctx.view(scales),
             ctx.view(out, np.uint32) if call.fused else codes,  # never written when not fused
-            np.int64(n_items),
-            np.int64(geo.kb),
-            np.int64(geo.padded_kb),
+            launch.int64(n_items),
+            launch.int64(geo.kb),
+            launch.int64(geo.padded_kb),
             *tensor_scale,
             *launch.seed_step_args(ctx, call.seed, call.step, call.step_array),
         ),

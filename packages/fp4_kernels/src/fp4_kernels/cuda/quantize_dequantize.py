@@ -168,7 +168,7 @@ def run(ctx, call):
         (
             xw,
             ctx.view(out, np.uint32),
-            np.int64(n_items),
+            launch.int64(n_items),
             *tensor_scale,
             *launch.seed_step_args(ctx, call.seed, call.step, call.step_array),
         ),

@@ -228,9 +228,9 @@ def run(ctx, call):
         codes_in,
         ctx.view(call.scales),
         ctx.view(call.global_scale if nvfp4 else gs),  # (MXFP4: never read)
-        np.int64(1 if call.per_row else 0),
-        np.int64(call.rows),
-        np.int64(n_blocks),
+        launch.int64(1 if call.per_row else 0),
+        launch.int64(call.rows),
+        launch.int64(n_blocks),
     )
     if nvfp4:
         parts = ctx.view(scratch[1:])
@@ -247,6 +247,6 @@ def run(ctx, call):
         threads,
         ctx,
         (*head, ctx.view(codes, np.uint32), ctx.view(scales), ctx.view(gs), parts,
-         np.int64(n_parts)),
+         launch.int64(n_parts)),
     )  # fmt: skip
     return codes, scales, gs
