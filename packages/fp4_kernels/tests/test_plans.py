@@ -421,11 +421,16 @@ def test_non_contiguous_input_after_a_contiguous_one_is_refused(fake):
             fk.hadamard(bad, group_size=256)
 
 
-def test_bad_arguments_after_a_planned_call_are_refused(fake):
+@pytest.mark.parametrize("new_shape", [False, True])
+def test_bad_arguments_after_a_planned_call_are_refused(fake, new_shape):
     x = _x()
-    fk.quantize(x, rounding="stochastic")
-    fk.quantize(x, global_amax=1.0)
-    fk.quantize(x, fmt=G64)
+    n_plans = len(_plans._PLANS)
+    _planned(lambda: fk.quantize(x, rounding="stochastic"))
+    _planned(lambda: fk.quantize(x, global_amax=1.0))
+    _planned(lambda: fk.quantize(x, fmt=G64))
+    assert len(_plans._PLANS) == n_plans + 3 and len(_plans._KINDS) == 3
+    if new_shape:  # of the planned kinds: their plans made from the kinds' before any check
+        x = _x((3, 256))
     with pytest.raises(ValueError, match="seed"):
         fk.quantize(x, rounding="stochastic", seed=-1)
     with pytest.raises(ValueError, match="seed"):
