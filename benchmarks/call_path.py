@@ -2,7 +2,8 @@
 from the public function to ``cuLaunchKernel``, for each op, warm (its plan made), at the first
 call of its kind (checks, descriptor, the host function against the caller's context; kernels
 compiled), at the second (the same checks, the plans recorded and run) and at the first call
-of a new shape of the kind (its plan made from the kind's plan of every shape).
+of a new shape of the kind (its plan made from the kind's plan of every shape, compiled at the
+kind's first new shape before).
 
     python benchmarks/call_path.py
 
@@ -76,7 +77,9 @@ def main():
             first_calls, first_files = call_path(functools.partial(f, *args))
             recording_calls, _ = call_path(functools.partial(f, *args))
             warm_calls, warm_files = call_path(functools.partial(f, *args))
-            new = prepare(torch.randn(96, 256).to(torch.bfloat16))  # another shape of the kind
+            # another shape of the kind (its first compiles the kind's plan of every shape)
+            f(*prepare(torch.randn(96, 256).to(torch.bfloat16)))
+            new = prepare(torch.randn(80, 256).to(torch.bfloat16))
             new_calls, new_files = call_path(functools.partial(f, *new))
             print(
                 f"{name:34s} {len(warm_files):10d} {warm_calls:6d} {len(first_files):12d} "

@@ -75,22 +75,31 @@ def ops(device):
 NEW_SHAPES = 200
 
 
+def _quantized(x):
+    with _plans.disabled():  # (made before the timed loop: no plan of its own)
+        return fk.quantize(x)
+
+
 def new_shape_ops():
-    """name -> a function of a tensor making one call (``first_call_us``)."""
+    """name -> a function of a tensor making one call, or (a function of a tensor making its
+    argument, outside the timing; the call) (``first_call_us``)."""
     return {
         "quantize_nvfp4": fk.quantize,
         "quantize_mxfp4": lambda x: fk.quantize(x, fmt="mxfp4"),
         "quantize_dequantize_nvfp4": fk.quantize_dequantize,
         "hadamard_256": lambda x: fk.hadamard(x, group_size=256),
         "fp4quant_g64_encode": lambda x: fk.quantize(x, fmt=fk.FP4Quant(group_size=64)),
+        "dequantize_nvfp4": (_quantized, fk.dequantize),
     }
 
 
-def first_call_us(f, device, sync):
-    """Wall microseconds per call of ``f`` on NEW_SHAPES tensors of shapes it has not seen
-    ((16 + r, 256), r = 1, 2, ...), one call each."""
+def first_call_us(op, device, sync):
+    """Wall microseconds per call of ``op`` (as ``new_shape_ops`` gives it) on NEW_SHAPES
+    tensors of shapes it has not seen ((16 + r, 256), r = 1, 2, ...), one call each."""
+    prepare, f = op if isinstance(op, tuple) else ((lambda x: x), op)
     xs = [
-        torch.randn(16 + r, 256, device=device).to(torch.bfloat16) for r in range(1, NEW_SHAPES + 1)
+        prepare(torch.randn(16 + r, 256, device=device).to(torch.bfloat16))
+        for r in range(1, NEW_SHAPES + 1)
     ]
     sync()
     t0 = time.perf_counter()
@@ -205,11 +214,12 @@ def main():
                         fh.write(f"==== {name}, {what} (per call, cProfile's overhead in)\n")
                         fh.write(profile_table(p))
         emit(f"\n{'first call of a shape':30s} {'plans (default)':>15s} {'plans disabled':>15s}")
-        for name, f in new_shape_ops().items():
-            f(torch.randn(8, 256, device=device).to(torch.bfloat16))  # the kernels built
+        for name, op in new_shape_ops().items():
+            prepare, f = op if isinstance(op, tuple) else ((lambda x: x), op)
+            f(prepare(torch.randn(8, 256, device=device).to(torch.bfloat16)))  # kernels built
             with _plans.disabled():  # (no plan is made or used: the same shapes again below)
-                unplanned = first_call_us(f, device, sync)
-            planned = first_call_us(f, device, sync)
+                unplanned = first_call_us(op, device, sync)
+            planned = first_call_us(op, device, sync)
             emit(f"{name:30s} {planned:15.1f} {unplanned:15.1f}")
     if args.out:
         with open(os.path.join(args.out, "host_overhead.txt"), "w") as fh:

@@ -450,11 +450,21 @@ def test_bad_arguments_after_a_planned_call_are_refused(fake, new_shape):
         fk.quantize(x, fmt=["nvfp4"])  # unhashable: no plan lookup can fail on it
 
 
-def test_a_tampered_quantized_tensor_after_a_planned_dequantize_is_refused(fake):
+@pytest.mark.parametrize("new_shape", [False, True])
+def test_a_tampered_quantized_tensor_after_a_planned_dequantize_is_refused(fake, new_shape):
     import dataclasses
 
     q = fk.quantize(_x())
-    fk.dequantize(q)
+    _planned(lambda: fk.dequantize(q))
+    assert len(_plans._KINDS) == 1
+    if new_shape:  # of the planned kind: its plan made from the kind's once the fields agree
+        q = fk.quantize(_x((48, 256)))
+        n_plans = len(_plans._PLANS)
+        with pytest.raises(ValueError, match="shape"):  # rows of data, shape of another
+            fk.dequantize(dataclasses.replace(q, shape=(32, 256)))
+        with pytest.raises(ValueError, match="scales"):
+            fk.dequantize(dataclasses.replace(q, scales=q.scales[:-1]))
+        assert len(_plans._PLANS) == n_plans
     bad_shapes = [(64.0, 256), (64, 256.0)]
     for shape in bad_shapes:
         with pytest.raises(TypeError, match="shape"):

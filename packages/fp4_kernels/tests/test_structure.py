@@ -216,9 +216,13 @@ FIRST_OPS = {
 
 
 # a new shape of a kind of call planned before, made from its plan of every shape before any
-# check: the public function's module, the kind key (_calls), the plan and the launcher
-NEW_SHAPE_FILES = 4
-NEW_SHAPE_OPS = {"nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "hadamard"}
+# check: the public function's module, the kind key (_calls; a QuantizedTensor's fields' leading
+# dimensions: _quantized), the plan and the launcher
+NEW_SHAPE_FILES = 5
+NEW_SHAPE_OPS = {
+    "nvfp4", "mxfp4", "quantize_dequantize", "fp4quant", "hadamard", "dequantize_nvfp4",
+    "dequantize_fp4quant",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("op", sorted(FIRST_OPS))

@@ -28,6 +28,7 @@ from ._calls import (
     checked_amax,
     checked_amax_array,
     checked_step_array,
+    dequantize_kind,
     format_spec,
     is_number,
     is_torch_tensor,
@@ -45,6 +46,7 @@ from ._quantized import (
     Rounding,
     ScaleLayout,
     check_quantized,
+    leading_dims_agree,
 )
 from .formats.e2m1 import ROUNDINGS
 
@@ -321,6 +323,10 @@ def dequantize(q: QuantizedTensor, dtype: DType | None = None) -> Array:
     """
     key = _plans.quantized_key(q, dtype, "dequantize")
     plan = _plans.get(key)
+    if plan is None and key is not None and key.scale_layout == "linear" and leading_dims_agree(q):
+        # a new shape of a kind planned before: the plan from its kind's, if it has one
+        gs = () if q.global_scale is None else (q.global_scale,)
+        plan = _plans.shape_plan(key, dequantize_kind(key, q.shape), (q.data, q.scales, *gs))
     if plan is None:
         call = _dequantize_call(q, dtype, key)
         if not call.backend.gpu:

@@ -506,6 +506,12 @@ def quantize_kind(key):
     return ("quantize", kind_of(key.x), *key[1:])
 
 
+def dequantize_kind(key, shape):
+    """The kind key of a ``DequantizeKey`` of a tensor of ``shape``."""
+    op, fmt, _, dtype, layout, data, scales, *rest = key
+    return (op, fmt, len(shape), shape[-1], dtype, layout, kind_of(data), kind_of(scales), *rest)
+
+
 def hadamard_kind(key):
     """The kind key of a ``HadamardKey``."""
     return ("hadamard", kind_of(key.x), *key[1:])
@@ -584,10 +590,7 @@ class DequantizeCall(CallDescriptor):
         key = self.key
         if key is None:
             return None
-        shape = self.geometry.shape
-        op, fmt, _, dtype, layout, data, scales, *rest = key
-        return (op, fmt, len(shape), shape[-1], dtype, layout, kind_of(data), kind_of(scales),
-                *rest)  # fmt: skip
+        return dequantize_kind(key, self.geometry.shape)
 
 
 @dataclass(frozen=True)

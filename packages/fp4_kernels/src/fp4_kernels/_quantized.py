@@ -399,6 +399,21 @@ def swizzled_scale_shape(rows: int, blocks_per_row: int) -> tuple[int, int]:
     return (-(-rows // 128) * 128, -(-blocks_per_row // 4) * 4)
 
 
+def leading_dims_agree(q):
+    """Whether ``q.shape`` is a tuple of ints whose leading dimensions are those of ``q.data``
+    and ``q.scales`` (linear scale layout): what ``check_quantized`` reads of a new shape of a
+    QuantizedTensor whose kind (everything else: types, dtypes, last dimensions, devices) a
+    checked call had (``_plans.shape_plan``)."""
+    shape = q.shape
+    if type(shape) is not tuple or not shape:
+        return False
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return False
+    lead = shape[:-1]
+    return q.data.shape[:-1] == lead and q.scales.shape[:-1] == lead
+
+
 def check_quantized(q, name="q"):
     """Validate every field of a ``QuantizedTensor`` that a kernel indexes; returns its backend.
 
