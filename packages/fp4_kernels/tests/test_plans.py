@@ -825,6 +825,35 @@ def test_a_plan_of_every_shape_that_misses_its_own_shape_is_not_used(fake, monke
     assert list(_plans._KINDS.values()) == [_plans.FAILED]
 
 
+def test_new_shapes_from_several_threads(fake, monkeypatch):
+    """Threads calling new shapes of one kind at once (emulated ranks do): each compile of a
+    plan of every shape is one thread's, none fails, every result has its shape."""
+    import threading
+
+    monkeypatch.setattr(_plans, "KIND_FAILURES", [])
+    x = _x_of((64, 256))
+    _planned(lambda: fk.quantize(x))
+    errors = []
+
+    def rank(r):
+        _plans._THREAD.bound = {0, 1}  # (the pretend GPU's device, bound in this thread too)
+        try:
+            for rows in range(1 + r, 400, 4):
+                q = fk.quantize(_x_of((rows, 256)))
+                assert q.data.shape == (rows, 128) and q.scales.shape == (rows, 16)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not _plans.KIND_FAILURES
+    kinds = list(_plans._KINDS.values())
+    assert len(kinds) == 1 and kinds[0] and all(k.fields for k in kinds[0])
+
+
 @pytest.mark.gpu
 def test_new_shapes_of_planned_kinds_equal_unplanned_on_the_gpu(gpu):
     """Every op's first call of a new shape, its plan made from its kind's plan of every shape

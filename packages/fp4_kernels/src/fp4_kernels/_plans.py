@@ -701,8 +701,9 @@ class KindPlan:
         self.kind = kind
         self.symbolic = (plan, guards)
         self.check = check
-        self.fields = None
+        self.fields = None  # the compiled function (None: not yet, or its check failed)
         self.source = None
+        self._lock = threading.Lock()  # one thread compiles it
 
     def _compile(self):
         plan, guards = self.symbolic
@@ -723,22 +724,22 @@ class KindPlan:
     def instantiate(self, dims):
         """The ``Plan`` at the leading dimensions ``dims`` (``call.plan_dims()``), or None where
         they fall outside the recording's guards."""
-        fields = self.fields
-        if fields is None:
-            if self.symbolic is None:  # its check failed
-                return None
-            try:
-                fields = self.fields = self._compile()
-            except Exception as err:
-                self.symbolic = None
-                _failed(self.kind, err)
-                with _LOCK:  # the kind is planned per shape from now on
-                    _KINDS[self.kind] = FAILED
-                return None
-            self.symbolic = self.check = None  # (the compiled function holds what it needs)
-        if len(dims) != self.n_dims:
+        fields = self.fields or self._compiled()
+        if fields is None or len(dims) != self.n_dims:
             return None
         return self._make(fields, dims)
+
+    def _compiled(self):
+        with self._lock:
+            if self.symbolic is not None:  # (compiled by another thread meanwhile: None)
+                try:
+                    self.fields = self._compile()
+                except Exception as err:
+                    _failed(self.kind, err)
+                    with _LOCK:  # the kind is planned per shape from now on
+                        _KINDS[self.kind] = FAILED
+                self.symbolic = self.check = None  # (the function holds what it needs)
+            return self.fields
 
     @staticmethod
     def _make(fields, dims):
