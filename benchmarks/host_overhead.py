@@ -93,10 +93,16 @@ def new_shape_ops():
     }
 
 
+def prepared(op):
+    """(a function of a tensor making the call's argument, the call) of a ``new_shape_ops``
+    entry."""
+    return op if isinstance(op, tuple) else ((lambda x: x), op)
+
+
 def first_call_us(op, device, sync):
     """Wall microseconds per call of ``op`` (as ``new_shape_ops`` gives it) on NEW_SHAPES
     tensors of shapes it has not seen ((16 + r, 256), r = 1, 2, ...), one call each."""
-    prepare, f = op if isinstance(op, tuple) else ((lambda x: x), op)
+    prepare, f = prepared(op)
     xs = [
         prepare(torch.randn(16 + r, 256, device=device).to(torch.bfloat16))
         for r in range(1, NEW_SHAPES + 1)
@@ -215,7 +221,7 @@ def main():
                         fh.write(profile_table(p))
         emit(f"\n{'first call of a shape':30s} {'plans (default)':>15s} {'plans disabled':>15s}")
         for name, op in new_shape_ops().items():
-            prepare, f = op if isinstance(op, tuple) else ((lambda x: x), op)
+            prepare, f = prepared(op)
             f(prepare(torch.randn(8, 256, device=device).to(torch.bfloat16)))  # kernels built
             with _plans.disabled():  # (no plan is made or used: the same shapes again below)
                 unplanned = first_call_us(op, device, sync)

@@ -117,7 +117,7 @@ def _same_structure(a, b):
 
 
 def _x(shape=(64, 256), dtype=torch.bfloat16, offset=0):
-    flat = torch.randn(offset + shape[0] * shape[1]).to(dtype)
+    flat = torch.randn(offset + math.prod(shape)).to(dtype)
     return flat[offset:].reshape(shape)
 
 
@@ -589,21 +589,17 @@ def test_a_plan_is_not_made_for_empty_tensors(fake):
 NEW_ROWS = (3, 1, 640, 5000, 100_000, 17)
 
 
-def _x_of(shape, dtype=torch.bfloat16):
-    return torch.randn(math.prod(shape)).to(dtype).reshape(shape)
-
-
 def _fields(q):
     names = ("data", "scales", "global_scale")
     return {f: getattr(q, f) for f in names if getattr(q, f) is not None}
 
 
 def _new_shapes(fake, monkeypatch, make_call, shapes):
-    """``make_call(shape)`` (a call and its named inputs) planned at ``shapes[0]``, then called
-    once at each other shape:
-    each first call launches exactly what the unplanned path launches at that shape, its plan
-    made without a recording while the shape is one its kind's plans admit.  Returns the number
-    of recordings after the first shape's."""
+    """``make_call(shape)`` (a call and its named inputs, made once a shape) planned at
+    ``shapes[0]``, then called once at each other shape: each first call launches exactly what
+    the unplanned path launches at that shape, its plan made without a recording while the
+    shape is one its kind's plans admit.  Returns the number of recordings after the first
+    shape's."""
     recordings = []
     real = _plans.record
     monkeypatch.setattr(_plans, "record", lambda *a: recordings.append(1) or real(*a))
@@ -636,10 +632,9 @@ def test_a_new_shape_of_a_planned_kind_launches_what_the_unplanned_path_launches
     f = fk.quantize_dequantize if fused else fk.quantize
     if fused and "scale_layout" in kw:
         pytest.skip("quantize_dequantize has no scale layout")
-    xs = {}
 
     def make_call(shape):
-        x = xs[shape] = xs.get(shape, _x_of(shape, dtype))
+        x = _x(shape, dtype)
         return lambda: f(x, **kw), {"x": x}
 
     shapes = [(64, 256)] + [(r, 256) for r in NEW_ROWS]
@@ -650,10 +645,9 @@ def test_a_new_shape_of_a_planned_kind_launches_what_the_unplanned_path_launches
 
 def test_new_shapes_of_several_leading_dimensions(fake, monkeypatch):
     amax = torch.tensor([3.0])
-    xs = {}
 
     def make_call(shape):
-        x = xs[shape] = xs.get(shape, _x_of(shape))
+        x = _x(shape)
         call = lambda: fk.quantize(x, global_amax=amax, rounding="stochastic", seed=9, step=2)  # noqa: E731
         return call, {"x": x, "amax": amax}
 
@@ -664,13 +658,9 @@ def test_new_shapes_of_several_leading_dimensions(fake, monkeypatch):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", G64, fk.FP4Quant(256, hadamard=False)])
 @pytest.mark.parametrize("out", [None, torch.float32])
 def test_a_new_shape_of_a_planned_dequantize(fake, monkeypatch, fmt, out):
-    qs = {}
-
     def make_call(shape):
-        if shape not in qs:
-            with _plans.disabled():
-                qs[shape] = fk.quantize(_x_of(shape), fmt=fmt)
-        q = qs[shape]
+        with _plans.disabled():
+            q = fk.quantize(_x(shape), fmt=fmt)
         return lambda: fk.dequantize(q, out), _fields(q)
 
     shapes = [(64, 512)] + [(r, 512) for r in NEW_ROWS]
@@ -678,13 +668,10 @@ def test_a_new_shape_of_a_planned_dequantize(fake, monkeypatch, fmt, out):
 
 
 def test_a_new_shape_of_a_planned_dequantize_of_swizzled_scales(fake, monkeypatch):
-    qs = {}
-
     def make_call(shape):
-        if shape not in qs:
-            with _plans.disabled():
-                qs[shape] = fk.quantize(_x_of(shape), scale_layout="swizzled")
-        return lambda: fk.dequantize(qs[shape]), _fields(qs[shape])
+        with _plans.disabled():
+            q = fk.quantize(_x(shape), scale_layout="swizzled")
+        return lambda: fk.dequantize(q), _fields(q)
 
     # the scales' padded length is in the kind (rows padded to 128): 1-128 rows share it
     shapes = [(100, 256), (3, 256), (128, 256), (1, 256)]
@@ -694,10 +681,8 @@ def test_a_new_shape_of_a_planned_dequantize_of_swizzled_scales(fake, monkeypatc
 @pytest.mark.parametrize("g", [16, 256, 2048, 8192])
 @pytest.mark.parametrize("signs", [None, 5])
 def test_a_new_shape_of_a_planned_transform(fake, monkeypatch, g, signs):
-    xs = {}
-
     def make_call(shape):
-        x = xs[shape] = xs.get(shape, _x_of(shape))
+        x = _x(shape)
         return lambda: fk.hadamard(x, group_size=g, signs=signs, inverse=signs is None), {"x": x}
 
     shapes = [(8, 8192), (1, 8192), (3, 8192), (700, 8192), (2, 8192)]
@@ -706,12 +691,12 @@ def test_a_new_shape_of_a_planned_transform(fake, monkeypatch, g, signs):
 
 def test_a_kind_keeps_a_few_plans_of_every_shape(fake, monkeypatch):
     monkeypatch.setattr(_plans, "KIND_PLANS_PER_KIND", 2)
-    x = _x_of((64, 256))
+    x = _x((64, 256))
     _planned(lambda: fk.quantize(x))
     kinds = list(_plans._KINDS.values())
     assert len(kinds) == 1 and len(kinds[0]) == 1
     for rows in (100_000, 3, 200_000, 5):  # capped grids, then small ones again: no new one
-        fk.quantize(_x_of((rows, 256)))
+        fk.quantize(_x((rows, 256)))
     assert len(kinds[0]) == 1 and len(_plans._KINDS[next(iter(_plans._KINDS))]) == 2
     with launch_policy(max_blocks=1):  # another policy: another kind
         _planned(lambda: fk.quantize(x))
@@ -719,12 +704,12 @@ def test_a_kind_keeps_a_few_plans_of_every_shape(fake, monkeypatch):
 
 
 def test_a_new_shape_that_is_not_contiguous_or_empty_takes_the_checked_path(fake):
-    x = _x_of((64, 256))
+    x = _x((64, 256))
     _planned(lambda: fk.quantize(x))
     n_plans = len(_plans._PLANS)
     with pytest.raises(ValueError, match="contiguous"):
-        fk.quantize(_x_of((256, 512))[:, :256])
-    empty = fk.quantize(_x_of((0, 256)))
+        fk.quantize(_x((256, 512))[:, :256])
+    empty = fk.quantize(_x((0, 256)))
     assert empty.data.shape == (0, 128) and len(_plans._PLANS) == n_plans
 
 
@@ -742,11 +727,11 @@ def test_a_host_function_that_needs_a_concrete_size_is_planned_per_shape(fake, m
     recordings = []
     real_record = _plans.record
     monkeypatch.setattr(_plans, "record", lambda *a: recordings.append(1) or real_record(*a))
-    x = _x_of((64, 256))
+    x = _x((64, 256))
     _compare(fake, lambda: fk.quantize(x), {"x": x})
     assert len(_plans.KIND_FAILURES) == 1 and "Unplannable" in _plans.KIND_FAILURES[0][1]
     assert list(_plans._KINDS.values()) == [_plans.FAILED]
-    x2 = _x_of((3, 256))
+    x2 = _x((3, 256))
     _compare(fake, lambda: fk.quantize(x2), {"x": x2})  # its first call unplanned, as before
     assert len(recordings) == 2 and len(_plans.KIND_FAILURES) == 1
 
@@ -816,10 +801,10 @@ def test_planned_results_equal_unplanned_on_the_gpu(gpu):
 def test_a_plan_of_every_shape_that_misses_its_own_shape_is_not_used(fake, monkeypatch):
     monkeypatch.setattr(_plans, "KIND_FAILURES", [])
     monkeypatch.setattr(_plans, "same_plan", lambda a, b: False)  # as a wrong expression would
-    x = _x_of((64, 256))
+    x = _x((64, 256))
     _planned(lambda: fk.quantize(x))
     assert not _plans.KIND_FAILURES  # (checked when a new shape first needs it)
-    x2 = _x_of((3, 256))
+    x2 = _x((3, 256))
     _compare(fake, lambda: fk.quantize(x2), {"x": x2})  # unplanned first, as per shape
     assert len(_plans.KIND_FAILURES) == 1 and "differs" in _plans.KIND_FAILURES[0][1]
     assert list(_plans._KINDS.values()) == [_plans.FAILED]
@@ -831,7 +816,7 @@ def test_new_shapes_from_several_threads(fake, monkeypatch):
     import threading
 
     monkeypatch.setattr(_plans, "KIND_FAILURES", [])
-    x = _x_of((64, 256))
+    x = _x((64, 256))
     _planned(lambda: fk.quantize(x))
     errors = []
 
@@ -839,7 +824,7 @@ def test_new_shapes_from_several_threads(fake, monkeypatch):
         _plans._THREAD.bound = {0, 1}  # (the pretend GPU's device, bound in this thread too)
         try:
             for rows in range(1 + r, 400, 4):
-                q = fk.quantize(_x_of((rows, 256)))
+                q = fk.quantize(_x((rows, 256)))
                 assert q.data.shape == (rows, 128) and q.scales.shape == (rows, 16)
         except Exception as err:  # noqa: BLE001 (reported below)
             errors.append(err)

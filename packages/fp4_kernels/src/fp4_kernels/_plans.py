@@ -245,10 +245,7 @@ def shape_plan(key, kind, arrays):
     exists only once a call of it passed them, and what they read of a new shape is read
     here: the arrays, ``arrays`` in the order the call's descriptor records them, C-contiguous
     and the first not empty); None otherwise."""
-    try:
-        plans = _KINDS.get(kind)
-    except TypeError:
-        return None
+    plans = _kind_plans(kind)
     if not plans:
         return None
     dims = []

@@ -17,6 +17,7 @@ made with ``launch.int64``, which keeps a ``Size`` symbolic.
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import numpy as np
@@ -61,12 +62,7 @@ class Size:
         ov, osrc = operand
         a, b = (ov, self.value) if reflected else (self.value, ov)
         sa, sb = (osrc, self.src) if reflected else (self.src, osrc)
-        value = {"+": a + b, "-": a - b, "*": a * b, "//": None, "%": None}[op]
-        if op in ("//", "%"):
-            if b == 0:
-                raise ZeroDivisionError("a symbolic size divided by zero")
-            value = a // b if op == "//" else a % b
-        return Size(value, f"({sa} {op} {sb})")
+        return Size(_OPERATORS[op](a, b), f"({sa} {op} {sb})")  # (// and % by 0: Python's error)
 
     def _arithmetic(op, reflected=False):  # noqa: N805 (a method factory of the class body)
         return lambda self, other: self._op(other, op, reflected)
@@ -90,10 +86,7 @@ class Size:
         if operand is None:
             return NotImplemented
         ov, osrc = operand
-        a = self.value
-        result = {
-            "<": a < ov, "<=": a <= ov, ">": a > ov, ">=": a >= ov, "==": a == ov, "!=": a != ov,
-        }[op]  # fmt: skip
+        result = _OPERATORS[op](self.value, ov)
         guard(f"({self.src} {op} {osrc})", result)
         return result
 
@@ -123,6 +116,12 @@ class Size:
 
 
 INT64 = np.dtype(np.int64)
+# what each operator a Size writes into its source computes on the values
+_OPERATORS = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
+    "%": operator.mod, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+    "==": operator.eq, "!=": operator.ne,
+}  # fmt: skip
 
 
 def _operand(other):
