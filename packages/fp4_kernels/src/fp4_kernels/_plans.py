@@ -321,8 +321,9 @@ def record_kind(call, host, plan, kind):
 
 
 def _failed(kind, err):
-    KIND_FAILURES.append((kind, f"{type(err).__name__}: {err}"))
-    del KIND_FAILURES[:-16]
+    with _LOCK:  # (threads recording or compiling plans of other kinds at once)
+        KIND_FAILURES.append((kind, f"{type(err).__name__}: {err}"))
+        del KIND_FAILURES[:-16]
 
 
 def run_unplanned(call, host):
