@@ -121,6 +121,78 @@ def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrenc
         log.close()
 
 
+def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
+    tmp_path, monkeypatch, capsys
+):
+    """With 78 GiB: an error-feedback run (43 GB recorded) beside another waits, a bf16 run
+    (13 GB) starts beside it; a configuration without a record counts as the largest recorded;
+    the waiting run starts once the first ends; unknown memory gates nothing."""
+    done = tmp_path / "done"
+    done.mkdir()
+    for name, peak in {"m_tp4_nvfp4_ef_s0": 41.0, "m_tp4_nvfp4_ef_s1": 43.0,
+                       "m_tp4_bf16_s0": 13.0, "m_tp4_g64_s0": float("nan")}.items():  # fmt: skip
+        (done / f"{name}.json").write_text(json.dumps({"max_memory_gb": peak}))
+    assert emulated_sweep.recorded_memory([done]) == {"m_tp4_nvfp4_ef": 43.0, "m_tp4_bf16": 13.0}
+    todo = [("m_tp4_nvfp4_ef_s2", []), ("m_tp4_nvfp4_ef_s3", []), ("m_tp4_bf16_s2", []),
+            ("m_tp4_mxfp4_s2", [])]  # fmt: skip
+    args = emulated_sweep.parse_args(["--preset", "tp4", "--out", str(tmp_path / "out"),
+                                      "--done", str(done), "--jobs", "3",
+                                      "--gpu-memory-gb", "78"])  # fmt: skip
+
+    class Run:
+        def __init__(self):
+            self.code = None
+
+        def poll(self):
+            return self.code
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Run())
+    sweep = emulated_sweep.Sweep(args, todo)
+    ef = 43.0 * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB
+    assert sweep.need_gb("m_tp4_nvfp4_ef_s2") == sweep.need_gb("m_tp4_mxfp4_s2") == ef
+    sweep.start_runs()
+    running = {v[0]: proc for proc, v in sweep.running.items()}
+    assert list(running) == ["m_tp4_nvfp4_ef_s2", "m_tp4_bf16_s2"]
+    assert [n for n, _ in sweep.pending] == ["m_tp4_nvfp4_ef_s3", "m_tp4_mxfp4_s2"]
+    out = capsys.readouterr().out
+    assert "waiting: m_tp4_nvfp4_ef_s3 needs ~49 GiB, 49 of 78 held" in out
+    assert "waiting: m_tp4_mxfp4_s2" in out
+    running["m_tp4_nvfp4_ef_s2"].code = 0
+    sweep.poll()
+    sweep.start_runs()
+    assert [v[0] for v in sweep.running.values()] == ["m_tp4_bf16_s2", "m_tp4_nvfp4_ef_s3"]
+    assert "waiting" not in capsys.readouterr().out  # said once a run
+    for _, _, log in sweep.running.values():
+        log.close()
+    # the GPU's memory unknown (no nvidia-smi): every run starts, --jobs at a time
+    monkeypatch.setattr(emulated_sweep, "free_gpu_memory_gb", lambda: None)
+    args.gpu_memory_gb = None
+    sweep = emulated_sweep.Sweep(args, todo)
+    sweep.start_runs()
+    assert [v[0] for v in sweep.running.values()] == [n for n, _ in todo[:3]]
+    for _, _, log in sweep.running.values():
+        log.close()
+
+
+def test_free_gpu_memory_is_read_from_nvidia_smi_for_the_first_visible_gpu(monkeypatch):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return argparse.Namespace(stdout="79872\n")
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert emulated_sweep.free_gpu_memory_gb() == 78.0
+    assert calls[0][:3] == ["nvidia-smi", "-i", "2"]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "run", missing)
+    assert emulated_sweep.free_gpu_memory_gb() is None
+
+
 # ------------------------------------------------------------------ the table
 
 

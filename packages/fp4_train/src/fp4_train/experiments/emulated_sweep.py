@@ -12,8 +12,14 @@ starts no run that would end past the budget and lists those left out.  A run's 
 estimated by the longest recorded ``wall_s`` of its configuration (any seed) made ``--jobs``
 at a time, from the summaries in those folders; for a configuration without such a record, by
 the longest run of this invocation, or ``--estimate-s`` before one has ended.  ``--jobs``
-processes share the GPU (a 125 M model with 4 emulated ranks takes a few GB of its memory);
-each writes its log to ``<out>/logs``.  ``--list`` prints the runs and their commands only.
+processes share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its memory, 43 GB
+with error feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only
+where it fits the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the
+free memory ``nvidia-smi`` reports at the start): its need is the largest ``max_memory_gb`` its
+configuration's summaries record (any seed; the largest of any configuration where its own
+has none), plus ``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the process's CUDA context; the
+first pending run that fits starts, and one that fits only alone waits for the GPU to empty.
+``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
 Runs longer than one job: with ``--checkpoint-dir DIR`` every run resumes from and writes
@@ -67,6 +73,9 @@ G64, G256 = "fp4quant-g64", "fp4quant-g256"
 SR = ["--rounding", "stochastic"]
 EF = ["--error-feedback"]
 TAH = "tahquant"
+# What a run holds beyond its recorded peak (torch's allocations, ``max_memory_gb``): a share
+# of it (the caching allocator's rounding and fragmentation) and its CUDA context, GiB.
+MEMORY_SLACK, CONTEXT_GB = 0.10, 1.5
 # --stop-at-s: the least time worth starting a run for (start-up, loading or building the
 # model, a few steps, writing the checkpoint)
 MIN_PIECE_S = 60.0
@@ -152,6 +161,8 @@ def parse_args(argv=None):
                     help="with --stop-at-s: start no run with less time left")  # fmt: skip
     ap.add_argument("--keep-checkpoints", action="store_true",
                     help="keep a finished run's checkpoint (its final state)")  # fmt: skip
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="GiB the runs may hold at once (default: free GPU memory)")  # fmt: skip
     ap.add_argument("--done", type=Path, nargs="+", default=[],
                     help="folders of finished runs' summaries (besides --out): those runs "
                          "are skipped")  # fmt: skip
@@ -164,11 +175,11 @@ def parse_args(argv=None):
     if args.stop_at_s is not None and args.checkpoint_dir is None:
         ap.error("--stop-at-s stops runs with their checkpoint written: give --checkpoint-dir")
     # (written so that NaN fails: every comparison with it is false)
-    for option in ("budget_s", "estimate_s", "stop_at_s", "min_piece_s"):
+    for option in ("budget_s", "estimate_s", "stop_at_s", "min_piece_s", "gpu_memory_gb"):
         value, zero = getattr(args, option), option in ("budget_s", "min_piece_s")
         if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            bound = ">= 0" if zero else "> 0"
-            ap.error(f"--{option.replace('_', '-')} {value}: a finite number of seconds {bound}")
+            bound, unit = ">= 0" if zero else "> 0", "GiB" if option.endswith("gb") else "seconds"
+            ap.error(f"--{option.replace('_', '-')} {value}: a finite number of {unit} {bound}")
     from .tp_train import check_seeds
 
     check_seeds(ap, args.seeds)
@@ -246,6 +257,35 @@ def recorded_lengths(folders, jobs):
     return lengths
 
 
+def recorded_memory(folders):
+    """{run name without its ``_s<seed>``: the largest ``max_memory_gb`` of its finished runs}
+    from the run summaries in ``folders`` (unreadable ones passed over)."""
+    peaks = {}
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.json")):
+            try:
+                peak = float(json.loads(path.read_text())["max_memory_gb"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            config = run_stem(path.stem)
+            if math.isfinite(peak) and peak > 0 and config != path.stem:
+                peaks[config] = max(peaks.get(config, 0.0), peak)
+    return peaks
+
+
+def free_gpu_memory_gb():
+    """The free memory of the GPU the runs take (the first of ``CUDA_VISIBLE_DEVICES``) in GiB,
+    as ``nvidia-smi`` reports it; None where it reports none.  (Not through torch: a CUDA
+    context in the sweep's own process would hold memory for the whole sweep.)"""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+    query = ["nvidia-smi", "-i", first, "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
+        return float(out.stdout.split()[0]) / 1024  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 class Sweep:
     """The runs of one invocation: started ``--jobs`` at a time, each polled until it exits
     (0: finished; ``EX_TEMPFAIL``: stopped at ``--stop-at-s``, resumable; else failed)."""
@@ -256,7 +296,12 @@ class Sweep:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
         self.start, self.longest = time.monotonic(), args.estimate_s
-        self.recorded = recorded_lengths([args.out, *getattr(args, "done", [])], args.jobs)
+        folders = [args.out, *getattr(args, "done", [])]
+        self.recorded = recorded_lengths(folders, args.jobs)
+        self.peaks = recorded_memory(folders)
+        memory = getattr(args, "gpu_memory_gb", None)
+        self.memory = memory if memory is not None else free_gpu_memory_gb()
+        self.waiting = set()  # runs said to wait for memory
         self.running, self.left_out = {}, []
         self.finished, self.resumable, self.failed = [], [], []
 
@@ -272,6 +317,27 @@ class Sweep:
             return False
         return args.stop_at_s is None or elapsed + args.min_piece_s <= args.stop_at_s
 
+    def need_gb(self, run_name):
+        """The GPU memory run ``run_name`` is expected to hold, GiB (see the module doc);
+        None: no record says."""
+        peak = self.peaks.get(run_stem(run_name), max(self.peaks.values(), default=None))
+        return None if peak is None else peak * (1 + MEMORY_SLACK) + CONTEXT_GB
+
+    def fits_memory(self, run_name):
+        """Whether run ``run_name`` fits the GPU's memory beside the runs going on (always
+        where nothing runs, or where the memory or the run's need is unknown)."""
+        need = self.need_gb(run_name)
+        if not self.running or self.memory is None or need is None:
+            return True
+        held = sum(self.need_gb(n) or 0.0 for n, _, _ in self.running.values())
+        if held + need <= self.memory:
+            return True
+        if run_name not in self.waiting:
+            self.waiting.add(run_name)
+            print(f"waiting: {run_name} needs ~{need:.0f} GiB, {held:.0f} of "
+                  f"{self.memory:.0f} held by the runs going on", flush=True)  # fmt: skip
+        return False
+
     def start_runs(self):
         while self.pending and len(self.running) < self.args.jobs:
             elapsed = time.monotonic() - self.start
@@ -279,9 +345,10 @@ class Sweep:
             fitting = [i for i, (n, _) in enumerate(self.pending) if self.fits(elapsed, n)]
             self.left_out += [n for i, (n, _) in enumerate(self.pending) if i not in fitting]
             self.pending = [self.pending[i] for i in fitting]
-            if not self.pending:
+            first = next((i for i, (n, _) in enumerate(self.pending) if self.fits_memory(n)), None)
+            if first is None:  # (none fits beside the runs going on: wait for one to end)
                 return
-            run_name, run_argv = self.pending.pop(0)
+            run_name, run_argv = self.pending.pop(first)
             log = (self.logs / f"{run_name}.log").open("a")
             cmd = [sys.executable, "-m", MODULE, *run_argv,
                    *piece_args(self.args, run_name, elapsed)]  # fmt: skip
