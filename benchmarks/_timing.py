@@ -114,6 +114,24 @@ def host_time_us(fn, args, reps=200):
     return statistics.median(ts)
 
 
+def in_nvtx_ranges(ops):
+    """For Nsight Compute (``ncu --nvtx --nvtx-include NAME/``): each of ``ops`` (name ->
+    callable) run once, then again inside an NVTX range of its name, so that ncu profiles the
+    second, warm call only."""
+    import sys
+
+    import torch
+
+    for name, f in ops.items():
+        f()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(name)
+        f()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        print("ran", name, flush=True, file=sys.stderr)
+
+
 def commit_id():
     """The commit a result belongs to: ``FP4_COMMIT`` when set (a copy of the tree measured on
     another machine may carry a stale .git, or none), else ``git rev-parse --short HEAD``."""

@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
 
 LOG2N = 28
 #: NVTX range name -> what it runs
@@ -72,14 +76,7 @@ def _workload():
         "dec8192": lambda: fk.dequantize(q8192, "bfloat16"),
         "encsr64": lambda: fk.quantize(x, fmt=g64, rounding="stochastic", seed=1234, step=0),
     }
-    for name, f in run.items():
-        f()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(name)
-        f()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
-        print("ran", name, flush=True, file=sys.stderr)
+    _timing.in_nvtx_ranges(run)
 
 
 def _number(text):

@@ -12,9 +12,15 @@ The raw page holds, per kernel, the stall reasons an issued instruction
 throughput (``dram__bytes.sum.per_second``).
 """
 
+import os
+import sys
+
 import torch
 
 import fp4_kernels as fk
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
 
 x = torch.randn(1 << 28, device="cuda").to(torch.bfloat16).reshape(-1, 8192)
 y = torch.empty_like(x)
@@ -26,11 +32,4 @@ ops = [
     ("hs4096", lambda: fk.hadamard(x, group_size=4096, signs=7)),
     ("e4096", lambda: fk.quantize(x, fmt=fk.FP4Quant(group_size=4096))),
 ]
-for name, f in ops:
-    f()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push(name)
-    f()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
-    print("ran", name, flush=True)
+_timing.in_nvtx_ranges(dict(ops))
