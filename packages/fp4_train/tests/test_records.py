@@ -43,3 +43,33 @@ def test_metadata_records_the_digest_that_the_command_prints():
     out = subprocess.run([sys.executable, "-m", "fp4_train.experiments.records"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == meta["source"]
+
+
+def test_commit_is_marked_dirty_where_the_packages_differ_from_head(tmp_path, monkeypatch):
+    """A tree copied over an older .git (or edited) records ``<HEAD>-dirty``, not a clean
+    commit whose code did not run; other files do not count; FP4_COMMIT overrides."""
+    monkeypatch.delenv("FP4_COMMIT", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above counts
+    repo = _tree(tmp_path / "repo", {"packages/p/a.py": b"x = 1\n", "docs/d.md": b"d\n"})
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                       check=True, capture_output=True)  # fmt: skip
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=repo, text=True)
+    assert records.commit(repo) == head.strip()
+    _tree(repo, {"docs/d.md": b"changed\n"})
+    assert records.commit(repo / "docs") == head.strip()  # outside packages/: clean
+    _tree(repo, {"packages/p/a.py": b"x = 2\n"})
+    assert records.commit(repo / "docs") == f"{head.strip()}-dirty"
+    git("checkout", "-q", "--", "packages")
+    _tree(repo, {"packages/p/new.py": b""})  # an untracked module counts too
+    assert records.commit(repo) == f"{head.strip()}-dirty"
+    monkeypatch.setenv("FP4_COMMIT", "abc1234")
+    assert records.commit(repo) == "abc1234"
+    assert records.commit(tmp_path) == "abc1234"
+    monkeypatch.delenv("FP4_COMMIT")
+    assert records.commit(tmp_path) == "unknown"  # no git checkout there

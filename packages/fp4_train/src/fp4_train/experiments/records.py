@@ -25,15 +25,27 @@ import torch
 
 def commit(cwd=None):
     """The commit measured: $FP4_COMMIT first (set by whoever copied the tree to a machine
-    where a stale .git can say another commit), else git's HEAD where the command runs."""
+    where a stale .git can say another commit), else git's HEAD where the command runs, with
+    ``-dirty`` after it where the checkout's ``packages/`` differ from it (uncommitted
+    changes, or a tree copied over an older .git): then the source digest says which code
+    ran."""
     if os.environ.get("FP4_COMMIT"):
         return os.environ["FP4_COMMIT"]
-    try:
+
+    def git(*args):
         return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=cwd, text=True, stderr=subprocess.DEVNULL
+            ["git", *args], cwd=cwd, text=True, stderr=subprocess.DEVNULL
         ).strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    try:  # (":/": from the top of the work tree, wherever cwd is in it)
+        dirty = bool(git("status", "--porcelain", "--", ":/packages"))
+    except (OSError, subprocess.CalledProcessError):
+        dirty = False
+    return f"{head}-dirty" if dirty else head
 
 
 #: A run name's seed suffix ("..._s3"), after its configuration's name.
