@@ -99,9 +99,10 @@ def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrenc
     for name, (wall, jobs) in records.items():
         (done / f"{name}.json").write_text(json.dumps({"wall_s": wall, "concurrent_runs": jobs}))
     (done / "m_tp4_g64_s0.json").write_text("{")  # unreadable: passed over
-    assert emulated_sweep.recorded_lengths([done], 2) == {"m_tp4_nvfp4_ef": 650.0,
+    summaries = emulated_sweep.recorded_summaries([done])
+    assert emulated_sweep.recorded_lengths(summaries, 2) == {"m_tp4_nvfp4_ef": 650.0,
                                                           "m_tp4_bf16": 460.0}  # fmt: skip
-    assert emulated_sweep.recorded_lengths([done], 1) == {"m_tp4_bf16": 300.0}
+    assert emulated_sweep.recorded_lengths(summaries, 1) == {"m_tp4_bf16": 300.0}
     args = emulated_sweep.parse_args(["--preset", "tp4", "--out", str(tmp_path / "out"),
                                       "--done", str(done), "--jobs", "2", "--estimate-s", "470",
                                       "--budget-s", "584"])  # fmt: skip
@@ -132,7 +133,10 @@ def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
     for name, peak in {"m_tp4_nvfp4_ef_s0": 41.0, "m_tp4_nvfp4_ef_s1": 43.0,
                        "m_tp4_bf16_s0": 13.0, "m_tp4_g64_s0": float("nan")}.items():  # fmt: skip
         (done / f"{name}.json").write_text(json.dumps({"max_memory_gb": peak}))
-    assert emulated_sweep.recorded_memory([done]) == {"m_tp4_nvfp4_ef": 43.0, "m_tp4_bf16": 13.0}
+    assert emulated_sweep.recorded_memory(emulated_sweep.recorded_summaries([done])) == {
+        "m_tp4_nvfp4_ef": 43.0,
+        "m_tp4_bf16": 13.0,
+    }
     todo = [("m_tp4_nvfp4_ef_s2", []), ("m_tp4_nvfp4_ef_s3", []), ("m_tp4_bf16_s2", []),
             ("m_tp4_mxfp4_s2", [])]  # fmt: skip
     args = emulated_sweep.parse_args(["--preset", "tp4", "--out", str(tmp_path / "out"),

@@ -240,37 +240,48 @@ def piece_args(args, run_name, elapsed_s):
     return extra
 
 
-def recorded_lengths(folders, jobs):
-    """{run name without its ``_s<seed>``: the longest ``wall_s`` of its finished runs made
-    ``jobs`` at a time} from the run summaries in ``folders`` (unreadable ones passed over)."""
-    lengths = {}
+def recorded_summaries(folders):
+    """[(run name without its ``_s<seed>``, summary)] of the readable run summaries in
+    ``folders`` whose names end in a seed (the others passed over)."""
+    out = []
     for folder in folders:
         for path in sorted(Path(folder).glob("*.json")):
             try:
                 summary = json.loads(path.read_text())
-                wall, concurrent = float(summary["wall_s"]), int(summary["concurrent_runs"])
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError):
                 continue
             config = run_stem(path.stem)
-            if concurrent == jobs and math.isfinite(wall) and config != path.stem:
-                lengths[config] = max(lengths.get(config, 0.0), wall)
-    return lengths
+            if config != path.stem and isinstance(summary, dict):
+                out.append((config, summary))
+    return out
 
 
-def recorded_memory(folders):
+def _largest(summaries, field, admits=lambda summary: True):
+    """{configuration: the largest finite ``field`` (at least 0) of its summaries that
+    ``admits``}; a summary whose field is missing or no number is passed over."""
+    largest = {}
+    for config, summary in summaries:
+        try:
+            value = float(summary[field])
+            if not admits(summary):
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            largest[config] = max(largest.get(config, 0.0), value)
+    return largest
+
+
+def recorded_lengths(summaries, jobs):
+    """{run name without its ``_s<seed>``: the longest ``wall_s`` of its finished runs made
+    ``jobs`` at a time} (``summaries``: ``recorded_summaries``)."""
+    return _largest(summaries, "wall_s", lambda s: int(s["concurrent_runs"]) == jobs)
+
+
+def recorded_memory(summaries):
     """{run name without its ``_s<seed>``: the largest ``max_memory_gb`` of its finished runs}
-    from the run summaries in ``folders`` (unreadable ones passed over)."""
-    peaks = {}
-    for folder in folders:
-        for path in sorted(Path(folder).glob("*.json")):
-            try:
-                peak = float(json.loads(path.read_text())["max_memory_gb"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            config = run_stem(path.stem)
-            if math.isfinite(peak) and peak > 0 and config != path.stem:
-                peaks[config] = max(peaks.get(config, 0.0), peak)
-    return peaks
+    (``summaries``: ``recorded_summaries``)."""
+    return _largest(summaries, "max_memory_gb", lambda s: float(s["max_memory_gb"]) > 0)
 
 
 def free_gpu_memory_gb():
@@ -296,9 +307,9 @@ class Sweep:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
         self.start, self.longest = time.monotonic(), args.estimate_s
-        folders = [args.out, *getattr(args, "done", [])]
-        self.recorded = recorded_lengths(folders, args.jobs)
-        self.peaks = recorded_memory(folders)
+        summaries = recorded_summaries([args.out, *getattr(args, "done", [])])
+        self.recorded = recorded_lengths(summaries, args.jobs)
+        self.peaks = recorded_memory(summaries)
         memory = getattr(args, "gpu_memory_gb", None)
         self.memory = memory if memory is not None else free_gpu_memory_gb()
         self.waiting = set()  # runs said to wait for memory
