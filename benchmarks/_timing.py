@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 ROTATE = 3  # distinct input buffers, each far larger than the 60 MB L2
@@ -118,8 +119,6 @@ def in_nvtx_ranges(ops):
     """For Nsight Compute (``ncu --nvtx --nvtx-include NAME/``): each of ``ops`` (name ->
     callable) run once, then again inside an NVTX range of its name, so that ncu profiles the
     second, warm call only."""
-    import sys
-
     import torch
 
     for name, f in ops.items():
