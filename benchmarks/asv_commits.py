@@ -5,12 +5,12 @@ In a checkout with git:
 
     python benchmarks/asv_commits.py prepare HASH [HASH ...]
 
-writes `.asvrun/` (git-ignored): a bare clone of this repository (asv reads commit dates and
-hashes from it, so a copy of the tree without `.git` will do on the GPU machine), the
-`packages/` folder of each commit (`git archive`), and `asv.conf.json` with `repo` pointed at the
-clone and results going to `.asvrun/results`.  Copy the tree with `.asvrun` to the GPU machine,
-whose Python has asv, CUDA builds of torch, numba-cuda and CuPy, and the packages' dependencies;
-there:
+writes `.asvrun/` (git-ignored): a bare clone of this repository, shallow where it can be (asv
+reads commit dates and hashes from it, so a copy of the tree without `.git` will do on the GPU
+machine), the `packages/` folder of each commit (`git archive`), and `asv.conf.json` with `repo`
+pointed at the clone and results going to `.asvrun/results`.  Copy the tree with `.asvrun` to
+the GPU machine, whose Python has asv, CUDA builds of torch, numba-cuda and CuPy, and the
+packages' dependencies; there:
 
     python3 benchmarks/asv_commits.py run --machine h200 [--bench REGEX] [--quick] HASH ...
 
@@ -61,13 +61,31 @@ def _config():
     return conf
 
 
+def _clone(fulls):
+    """The bare clone asv reads: shallow, as deep as the oldest of ``fulls`` below HEAD (asv
+    reads only the commits' hashes and dates; the full history would take most of what may
+    travel to a GPU machine), or whole where a commit is not an ancestor of HEAD."""
+    dest = RUN / "git"
+    if dest.exists():
+        shutil.rmtree(dest)
+    head = _git("rev-parse", "HEAD")
+    ancestors = all(
+        subprocess.run(["git", "merge-base", "--is-ancestor", f, head], cwd=ROOT).returncode == 0
+        for f in fulls
+    )
+    shallow = []
+    if ancestors:
+        depth = 1 + max(int(_git("rev-list", "--count", f"{f}..{head}")) for f in fulls)
+        shallow = ["--depth", str(depth)]
+    subprocess.run(["git", "clone", "-q", "--bare", *shallow, ROOT.as_uri(), str(dest)],
+                   check=True)  # fmt: skip
+
+
 def prepare(hashes):
-    if (RUN / "git").exists():
-        shutil.rmtree(RUN / "git")
     RUN.mkdir(exist_ok=True)
-    subprocess.run(["git", "clone", "-q", "--bare", str(ROOT), str(RUN / "git")], check=True)
-    for h in hashes:
-        full = _git("rev-parse", "--verify", f"{h}^{{commit}}")
+    fulls = [_git("rev-parse", "--verify", f"{h}^{{commit}}") for h in hashes]
+    _clone(fulls)
+    for h, full in zip(hashes, fulls, strict=True):
         dest = RUN / "src" / full[:8]
         if dest.exists():
             shutil.rmtree(dest)
