@@ -178,6 +178,50 @@ def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
         log.close()
 
 
+def test_memory_gb_estimate_stands_for_unrecorded_configurations_until_one_finishes(
+    tmp_path, monkeypatch
+):
+    """--memory-gb-estimate is the peak of a configuration without a record (not the largest
+    recorded of another); a run that finishes records its own peak for the runs of its
+    configuration that start later."""
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "m_tp4_nvfp4_ef_s0.json").write_text(json.dumps({"max_memory_gb": 43.0}))
+    out = tmp_path / "out"
+    args = emulated_sweep.parse_args(["--preset", "tp8", "--out", str(out), "--done", str(done),
+                                      "--jobs", "4", "--gpu-memory-gb", "78",
+                                      "--memory-gb-estimate", "16"])  # fmt: skip
+
+    class Run:
+        def __init__(self):
+            self.code = None
+
+        def poll(self):
+            return self.code
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Run())
+    todo = [(f"m_tp8_bf16_s{s}", []) for s in range(6)]
+    sweep = emulated_sweep.Sweep(args, todo)
+    need = lambda peak: peak * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB  # noqa: E731
+    assert sweep.need_gb("m_tp8_bf16_s0") == need(16.0)
+    assert sweep.need_gb("m_tp4_nvfp4_ef_s1") == need(43.0)
+    sweep.start_runs()
+    assert len(sweep.running) == 4  # 4 x 19.1 of 78 GiB (the largest recorded: 1 of 49.8)
+    # the first finishes: its summary says 30 GB, so the next of its configuration needs more
+    first = next(p for p, v in sweep.running.items() if v[0] == "m_tp8_bf16_s0")
+    (out / "m_tp8_bf16_s0.json").write_text(json.dumps({"max_memory_gb": 30.0}))
+    first.code = 0
+    sweep.poll()
+    assert sweep.need_gb("m_tp8_bf16_s4") == need(30.0)
+    sweep.start_runs()
+    assert len(sweep.running) == 3  # the three going on now count 34.5 GiB each: it waits
+    for _, _, log in sweep.running.values():
+        log.close()
+    bad = ["--preset", "tp8", "--out", str(out), "--memory-gb-estimate", "nan"]
+    with pytest.raises(SystemExit):
+        emulated_sweep.parse_args(bad)
+
+
 def test_free_gpu_memory_is_read_from_nvidia_smi_for_the_first_visible_gpu(monkeypatch):
     calls = []
 

@@ -16,9 +16,10 @@ processes share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its 
 with error feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only
 where it fits the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the
 free memory ``nvidia-smi`` reports at the start): its need is the largest ``max_memory_gb`` its
-configuration's summaries record (any seed; the largest of any configuration where its own
-has none), plus ``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the process's CUDA context; the
-first pending run that fits starts, and one that fits only alone waits for the GPU to empty.
+configuration's summaries record (any seed, this invocation's finished runs included; where
+its own has none, ``--memory-gb-estimate``, else the largest of any configuration), plus
+``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the process's CUDA context; the first pending run
+that fits starts, and one that fits only alone waits for the GPU to empty.
 ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
@@ -163,6 +164,9 @@ def parse_args(argv=None):
                     help="keep a finished run's checkpoint (its final state)")  # fmt: skip
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="GiB the runs may hold at once (default: free GPU memory)")  # fmt: skip
+    ap.add_argument("--memory-gb-estimate", type=float, default=None,
+                    help="the peak GiB of a run whose configuration has no recorded "
+                         "max_memory_gb (default: the largest recorded of any)")  # fmt: skip
     ap.add_argument("--done", type=Path, nargs="+", default=[],
                     help="folders of finished runs' summaries (besides --out): those runs "
                          "are skipped")  # fmt: skip
@@ -175,7 +179,9 @@ def parse_args(argv=None):
     if args.stop_at_s is not None and args.checkpoint_dir is None:
         ap.error("--stop-at-s stops runs with their checkpoint written: give --checkpoint-dir")
     # (written so that NaN fails: every comparison with it is false)
-    for option in ("budget_s", "estimate_s", "stop_at_s", "min_piece_s", "gpu_memory_gb"):
+    numbers = ("budget_s", "estimate_s", "stop_at_s", "min_piece_s", "gpu_memory_gb",
+               "memory_gb_estimate")  # fmt: skip
+    for option in numbers:
         value, zero = getattr(args, option), option in ("budget_s", "min_piece_s")
         if value is not None and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
             bound, unit = ">= 0" if zero else "> 0", "GiB" if option.endswith("gb") else "seconds"
@@ -331,7 +337,9 @@ class Sweep:
     def need_gb(self, run_name):
         """The GPU memory run ``run_name`` is expected to hold, GiB (see the module doc);
         None: no record says."""
-        peak = self.peaks.get(run_stem(run_name), max(self.peaks.values(), default=None))
+        peak = self.peaks.get(run_stem(run_name), getattr(self.args, "memory_gb_estimate", None))
+        if peak is None:
+            peak = max(self.peaks.values(), default=None)
         return None if peak is None else peak * (1 + MEMORY_SLACK) + CONTEXT_GB
 
     def fits_memory(self, run_name):
@@ -384,8 +392,20 @@ class Sweep:
             self.longest = took if self.longest is None else max(self.longest, took)
             (self.failed if code else self.finished).append(run_name)
             print(f"{'failed' if code else 'done'} {run_name} in {took:.0f} s", flush=True)
-            if not code and self.args.checkpoint_dir is not None and not self.args.keep_checkpoints:
+            if code:
+                continue
+            self.learn_memory(run_name)
+            if self.args.checkpoint_dir is not None and not self.args.keep_checkpoints:
                 shutil.rmtree(self.args.checkpoint_dir / run_name, ignore_errors=True)
+
+    def learn_memory(self, run_name):
+        """Take a finished run's recorded peak as its configuration's (the largest so far), for
+        the runs of it that start later."""
+        found = recorded_memory(
+            [(c, s) for c, s in recorded_summaries([self.args.out]) if c == run_stem(run_name)]
+        )
+        for config, peak in found.items():
+            self.peaks[config] = max(self.peaks.get(config, 0.0), peak)
 
     def run(self):
         while self.pending or self.running:
