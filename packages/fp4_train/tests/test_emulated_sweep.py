@@ -122,6 +122,16 @@ def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrenc
         log.close()
 
 
+class _Run:
+    """A run process that goes on until its ``code`` is set (``Popen`` replaced)."""
+
+    def __init__(self):
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
 def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
     tmp_path, monkeypatch, capsys
 ):
@@ -143,14 +153,7 @@ def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
                                       "--done", str(done), "--jobs", "3",
                                       "--gpu-memory-gb", "78"])  # fmt: skip
 
-    class Run:
-        def __init__(self):
-            self.code = None
-
-        def poll(self):
-            return self.code
-
-    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Run())
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
     sweep = emulated_sweep.Sweep(args, todo)
     ef = 43.0 * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB
     assert sweep.need_gb("m_tp4_nvfp4_ef_s2") == sweep.need_gb("m_tp4_mxfp4_s2") == ef
@@ -192,14 +195,7 @@ def test_memory_gb_estimate_stands_for_unrecorded_configurations_until_one_finis
                                       "--jobs", "4", "--gpu-memory-gb", "78",
                                       "--memory-gb-estimate", "16"])  # fmt: skip
 
-    class Run:
-        def __init__(self):
-            self.code = None
-
-        def poll(self):
-            return self.code
-
-    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Run())
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
     todo = [(f"m_tp8_bf16_s{s}", []) for s in range(6)]
     sweep = emulated_sweep.Sweep(args, todo)
     need = lambda peak: peak * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB  # noqa: E731
