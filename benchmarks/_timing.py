@@ -132,8 +132,17 @@ def in_nvtx_ranges(ops):
 
 
 def commit_id():
-    """The commit a result belongs to: ``FP4_COMMIT`` when set (a copy of the tree measured on
-    another machine may carry a stale .git, or none), else ``git rev-parse --short HEAD``."""
+    """The commit a result belongs to, by the rule of the study's run records
+    (``fp4_train.experiments.records.commit``): ``FP4_COMMIT`` when set (a copy of the tree
+    measured on another machine may carry a stale .git, or none), else this checkout's HEAD,
+    with ``-dirty`` where its ``packages/`` differ from it.  Where fp4_train is not installed:
+    ``FP4_COMMIT``, else ``git rev-parse --short HEAD`` without the mark."""
+    try:
+        from fp4_train.experiments.records import commit
+    except ImportError:
+        commit = None
+    if commit is not None:
+        return commit(cwd=os.path.dirname(os.path.abspath(__file__)))
     if os.environ.get("FP4_COMMIT"):
         return os.environ["FP4_COMMIT"]
     try:
