@@ -81,6 +81,16 @@ def _number(text):
         return None
 
 
+def _factor(unit, table, what):
+    """The factor of ncu's ``unit`` in ``table`` (to seconds, to TB/s); a unit it does not list
+    stops the summary rather than print figures off by its factor."""
+    if unit not in table:
+        sys.exit(f"--summarize: ncu gave the {what} column ({COLUMNS[what]}) in {unit!r}, which "
+                 f"this script does not know: add it to {'TIME' if what == 'time' else 'RATE'}"
+                 f"_UNITS ({', '.join(table)})")  # fmt: skip
+    return table[unit]
+
+
 def _summarize(path):
     """One line per profiled kernel of ncu's ``--page raw --csv`` output."""
     with open(path, newline="") as f:
@@ -95,8 +105,8 @@ def _summarize(path):
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, row in enumerate(data):
         get = {k: _number(row[col[m]]) if m in col else None for k, m in COLUMNS.items()}
-        time_s = get["time"] * TIME_UNITS.get(units[col[COLUMNS["time"]]], 1.0)
-        rate = get["dram"] * RATE_UNITS.get(units[col[COLUMNS["dram"]]], 1.0)
+        time_s = get["time"] * _factor(units[col[COLUMNS["time"]]], TIME_UNITS, "time")
+        rate = get["dram"] * _factor(units[col[COLUMNS["dram"]]], RATE_UNITS, "dram")
         # the range: from ncu's NVTX column where it has one, else by order (one kernel an op)
         nvtx = " ".join(row[i] for name, i in col.items() if "nvtx" in name.lower())
         rng = next((r for r in OPS if f"{r}/" in nvtx), None)
