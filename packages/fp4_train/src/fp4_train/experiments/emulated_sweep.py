@@ -400,11 +400,12 @@ class Sweep:
 
     def learn_memory(self, run_name):
         """Take a finished run's recorded peak as its configuration's (the largest so far), for
-        the runs of it that start later."""
-        found = recorded_memory(
-            [(c, s) for c, s in recorded_summaries([self.args.out]) if c == run_stem(run_name)]
-        )
-        for config, peak in found.items():
+        the runs of it that start later (its summary in ``--out``; none readable: nothing)."""
+        try:
+            summary = json.loads((self.args.out / f"{run_name}.json").read_text())
+        except (OSError, ValueError):
+            return
+        for config, peak in recorded_memory([(run_stem(run_name), summary)]).items():
             self.peaks[config] = max(self.peaks.get(config, 0.0), peak)
 
     def run(self):
