@@ -85,6 +85,16 @@ def test_a_finished_run_is_reported_with_its_loss_or_without_a_summary(tmp_path)
     assert sweep.outcome("b") == sweep.outcome("c") == " (no summary)"
 
 
+class _Run:
+    """A run process that goes on until its ``code`` is set (``Popen`` replaced)."""
+
+    def __init__(self):
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
 def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrency(
     tmp_path, monkeypatch
 ):
@@ -110,26 +120,12 @@ def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrenc
     sweep = emulated_sweep.Sweep(args, todo)
     assert [sweep.estimate(n) for n, _ in todo] == [650.0, 460.0, 470.0]
 
-    class Running:
-        def poll(self):
-            return None
-
-    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: Running())
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
     sweep.start_runs()
     assert sweep.left_out == ["m_tp4_nvfp4_ef_s2"]
     assert [v[0] for v in sweep.running.values()] == ["m_tp4_bf16_s2", "m_tp4_mxfp4_s2"]
     for _, _, log in sweep.running.values():
         log.close()
-
-
-class _Run:
-    """A run process that goes on until its ``code`` is set (``Popen`` replaced)."""
-
-    def __init__(self):
-        self.code = None
-
-    def poll(self):
-        return self.code
 
 
 def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
