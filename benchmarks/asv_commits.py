@@ -192,17 +192,26 @@ def run(hashes, machine, benches, quick, out, gpus=0, time_limit_s=None):
         t.start()
     for t in threads:
         t.join()
-    results = RUN / "results" / machine
-    with tarfile.open(out / f"asv_{machine}.tgz", "w:gz") as tar:
-        tar.add(results, arcname=machine)
-        # the suite as discovered there (GPU benchmarks with their parameters): asv publish
-        # reads the benchmark list from it
-        tar.add(RUN / "results" / "benchmarks.json", arcname="benchmarks.json")
-    print(f"wrote {out / f'asv_{machine}.tgz'}")
+    _pack(machine, out)
     if stopped:
         print("not run or stopped by --time-limit-s: " + "; ".join(stopped))
     if failed:
         sys.exit("asv failed for " + "; ".join(failed))
+
+
+def _pack(machine, out):
+    """asv_<machine>.tgz in ``out``: the machine's results and the suite as discovered there
+    (GPU benchmarks with their parameters: asv publish reads the benchmark list from it).
+    Where asv wrote neither (its discovery failed: the log above says why), no archive."""
+    results, suite = RUN / "results" / machine, RUN / "results" / "benchmarks.json"
+    missing = [str(p.relative_to(ROOT)) for p in (results, suite) if not p.exists()]
+    if missing:
+        print(f"no asv_{machine}.tgz: asv wrote no {' and no '.join(missing)}", flush=True)
+        return
+    with tarfile.open(out / f"asv_{machine}.tgz", "w:gz") as tar:
+        tar.add(results, arcname=machine)
+        tar.add(suite, arcname="benchmarks.json")
+    print(f"wrote {out / f'asv_{machine}.tgz'}")
 
 
 def main(argv=None):

@@ -22,14 +22,20 @@ import fp4_kernels as fk
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 
-x = torch.randn(1 << 28, device="cuda").to(torch.bfloat16).reshape(-1, 8192)
-y = torch.empty_like(x)
-ops = [
-    ("copy", lambda: y.copy_(x)),
-    ("h1024", lambda: fk.hadamard(x, group_size=1024)),
-    ("h4096", lambda: fk.hadamard(x, group_size=4096)),
-    ("h8192", lambda: fk.hadamard(x, group_size=8192)),
-    ("hs4096", lambda: fk.hadamard(x, group_size=4096, signs=7)),
-    ("e4096", lambda: fk.quantize(x, fmt=fk.FP4Quant(group_size=4096))),
-]
-_timing.in_nvtx_ranges(dict(ops))
+
+def main():
+    x = torch.randn(1 << 28, device="cuda").to(torch.bfloat16).reshape(-1, 8192)
+    y = torch.empty_like(x)
+    ops = [
+        ("copy", lambda: y.copy_(x)),
+        ("h1024", lambda: fk.hadamard(x, group_size=1024)),
+        ("h4096", lambda: fk.hadamard(x, group_size=4096)),
+        ("h8192", lambda: fk.hadamard(x, group_size=8192)),
+        ("hs4096", lambda: fk.hadamard(x, group_size=4096, signs=7)),
+        ("e4096", lambda: fk.quantize(x, fmt=fk.FP4Quant(group_size=4096))),
+    ]
+    _timing.in_nvtx_ranges(dict(ops))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@ the nox sessions (noxfile.py, loaded with a stand-in for nox, so that it runs wi
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import logging
@@ -171,6 +172,55 @@ ASV_PAGE = """<html><head>
 <script src="asv.js"></script>
 </head><body></body></html>
 """
+
+
+# what a module of benchmarks/ may run at import: asv imports every module of the folder to
+# discover its suite (once per asv process), so a script's work belongs under its `__main__`
+_IMPORT_TIME_ROOTS = frozenset({"torch", "fk", "fp4_kernels", "cp", "cupy", "numba", "cuda"})
+
+
+def _import_time_work(tree):
+    """The top-level statements of a module that do work when it is imported: loops, ``with``,
+    calls other than ``sys.path``'s, and assignments that call into torch, CuPy, numba or
+    fp4_kernels (allocations, launches)."""
+
+    def rooted(call):
+        f = call.func
+        while isinstance(f, ast.Attribute):
+            f = f.value
+        return isinstance(f, ast.Name) and f.id in _IMPORT_TIME_ROOTS
+
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            if ast.unparse(node.value.func).startswith("sys.path."):
+                continue
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Try, ast.If)):
+            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and rooted(c)]
+            if not calls:
+                continue
+        found.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0][:70]}")
+    return found
+
+
+def test_benchmark_modules_do_nothing_when_imported():
+    """asv discovers the suite by importing every module of benchmarks/, scripts included: a
+    script that allocates or launches at import would run its workload in each asv process
+    (and fail discovery where there is no GPU)."""
+    work = {
+        path.name: _import_time_work(ast.parse(path.read_text(encoding="utf-8")))
+        for path in sorted((REPO_ROOT / "benchmarks").glob("*.py"))
+    }
+    assert {name: found for name, found in work.items() if found} == {}
+    # the check sees what it is for
+    script = "import torch\nx = torch.randn(4, device='cuda')\nfor i in range(2):\n    pass\n"
+    assert [f.split(":")[0] for f in _import_time_work(ast.parse(script))] == ["line 2", "line 3"]
 
 
 @pytest.fixture
