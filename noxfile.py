@@ -450,8 +450,12 @@ def bench_site(session: nox.Session) -> None:
     _install(session, ASV, ASV)
     session.run("asv", "publish", *(a for a in session.posargs if a != "--check"))
     session.run("python", "benchmarks/asv_site.py")
-    # the docs' tables of the H200 history are those of the committed results
-    session.run("python", "benchmarks/asv_tables.py", "--check", "docs/results/asv_h200.md")
+    # the docs' tables of each machine's history (docs/results/asv_<machine>.md) are those of
+    # the committed results
+    for table in sorted(Path("docs/results").glob("asv_*.md")):
+        machine = table.stem.removeprefix("asv_")
+        session.run("python", "benchmarks/asv_tables.py", "--machine", machine, "--check",
+                    str(table))  # fmt: skip
     if check:
         session.run("python", "benchmarks/site_check.py")
     # asv's pages load their data with XMLHttpRequest, which browsers refuse from file://

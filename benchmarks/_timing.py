@@ -8,6 +8,7 @@ larger than the L2, a device-to-device copy as the same-run baseline.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import json
 import os
@@ -224,14 +225,29 @@ def cached_row(cache, params):
     return dict(row, copy_gbps=cache["copy_gbps"])
 
 
-class GPUBenchmark:
+# asv's version of the GPU classes' figures.  asv publishes a benchmark's results only where
+# their version is the suite's; by default it hashes the benchmark's code (its track_ method,
+# setup and setup_cache), so any edit of a class, or of these bases, would start its history
+# over.  The version is the measurement method's instead: change it when what a figure measures
+# changes, not when the code that measures it is reorganized.
+GPU_METHOD_VERSION = "graph-replays-1"
+
+
+class GPUBenchmark(abc.ABC):
     """A GPU class's figures as asv ``track_*`` values: ``setup`` takes the class's measured
     row (``cached_row``), ``track_device_ms`` its device time.  A subclass defines ``params``,
     ``param_names`` and its own ``setup_cache`` (asv keys that cache by the class defining it:
-    an inherited one would be shared by every subclass).  The benchmark modules reach these
-    bases as ``_timing.<name>``: a public name in their namespace would be a benchmark to asv."""
+    an inherited one would be shared by every subclass).  The bases are abstract until then:
+    asv's discovery imports this module too and skips abstract classes (a concrete base would
+    be a benchmark of its own).  The benchmark modules reach them as ``_timing.<name>``: a
+    public name in their namespace would be a benchmark to asv."""
 
     timeout = 900
+    version = GPU_METHOD_VERSION
+
+    @abc.abstractmethod
+    def setup_cache(self):
+        """The class's rows, measured once (``measure_params``)."""
 
     def setup(self, cache, *params):
         self.m = cached_row(cache, params)

@@ -8,7 +8,14 @@ or without fp4_train.  CPU: the exact path on small operands.
 
 import numpy as np
 
-from ._timing import ROTATE, cached_row, graph_time_ms, measure_params, require_gpu
+from ._timing import (
+    GPU_METHOD_VERSION,
+    ROTATE,
+    cached_row,
+    graph_time_ms,
+    measure_params,
+    require_gpu,
+)
 
 
 def _fp4_train():
@@ -36,6 +43,7 @@ class FP4GemmGPU:
     params = ([4096, 8192], ["float32", "bfloat16"])
     param_names = ["n", "out_dtype"]
     timeout = 900
+    version = GPU_METHOD_VERSION  # _timing: asv keeps the history while it holds
 
     def setup_cache(self):
         try:

@@ -223,6 +223,45 @@ def test_benchmark_modules_do_nothing_when_imported():
     assert [f.split(":")[0] for f in _import_time_work(ast.parse(script))] == ["line 2", "line 3"]
 
 
+def test_committed_asv_results_are_published():
+    """asv publish shows a stored result only where its benchmark version is the suite's
+    (``.asv/results/benchmarks.json``) and drops the others without a word: every committed
+    result must carry its benchmark's version, or the history site loses it."""
+    results = REPO_ROOT / ".asv" / "results"
+    suite = json.loads((results / "benchmarks.json").read_text())
+    dropped, checked = [], 0
+    for path in sorted(results.glob("*/*.json")):
+        if path.name == "machine.json":
+            continue
+        stored = json.loads(path.read_text())
+        at = stored["result_columns"].index("version")
+        for name, row in stored["results"].items():
+            checked += 1
+            if name not in suite or row[at] != suite[name]["version"]:
+                dropped.append(f"{path.parent.name}/{path.name[:8]} {name}")
+    assert checked > 100 and dropped == []
+
+
+def test_measured_benchmark_classes_name_their_version(monkeypatch):
+    """Every asv class that measures in ``setup_cache`` (the GPU classes) declares ``version``:
+    without it asv versions a benchmark by a hash of its code, and publishes only the results
+    of the current hash, so an edit of the class would hide its whole history."""
+    import inspect
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    unversioned, measured = [], 0
+    for path in sorted((REPO_ROOT / "benchmarks").glob("bench_*.py")):
+        module = importlib.import_module(f"benchmarks.{path.stem}")
+        for name, cls in vars(module).items():
+            if name.startswith("_") or not inspect.isclass(cls) or inspect.isabstract(cls):
+                continue
+            if cls.__module__ == module.__name__ and hasattr(cls, "setup_cache"):
+                measured += 1
+                if not isinstance(getattr(cls, "version", None), str):
+                    unversioned.append(f"{path.stem}.{name}")
+    assert measured >= 9 and unversioned == []
+
+
 @pytest.fixture
 def site_tools(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
