@@ -8,14 +8,8 @@ or without fp4_train.  CPU: the exact path on small operands.
 
 import numpy as np
 
-from ._timing import (
-    GPU_METHOD_VERSION,
-    ROTATE,
-    cached_row,
-    graph_time_ms,
-    measure_params,
-    require_gpu,
-)
+from . import _timing
+from ._timing import ROTATE, graph_time_ms, measure_params, require_gpu
 
 
 def _fp4_train():
@@ -39,11 +33,9 @@ def _measure_gemm(n, out_dtype):
     return {"ms": fp4_ms, "bf16_ms": bf16_ms}
 
 
-class FP4GemmGPU:
+class FP4GemmGPU(_timing.GPUBenchmark):
     params = ([4096, 8192], ["float32", "bfloat16"])
     param_names = ["n", "out_dtype"]
-    timeout = 900
-    version = GPU_METHOD_VERSION  # _timing: asv keeps the history while it holds
 
     def setup_cache(self):
         try:
@@ -51,14 +43,6 @@ class FP4GemmGPU:
         except NotImplementedError as e:
             return {"skip": str(e)}
         return measure_params(self.params, _measure_gemm)
-
-    def setup(self, cache, *params):
-        self.m = cached_row(cache, params)
-
-    def track_device_ms(self, cache, *params):
-        return self.m["ms"]
-
-    track_device_ms.unit = "ms"
 
     def track_ratio_to_bf16_gemm(self, cache, *params):
         return self.m["ms"] / self.m["bf16_ms"]
