@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import json
 import logging
 import re
@@ -246,8 +247,6 @@ def test_measured_benchmark_classes_name_their_version(monkeypatch):
     """Every asv class that measures in ``setup_cache`` (the GPU classes) declares ``version``:
     without it asv versions a benchmark by a hash of its code, and publishes only the results
     of the current hash, so an edit of the class would hide its whole history."""
-    import inspect
-
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     unversioned, measured = [], 0
     for path in sorted((REPO_ROOT / "benchmarks").glob("bench_*.py")):
