@@ -439,6 +439,32 @@ def test_group_graphs_capture_the_third_eligible_call_and_replays_equal_eager(mo
         reference.EmulatedRanks(2, graphs="auto")
 
 
+def test_group_graphs_bound_each_rank_input_as_its_communicator(monkeypatch):
+    """A group call stands for one rank's input in the graph bounds, which bound each rank's
+    communicator: with 8 ranks, inputs within ``GRAPH_MAX_BYTES`` each (though 8 times it
+    together, as TP = 8's float32 gradient sums are) replay, and the cache counts one rank's
+    bytes; a rank's input beyond the bound stays eager."""
+    from fp4_comm import graphs
+
+    world, small, large = 8, (16, 32), (32, 32)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(graphs, "GRAPH_MAX_BYTES", 16 * 32 * 4)  # one rank's small input
+    ranks = reference.EmulatedRanks(world)
+    ranks.graphs = "auto"  # on the CPU, for the stand-in
+    made = []
+    monkeypatch.setattr(graphs, "capture_group", _fake_group_capture(ranks, made))
+    for shape in (small, large):
+        for i in range(4):
+            ys = ranks.all_reduce([torch.full(shape, float(r + i)) for r in range(world)],
+                                  codec="none")  # fmt: skip
+            total = float(sum(range(world)) + world * i)
+            assert all(torch.equal(y, torch.full(shape, total)) for y in ys), (shape, i)
+    assert len(made) == 1 and made[0].statics[0].shape == small
+    assert made[0].replays == 2  # calls 3 and 4 of the small kind; the large one eager
+    assert ranks._graphed._bytes == 16 * 32 * 4
+
+
 def test_a_group_graph_keeps_the_plans_its_ranks_ran_alive(monkeypatch):
     """A group graph replays the ranks' calls on their communicators' plans, reading and
     writing the plans' buffers; a communicator drops plans beyond its cache's bound (each

@@ -496,7 +496,8 @@ class EmulatedRanks:
 
     ``graphs`` ("auto", the default on a CUDA device; "never"): a kind of collective call that
     a ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: no
-    statistics, fp4_comm's own codecs), made twice, is captured on its third call with all k
+    statistics, fp4_comm's own codecs, each rank's input within ``GRAPH_MAX_BYTES``), made
+    twice, is captured on its third call with all k
     ranks in one graph: their threads queue every rank's kernels and copies on the capturing
     stream in the order the exchanges fix, so a replay is the whole group's call (the ranks'
     inputs copied in, one launch, the results copied out) and gives the eager bits, at a few
@@ -507,7 +508,9 @@ class EmulatedRanks:
     the same way); a call of another seed than captured runs eagerly; a graph whose
     error-feedback residuals were replaced is dropped.  A single rank's call cannot be
     captured (``EmulatedTransport``).  ``graph_cache``: ``(max_graphs, max_bytes)`` as
-    ``Communicator``'s, the bytes of all k ranks' inputs of a call counted.
+    ``Communicator``'s, bounding what each rank's communicator would keep: a group graph
+    counts one rank's input (the largest), so the group replays the kinds of call its ranks'
+    communicators would, at any k; its pool holds the k ranks' buffers, k times one rank's.
 
     ``all_reduce_algorithm`` as ``Communicator``'s; ``transport`` ("nccl", the default, "gloo"
     or "p2p"): the one whose "auto" choice the ranks follow, so that they compute what
@@ -633,8 +636,7 @@ class EmulatedRanks:
         if entry is None:
             try:
                 c = get_codec(codec)
-                nbytes = sum(x.numel() for x in xs) * xs[0].element_size()
-                ok = _graphs.eligible(c, rounding, ef_name, stats, nbytes)
+                ok = _graphs.eligible(c, rounding, ef_name, stats, _rank_bytes(xs))
             except (TypeError, ValueError):
                 ok = False  # the eager call names what is wrong
             random = ok and _graphs.draws_random_words(c, rounding)
@@ -665,7 +667,7 @@ class EmulatedRanks:
                           f"graph ({err}); calls of its kind run eagerly", RuntimeWarning,
                           stacklevel=4)  # fmt: skip
             return False
-        nbytes = sum(s.numel() for s in statics) * dtype.itemsize
+        nbytes = _rank_bytes(statics)
         steps = [kw["step"] for kw in per_rank] if entry.random else None  # the graph's own
         # The plans the ranks' calls ran in the capture (each communicator's most recent: its
         # call was the last): the graph reads and writes their buffers on every replay, and a
@@ -765,6 +767,12 @@ class _GroupReplay:
         for comm in comms:
             comm._calls += 1
         return [y.clone() for y in self.outputs]
+
+
+def _rank_bytes(xs):
+    """The bytes of the largest of the ranks' inputs ``xs``: what a group call stands for in
+    the graph bounds, which bound each rank's communicator."""
+    return max(x.numel() for x in xs) * xs[0].element_size()
 
 
 def _method(comm, op, x, kwargs, extra):

@@ -91,7 +91,8 @@ GRAPH_WARMUP = 3  # eager steps before the capture (fewer than --timing-warmup's
 #: --graph-cache-gb's default with error feedback: the GiB of inputs that fp4_comm's CUDA graphs
 #: of the collectives may stand for (their pools take about 4 to 6 times that where filled).
 #: Every error-feedback name is a kind of call of its own, so each call site needs a graph:
-#: the 12-layer 125 M model has 48 (4.8 GB of inputs with 4 emulated ranks at 16 384 tokens).
+#: the 12-layer 125 M model has 48 (1.2 GB of inputs a rank at 16 384 tokens; emulated ranks'
+#: graphs count one rank's input, and their pools hold every rank's buffers).
 EF_GRAPH_CACHE_GB = 16.0
 #: The graphs the cache keeps under --graph-cache-gb: not the bound (the bytes are).
 GRAPH_CACHE_GRAPHS = 4096
