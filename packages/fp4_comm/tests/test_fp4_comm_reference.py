@@ -465,6 +465,29 @@ def test_group_graphs_bound_each_rank_input_as_its_communicator(monkeypatch):
     assert ranks._graphed._bytes == 16 * 32 * 4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["none", "nvfp4"])
+def test_gpu_group_graph_over_the_bound_together_replays_the_eager_bits(codec, monkeypatch):
+    """On the GPU, 8 emulated ranks whose float32 inputs are within ``GRAPH_MAX_BYTES`` each
+    but over it together (as TP = 8's gradient sums are) are captured in one group graph, and
+    its replays give the eager group's bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from fp4_comm import graphs
+
+    world, shape = 8, (256, 768)
+    monkeypatch.setattr(graphs, "GRAPH_MAX_BYTES", shape[0] * shape[1] * 4)
+    graphed = reference.EmulatedRanks(world, "cuda")
+    eager = reference.EmulatedRanks(world, "cuda", graphs="never")
+    gen = torch.Generator().manual_seed(5)
+    for i in range(5):
+        xs = [torch.randn(shape, generator=gen).cuda() for _ in range(world)]
+        ys, refs = graphed.all_reduce(xs, codec=codec), eager.all_reduce(xs, codec=codec)
+        for y, ref in zip(ys, refs, strict=True):
+            assert torch.equal(y.view(torch.int32), ref.view(torch.int32)), i
+    assert len(graphed._graphed) == 1  # captured at the third call, replayed since
+
+
 def test_a_group_graph_keeps_the_plans_its_ranks_ran_alive(monkeypatch):
     """A group graph replays the ranks' calls on their communicators' plans, reading and
     writing the plans' buffers; a communicator drops plans beyond its cache's bound (each
