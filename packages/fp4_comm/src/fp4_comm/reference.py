@@ -494,23 +494,23 @@ class EmulatedRanks:
     ``stats=True``, every rank's ``(result, {hop: HopStats})``).  ``comms[r]`` is rank r's
     communicator (``comms[r].error_feedback``, ``state_dict``).
 
-    ``graphs`` ("auto", the default on a CUDA device; "never"): a kind of collective call that
-    a ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: no
+    ``graphs`` ("auto", the default on a CUDA device; "never"): a kind of collective call that a
+    ``Communicator`` would replay from a CUDA graph (``fp4_comm.graphs.eligible``: no
     statistics, fp4_comm's own codecs, each rank's input within ``GRAPH_MAX_BYTES``), made
-    twice, is captured on its third call with all k
-    ranks in one graph: their threads queue every rank's kernels and copies on the capturing
-    stream in the order the exchanges fix, so a replay is the whole group's call (the ranks'
-    inputs copied in, one launch, the results copied out) and gives the eager bits, at a few
-    launches of host time instead of k eager calls and their hand-offs between threads.  Each
-    rank's communicator counts the replayed call as its own (its default ``step``).  As for a
-    ``Communicator``'s graphs: stochastic rounding reads each rank's step from a tensor the
-    graph owns, written before each replay (the eager calls of such a kind pass their steps
-    the same way); a call of another seed than captured runs eagerly; a graph whose
-    error-feedback residuals were replaced is dropped.  A single rank's call cannot be
-    captured (``EmulatedTransport``).  ``graph_cache``: ``(max_graphs, max_bytes)`` as
-    ``Communicator``'s, bounding what each rank's communicator would keep: a group graph
-    counts one rank's input (the largest), so the group replays the kinds of call its ranks'
-    communicators would, at any k; its pool holds the k ranks' buffers, k times one rank's.
+    twice, is captured on its third call with all k ranks in one graph: their threads queue
+    every rank's kernels and copies on the capturing stream in the order the exchanges fix, so a
+    replay is the whole group's call (the ranks' inputs copied in, one launch, the results
+    copied out) and gives the eager bits, at a few launches of host time instead of k eager
+    calls and their hand-offs between threads.  Each rank's communicator counts the replayed
+    call as its own (its default ``step``).  As for a ``Communicator``'s graphs: stochastic
+    rounding reads each rank's step from a tensor the graph owns, written before each replay
+    (the eager calls of such a kind pass their steps the same way); a call of another seed than
+    captured runs eagerly; a graph whose error-feedback residuals were replaced is dropped.  A
+    single rank's call cannot be captured (``EmulatedTransport``).  ``graph_cache``:
+    ``(max_graphs, max_bytes)`` as ``Communicator``'s, bounding what each rank's communicator
+    would keep: a group graph counts one rank's input (the largest), so the group replays the
+    kinds of call its ranks' communicators would, at any k; its pool holds the k ranks' buffers,
+    k times one rank's.
 
     ``all_reduce_algorithm`` as ``Communicator``'s; ``transport`` ("nccl", the default, "gloo"
     or "p2p"): the one whose "auto" choice the ranks follow, so that they compute what
