@@ -39,6 +39,8 @@ RATE_UNITS = {
     "byte/s": 1e-12,
     "byte/second": 1e-12,
 }  # -> TB/s
+#: the unit table of each column with a unit, by its name here
+UNIT_TABLES = {"time": ("TIME_UNITS", TIME_UNITS), "dram": ("RATE_UNITS", RATE_UNITS)}
 STALLS = "smsp__average_warps_issue_stalled_"
 SCHEDULERS_PER_SM = 4  # Volta to Hopper
 COLUMNS = {
@@ -81,13 +83,14 @@ def _number(text):
         return None
 
 
-def _factor(unit, table, what):
-    """The factor of ncu's ``unit`` in ``table`` (to seconds, to TB/s); a unit it does not list
-    stops the summary rather than print figures off by its factor."""
+def _factor(unit, what):
+    """The factor of ncu's ``unit`` of column ``what`` (to seconds, to TB/s: ``UNIT_TABLES``);
+    a unit its table does not list stops the summary rather than print figures off by its
+    factor."""
+    name, table = UNIT_TABLES[what]
     if unit not in table:
         sys.exit(f"--summarize: ncu gave the {what} column ({COLUMNS[what]}) in {unit!r}, which "
-                 f"this script does not know: add it to {'TIME' if what == 'time' else 'RATE'}"
-                 f"_UNITS ({', '.join(table)})")  # fmt: skip
+                 f"this script does not know: add it to {name} ({', '.join(table)})")  # fmt: skip
     return table[unit]
 
 
@@ -105,8 +108,8 @@ def _summarize(path):
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, row in enumerate(data):
         get = {k: _number(row[col[m]]) if m in col else None for k, m in COLUMNS.items()}
-        time_s = get["time"] * _factor(units[col[COLUMNS["time"]]], TIME_UNITS, "time")
-        rate = get["dram"] * _factor(units[col[COLUMNS["dram"]]], RATE_UNITS, "dram")
+        time_s = get["time"] * _factor(units[col[COLUMNS["time"]]], "time")
+        rate = get["dram"] * _factor(units[col[COLUMNS["dram"]]], "dram")
         # the range: from ncu's NVTX column where it has one, else by order (one kernel an op)
         nvtx = " ".join(row[i] for name, i in col.items() if "nvtx" in name.lower())
         rng = next((r for r in OPS if f"{r}/" in nvtx), None)
