@@ -149,6 +149,7 @@ def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
                                       "--done", str(done), "--jobs", "3",
                                       "--gpu-memory-gb", "78"])  # fmt: skip
 
+    monkeypatch.setattr(emulated_sweep, "gpu_name", lambda: None)  # (Popen is a stand-in)
     monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
     sweep = emulated_sweep.Sweep(args, todo)
     ef = 43.0 * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB
@@ -191,6 +192,7 @@ def test_memory_gb_estimate_stands_for_unrecorded_configurations_until_one_finis
                                       "--jobs", "4", "--gpu-memory-gb", "78",
                                       "--memory-gb-estimate", "16"])  # fmt: skip
 
+    monkeypatch.setattr(emulated_sweep, "gpu_name", lambda: None)  # (Popen is a stand-in)
     monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
     todo = [(f"m_tp8_bf16_s{s}", []) for s in range(6)]
     sweep = emulated_sweep.Sweep(args, todo)
@@ -231,6 +233,48 @@ def test_free_gpu_memory_is_read_from_nvidia_smi_for_the_first_visible_gpu(monke
 
     monkeypatch.setattr(emulated_sweep.subprocess, "run", missing)
     assert emulated_sweep.free_gpu_memory_gb() is None
+    assert emulated_sweep.gpu_name() is None
+
+
+def test_the_gpu_model_is_read_from_nvidia_smi(monkeypatch):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return argparse.Namespace(stdout="NVIDIA H100 80GB HBM3\n")
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "run", run)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert emulated_sweep.gpu_name() == "NVIDIA H100 80GB HBM3"
+    assert calls[0][:4] == ["nvidia-smi", "-i", "0", "--query-gpu=name"]
+
+
+def test_a_run_is_estimated_by_its_records_on_this_gpu_model_where_there_are_any(
+    tmp_path, monkeypatch
+):
+    """Error-feedback runs took 396 s alone on an H200 and 477 s on an H100: on either GPU
+    the estimate is that model's record, on another (or where nvidia-smi names none) the
+    longest of all; a configuration with no record on this model takes the longest of all."""
+    done = tmp_path / "done"
+    done.mkdir()
+    records = {"m_tp4_mxfp4_ef_s0": (396.0, "cuda: NVIDIA H200"),
+               "m_tp4_mxfp4_ef_s1": (477.0, "cuda: NVIDIA H100 80GB HBM3"),
+               "m_tp4_bf16_s0": (300.0, "cuda: NVIDIA H200")}  # fmt: skip
+    for name, (wall, device) in records.items():
+        (done / f"{name}.json").write_text(json.dumps(
+            {"wall_s": wall, "concurrent_runs": 1, "meta": {"device": device}}))  # fmt: skip
+    summaries = emulated_sweep.recorded_summaries([done])
+    lengths = emulated_sweep.recorded_lengths
+    assert lengths(summaries, 1, "NVIDIA H200") == {"m_tp4_mxfp4_ef": 396.0, "m_tp4_bf16": 300.0}
+    assert lengths(summaries, 1, "NVIDIA H100 80GB HBM3") == {"m_tp4_mxfp4_ef": 477.0,
+                                                               "m_tp4_bf16": 300.0}  # fmt: skip
+    assert lengths(summaries, 1, None) == lengths(summaries, 1, "NVIDIA B200") == {
+        "m_tp4_mxfp4_ef": 477.0, "m_tp4_bf16": 300.0}  # fmt: skip
+    monkeypatch.setattr(emulated_sweep, "gpu_name", lambda: "NVIDIA H200")
+    args = emulated_sweep.parse_args(["--preset", "tp4", "--out", str(tmp_path / "out"),
+                                      "--done", str(done), "--budget-s", "420"])  # fmt: skip
+    sweep = emulated_sweep.Sweep(args, [("m_tp4_mxfp4_ef_s2", [])])
+    assert sweep.estimate("m_tp4_mxfp4_ef_s2") == 396.0  # fits 420 s on the H200
 
 
 # ------------------------------------------------------------------ the table

@@ -10,8 +10,10 @@ is already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathe
 machines) are skipped, so a grid is run over several jobs: ``--budget-s``
 starts no run that would end past the budget and lists those left out.  A run's length is
 estimated by the longest recorded ``wall_s`` of its configuration (any seed) made ``--jobs``
-at a time, from the summaries in those folders; for a configuration without such a record, by
-the longest run of this invocation, or ``--estimate-s`` before one has ended.  ``--jobs``
+at a time, from the summaries in those folders, on this GPU's model where the configuration
+has such a record (``nvidia-smi``'s name against the summary's device; a model's runs can take
+1.2 times another's), else on any; for a configuration without such a record, by the longest
+run of this invocation, or ``--estimate-s`` before one has ended.  ``--jobs``
 processes share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its memory, 43 GB
 with error feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only
 where it fits the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the
@@ -278,10 +280,25 @@ def _largest(summaries, field, admits=lambda summary: True):
     return largest
 
 
-def recorded_lengths(summaries, jobs):
+def recorded_lengths(summaries, jobs, gpu=None):
     """{run name without its ``_s<seed>``: the longest ``wall_s`` of its finished runs made
-    ``jobs`` at a time} (``summaries``: ``recorded_summaries``)."""
-    return _largest(summaries, "wall_s", lambda s: int(s["concurrent_runs"]) == jobs)
+    ``jobs`` at a time}, of its runs on the GPU model named ``gpu`` where it has any, else of
+    all (``summaries``: ``recorded_summaries``)."""
+
+    def at_jobs(s):
+        return int(s["concurrent_runs"]) == jobs
+
+    lengths = _largest(summaries, "wall_s", at_jobs)
+    if gpu:
+        ran_here = _largest(summaries, "wall_s", lambda s: at_jobs(s) and _ran_on(s, gpu))
+        lengths.update(ran_here)
+    return lengths
+
+
+def _ran_on(summary, gpu):
+    """Whether ``summary``'s run ran on the GPU model ``gpu`` (its device, e.g. "cuda: NVIDIA
+    H200", ends with the name)."""
+    return str(summary.get("meta", {}).get("device", "")).endswith(gpu)
 
 
 def recorded_memory(summaries):
@@ -291,16 +308,33 @@ def recorded_memory(summaries):
 
 
 def free_gpu_memory_gb():
-    """The free memory of the GPU the runs take (the first of ``CUDA_VISIBLE_DEVICES``) in GiB,
-    as ``nvidia-smi`` reports it; None where it reports none.  (Not through torch: a CUDA
+    """The free memory of the GPU the runs take in GiB, as ``nvidia-smi`` reports it; None
+    where it reports none."""
+    free = _nvidia_smi("memory.free")
+    try:
+        return float(free) / 1024  # MiB
+    except (TypeError, ValueError):
+        return None
+
+
+def gpu_name():
+    """The model of the GPU the runs take, as ``nvidia-smi`` names it (e.g. "NVIDIA H200");
+    None where it names none."""
+    return _nvidia_smi("name") or None
+
+
+def _nvidia_smi(field):
+    """``nvidia-smi``'s ``field`` of the GPU the runs take (the first of
+    ``CUDA_VISIBLE_DEVICES``), a string; None where it gives none.  (Not through torch: a CUDA
     context in the sweep's own process would hold memory for the whole sweep.)"""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
-    query = ["nvidia-smi", "-i", first, "--query-gpu=memory.free", "--format=csv,noheader,nounits"]
+    query = ["nvidia-smi", "-i", first, f"--query-gpu={field}", "--format=csv,noheader,nounits"]
     try:
         out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
-        return float(out.stdout.split()[0]) / 1024  # MiB
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
 
 
 class Sweep:
@@ -314,7 +348,7 @@ class Sweep:
         self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
         self.start, self.longest = time.monotonic(), args.estimate_s
         summaries = recorded_summaries([args.out, *getattr(args, "done", [])])
-        self.recorded = recorded_lengths(summaries, args.jobs)
+        self.recorded = recorded_lengths(summaries, args.jobs, gpu_name())
         self.peaks = recorded_memory(summaries)
         memory = getattr(args, "gpu_memory_gb", None)
         self.memory = memory if memory is not None else free_gpu_memory_gb()
