@@ -216,17 +216,19 @@ def test_memory_gb_estimate_stands_for_unrecorded_configurations_until_one_finis
         emulated_sweep.parse_args(bad)
 
 
-def test_free_gpu_memory_is_read_from_nvidia_smi_for_the_first_visible_gpu(monkeypatch):
-    calls = []
+def test_free_memory_and_model_are_read_from_nvidia_smi_for_the_first_visible_gpu(monkeypatch):
+    calls, answers = [], {"memory.free": "79872\n", "name": "NVIDIA H100 80GB HBM3\n"}
 
     def run(cmd, **kw):
         calls.append(cmd)
-        return argparse.Namespace(stdout="79872\n")
+        return argparse.Namespace(stdout=answers[cmd[3].split("=")[1]])
 
     monkeypatch.setattr(emulated_sweep.subprocess, "run", run)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert emulated_sweep.free_gpu_memory_gb() == 78.0
-    assert calls[0][:3] == ["nvidia-smi", "-i", "2"]
+    assert emulated_sweep.gpu_name() == "NVIDIA H100 80GB HBM3"
+    assert [c[:4] for c in calls] == [["nvidia-smi", "-i", "2", "--query-gpu=memory.free"],
+                                      ["nvidia-smi", "-i", "2", "--query-gpu=name"]]  # fmt: skip
 
     def missing(cmd, **kw):
         raise FileNotFoundError(cmd[0])
@@ -234,19 +236,6 @@ def test_free_gpu_memory_is_read_from_nvidia_smi_for_the_first_visible_gpu(monke
     monkeypatch.setattr(emulated_sweep.subprocess, "run", missing)
     assert emulated_sweep.free_gpu_memory_gb() is None
     assert emulated_sweep.gpu_name() is None
-
-
-def test_the_gpu_model_is_read_from_nvidia_smi(monkeypatch):
-    calls = []
-
-    def run(cmd, **kw):
-        calls.append(cmd)
-        return argparse.Namespace(stdout="NVIDIA H100 80GB HBM3\n")
-
-    monkeypatch.setattr(emulated_sweep.subprocess, "run", run)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert emulated_sweep.gpu_name() == "NVIDIA H100 80GB HBM3"
-    assert calls[0][:4] == ["nvidia-smi", "-i", "0", "--query-gpu=name"]
 
 
 def test_a_run_is_estimated_by_its_records_on_this_gpu_model_where_there_are_any(
