@@ -246,12 +246,15 @@ def test_a_run_is_estimated_by_its_records_on_this_gpu_model_where_there_are_any
     longest of all; a configuration with no record on this model takes the longest of all."""
     done = tmp_path / "done"
     done.mkdir()
+    # (a record whose meta is not a mapping: passed over for the model's estimates)
     records = {"m_tp4_mxfp4_ef_s0": (396.0, "cuda: NVIDIA H200"),
                "m_tp4_mxfp4_ef_s1": (477.0, "cuda: NVIDIA H100 80GB HBM3"),
-               "m_tp4_bf16_s0": (300.0, "cuda: NVIDIA H200")}  # fmt: skip
+               "m_tp4_bf16_s0": (300.0, "cuda: NVIDIA H200"),
+               "m_tp4_bf16_s1": (250.0, None)}  # fmt: skip
     for name, (wall, device) in records.items():
         (done / f"{name}.json").write_text(json.dumps(
-            {"wall_s": wall, "concurrent_runs": 1, "meta": {"device": device}}))  # fmt: skip
+            {"wall_s": wall, "concurrent_runs": 1,
+             "meta": device and {"device": device}}))  # fmt: skip
     summaries = emulated_sweep.recorded_summaries([done])
     lengths = emulated_sweep.recorded_lengths
     assert lengths(summaries, 1, "NVIDIA H200") == {"m_tp4_mxfp4_ef": 396.0, "m_tp4_bf16": 300.0}

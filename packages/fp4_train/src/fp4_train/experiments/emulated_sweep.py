@@ -297,8 +297,9 @@ def recorded_lengths(summaries, jobs, gpu=None):
 
 def _ran_on(summary, gpu):
     """Whether ``summary``'s run ran on the GPU model ``gpu`` (its device, e.g. "cuda: NVIDIA
-    H200", ends with the name)."""
-    return str(summary.get("meta", {}).get("device", "")).endswith(gpu)
+    H200", ends with the name); a summary without a readable device did not."""
+    meta = summary.get("meta")
+    return isinstance(meta, dict) and str(meta.get("device", "")).endswith(gpu)
 
 
 def recorded_memory(summaries):
