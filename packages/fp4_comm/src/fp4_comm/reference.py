@@ -33,7 +33,6 @@ raises stops the others at their next exchange; the error is raised in the calle
 from __future__ import annotations
 
 import inspect
-import math
 import queue
 import threading
 import time
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 
 from . import collectives, graphs as _graphs
-from ._transport import CommTimeoutError, Transport
+from ._transport import CommTimeoutError, Transport, check_timeout
 from .codecs import STEP_LIMIT, CodecSpec, Rounding, check_float_tensor, check_int, get_codec
 from .communicator import Communicator, check_options
 from .error_feedback import ErrorFeedback
@@ -527,12 +526,7 @@ class EmulatedRanks:
         graph_cache: tuple[int, int] | None = None,
     ) -> None:
         self.world_size = _check_world_size(world_size)
-        if (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not (0 < timeout_s < math.inf)
-        ):
-            raise ValueError(f"timeout_s: {timeout_s!r}; a positive finite number of seconds")
+        check_timeout(timeout_s)  # the communicators' rule: seconds, 1 ms up to timedelta.max
         collectives.check_all_reduce_algorithm(all_reduce_algorithm)
         one_shot_auto = _check_transport_name(transport) == "p2p"
         self.device = torch.device(device)
