@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,8 @@ GPU_ELEMENTS = 1 << 26  # asv's GPU inputs: 128 MiB of bf16, twice the L2 at lea
 CPU_ELEMENTS = 1 << 18  # asv's CPU-path inputs
 K = 4096  # row length of the benchmark tensors
 CHAIN = 10  # calls between two events in one timing sample (``graph_time_ms``)
+#: The run records' module, below the repository's root: its ``commit`` names a result's commit.
+RECORDS_FILE = ("packages", "fp4_train", "src", "fp4_train", "experiments", "records.py")
 
 
 def require_gpu():
@@ -136,22 +137,20 @@ def commit_id():
     """The commit a result belongs to, by the rule of the study's run records
     (``fp4_train.experiments.records.commit``): ``FP4_COMMIT`` when set (a copy of the tree
     measured on another machine may carry a stale .git, or none), else this checkout's HEAD,
-    with ``-dirty`` where its ``packages/`` differ from it.  Where fp4_train is not installed:
-    ``FP4_COMMIT``, else ``git rev-parse --short HEAD`` without the mark."""
+    with ``-dirty`` where its ``packages/`` differ from it.  Where fp4_train is not installed
+    (an asv environment), the same function is loaded from this tree's file."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
         from fp4_train.experiments.records import commit
     except ImportError:
-        commit = None
-    if commit is not None:
-        return commit(cwd=os.path.dirname(os.path.abspath(__file__)))
-    if os.environ.get("FP4_COMMIT"):
-        return os.environ["FP4_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except Exception:
-        return "unknown"
+        import importlib.util
+
+        path = os.path.join(here, os.pardir, *RECORDS_FILE)
+        spec = importlib.util.spec_from_file_location("_fp4_records", path)
+        records = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(records)
+        commit = records.commit
+    return commit(cwd=here)
 
 
 def run_meta(**fields):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from fp4_train.experiments import records
 
@@ -73,3 +74,19 @@ def test_commit_is_marked_dirty_where_the_packages_differ_from_head(tmp_path, mo
     assert records.commit(tmp_path) == "abc1234"
     monkeypatch.delenv("FP4_COMMIT")
     assert records.commit(tmp_path) == "unknown"  # no git checkout there
+
+
+def test_benchmarks_name_the_commit_by_the_same_rule_without_fp4_train(monkeypatch):
+    """The benchmarks' ``commit_id`` (benchmarks/_timing.py) where fp4_train cannot be imported
+    (an asv environment) loads ``records.commit`` from the tree's file: the same answer."""
+    bench = Path(__file__).resolve().parents[3] / "benchmarks"
+    code = ("import sys; sys.modules['fp4_train'] = None; sys.path.insert(0, sys.argv[1]); "
+            "import _timing; print(_timing.commit_id())")  # fmt: skip
+    for marker in (None, "abc1234"):
+        if marker is None:
+            monkeypatch.delenv("FP4_COMMIT", raising=False)
+        else:
+            monkeypatch.setenv("FP4_COMMIT", marker)
+        out = subprocess.run([sys.executable, "-c", code, str(bench)], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        assert out.stdout.strip() == records.commit(bench) == (marker or records.commit(bench))
