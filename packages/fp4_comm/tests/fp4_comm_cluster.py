@@ -19,6 +19,11 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import connection
+
+#: At start, how long the other workers may still take once one has failed (NCCL's init waits
+#: for a peer that failed before it, forever).
+START_GRACE_S = 30.0
 
 
 def env_ranks() -> int:
@@ -35,21 +40,16 @@ def skip_unless_ranks_fit(ranks: int) -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    from fp4_comm.devices import sharing_problem
     from fp4_comm.nccl import _nccl
 
     try:
-        nccl = _nccl()
+        version = _nccl().get_version()
     except ImportError as err:
         pytest.skip(str(err))
-    gpus = torch.cuda.device_count()
-    if ranks <= gpus:
-        return
-    version = nccl.get_version()
-    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1" or version < 23000:
-        pytest.skip(
-            f"{ranks} ranks on {gpus} GPU(s) share a GPU: needs NCCL >= 2.30 (this is "
-            f"{version}) with NCCL_MULTI_RANK_GPU_ENABLE=1 (nox -s gpu_multirank)"
-        )
+    problem = sharing_problem(ranks, nccl_version=version)
+    if problem is not None:
+        pytest.skip(f"{problem} (nox -s gpu_multirank)")
 
 
 def construction_outcomes(comms, cases):
@@ -88,14 +88,12 @@ class Died:
     exitcode: int | None
 
 
-def _worker(rank, world, port, conn, timeout_s, sizes, gpu, setup=None):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _communicators(rank, world, port, timeout_s, sizes, gpu):
     import torch
     import torch.distributed as dist
 
     import fp4_comm
 
-    torch.set_num_threads(1)  # 2 cores for several processes: no oversubscription
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
@@ -117,12 +115,22 @@ def _worker(rank, world, port, conn, timeout_s, sizes, gpu, setup=None):
         device = fp4_comm.local_device(rank)
         torch.cuda.set_device(device)
         comms["cuda"] = fp4_comm.Communicator.from_process_group(None, device, timeout_s)
-    if setup is not None:  # a test module's own communicators, made in every worker
-        try:
+    return comms
+
+
+def _worker(rank, world, port, conn, timeout_s, sizes, gpu, setup=None):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 cores for several processes: no oversubscription
+    try:  # a failure here (NCCL refusing the ranks, a test module's setup) fails the cluster
+        comms = _communicators(rank, world, port, timeout_s, sizes, gpu)
+        if setup is not None:  # a test module's own communicators, made in every worker
             setup(comms, rank, world, timeout_s)
-        except BaseException:  # noqa: BLE001 - the cluster fails with the traceback
-            conn.send(("error", traceback.format_exc()))
-            return
+    except BaseException:  # noqa: BLE001 - the cluster fails with the traceback
+        conn.send(("error", traceback.format_exc()))
+        return
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -154,28 +162,42 @@ class Cluster:
                 daemon=True,
             )
             p.start()
+            child.close()  # the worker's end only: a worker that dies is seen at once (EOF)
             self.conns.append(parent)
             self.procs.append(p)
-        self._collect(start_timeout_s)
+        self._collect(start_timeout_s, grace_s=START_GRACE_S)
 
-    def _collect(self, timeout_s, allow_death=False):
+    def _collect(self, timeout_s, allow_death=False, grace_s=None):
+        """Every worker's answer, by rank.  TimeoutError naming the silent ranks (with the
+        errors of the others) where one gives none within ``timeout_s``, or within
+        ``grace_s`` of another's error where that is given (at start: a rank whose peer
+        failed may wait for it forever, in NCCL's init)."""
         deadline = time.monotonic() + timeout_s
-        results, errors = [], []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
+        results, errors = [None] * len(self.conns), []
+        pending = dict(enumerate(self.conns))
+        while pending:
+            ready = connection.wait(list(pending.values()), max(0.0, deadline - time.monotonic()))
+            if not ready:
                 self.close(force=True)
-                raise TimeoutError(f"worker {rank} gave no answer within {timeout_s} s")
-            try:
-                status, value = conn.recv()
-            except (EOFError, ConnectionResetError):
-                # The worker died (killed on purpose, or an abort inside a library).
-                self.procs[rank].join(timeout=10)
-                status, value = "died", Died(self.procs[rank].exitcode)
-                if not allow_death:
-                    errors.append(f"--- rank {rank}: the process died ({value})")
-            if status == "error":
-                errors.append(f"--- rank {rank}:\n{value}")
-            results.append(value)
+                raise TimeoutError(
+                    f"worker(s) {sorted(pending)} gave no answer within {timeout_s} s"
+                    + "".join(f"\n{e}" for e in errors)
+                )
+            for rank in [r for r, c in pending.items() if c in ready]:
+                conn = pending.pop(rank)
+                try:
+                    status, value = conn.recv()
+                except (EOFError, ConnectionResetError):
+                    # The worker died (killed on purpose, or an abort inside a library).
+                    self.procs[rank].join(timeout=10)
+                    status, value = "died", Died(self.procs[rank].exitcode)
+                    if not allow_death:
+                        errors.append(f"--- rank {rank}: the process died ({value})")
+                if status == "error":
+                    errors.append(f"--- rank {rank}:\n{value}")
+                if errors and grace_s is not None:
+                    deadline = min(deadline, time.monotonic() + grace_s)
+                results[rank] = value
         if errors:
             raise AssertionError("worker failed:\n" + "\n".join(errors))
         return results

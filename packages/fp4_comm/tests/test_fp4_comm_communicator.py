@@ -101,6 +101,36 @@ def test_killed_rank_is_a_peer_error_naming_the_collective_and_the_rank():
     assert elapsed < 6 * (TIMEOUT_S + 10)  # at worst each call waits out the timeout
 
 
+def _fail_at_start(comms, rank, world, timeout_s):
+    # a worker's start-up: rank 1 fails (raises, or its process ends), rank 0 then waits for
+    # it, as NCCL's init waits for a peer that never comes
+    how = os.environ["FP4_TEST_START_FAILURE"]
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError("rank 1 cannot start")
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_worker_that_fails_at_start_fails_the_cluster_at_once(monkeypatch, how):
+    """The test harness itself: a worker that raises or dies while the cluster starts fails
+    the start within the grace period (its error named, the rank still waiting named), not
+    after the start timeout."""
+    import fp4_comm_cluster
+
+    monkeypatch.setenv("FP4_TEST_START_FAILURE", how)  # the spawned workers inherit it
+    monkeypatch.setattr(fp4_comm_cluster, "START_GRACE_S", 2.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        Cluster(2, setup=_fail_at_start, start_timeout_s=300)
+    message = str(info.value)
+    assert "worker(s) [0] gave no answer" in message, message
+    words = "rank 1 cannot start" if how == "raise" else "the process died (Died(exitcode=3))"
+    assert words in message, message
+    assert time.monotonic() - start < 120  # the workers' import and gloo start, then 2 s
+
+
 def _run_late_rank(comms, delay_s):
     comm = comms[2]
     if comm.rank == 1:

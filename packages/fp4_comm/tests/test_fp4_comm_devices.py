@@ -89,3 +89,26 @@ def test_from_env_puts_rank_3_of_a_one_gpu_node_on_that_gpu(gpus, monkeypatch):
         Communicator, "from_process_group", classmethod(lambda cls, g, device, *a: device)
     )
     assert Communicator.from_env() == torch.device("cuda", 0) and made == [torch.device("cuda", 0)]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "count", "version", "env", "missing"),
+    [
+        (2, 2, 22809, None, None),  # a GPU a rank: any NCCL
+        (4, 1, 23000, "1", None),  # shared, and NCCL's multi-rank mode is on
+        (4, 1, 22809, "1", ["NCCL >= 2.30 (this is 22809)"]),
+        (4, 1, 23000, None, ["NCCL_MULTI_RANK_GPU_ENABLE=1"]),
+        (3, 2, 22809, "0", ["NCCL >= 2.30 (this is 22809)", "NCCL_MULTI_RANK_GPU_ENABLE=1"]),
+    ],
+)
+def test_sharing_problem_names_what_is_missing(gpus, monkeypatch, ranks, count, version, env,
+                                              missing):  # fmt: skip
+    gpus(count)
+    if env is not None:
+        monkeypatch.setenv(devices.MULTI_RANK_ENV, env)
+    problem = devices.sharing_problem(ranks, nccl_version=version)
+    if missing is None:
+        assert problem is None
+    else:
+        assert problem.startswith(f"{ranks} ranks on {count} GPU"), problem
+        assert problem.endswith(" with ".join(missing)), problem

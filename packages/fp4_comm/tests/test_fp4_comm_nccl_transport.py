@@ -8,6 +8,7 @@ cluster against a stand-in that, like cupy-cuda13x, accepts only the id's own ty
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -196,9 +197,11 @@ def test_mismatched_counts_are_caught_by_the_stand_in():
         _on_threads(2, run)
 
 
-def _run_unique_id_handoff(comms, id_kind):
-    """NcclTransport.__init__ on a gloo rank, with cupy, its nccl module and torch.cuda.device
-    replaced for the duration: what reaches NcclCommunicator."""
+def _make_transport(comms, id_kind, refuse=None, gpus=1):
+    """NcclTransport.__init__ on a gloo rank, with cupy, its nccl module, torch.cuda.device and
+    torch.cuda.device_count (``gpus``) replaced for the duration: what reaches
+    NcclCommunicator, or (error class name, message) where it raises; ``refuse``: the
+    stand-in NcclCommunicator raises it (NCCL 2.28.9's answer to ranks sharing a GPU)."""
     comm = comms[2]
     if comm is None:
         return None
@@ -215,23 +218,34 @@ def _run_unique_id_handoff(comms, id_kind):
             assert comm.rank == 0, "only group rank 0 makes the id"
             return made
 
+        @staticmethod
+        def get_version():
+            return 22809
+
         class NcclCommunicator:
             def __init__(self, ndev, comm_id, rank):
                 if type(comm_id) is not type(made):
                     raise TypeError(f"unique id of type {type(comm_id).__name__}")
+                if refuse is not None:
+                    raise refuse
                 self.args = (ndev, comm_id, rank)
 
     cupy = types.SimpleNamespace(
         cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext())
     )
-    saved = nccl_module._nccl, sys.modules.get("cupy"), torch.cuda.device
+    saved = nccl_module._nccl, sys.modules.get("cupy"), torch.cuda.device, torch.cuda.device_count
+    env = {k: os.environ.pop(k, None) for k in ("NCCL_MULTI_RANK_GPU_ENABLE", "LOCAL_WORLD_SIZE")}
     nccl_module._nccl = lambda: StandInNccl
     sys.modules["cupy"] = cupy
     torch.cuda.device = lambda device: contextlib.nullcontext()
+    torch.cuda.device_count = lambda: gpus
     try:
         t = NcclTransport(comm.control_group, torch.device("cuda", comm.rank), watchdog=False)
+    except Exception as err:  # noqa: BLE001 - the test reads it
+        return type(err).__name__, str(err), type(err.__cause__).__name__
     finally:
-        nccl_module._nccl, torch.cuda.device = saved[0], saved[2]
+        nccl_module._nccl, torch.cuda.device, torch.cuda.device_count = saved[0], *saved[2:]
+        os.environ.update({k: v for k, v in env.items() if v is not None})
         if saved[1] is None:
             del sys.modules["cupy"]
         else:
@@ -241,10 +255,29 @@ def _run_unique_id_handoff(comms, id_kind):
 
 @pytest.mark.parametrize("id_kind", ["bytes", "tuple"])
 def test_unique_id_reaches_the_communicator_as_made(cluster, id_kind):
-    out = cluster.run(_run_unique_id_handoff, id_kind)[:2]
+    out = cluster.run(_make_transport, id_kind)[:2]
     for rank, ((ndev, comm_id, got_rank), made) in enumerate(out):
         assert (ndev, got_rank) == (2, rank)
         assert type(comm_id) is type(made) and comm_id == made
+
+
+def test_ranks_sharing_a_gpu_with_an_old_nccl_get_the_fix_named(cluster):
+    """NCCL before 2.30 refuses ranks that share a GPU with "invalid usage" only: the error
+    names the version and the switch; where every rank has its own GPU, NCCL's error passes
+    unchanged."""
+    refused = RuntimeError("NCCL_ERROR_INVALID_USAGE: invalid usage")
+    for rank, (kind, message, cause) in enumerate(
+        cluster.run(_make_transport, "bytes", refused, 1)[:2]
+    ):
+        assert (kind, cause) == ("RuntimeError", "RuntimeError")
+        assert message.startswith(f"NCCL could not make rank {rank}'s communicator on cuda:{rank}")
+        assert "invalid usage" in message
+        assert message.endswith(
+            "2 ranks on 1 GPU share a GPU: that needs NCCL >= 2.30 (this is 22809) with "
+            "NCCL_MULTI_RANK_GPU_ENABLE=1"
+        ), message
+    for kind, message, cause in cluster.run(_make_transport, "bytes", refused, 2)[:2]:
+        assert (kind, message, cause) == ("RuntimeError", str(refused), "NoneType")
 
 
 class _NeverConnects:

@@ -795,9 +795,7 @@ def _gpu_world():
 
 @pytest.fixture(scope="module")
 def nccl_cluster():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-    from fp4_comm_cluster import Cluster
+    from fp4_comm_cluster import Cluster, skip_unless_ranks_fit
 
     # several ranks on one GPU: NCCL's multi-rank mode; NVLink multicast off
     for k, v in {
@@ -807,6 +805,7 @@ def nccl_cluster():
         "NVSHMEM_DISABLE_NVLS": "1",
     }.items():
         os.environ.setdefault(k, v)  # fmt: skip
+    skip_unless_ranks_fit(_gpu_world())  # no GPU, no NCCL, or one too old to share a GPU
     c = Cluster(_gpu_world(), timeout_s=60.0, gpu=True)
     yield c
     c.close()

@@ -47,6 +47,7 @@ def spawn(world: int, target, *args, minutes: float = 10) -> list:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_rank_main, args=(target, rank, world, port, args, child))
         p.start()
+        child.close()  # the rank's end only: a rank that dies is seen at once (EOF)
         conns.append(parent)
         procs.append(p)
     try:
@@ -54,7 +55,10 @@ def spawn(world: int, target, *args, minutes: float = 10) -> list:
         for c in conns:
             if not c.poll(datetime.timedelta(minutes=minutes).total_seconds()):
                 raise TimeoutError(f"a test worker did not finish in {minutes} minutes")
-            status, value = c.recv()
+            try:
+                status, value = c.recv()
+            except EOFError:  # the process ended without an answer (killed, or a crash)
+                raise RuntimeError("a test worker died without an answer") from None
             if status != "ok":
                 raise RuntimeError(value)
             results.append(value)

@@ -357,6 +357,14 @@ def real_gpu(corpus):
         pytest.skip("no CUDA GPU")
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)
+    from fp4_comm.devices import sharing_problem
+
+    try:
+        problem = sharing_problem(_gpu_world())
+    except ImportError as err:  # no CuPy with NCCL
+        pytest.skip(str(err))
+    if problem is not None:  # NCCL too old to share a GPU between ranks
+        pytest.skip(problem)
     return spawn(_gpu_world(), _gpu_worker, _gpu_world(), corpus, minutes=15)
 
 

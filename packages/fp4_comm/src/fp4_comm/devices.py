@@ -21,6 +21,9 @@ _NOTIFIED = []
 
 #: The environment variable of NCCL (>= 2.30) that lets several ranks share one GPU.
 MULTI_RANK_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+#: The first NCCL version, as ``ncclGetVersion`` numbers it (22809 for 2.28.9), whose ranks
+#: may share a GPU.
+MULTI_RANK_NCCL_VERSION = 23000
 
 
 def local_rank(default: int = 0) -> int:
@@ -71,4 +74,39 @@ def sharing_notice(ranks: int, gpus: int) -> str:
     )
 
 
-__all__ = ["MULTI_RANK_ENV", "local_device", "local_rank", "sharing_notice"]
+def sharing_problem(
+    ranks: int, gpus: int | None = None, nccl_version: int | None = None
+) -> str | None:
+    """Why ``ranks`` NCCL ranks of one node cannot run on its ``gpus`` GPUs (default: the
+    visible ones) with the NCCL of ``nccl_version`` (``ncclGetVersion``'s number; default: the
+    one CuPy loads, ImportError where there is none), naming what is missing; None where they
+    can: no more ranks than GPUs, or NCCL >= 2.30 with ``NCCL_MULTI_RANK_GPU_ENABLE=1``."""
+    if gpus is None:
+        gpus = torch.cuda.device_count()
+    if ranks <= gpus:
+        return None
+    if nccl_version is None:
+        from .nccl import _nccl
+
+        nccl_version = _nccl().get_version()
+    missing = []
+    if nccl_version < MULTI_RANK_NCCL_VERSION:
+        missing.append(f"NCCL >= 2.30 (this is {nccl_version})")
+    if os.environ.get(MULTI_RANK_ENV) != "1":
+        missing.append(f"{MULTI_RANK_ENV}=1")
+    if not missing:
+        return None
+    return (
+        f"{ranks} ranks on {gpus} GPU{'s' if gpus != 1 else ''} share a GPU: that needs "
+        + " with ".join(missing)
+    )
+
+
+__all__ = [
+    "MULTI_RANK_ENV",
+    "MULTI_RANK_NCCL_VERSION",
+    "local_device",
+    "local_rank",
+    "sharing_notice",
+    "sharing_problem",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -26,6 +27,7 @@ from ._transport import (
     check_timeout,
     reraise_peer_error,
 )
+from .devices import sharing_problem
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
@@ -104,7 +106,10 @@ class NcclTransport(Transport):
             # through both libraries, which may load CUDA runtimes of their own).
             # get_unique_id's type differs across CuPy versions (a tuple of ints, or bytes);
             # hand the constructor back exactly what this CuPy produced
-            self.comm = nccl.NcclCommunicator(self.world_size, box[0], self.rank)
+            try:
+                self.comm = nccl.NcclCommunicator(self.world_size, box[0], self.rank)
+            except Exception as err:  # NCCL's own error (CuPy's NcclError), said plainly
+                self._init_failed(err)
         self._uint8 = nccl.NCCL_UINT8
         # Watchdog: an event after every group of transfers; a daemon thread aborts the
         # communicator when the oldest one has not completed timeout_s after it became the
@@ -130,6 +135,20 @@ class NcclTransport(Transport):
         self._graphs = weakref.WeakSet()
         self.replay_lock = threading.Lock()
         self._aborter = None  # the thread of an abort that waits for graphs to drain
+
+    def _init_failed(self, err):
+        """Raise ``err`` again, or RuntimeError naming the fix where the node's ranks
+        (``LOCAL_WORLD_SIZE``, else the group's size) outnumber its GPUs and this NCCL cannot
+        share one (older NCCL says only "invalid usage")."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        ranks = int(local) if local.isdigit() else self.world_size
+        problem = sharing_problem(ranks, nccl_version=self._nccl.get_version())
+        if problem is None:
+            raise err
+        raise RuntimeError(
+            f"NCCL could not make rank {self.rank}'s communicator on {self.device} ({err}): "
+            f"{problem}"
+        ) from err
 
     def _stream(self):
         if self._failed is not None:
