@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import pytest
@@ -544,3 +546,18 @@ def test_late_gap_of_short_runs():
     base = {"steps": [{"loss": 2.0}, {"loss": 1.5}, {"loss": 0.5}]}
     assert late_gap(run, base) == 0.5  # the last step (a fifth of 3 steps is none)
     assert late_gap({"steps": []}, base) is None
+
+
+def _exit_on_rank_one(rank):
+    if rank == 1:
+        os._exit(3)  # no answer, no traceback: as a crash inside a library ends a rank
+    return rank
+
+
+def test_a_rank_that_dies_without_an_answer_fails_the_test_at_once():
+    """The harness itself: a spawned rank that ends without an answer is a RuntimeError as
+    soon as it is gone, not a wait for the time limit."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a test worker died without an answer"):
+        spawn(2, _exit_on_rank_one, minutes=5)
+    assert time.monotonic() - start < 120
