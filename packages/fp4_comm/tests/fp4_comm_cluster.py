@@ -41,10 +41,10 @@ def skip_unless_ranks_fit(ranks: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from fp4_comm.devices import sharing_problem
-    from fp4_comm.nccl import _nccl
+    from fp4_comm.nccl import nccl_version
 
     try:
-        version = _nccl().get_version()
+        version = nccl_version()
     except ImportError as err:
         pytest.skip(str(err))
     problem = sharing_problem(ranks, nccl_version=version)

@@ -86,9 +86,9 @@ def sharing_problem(
     if ranks <= gpus:
         return None
     if nccl_version is None:
-        from .nccl import _nccl
+        from .nccl import nccl_version as loaded
 
-        nccl_version = _nccl().get_version()
+        nccl_version = loaded()
     missing = []
     if nccl_version < MULTI_RANK_NCCL_VERSION:
         missing.append(f"NCCL >= 2.30 (this is {nccl_version})")

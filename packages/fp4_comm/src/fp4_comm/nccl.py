@@ -70,6 +70,12 @@ def _nccl():
     return nccl
 
 
+def nccl_version() -> int:
+    """The version of the NCCL that CuPy loaded, as ``ncclGetVersion`` numbers it (23007 for
+    2.30.7); ImportError naming the install where there is none."""
+    return _nccl().get_version()
+
+
 class NcclTransport(Transport):
     """One NCCL communicator over the ranks of ``control_group``, on ``device``.
 
