@@ -187,8 +187,10 @@ def call_path(f):
     """(Python function calls, the package's source files) of one call of ``f`` (a function of
     no arguments that makes the call): what runs on the host between the public function and
     ``cuLaunchKernel``, counted by cProfile, builtins and C methods and the fake's own functions
-    left out."""
+    left out.  The garbage collector is off meanwhile: a collection that happened to fall in
+    the call would count the finalizers and weakref callbacks of other tests' objects."""
     import cProfile
+    import gc
     import os
     import pstats
 
@@ -196,9 +198,16 @@ def call_path(f):
 
     root = os.path.dirname(os.path.abspath(fp4_kernels.__file__)) + os.sep
     prof = cProfile.Profile()
-    prof.enable()
-    f()
-    prof.disable()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        prof.enable()
+        f()
+        prof.disable()
+    finally:
+        if enabled:
+            gc.enable()
     calls, files = 0, set()
     for (file, _, _), (_, ncalls, *_) in pstats.Stats(prof).stats.items():
         if file == "~" or file == __file__:
