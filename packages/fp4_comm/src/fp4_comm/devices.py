@@ -3,10 +3,11 @@
 Under a launcher (torchrun, or any that sets ``LOCAL_RANK``) rank ``r`` of a node uses GPU
 ``r % n`` of its ``n`` visible GPUs.  With as many ranks as GPUs that is the usual one GPU per
 rank; with more ranks than GPUs several ranks share a GPU, which NCCL allows from version 2.30
-when ``NCCL_MULTI_RANK_GPU_ENABLE=1`` is set (older NCCL stops with "Duplicate GPU detected").
-Ranks that share a GPU time-slice its SMs: such a run shows correctness, hangs and host cost
-of multi-rank code, not link speed.  A one-line notice (logger ``fp4_comm``, level WARNING)
-says so once per node, from local rank 0.
+when ``NCCL_MULTI_RANK_GPU_ENABLE=1`` is set (older NCCL refuses the communicator: 2.28.9
+says "invalid usage"; ``sharing_problem`` names what is missing, and the NCCL transport's
+error says it).  Ranks that share a GPU time-slice its SMs: such a run shows correctness,
+hangs and host cost of multi-rank code, not link speed.  A one-line notice (logger
+``fp4_comm``, level WARNING) says so once per node, from local rank 0.
 """
 
 from __future__ import annotations
