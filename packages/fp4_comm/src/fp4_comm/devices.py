@@ -42,6 +42,13 @@ def local_rank(default: int = 0) -> int:
     return value
 
 
+def local_world_size() -> int | None:
+    """The ranks of this node, ``LOCAL_WORLD_SIZE`` (set by torchrun) as an int; None where it
+    is unset or not a number."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() else None
+
+
 def local_device(rank: int | None = None) -> torch.device:
     """This rank's CUDA device: ``cuda:(rank % torch.cuda.device_count())``, ``rank`` defaulting
     to ``LOCAL_RANK`` (0 where unset).  RuntimeError where there is no CUDA GPU.
@@ -55,10 +62,10 @@ def local_device(rank: int | None = None) -> torch.device:
     r = local_rank() if rank is None else rank
     if isinstance(r, bool) or not isinstance(r, int) or r < 0:
         raise ValueError(f"rank: expected a non-negative int, got {r!r}")
-    ranks = os.environ.get("LOCAL_WORLD_SIZE")
-    if ranks is not None and ranks.isdigit() and int(ranks) > count and r == 0 and not _NOTIFIED:
+    ranks = local_world_size()
+    if ranks is not None and ranks > count and r == 0 and not _NOTIFIED:
         _NOTIFIED.append(True)
-        _LOG.warning(sharing_notice(int(ranks), count))
+        _LOG.warning(sharing_notice(ranks, count))
     return torch.device("cuda", r % count)
 
 
@@ -108,6 +115,7 @@ __all__ = [
     "MULTI_RANK_NCCL_VERSION",
     "local_device",
     "local_rank",
+    "local_world_size",
     "sharing_notice",
     "sharing_problem",
 ]

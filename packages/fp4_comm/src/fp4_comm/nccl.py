@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -27,7 +26,7 @@ from ._transport import (
     check_timeout,
     reraise_peer_error,
 )
-from .devices import sharing_problem
+from .devices import local_world_size, sharing_problem
 
 # How often synchronize() polls the stream's event and NCCL's async error state.
 _POLL_INTERVAL_S = 1e-4
@@ -146,8 +145,9 @@ class NcclTransport(Transport):
         """Raise ``err`` again, or RuntimeError naming the fix where the node's ranks
         (``LOCAL_WORLD_SIZE``, else the group's size) outnumber its GPUs and this NCCL cannot
         share one (older NCCL says only "invalid usage")."""
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        ranks = int(local) if local.isdigit() else self.world_size
+        ranks = local_world_size()
+        if ranks is None:
+            ranks = self.world_size
         problem = sharing_problem(ranks, nccl_version=self._nccl.get_version())
         if problem is None:
             raise err
