@@ -336,6 +336,22 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert row in pairs and "tahquant" not in pairs
 
 
+def test_curves_are_drawn_per_layout_paired_by_seed():
+    """``curves.png``'s panels: one per layout with a wire paired to bf16, each curve the mean
+    over the seeds the wire shares with bf16 of its layout; a seed without bf16 is left out."""
+    runs = [_summary("tp4", "bf16", "bf16", s, 3.0 + s) for s in (0, 1)]
+    runs += [_summary("tp4", "nvfp4", "nvfp4", s, 3.1 + s) for s in (0, 1, 2)]
+    runs += [_summary("tp8", "bf16", "bf16", 0, 3.0), _summary("tp8", "nvfp4", "nvfp4", 0, 3.3)]
+    runs += [_summary("pp2", "nvfp4", "nvfp4", 0, 3.2)]  # no bf16 at pp2: no panel
+    curves = emulated_summary._paired_curves(emulated_summary._groups(runs))
+    assert sorted(curves, key=emulated_summary._layout_rank) == ["tp4", "tp8"]
+    ((label, xs, ys),) = curves["tp4"]
+    assert label == "qwen-125m nvfp4, 2 seeds" and xs == [0, 50, 99]
+    assert ys == pytest.approx([0.1, 0.1, 0.1])  # seed 2 has no bf16 run: not in the mean
+    ((label, xs, ys),) = curves["tp8"]
+    assert label == "qwen-125m nvfp4, 1 seed" and ys == pytest.approx([0.3, 0.3, 0.3])
+
+
 def test_seeds_needed_is_the_first_t_interval_below_the_limit():
     """``seeds_needed``: the fewest n whose t interval around the gap lies below the limit,
     checked against the interval at n and n - 1; None where the gap is at the limit or above."""

@@ -11,7 +11,7 @@ on their common seeds), ``seeds.md`` (what more seeds would resolve: for each wi
 interval of +-1 % of bf16's loss takes, and those that would put the interval's upper end below
 1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and wall minutes
 of every run) and ``curves.png`` (the final-loss gaps with their intervals, and the paired
-training-loss gap over training at TP = 4).  ``--reruns DIR...``: summaries of runs made
+training-loss gap over training, one panel per layout).  ``--reruns DIR...``: summaries of runs made
 again (the same name: configuration and seed), written beside the first run of each in
 ``reruns.md``.
 
@@ -163,11 +163,18 @@ def rows(summaries):
     return out
 
 
+# The layouts in the order of the table, with the title of each one's curve panel.
+LAYOUTS = {"tp4": "TP = 4", "tp8": "TP = 8", "pp2": "PP = 2", "tp4-sp": "TP = 4 with SP",
+           "tp1": "one rank"}  # fmt: skip
+
+
+def _layout_rank(lay):
+    return list(LAYOUTS).index(lay) if lay in LAYOUTS else len(LAYOUTS)
+
+
 def _order(item):
     (model, lay, pol), _ = item
-    layouts = ("tp4", "tp8", "pp2", "tp4-sp", "tp1")
-    rank = layouts.index(lay) if lay in layouts else len(layouts)
-    return (model, rank, lay, pol != BASELINE, pol)
+    return (model, _layout_rank(lay), lay, pol != BASELINE, pol)
 
 
 def _sd(values):
@@ -372,9 +379,36 @@ def timing_markdown(summaries):
     return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}.\n"
 
 
+def _paired_curves(by):
+    """{layout: [(label, steps, mean training-loss gap to bf16 over the paired seeds)]}."""
+    out = {}
+    for (model, lay, pol), seeds in sorted(by.items()):
+        base = by.get((model, lay, BASELINE), {})
+        if pol == BASELINE:
+            continue
+        curves = []
+        for k, s in seeds.items():
+            if k in base:
+                b = base[k]["train_loss_curve"]
+                curves.append([(p[0], p[1] - q[1]) for p, q in zip(s["train_loss_curve"], b,
+                                                                     strict=False)])  # fmt: skip
+        if curves:
+            n = min(len(c) for c in curves)
+            xs = [curves[0][i][0] for i in range(n)]
+            ys = [sum(c[i][1] for c in curves) / len(curves) for i in range(n)]
+            seeds_note = f", {len(curves)} seed" + ("s" if len(curves) > 1 else "")
+            out.setdefault(lay, []).append((f"{model} {pol}{seeds_note}", xs, ys))
+    return out
+
+
 def plot(table, summaries, path):
+    """The final-loss gaps with their intervals (left), then one panel per layout: the paired
+    training-loss gap over training, mean over the seeds each wire shares with bf16."""
     plt = pyplot()
-    fig, (ax_gap, ax_curve) = plt.subplots(1, 2, figsize=(13, 5))
+    curves = _paired_curves(_groups(summaries))
+    layouts = sorted(curves, key=_layout_rank) or ["tp4"]
+    fig, axes = plt.subplots(1, 1 + len(layouts), figsize=(6.5 * (1 + len(layouts)), 5))
+    ax_gap = axes[0]
     shown = [r for r in table if r["policy"] != BASELINE and r.get("delta_mean") is not None]
     labels = [f"{r['model']} {r['layout']} {r['policy']}" for r in shown]
     y = range(len(shown))
@@ -390,28 +424,16 @@ def plot(table, summaries, path):
     ax_gap.set(xlabel="final validation loss gap to bf16, % (95 % CI)", xscale="symlog")
     ax_gap.margins(x=0.08)  # room for the outermost markers (the quoted gaps)
     ax_gap.grid(alpha=0.3)
-    by = _groups(summaries)
-    for (model, lay, pol), seeds in sorted(by.items()):
-        base = by.get((model, lay, BASELINE), {})
-        if lay != "tp4" or pol == BASELINE:
-            continue
-        curves = []
-        for k, s in seeds.items():
-            if k in base:
-                b = base[k]["train_loss_curve"]
-                curves.append([(p[0], p[1] - q[1]) for p, q in zip(s["train_loss_curve"], b,
-                                                                     strict=False)])  # fmt: skip
-        if curves:
-            n = min(len(c) for c in curves)
-            xs = [curves[0][i][0] for i in range(n)]
-            ys = [sum(c[i][1] for c in curves) / len(curves) for i in range(n)]
-            ax_curve.plot(xs, ys, lw=1.2, label=f"{model} {pol}")
-    ax_curve.axhline(0, color="black", lw=0.8)
-    ax_curve.set(xlabel="step", ylabel="training loss minus bf16's (paired, mean over seeds)",
-                 title="TP = 4")  # fmt: skip
-    ax_curve.grid(alpha=0.3)
-    if ax_curve.lines:
-        ax_curve.legend(fontsize=7)
+    colors = plt.get_cmap("tab20").colors  # more wires than the default cycle's ten colours
+    for ax, lay in zip(axes[1:], layouts, strict=True):
+        for i, (label, xs, ys) in enumerate(curves.get(lay, [])):
+            ax.plot(xs, ys, lw=1.2, label=label, color=colors[i % len(colors)])
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set(xlabel="step", ylabel="training loss minus bf16's (paired, mean over seeds)",
+               title=LAYOUTS.get(lay, lay))  # fmt: skip
+        ax.grid(alpha=0.3)
+        if len(ax.lines) > 1:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
