@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fp4_train.experiments import records
 
 
@@ -90,3 +92,63 @@ def test_benchmarks_name_the_commit_by_the_same_rule_without_fp4_train(monkeypat
         out = subprocess.run([sys.executable, "-c", code, str(bench)], capture_output=True,
                              text=True, check=True)  # fmt: skip
         assert out.stdout.strip() == records.commit(bench) == (marker or records.commit(bench))
+
+
+# ------------------------------------------------------------------ record files
+
+
+def test_a_record_reads_the_same_from_its_gzip_copy(tmp_path):
+    """``<name>.json.gz`` (``gzip -9n``) reads as ``<name>.json``; a truncated one is named, not
+    an EOFError."""
+    import gzip
+
+    record = {"name": "a", "steps": [{"loss": 2.5}], "loss": float("nan")}
+    records.write_json(tmp_path / "a.json", record)
+    data = (tmp_path / "a.json").read_bytes()
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(data, mtime=0))
+    assert records.read_record(tmp_path / "b.json.gz") == records.read_record(tmp_path / "a.json")
+    (tmp_path / "c.json.gz").write_bytes(gzip.compress(data, mtime=0)[:-12])
+    with pytest.raises(SystemExit, match=r"c.json.gz: not a readable JSON record"):
+        records.read_record(tmp_path / "c.json.gz")
+    (tmp_path / "d.json.gz").write_bytes(data)  # not gzip
+    with pytest.raises(SystemExit, match=r"d.json.gz: not a readable JSON record"):
+        records.read_record(tmp_path / "d.json.gz")
+
+
+def test_record_paths_take_both_forms_and_refuse_one_run_twice(tmp_path):
+    for name in ("b.json", "a.json.gz", "c.json", "c.csv", "d.json.xz"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in records.record_paths(tmp_path)] == ["a.json.gz", "b.json", "c.json"]
+    assert records.find_record(tmp_path, "a").name == "a.json.gz"
+    assert records.find_record(tmp_path, "d") is None
+    (tmp_path / "b.json.gz").write_text("{}")
+    with pytest.raises(SystemExit, match=r"b.json and .*b.json.gz: one record twice"):
+        records.record_paths(tmp_path)
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize(
+    ("folder", "tool", "tables"),
+    [
+        ("tp_boundary_cpu", "boundary_study", ("boundary.md", "boundary.csv", "boundary.json")),
+        ("tp_h200", "tp_summary", ("summary.md", "summary.csv", "speed.md", "speed.csv")),
+        ("tp_cpu_smoke", "tp_summary", ("summary.md", "summary.csv")),
+    ],
+)
+def test_committed_tables_regenerate_from_their_compressed_records(tmp_path, folder, tool, tables):
+    """The committed folders keep their runs as ``<name>.json.gz``: the tables built from those
+    are the committed tables, byte for byte."""
+    import importlib
+    import shutil
+
+    source = REPO / "docs" / "results" / folder
+    assert list(source.glob("*.json.gz")) and not list(source.glob("*_s[0-9].json"))
+    copy = shutil.copytree(source, tmp_path / folder)
+    for name in tables:
+        (copy / name).unlink()
+    module = importlib.import_module(f"fp4_train.experiments.{tool}")
+    module.main(["--out", str(copy)] if tool == "boundary_study" else [str(copy)])
+    for name in tables:
+        assert (copy / name).read_bytes() == (source / name).read_bytes(), name

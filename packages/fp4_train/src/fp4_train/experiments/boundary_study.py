@@ -31,7 +31,15 @@ import sys
 from pathlib import Path
 
 from . import tp_sweep
-from .records import finite_or_none, pyplot, read_record, run_stem, write_csv, write_json
+from .records import (
+    finite_or_none,
+    pyplot,
+    read_record,
+    record_paths,
+    run_stem,
+    write_csv,
+    write_json,
+)
 from .tp_summary import late_gap
 
 PRESET = "cpu-boundary"  # --run's default tp_sweep preset
@@ -66,7 +74,7 @@ def mean_ci(values, level=0.95):
 def load(folder):
     """{config stem: {seed: record}} of the tp_train records in ``folder``."""
     runs = {}
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in record_paths(folder):
         record = read_record(path)
         if not (isinstance(record, dict) and "summary" in record and "steps" in record):
             continue  # other JSON: not a tp_train record

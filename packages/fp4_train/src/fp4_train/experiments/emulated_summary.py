@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
-from .records import pyplot, read_record, run_stem, write_json
+from .records import pyplot, read_record, record_paths, run_stem, write_json
 
 BASELINE = "bf16"
 # The preprint's final losses (quoted): 4-way TP of Qwen 7B, and a PP boundary.
@@ -64,7 +64,7 @@ def load(folders):
     records of one run (model, layout, policy, seed), which would leave one of them out."""
     out, seen, where = [], set(), {}
     for folder in folders:
-        for path in sorted(Path(folder).glob("*.json")):
+        for path in record_paths(folder):
             if path.resolve() in seen:
                 continue
             seen.add(path.resolve())

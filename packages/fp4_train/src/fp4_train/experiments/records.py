@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import gzip
 import hashlib
 import importlib
 import json
@@ -18,6 +19,7 @@ import os
 import platform
 import re
 import subprocess
+import zlib
 from pathlib import Path
 
 import torch
@@ -138,12 +140,40 @@ def unusable_path(path, folder=True):
     return None
 
 
+#: A record's file: JSON, or JSON compressed with gzip, which is how a results folder keeps
+#: its runs' per-step records small (``gzip -9n <name>.json``; ``gunzip -k`` gives it back).
+RECORD_SUFFIXES = (".json", ".json.gz")
+
+
+def record_paths(folder):
+    """The record files in ``folder`` (``<name>.json`` and ``<name>.json.gz``), by name;
+    SystemExit where one name has both, which is its record being for the reader to guess."""
+    paths = {}
+    for suffix in RECORD_SUFFIXES:
+        for path in Path(folder).glob(f"*{suffix}"):
+            name = path.name[: -len(suffix)]
+            if name in paths:
+                raise SystemExit(f"{paths[name]} and {path}: one record twice; remove one")
+            paths[name] = path
+    return [paths[name] for name in sorted(paths)]
+
+
+def find_record(folder, name):
+    """``folder``'s record of the run ``name`` (either suffix), or None."""
+    found = [p for p in (Path(folder) / f"{name}{s}" for s in RECORD_SUFFIXES) if p.exists()]
+    return found[0] if found else None
+
+
 def read_record(path):
-    """The JSON value in ``path``; SystemExit naming the file where it cannot be read (a
-    truncated or binary file, a folder named *.json)."""
+    """The JSON value in ``path`` (gzip-compressed where it ends in ``.gz``); SystemExit naming
+    the file where it cannot be read (a truncated or binary file, a folder named *.json)."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = path.read_bytes()
+        if path.name.endswith(".gz"):
+            data = gzip.decompress(data)
+        return json.loads(data.decode())
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise SystemExit(f"{path}: not a readable JSON record ({err})") from None
 
 

@@ -2,8 +2,9 @@
 
     python -m fp4_train.experiments.tp_summary docs/results/tp_cpu_smoke
 
-Reads every ``<name>.json`` there and writes ``summary.md`` (a Markdown table), ``summary.csv``
-and ``loss.png`` (validation loss against step; training loss, smoothed, beside it).  Speedup
+Reads every ``<name>.json`` (or ``<name>.json.gz``) there and writes ``summary.md`` (a Markdown
+table), ``summary.csv`` and ``loss.png`` (validation loss against step; training loss,
+smoothed, beside it).  Speedup
 is relative to the mean of the bf16 runs (codec "none") of the same parallel layout, the loss
 gap to the bf16 run of the same seed (same initialization and batches); the spread of the
 bf16 runs over seeds is the seed noise.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .records import pyplot, read_record, write_csv
+from .records import pyplot, read_record, record_paths, write_csv
 from .transformer import training_flops
 
 SMOOTH = 20  # training-loss moving average, steps
@@ -43,7 +44,7 @@ def load(folder):
     """The tp_train records in ``folder`` (JSON with a summary and steps; other JSON is not
     one); SystemExit naming the file for one without a field the tables read."""
     runs = []
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in record_paths(folder):
         record = read_record(path)
         if isinstance(record, dict) and "summary" in record and "steps" in record:
             missing = [k for k in _FIELDS if k not in record]

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .records import unusable_path
+from .records import find_record, unusable_path
 
 # (name, extra arguments).  "native": torch.distributed's own all-reduce (NCCL on GPUs) in the
 # compute dtype; "bf16": bfloat16 values through fp4_comm's path.
@@ -215,7 +215,7 @@ def main(argv=None):
         return 0
     t_start, longest, left_out, failed = time.monotonic(), 0.0, [], []
     for name, run_args in runs:
-        if (args.out / f"{name}.json").exists() and not args.force:
+        if find_record(args.out, name) is not None and not args.force:
             print(f"{name}: done already", flush=True)
             continue
         elapsed = time.monotonic() - t_start
