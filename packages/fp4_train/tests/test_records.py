@@ -1,8 +1,12 @@
-"""fp4_train.experiments.records: the source digest a run records says which package code ran."""
+"""fp4_train.experiments.records: the source digest a run records says which package code ran;
+a record reads the same from its gzip copy, and the committed tables come back from those."""
 
 from __future__ import annotations
 
+import gzip
+import importlib
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,8 +104,6 @@ def test_benchmarks_name_the_commit_by_the_same_rule_without_fp4_train(monkeypat
 def test_a_record_reads_the_same_from_its_gzip_copy(tmp_path):
     """``<name>.json.gz`` (``gzip -9n``) reads as ``<name>.json``; a truncated one is named, not
     an EOFError."""
-    import gzip
-
     record = {"name": "a", "steps": [{"loss": 2.5}], "loss": float("nan")}
     records.write_json(tmp_path / "a.json", record)
     data = (tmp_path / "a.json").read_bytes()
@@ -140,9 +142,6 @@ REPO = Path(__file__).resolve().parents[3]
 def test_committed_tables_regenerate_from_their_compressed_records(tmp_path, folder, tool, tables):
     """The committed folders keep their runs as ``<name>.json.gz``: the tables built from those
     are the committed tables, byte for byte."""
-    import importlib
-    import shutil
-
     source = REPO / "docs" / "results" / folder
     assert list(source.glob("*.json.gz")) and not list(source.glob("*_s[0-9].json"))
     copy = shutil.copytree(source, tmp_path / folder)

@@ -11,9 +11,9 @@ on their common seeds), ``seeds.md`` (what more seeds would resolve: for each wi
 interval of +-1 % of bf16's loss takes, and those that would put the interval's upper end below
 1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and wall minutes
 of every run) and ``curves.png`` (the final-loss gaps with their intervals, and the paired
-training-loss gap over training, one panel per layout).  ``--reruns DIR...``: summaries of runs made
-again (the same name: configuration and seed), written beside the first run of each in
-``reruns.md``.
+training-loss gap over training, one panel per layout).  ``--reruns DIR...``: summaries of
+runs made again (the same name: configuration and seed), written beside the first run of each
+in ``reruns.md``.
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over

@@ -147,7 +147,8 @@ RECORD_SUFFIXES = (".json", ".json.gz")
 
 def record_paths(folder):
     """The record files in ``folder`` (``<name>.json`` and ``<name>.json.gz``), by name;
-    SystemExit where one name has both, which is its record being for the reader to guess."""
+    SystemExit where one name has both (which of the two is the record is not for a reader to
+    guess)."""
     paths = {}
     for suffix in RECORD_SUFFIXES:
         for path in Path(folder).glob(f"*{suffix}"):

@@ -4,10 +4,9 @@
 
 Reads every ``<name>.json`` (or ``<name>.json.gz``) there and writes ``summary.md`` (a Markdown
 table), ``summary.csv`` and ``loss.png`` (validation loss against step; training loss,
-smoothed, beside it).  Speedup
-is relative to the mean of the bf16 runs (codec "none") of the same parallel layout, the loss
-gap to the bf16 run of the same seed (same initialization and batches); the spread of the
-bf16 runs over seeds is the seed noise.
+smoothed, beside it).  Speedup is relative to the mean of the bf16 runs (codec "none") of the
+same parallel layout, the loss gap to the bf16 run of the same seed (same initialization and
+batches); the spread of the bf16 runs over seeds is the seed noise.
 
 Where the folder has GPU runs and one of torch.distributed's own all-reduce (codec "native":
 NCCL's bf16), also ``speed.md`` / ``speed.csv``, the speed the way the FP4Quant preprint reports
