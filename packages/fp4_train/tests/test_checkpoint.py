@@ -443,6 +443,11 @@ def test_a_sweep_stops_its_runs_and_the_next_invocation_resumes_them(tmp, monkey
     said = capsys.readouterr().out
     assert all(f"resumable: {n}" in said for n in names) and not list(out.glob("*.json"))
     assert sorted(p.name for p in ckpt.iterdir()) == names
+    # what is left of a resumed run is what the sweep expects of it: 2 of its 3 steps
+    assert [checkpoint.progress(ckpt / n) for n in names] == [(1, 3), (1, 3)]
+    assert checkpoint.progress(ckpt / "none") is None
+    sweep = emulated_sweep.Sweep(emulated_sweep.parse_args([*base, "--estimate-s", "300"]), [])
+    assert [sweep.estimate(n) for n in [*names, "none"]] == pytest.approx([200.0, 200.0, 300.0])
     # too little time left to start anything
     assert emulated_sweep.main([*base, "--stop-at-s", "10", "--min-piece-s", "20"]) == 75
     said = capsys.readouterr().out
@@ -465,6 +470,14 @@ def test_a_sweep_stops_its_runs_and_the_next_invocation_resumes_them(tmp, monkey
     capsys.readouterr()
     assert emulated_sweep.main(base) == 0  # all finished: nothing runs
     assert "finished" not in capsys.readouterr().out
+
+
+def test_a_checkpoint_that_cannot_be_read_has_no_progress(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "rank0.pt").write_bytes(b"not a checkpoint")
+    torch.save({"records": {}}, tmp_path / "other.pt")
+    assert checkpoint.progress(tmp_path / "run") is None
+    assert checkpoint.progress(tmp_path / "other.pt") is None
 
 
 def test_a_sweep_piece_gets_its_checkpoint_and_the_time_left():

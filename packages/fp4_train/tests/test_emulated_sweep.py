@@ -128,6 +128,36 @@ def test_a_run_is_estimated_by_its_configurations_records_at_the_same_concurrenc
         log.close()
 
 
+def test_a_resumed_run_is_expected_to_take_what_is_left_of_it(tmp_path, monkeypatch):
+    """On a machine's last job: ``--budget-s`` with ``--stop-at-s`` starts the run whose
+    checkpoint has three quarters of its steps done (250 of 1000 s left) and no new run, and a
+    run expected to end in the time left starts with less than ``--min-piece-s`` left."""
+    done = {"m_tp8_bf16_s1": (1500, 2000)}
+    monkeypatch.setattr(emulated_sweep, "progress", lambda path: done.get(path.name))
+    base = ["--preset", "tp8", "--out", str(tmp_path / "out"), "--checkpoint-dir",
+            str(tmp_path / "c"), "--estimate-s", "1000", "--stop-at-s", "540",
+            "--min-piece-s", "300"]  # fmt: skip
+    last = emulated_sweep.Sweep(emulated_sweep.parse_args([*base, "--budget-s", "540"]), [])
+    assert last.estimate("m_tp8_bf16_s1") == 250.0 and last.estimate("m_tp8_g64_s1") == 1000.0
+    assert last.fits(280.0, "m_tp8_bf16_s1") and not last.fits(280.0, "m_tp8_g64_s1")
+    assert not last.fits(300.0, "m_tp8_bf16_s1")  # 550 s > the budget
+    sweep = emulated_sweep.Sweep(emulated_sweep.parse_args(base), [])
+    assert sweep.fits(280.0, "m_tp8_bf16_s1")  # 260 s left, less than --min-piece-s
+    assert not sweep.fits(280.0, "m_tp8_g64_s1") and sweep.fits(240.0, "m_tp8_g64_s1")
+
+
+def test_a_finished_runs_length_is_its_summarys_not_its_last_pieces(tmp_path):
+    """A run resumed for its last 250 s that took 1284 s over its pieces: the runs without a
+    record of their own are expected to take 1284 s, not 250."""
+    args = emulated_sweep.parse_args(["--preset", "tp8", "--out", str(tmp_path)])
+    sweep = emulated_sweep.Sweep(args, [])
+    (tmp_path / "m_tp8_bf16_s0.json").write_text(json.dumps({"wall_s": 1284.0}))
+    sweep.learn("m_tp8_bf16_s0", 250.0)
+    assert sweep.estimate("m_tp8_g64_s0") == 1284.0
+    sweep.learn("m_tp8_g256_s0", 90.0)  # no summary: the time it took
+    assert sweep.longest == 1284.0
+
+
 def test_runs_start_where_they_fit_the_gpu_memory_beside_the_runs_going_on(
     tmp_path, monkeypatch, capsys
 ):

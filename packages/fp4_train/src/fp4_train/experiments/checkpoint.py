@@ -79,6 +79,21 @@ def read(path: Path) -> tuple[dict | None, str | None]:
     return state, None
 
 
+def progress(path) -> tuple[int, int] | None:
+    """(steps done, steps of the run) of the checkpoint at ``path`` (a run's ``--checkpoint``;
+    rank 0's shard where there are several), read through a memory map, without the tensors'
+    data; None where there is none or it is not a readable checkpoint."""
+    path = Path(path)
+    shard = path if path.suffix == ".pt" else path / "rank0.pt"
+    if not shard.is_file():
+        return None
+    try:
+        state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+        return len(state["records"]["steps"]), int(state["config"]["steps"])
+    except Exception:  # torch.load's errors (as in ``read``), or a state without those keys
+        return None
+
+
 def config_of(args) -> dict:
     """The arguments that fix a run's bits (every one but ``RUNTIME_ARGS``), as plain values."""
     return {k: plain(v) for k, v in sorted(vars(args).items()) if k not in RUNTIME_ARGS}

@@ -13,7 +13,9 @@ estimated by the longest recorded ``wall_s`` of its configuration (any seed) mad
 at a time, from the summaries in those folders, on this GPU's model where the configuration
 has such a record (``nvidia-smi``'s name against the summary's device; a model's runs can take
 1.2 times another's), else on any; for a configuration without such a record, by the longest
-run of this invocation, or ``--estimate-s`` before one has ended.  ``--jobs``
+run of this invocation (its summary's ``wall_s``, every piece's), or ``--estimate-s`` before
+one has ended; a run resumed from its checkpoint, by that less the share of its steps the
+checkpoint has done.  ``--jobs``
 processes share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its memory, 43 GB
 with error feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only
 where it fits the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the
@@ -29,12 +31,15 @@ Runs longer than one job: with ``--checkpoint-dir DIR`` every run resumes from a
 its checkpoint ``DIR/<run name>`` (``emulated_tp --checkpoint``), and ``--stop-at-s S`` stops
 each run after its first step that ends S seconds or more after the sweep started (the run
 writes its checkpoint and exits with status 75, ``checkpoint.EX_TEMPFAIL``); no run starts
-with less than ``--min-piece-s`` left.  The sweep then lists the runs finished, resumable and
-not started, and exits with status 75 while any is left; the same command again resumes the
-unfinished runs and skips the finished ones (their summaries are in ``--out``; their
-checkpoints are removed unless ``--keep-checkpoints``).  A run's clock starts after its
-imports, and it stops only at a step's end, then writes its checkpoint: leave S that much
-short of a hard limit.
+with less than ``--min-piece-s`` left, unless it is expected to end in the time left.  The
+sweep then lists the runs finished, resumable and not started, and exits with status 75 while
+any is left; the same command again resumes the unfinished runs and skips the finished ones
+(their summaries are in ``--out``; their checkpoints are removed unless
+``--keep-checkpoints``).  A run's clock starts after its imports, and it stops only at a
+step's end, then writes its checkpoint: leave S that much short of a hard limit.  Where the
+checkpoints will not outlive this job (a machine given back after it), ``--budget-s``
+besides ``--stop-at-s`` finishes the runs begun and starts none that cannot end: a resumed
+run is expected to take only what is left of it.
 
 Presets, in the order the study takes them: ``tp4`` (TP = 4, every codec and policy),
 ``tp8`` (TP = 8: bf16, FP4Quant g = 64 and 256, the best FP4 policy of ``tp4`` (``BEST``),
@@ -63,7 +68,7 @@ from pathlib import Path
 import fp4_comm
 
 from . import emulated_tp
-from .checkpoint import EX_TEMPFAIL
+from .checkpoint import EX_TEMPFAIL, progress
 from .records import run_stem
 
 MODULE = "fp4_train.experiments.emulated_tp"
@@ -354,20 +359,34 @@ class Sweep:
         memory = getattr(args, "gpu_memory_gb", None)
         self.memory = memory if memory is not None else free_gpu_memory_gb()
         self.waiting = set()  # runs said to wait for memory
+        self.done_share = {}  # run name -> the share of its steps its checkpoint had done
         self.running, self.left_out = {}, []
         self.finished, self.resumable, self.failed = [], [], []
 
     def estimate(self, run_name):
-        """The length expected of run ``run_name``: its configuration's record, else the
-        longest run of this invocation (or ``--estimate-s``); None: unknown."""
-        return self.recorded.get(run_stem(run_name), self.longest)
+        """The time expected of what is left of run ``run_name``: its configuration's record
+        (else the longest run of this invocation, or ``--estimate-s``) less the share of its
+        steps that its checkpoint in ``--checkpoint-dir`` has done; None: unknown."""
+        length = self.recorded.get(run_stem(run_name), self.longest)
+        return None if length is None else length * (1.0 - self.done(run_name))
+
+    def done(self, run_name):
+        """The share of run ``run_name``'s steps done by its checkpoint (0 without one), read
+        once: the checkpoint changes only while the run goes on."""
+        if run_name not in self.done_share:
+            ckpt = self.args.checkpoint_dir
+            steps = None if ckpt is None else progress(ckpt / run_name)
+            self.done_share[run_name] = 0.0 if not steps else min(1.0, steps[0] / steps[1])
+        return self.done_share[run_name]
 
     def fits(self, elapsed, run_name):
-        """Whether run ``run_name`` started now fits ``--budget-s`` and ``--stop-at-s``."""
+        """Whether run ``run_name`` started now fits ``--budget-s`` and ``--stop-at-s`` (a run
+        expected to end before ``--stop-at-s`` starts with less than ``--min-piece-s`` left)."""
         args, length = self.args, self.estimate(run_name)
         if args.budget_s is not None and length is not None and elapsed + length > args.budget_s:
             return False
-        return args.stop_at_s is None or elapsed + args.min_piece_s <= args.stop_at_s
+        piece = args.min_piece_s if length is None else min(args.min_piece_s, length)
+        return args.stop_at_s is None or elapsed + piece <= args.stop_at_s
 
     def need_gb(self, run_name):
         """The GPU memory run ``run_name`` is expected to hold, GiB (see the module doc);
@@ -424,23 +443,27 @@ class Sweep:
                 self.resumable.append(run_name)
                 print(f"stopped {run_name} after {took:.0f} s (resumable)", flush=True)
                 continue
-            self.longest = took if self.longest is None else max(self.longest, took)
             (self.failed if code else self.finished).append(run_name)
             print(f"{'failed' if code else 'done'} {run_name} in {took:.0f} s", flush=True)
             if code:
                 continue
-            self.learn_memory(run_name)
+            self.learn(run_name, took)
             if self.args.checkpoint_dir is not None and not self.args.keep_checkpoints:
                 shutil.rmtree(self.args.checkpoint_dir / run_name, ignore_errors=True)
 
-    def learn_memory(self, run_name):
-        """Take a finished run's recorded peak as its configuration's (the largest so far), for
-        the runs of it that start later (its summary in ``--out``; none readable: nothing)."""
+    def learn(self, run_name, took):
+        """Take a finished run's length as the estimate of runs without a record (the longest
+        so far: its summary's ``wall_s``, every piece's, where readable, not this last piece's
+        ``took`` seconds alone) and its recorded peak as its configuration's (the largest so
+        far), for the runs that start later."""
         try:
-            summary = json.loads((self.args.out / f"{run_name}.json").read_text())
+            summary = [(run_stem(run_name), json.loads((self.args.out / f"{run_name}.json")
+                                                       .read_text()))]  # fmt: skip
         except (OSError, ValueError):
-            return
-        for config, peak in recorded_memory([(run_stem(run_name), summary)]).items():
+            summary = []
+        length = _largest(summary, "wall_s").get(run_stem(run_name), took)
+        self.longest = length if self.longest is None else max(self.longest, length)
+        for config, peak in recorded_memory(summary).items():
             self.peaks[config] = max(self.peaks.get(config, 0.0), peak)
 
     def run(self):
