@@ -6,6 +6,7 @@ preprint's figures beside the rows they belong to."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 
@@ -74,6 +75,15 @@ def test_runs_start_as_processes_and_are_skipped_once_done(tmp_path, monkeypatch
     (out / "byte_tp2_nvfp4_s0.json").rename(other / "byte_tp2_nvfp4_s0.json")
     assert emulated_sweep.main([*base, "--done", str(other)]) == 0
     assert sorted(p.stem for p in out.glob("*.json")) == ["byte_tp2_bf16_s0"]
+    # ... and so is one kept as a gzip copy, whose record gives its configuration's length
+    data = (other / "byte_tp2_nvfp4_s0.json").read_bytes()
+    (other / "byte_tp2_nvfp4_s0.json").unlink()
+    (other / "byte_tp2_nvfp4_s0.json.gz").write_bytes(gzip.compress(data))
+    (other / "byte_tp2_mxfp4_s0.json.gz").write_bytes(gzip.compress(data)[:-9])  # cut short
+    assert emulated_sweep.main([*base, "--done", str(other)]) == 0
+    assert sorted(p.stem for p in out.glob("*.json")) == ["byte_tp2_bf16_s0"]
+    recorded = emulated_sweep.recorded_summaries([other])
+    assert [config for config, _ in recorded] == ["byte_tp2_nvfp4"]
 
 
 def test_a_finished_run_is_reported_with_its_loss_or_without_a_summary(tmp_path):

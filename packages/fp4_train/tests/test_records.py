@@ -121,6 +121,8 @@ def test_record_paths_take_both_forms_and_refuse_one_run_twice(tmp_path):
     for name in ("b.json", "a.json.gz", "c.json", "c.csv", "d.json.xz"):
         (tmp_path / name).write_text("{}")
     assert [p.name for p in records.record_paths(tmp_path)] == ["a.json.gz", "b.json", "c.json"]
+    assert [records.record_name(tmp_path / n) for n in ("a.json.gz", "c.json", "c.csv")] == [
+        "a", "c", None]  # fmt: skip
     assert records.find_record(tmp_path, "a").name == "a.json.gz"
     assert records.find_record(tmp_path, "d") is None
     (tmp_path / "b.json.gz").write_text("{}")

@@ -69,7 +69,7 @@ import fp4_comm
 
 from . import emulated_tp
 from .checkpoint import EX_TEMPFAIL, progress
-from .records import run_stem
+from .records import UNREADABLE, find_record, load_record, record_name, record_paths, run_stem
 
 MODULE = "fp4_train.experiments.emulated_tp"
 # What every run of the study shares: the 125 M model, 16 k tokens a step (16 sequences of
@@ -255,16 +255,18 @@ def piece_args(args, run_name, elapsed_s):
 
 def recorded_summaries(folders):
     """[(run name without its ``_s<seed>``, summary)] of the readable run summaries in
-    ``folders`` whose names end in a seed (the others passed over)."""
+    ``folders`` (``<name>.json`` or its gzip copy) whose names end in a seed (the others
+    passed over)."""
     out = []
     for folder in folders:
-        for path in sorted(Path(folder).glob("*.json")):
+        for path in record_paths(folder):
             try:
-                summary = json.loads(path.read_text())
-            except (OSError, ValueError):
+                summary = load_record(path)
+            except UNREADABLE:
                 continue
-            config = run_stem(path.stem)
-            if config != path.stem and isinstance(summary, dict):
+            name = record_name(path)
+            config = run_stem(name)
+            if config != name and isinstance(summary, dict):
                 out.append((config, summary))
     return out
 
@@ -504,7 +506,7 @@ def main(argv=None):
     every, unavailable = runs(args)
     folders = [args.out, *args.done]
     todo = [(n, a) for n, a in every
-            if args.force or not any((f / f"{n}.json").exists() for f in folders)]  # fmt: skip
+            if args.force or not any(find_record(f, n) for f in folders)]  # fmt: skip
     for name in unavailable:
         print(f"{name}: unavailable (fp4_comm.get_codec does not know its codec)")
     if args.list:

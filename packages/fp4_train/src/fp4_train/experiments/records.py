@@ -145,6 +145,13 @@ def unusable_path(path, folder=True):
 RECORD_SUFFIXES = (".json", ".json.gz")
 
 
+def record_name(path):
+    """``<name>`` of a record file ``<name>.json`` or ``<name>.json.gz``; None for another."""
+    file = Path(path).name
+    suffix = next((s for s in RECORD_SUFFIXES[::-1] if file.endswith(s)), None)
+    return None if suffix is None else file[: -len(suffix)]
+
+
 def record_paths(folder):
     """The record files in ``folder`` (``<name>.json`` and ``<name>.json.gz``), by name;
     SystemExit where one name has both (which of the two is the record is not for a reader to
@@ -152,7 +159,7 @@ def record_paths(folder):
     paths = {}
     for suffix in RECORD_SUFFIXES:
         for path in Path(folder).glob(f"*{suffix}"):
-            name = path.name[: -len(suffix)]
+            name = record_name(path)
             if name in paths:
                 raise SystemExit(f"{paths[name]} and {path}: one record twice; remove one")
             paths[name] = path
@@ -165,16 +172,26 @@ def find_record(folder, name):
     return found[0] if found else None
 
 
-def read_record(path):
-    """The JSON value in ``path`` (gzip-compressed where it ends in ``.gz``); SystemExit naming
-    the file where it cannot be read (a truncated or binary file, a folder named *.json)."""
+#: What ``load_record`` raises for a file it cannot read (a truncated or binary file, a
+#: folder named *.json, a gzip copy cut short).
+UNREADABLE = (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError)
+
+
+def load_record(path):
+    """The JSON value in ``path`` (gzip-compressed where it ends in ``.gz``); one of
+    ``UNREADABLE`` where it cannot be read."""
     path = Path(path)
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    return json.loads(data.decode())
+
+
+def read_record(path):
+    """``load_record(path)``; SystemExit naming the file where it cannot be read."""
     try:
-        data = path.read_bytes()
-        if path.name.endswith(".gz"):
-            data = gzip.decompress(data)
-        return json.loads(data.decode())
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return load_record(path)
+    except UNREADABLE as err:
         raise SystemExit(f"{path}: not a readable JSON record ({err})") from None
 
 
