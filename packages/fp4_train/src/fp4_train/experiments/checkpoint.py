@@ -79,12 +79,11 @@ def read(path: Path) -> tuple[dict | None, str | None]:
     return state, None
 
 
-def progress(path) -> tuple[int, int] | None:
-    """(steps done, steps of the run) of the checkpoint at ``path`` (a run's ``--checkpoint``;
-    rank 0's shard where there are several), read through a memory map, without the tensors'
-    data; None where there is none or it is not a readable checkpoint."""
-    path = Path(path)
-    shard = path if path.suffix == ".pt" else path / "rank0.pt"
+def progress(path, world_size: int = 1) -> tuple[int, int] | None:
+    """(steps done, steps of the run) of the checkpoint at ``path`` (the ``--checkpoint`` of a
+    run of ``world_size`` processes: rank 0's shard), read through a memory map, without the
+    tensors' data; None where there is none or it is not a readable checkpoint."""
+    shard = shard_path(path, 0, world_size)
     if not shard.is_file():
         return None
     try:

@@ -55,7 +55,6 @@ unavailable and left out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -459,9 +458,8 @@ class Sweep:
         ``took`` seconds alone) and its recorded peak as its configuration's (the largest so
         far), for the runs that start later."""
         try:
-            summary = [(run_stem(run_name), json.loads((self.args.out / f"{run_name}.json")
-                                                       .read_text()))]  # fmt: skip
-        except (OSError, ValueError):
+            summary = [(run_stem(run_name), load_record(self.args.out / f"{run_name}.json"))]
+        except UNREADABLE:
             summary = []
         length = _largest(summary, "wall_s").get(run_stem(run_name), took)
         self.longest = length if self.longest is None else max(self.longest, length)
@@ -478,9 +476,9 @@ class Sweep:
         """The final validation loss of a finished run as its summary gives it (printed, so that
         the sweep's own output keeps it where the summary file is not brought back)."""
         try:
-            summary = json.loads((self.args.out / f"{run_name}.json").read_text())
+            summary = load_record(self.args.out / f"{run_name}.json")
             return f" (final val loss {summary['final_val_loss']:.4f})"
-        except (OSError, ValueError, KeyError, TypeError):
+        except (*UNREADABLE, KeyError, TypeError, ValueError):
             return " (no summary)"
 
     def report(self):
