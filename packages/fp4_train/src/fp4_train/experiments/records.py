@@ -148,7 +148,7 @@ RECORD_SUFFIXES = (".json", ".json.gz")
 def record_name(path):
     """``<name>`` of a record file ``<name>.json`` or ``<name>.json.gz``; None for another."""
     file = Path(path).name
-    suffix = next((s for s in RECORD_SUFFIXES[::-1] if file.endswith(s)), None)
+    suffix = next((s for s in RECORD_SUFFIXES if file.endswith(s)), None)
     return None if suffix is None else file[: -len(suffix)]
 
 
