@@ -207,7 +207,9 @@ def markdown(table):
             gap = _fmt(r.get("gap_pct"), 2, sign=True) + (f" ± {gci:.2f}" if gci else "")
         q = r.get("preprint_loss")
         quote = "–" if q is None else f"{q:.4f} ({r['preprint_gap_pct']:+.1f} %)"
-        wire = f"{r['codec']}; {r['grad_codec']} ({r['grad_rounding']})"
+        wire = f"{r['codec']}; {r['grad_codec']}"
+        if r["grad_codec"] != BASELINE:  # (bf16 rounds by casting: no rounding mode to name)
+            wire += f" ({r['grad_rounding']})"
         lines.append("| " + " | ".join([
             r["model"], r["layout"], f"{r['policy']}: {wire}", str(len(r["seeds"])),
             _fmt(r["val_loss_mean"]), delta, gap, quote, f"{r['wall_min']:.1f}",
