@@ -44,7 +44,10 @@ run is expected to take only what is left of it.
 Presets, in the order the study takes them: ``tp4`` (TP = 4, every codec and policy),
 ``tp8`` (TP = 8: bf16, FP4Quant g = 64 and 256, the best FP4 policy of ``tp4`` (``BEST``),
 TAH-Quant), ``pp2`` and ``sp4`` (the pipeline boundary and SP with TP = 4, the policies of the
-CPU study), ``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant),
+CPU study), ``pp2-levers`` (the pipeline boundary's forward codecs: NVFP4, MXFP4, FP4Quant
+g = 16, g = 64 without the transform, with the gradient at FP4Quant g = 64 stochastic; and
+TAH-Quant), ``plain`` (the model on one rank, bf16: the control of every layout's bf16),
+``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant),
 ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and the
 plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
 activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
@@ -90,8 +93,10 @@ MIN_PIECE_S = 60.0
 
 def tah(width):
     """TAH-Quant: its activation codec on tokens of the model's width forward, its 6-bit
-    gradient codec backward (both round to nearest: its only rounding)."""
-    return (TAH, ["--codec", f"tahquant-h{width}", "--grad-codec", "tahquant-grad"])
+    gradient codec backward (both round to nearest: its only rounding, named for the
+    pipeline, whose gradient rounds stochastically by default)."""
+    return (TAH, ["--codec", f"tahquant-h{width}", "--grad-codec", "tahquant-grad",
+                  "--grad-rounding", "nearest"])  # fmt: skip
 
 
 TP4 = [
@@ -125,16 +130,34 @@ PP2 = [
     (f"{G64}-fwd-only", ["--codec", G64, "--grad-codec", "none"]),
 ]
 SP4 = PP2
+# The pipeline boundary's forward levers (its forward crossing is what costs there), the
+# gradient at the pipeline's default (FP4Quant g = 64, stochastic): NVFP4 and MXFP4 (the block
+# formats of the TP table), FP4Quant g = 16 (4x the scales of g = 64) and g = 64 without the
+# transform; and TAH-Quant, a codec written for pipeline activations, both ways.  bf16 is
+# pp2's (the same runs).
+PP2_LEVERS = [
+    ("bf16", ["--codec", "none"]),
+    ("nvfp4-fwd", ["--codec", "nvfp4", "--grad-codec", G64]),
+    ("mxfp4-fwd", ["--codec", "mxfp4", "--grad-codec", G64]),
+    ("fp4quant-g16-fwd", ["--codec", "fp4quant-g16", "--grad-codec", G64]),
+    ("fp4quant-g64-nohad-fwd", ["--codec", "fp4quant-g64-nohad", "--grad-codec", G64]),
+    tah(768),
+]
 
 PRESETS = {
     "tp4": {"args": [*STUDY, "--tp", "4"], "configs": TP4, "seeds": [0, 1, 2]},
     "tp8": {"args": [*STUDY, "--tp", "8"], "configs": TP8, "seeds": [0, 1, 2]},
     "pp2": {"args": [*STUDY, "--parallel", "pp"], "configs": PP2, "seeds": [0, 1, 2]},
+    "pp2-levers": {"args": [*STUDY, "--parallel", "pp"], "configs": PP2_LEVERS,
+                   "seeds": [0, 1, 2]},
     "sp4": {"args": [*STUDY, "--tp", "4", "--sequence-parallel"], "configs": SP4,
             "seeds": [0, 1, 2]},
     "600m": {"args": [*STUDY, "--model", "qwen-600m", "--tokens-per-step", "8192", "--tp", "4"],
              "configs": [c for c in TP4 if c[0] in ("bf16", G64, BEST)] + [tah(1536)],
              "seeds": [0]},
+    # the plain model (no ranks, no wire): the control of every layout's bf16
+    "plain": {"args": [*STUDY, "--tp", "1"], "configs": [("bf16", ["--codec", "none"])],
+              "seeds": [0, 1, 2]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],
