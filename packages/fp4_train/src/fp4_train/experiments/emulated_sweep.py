@@ -83,6 +83,7 @@ G64, G256 = "fp4quant-g64", "fp4quant-g256"
 SR = ["--rounding", "stochastic"]
 EF = ["--error-feedback"]
 TAH = "tahquant"
+BF16 = ("bf16", ["--codec", "none"])  # the baseline: bf16 on the wire
 # What a run holds beyond its recorded peak (torch's allocations, ``max_memory_gb``): a share
 # of it (the caching allocator's rounding and fragmentation) and its CUDA context, GiB.
 MEMORY_SLACK, CONTEXT_GB = 0.10, 1.5
@@ -100,7 +101,7 @@ def tah(width):
 
 
 TP4 = [
-    ("bf16", ["--codec", "none"]),
+    BF16,
     (G64, ["--codec", G64]),
     (G256, ["--codec", G256]),
     (f"{G64}-sr", ["--codec", G64, *SR]),
@@ -120,11 +121,11 @@ TP4 = [
 # over 3 seeds, paired difference -0.003 +- 0.121); stochastic rounding and error feedback
 # both cost loss there; NVFP4's payloads have the higher SQNR (20.4 dB against 18.7).
 BEST = "nvfp4"
-TP8 = [c for c in TP4 if c[0] in ("bf16", G64, G256, BEST, TAH)]
+TP8 = [c for c in TP4 if c[0] in (BF16[0], G64, G256, BEST, TAH)]
 # The pipeline boundary: the residual stream forward (nearest) and its gradient backward
 # (stochastic: tp_train's default; nearest for comparison).  SP: the same two directions.
 PP2 = [
-    ("bf16", ["--codec", "none"]),
+    BF16,
     (G64, ["--codec", G64]),
     (f"{G64}-grad-rn", ["--codec", G64, "--grad-rounding", "nearest"]),
     (f"{G64}-fwd-only", ["--codec", G64, "--grad-codec", "none"]),
@@ -136,7 +137,7 @@ SP4 = PP2
 # transform; and TAH-Quant, a codec written for pipeline activations, both ways.  bf16 is
 # pp2's (the same runs).
 PP2_LEVERS = [
-    ("bf16", ["--codec", "none"]),
+    BF16,
     ("nvfp4-fwd", ["--codec", "nvfp4", "--grad-codec", G64]),
     ("mxfp4-fwd", ["--codec", "mxfp4", "--grad-codec", G64]),
     ("fp4quant-g16-fwd", ["--codec", "fp4quant-g16", "--grad-codec", G64]),
@@ -153,10 +154,10 @@ PRESETS = {
     "sp4": {"args": [*STUDY, "--tp", "4", "--sequence-parallel"], "configs": SP4,
             "seeds": [0, 1, 2]},
     "600m": {"args": [*STUDY, "--model", "qwen-600m", "--tokens-per-step", "8192", "--tp", "4"],
-             "configs": [c for c in TP4 if c[0] in ("bf16", G64, BEST)] + [tah(1536)],
+             "configs": [c for c in TP4 if c[0] in (BF16[0], G64, BEST)] + [tah(1536)],
              "seeds": [0]},
     # the plain model (no ranks, no wire): the control of every layout's bf16
-    "plain": {"args": [*STUDY, "--tp", "1"], "configs": [("bf16", ["--codec", "none"])],
+    "plain": {"args": [*STUDY, "--tp", "1"], "configs": [BF16],
               "seeds": [0, 1, 2]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
