@@ -392,6 +392,26 @@ def test_curves_are_drawn_per_layout_paired_by_seed():
     assert label == "qwen-125m nvfp4, 1 seed" and ys == pytest.approx([0.3, 0.3, 0.3])
 
 
+def test_baselines_compare_every_layouts_bf16_with_the_plain_models():
+    """``baselines.md``: each layout's bf16 runs, minus the plain model's (tp1) on the seeds
+    both ran, with a t interval from two seeds on; without tp1 runs the reference is the
+    layout with the most bf16 seeds.  Other wires are not in it."""
+    runs = [_summary("tp4", "bf16", "bf16", s, v) for s, v in enumerate([3.4, 3.36, 3.33])]
+    runs += [_summary("pp2", "bf16", "bf16", s, v) for s, v in enumerate([3.28, 3.32])]
+    runs += [_summary("tp8", "bf16", "bf16", 0, 3.41), _summary("tp4", "nvfp4", "nvfp4", 0, 3.5)]
+    text = emulated_summary.baselines_markdown(runs)
+    assert "| qwen-125m | tp4 | 0: 3.4000 / 1: 3.3600 / 2: 3.3300 | tp4 | – | – |" in text
+    d = [3.28 - 3.4, 3.32 - 3.36]
+    half = t_quantile(0.975, 1) * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+    assert (f"| pp2 | 0: 3.2800 / 1: 3.3200 | tp4 | 0: {d[0]:+.3f} / 1: {d[1]:+.3f} | "
+            f"{sum(d) / 2:+.3f} ± {half:.3f} |") in text  # fmt: skip
+    assert "| tp8 | 0: 3.4100 | tp4 | 0: +0.010 | +0.010 |" in text and "3.5000" not in text
+    plain = runs + [_summary("tp1", "bf16", "bf16", s, v) for s, v in enumerate([3.3, 3.31])]
+    text = emulated_summary.baselines_markdown(plain)
+    assert "| tp4 | 0: 3.4000 / 1: 3.3600 / 2: 3.3300 | tp1 | 0: +0.100 / 1: +0.050 |" in text
+    assert "| tp1 | 0: 3.3000 / 1: 3.3100 | tp1 | – | – |" in text
+
+
 def test_seeds_needed_is_the_first_t_interval_below_the_limit():
     """``seeds_needed``: the fewest n whose t interval around the gap lies below the limit,
     checked against the interval at n and n - 1; None where the gap is at the limit or above."""

@@ -5,15 +5,16 @@ layout and seed, with the preprint's figures beside it.
         --reruns docs/results/emulated_reruns --out docs/results/emulated_study
 
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
-table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's
-paired gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared
-on their common seeds), ``seeds.md`` (what more seeds would resolve: for each wire the seeds an
-interval of +-1 % of bf16's loss takes, and those that would put the interval's upper end below
-1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and wall minutes
-of every run) and ``curves.png`` (the final-loss gaps with their intervals, and the paired
-training-loss gap over training, one panel per layout).  ``--reruns DIR...``: summaries of
-runs made again (the same name: configuration and seed), written beside the first run of each
-in ``reruns.md``.
+table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's paired
+gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared on
+their common seeds), ``baselines.md`` (the bf16 runs of every layout side by side, against the
+plain model's where it ran), ``seeds.md`` (what more seeds would resolve: for each wire the
+seeds an interval of +-1 % of bf16's loss takes, and those that would put the interval's upper
+end below 1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and
+wall minutes of every run) and ``curves.png`` (the final-loss gaps with their intervals, and
+the paired training-loss gap over training, one panel per layout). ``--reruns DIR...``:
+summaries of runs made again (the same name: configuration and seed), written beside the first
+run of each in ``reruns.md``.
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over
@@ -282,6 +283,43 @@ def pairs_markdown(summaries):
     return "\n".join(lines) + "\n"
 
 
+#: The layout other layouts' bf16 runs are compared with where a model has runs of it: the
+#: plain model on one rank (no wire).
+PLAIN = "tp1"
+
+
+def baselines_markdown(summaries):
+    """bf16 across layouts: each layout's bf16 final validation loss per seed, and its
+    difference to the plain model's (``PLAIN``; else to the model's layout with the most bf16
+    seeds) on the seeds both ran, mean and 95 % t interval.  Every wire is paired with bf16 of
+    its own layout; this says how far the layouts' baselines are from one another."""
+    groups = _groups(summaries)
+    head = ["model", "layout", "bf16 val loss per seed", "reference", "− reference per seed",
+            "mean (95 % CI)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    models = sorted({m for m, _, pol in groups if pol == BASELINE})
+    for model in models:
+        base = {lay: by for (m, lay, pol), by in groups.items() if m == model and pol == BASELINE}
+        layouts = sorted(base, key=lambda lay: (_layout_rank(lay), lay))
+        ref = PLAIN if PLAIN in base else max(layouts, key=lambda lay: len(base[lay]))
+        for lay in layouts:
+            losses = " / ".join(f"{k}: {base[lay][k]['final_val_loss']:.4f}"
+                                for k in sorted(base[lay]))  # fmt: skip
+            per_seed = mean = "–"
+            if lay != ref:
+                seeds, d = _paired(base[lay], base[ref])
+                if seeds:
+                    per_seed = " / ".join(f"{k}: {_fmt(v, 3, sign=True)}"
+                                          for k, v in zip(seeds, d, strict=True))  # fmt: skip
+                    m, half, _ = mean_ci(d)
+                    mean = _fmt(m, 3, sign=True) + ("" if half is None else f" ± {half:.3f}")
+            lines.append("| " + " | ".join([model, lay, losses, ref, per_seed, mean]) + " |")
+    lines += ["", "The bf16 runs of each layout (seed: final validation loss), and each "
+              "layout's minus the reference layout's on the seeds both ran: the plain model "
+              f"({PLAIN}) where it ran, else the layout with the most seeds."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 #: The gap the study aims below, as a fraction of bf16's loss.
 AIM = 0.01
 #: The most seeds ``seeds_needed`` looks at ("more" beyond).
@@ -464,6 +502,7 @@ def main(argv=None):
     (args.out / "timing.md").write_text(timing_markdown(summaries))
     (args.out / "gaps.md").write_text(gaps_markdown(summaries))
     (args.out / "pairs.md").write_text(pairs_markdown(summaries))
+    (args.out / "baselines.md").write_text(baselines_markdown(summaries))
     (args.out / "seeds.md").write_text(seeds_markdown(table))
     if args.reruns:
         reruns = load(args.reruns)
