@@ -360,6 +360,9 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert pp["delta_mean"] == pytest.approx(0.01) and pp["delta_ci"] is None  # one seed
     text = (tmp_path / "table" / "table.md").read_text()
     assert "preprint, quoted" in text and "2.2306 (+3.7 %)" in text
+    # a bf16 gradient has no rounding to name (it is cast); an FP4 gradient's is named
+    assert "| bf16: bf16; bf16 |" in text and "bf16; bf16 (" not in text
+    assert "fp4quant-g64_grad-fp4quant-g64-sr: fp4quant-g64; fp4quant-g64 (stochastic) |" in text
     assert (tmp_path / "table" / "curves.png").stat().st_size > 10_000
     assert "qwen-125m_tp4_bf16_s0 | 160.0" in (tmp_path / "table" / "timing.md").read_text()
     # the gap at every evaluation (here 2 x loss at step 50), runs without a bf16 seed left out
