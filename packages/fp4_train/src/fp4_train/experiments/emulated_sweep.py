@@ -387,6 +387,7 @@ class Sweep:
         self.done_share = {}  # run name -> the share of its steps its checkpoint had done
         self.running, self.left_out = {}, []
         self.finished, self.resumable, self.failed = [], [], []
+        self.summaries = {}  # finished run name -> its summary (None: unreadable)
 
     def estimate(self, run_name):
         """The time expected of what is left of run ``run_name``: its configuration's record
@@ -481,10 +482,8 @@ class Sweep:
         so far: its summary's ``wall_s``, every piece's, where readable, not this last piece's
         ``took`` seconds alone) and its recorded peak as its configuration's (the largest so
         far), for the runs that start later."""
-        try:
-            summary = [(run_stem(run_name), load_record(self.args.out / f"{run_name}.json"))]
-        except UNREADABLE:
-            summary = []
+        record = self.summary(run_name)
+        summary = [] if record is None else [(run_stem(run_name), record)]
         length = _largest(summary, "wall_s").get(run_stem(run_name), took)
         self.longest = length if self.longest is None else max(self.longest, length)
         for config, peak in recorded_memory(summary).items():
@@ -500,10 +499,18 @@ class Sweep:
         """The final validation loss of a finished run as its summary gives it (printed, so that
         the sweep's own output keeps it where the summary file is not brought back)."""
         try:
-            summary = load_record(self.args.out / f"{run_name}.json")
-            return f" (final val loss {summary['final_val_loss']:.4f})"
-        except (*UNREADABLE, KeyError, TypeError, ValueError):
+            return f" (final val loss {self.summary(run_name)['final_val_loss']:.4f})"
+        except (KeyError, TypeError, ValueError):
             return " (no summary)"
+
+    def summary(self, run_name):
+        """The summary a finished run wrote (None where unreadable), read once."""
+        if run_name not in self.summaries:
+            try:
+                self.summaries[run_name] = load_record(self.args.out / f"{run_name}.json")
+            except UNREADABLE:
+                self.summaries[run_name] = None
+        return self.summaries[run_name]
 
     def report(self):
         """Print what became of each run; the exit status: 1 if one failed, ``EX_TEMPFAIL``
