@@ -239,6 +239,21 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
     assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
 
 
+@pytest.mark.parametrize("preset", ["cpu-boundary", "cpu-levers", "h200-boundary"])
+def test_every_codec_a_boundary_preset_names_is_known_and_pairs_with_its_bf16(preset):
+    from fp4_comm import get_codec
+    from fp4_train.experiments import tp_sweep, tp_train
+
+    common, runs = tp_sweep.PRESETS[preset]["common"], tp_sweep.PRESETS[preset]["runs"]
+    names = [run[0] for run in runs]
+    for name, argv, *_ in runs:
+        args = tp_train.parse_args([*common, *argv, "--device", "cpu"], world_size=2)
+        for policy in tp_train.policies(args):
+            get_codec(policy.codec)  # raises on a codec it does not know
+        layout = name.partition("_")[0]
+        assert f"{layout}_bf16" in names, name  # boundary_study pairs each with it
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -94,6 +94,20 @@ FORWARD_LEVERS = [
     for label, codec in (("g16", "fp4quant-g16"), ("nvfp4", "nvfp4"), ("g64-nohad",
                                                                        "fp4quant-g64-nohad"))
 ]  # fmt: skip
+# The pipeline boundary's forward codec at the CPU size, the gradient at the default
+# (FP4Quant g = 64, stochastic): the levers above, MXFP4, and TAH-Quant both ways (its
+# activation codec on tokens of d = 128 forward, its 6-bit gradient codec backward, both
+# nearest: its only rounding); with the bf16 baseline and the default to pair with.
+CPU_LEVERS = [
+    BOUNDARY[0],
+    ("pp_fwd-g64_bwd-sr", [*PP, "--codec", G64, "--grad-rounding", "stochastic"]),
+    *FORWARD_LEVERS,
+    ("pp_fwd-mxfp4_bwd-sr", [*PP, "--codec", "mxfp4", "--grad-codec", G64,
+                             "--grad-rounding", "stochastic"]),
+    ("pp_fwd-tahquant_bwd-tahquant", [*PP, "--codec", "tahquant-h128",
+                                      "--grad-codec", "tahquant-grad", "--grad-rounding",
+                                      "nearest"]),
+]  # fmt: skip
 
 # fmt: off
 # The H200 model: 8 layers of d 1024 (~100M parameters), 16k tokens a step (each TP
@@ -125,6 +139,7 @@ PRESETS = {
         "seeds": [0],
     },
     "cpu-boundary": {"common": CPU_BOUNDARY, "runs": BOUNDARY + BOUNDARY_TP, "seeds": [0, 1, 2]},
+    "cpu-levers": {"common": CPU_BOUNDARY, "runs": CPU_LEVERS, "seeds": [0, 1, 2]},
     "h200-boundary": {
         "common": [*H200, "--steps", "2000", "--eval-every", "250", *EAGER],
         "runs": BOUNDARY + FORWARD_LEVERS,
