@@ -87,10 +87,18 @@ BOUNDARY_TP = [
     ("tp_fwd-rn_bwd-rn", ["--codec", G64]),
     ("tp_fwd-rn_bwd-sr", ["--codec", G64, "--grad-rounding", "stochastic"]),
 ]  # fmt: skip
-# The forward levers once the backward is fixed (FP4Quant g = 64, stochastic).
+
+
+def forward_lever(label, codec):
+    """The pipeline run whose boundary sends ``codec`` forward, the backward fixed (FP4Quant
+    g = 64, stochastic)."""
+    argv = [*PP, "--codec", codec, "--grad-codec", G64, "--grad-rounding", "stochastic"]
+    return (f"pp_fwd-{label}_bwd-sr", argv)
+
+
+# The forward levers once the backward is fixed.
 FORWARD_LEVERS = [
-    (f"pp_fwd-{label}_bwd-sr", [*PP, "--codec", codec, "--grad-codec", G64,
-                                "--grad-rounding", "stochastic"])
+    forward_lever(label, codec)
     for label, codec in (("g16", "fp4quant-g16"), ("nvfp4", "nvfp4"), ("g64-nohad",
                                                                        "fp4quant-g64-nohad"))
 ]  # fmt: skip
@@ -102,8 +110,7 @@ CPU_LEVERS = [
     BOUNDARY[0],
     ("pp_fwd-g64_bwd-sr", [*PP, "--codec", G64, "--grad-rounding", "stochastic"]),
     *FORWARD_LEVERS,
-    ("pp_fwd-mxfp4_bwd-sr", [*PP, "--codec", "mxfp4", "--grad-codec", G64,
-                             "--grad-rounding", "stochastic"]),
+    forward_lever("mxfp4", "mxfp4"),
     ("pp_fwd-tahquant_bwd-tahquant", [*PP, "--codec", "tahquant-h128",
                                       "--grad-codec", "tahquant-grad", "--grad-rounding",
                                       "nearest"]),
