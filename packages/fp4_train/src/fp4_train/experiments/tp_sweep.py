@@ -105,7 +105,8 @@ FORWARD_LEVERS = [
 # The pipeline boundary's forward codec at the CPU size, the gradient at the default
 # (FP4Quant g = 64, stochastic): the levers above, MXFP4, and TAH-Quant both ways (its
 # activation codec on tokens of d = 128 forward, its 6-bit gradient codec backward, both
-# nearest: its only rounding); with the bf16 baseline and the default to pair with.
+# nearest: its only rounding) and forward only (which of its two directions grows the
+# residual stream); with the bf16 baseline and the default to pair with.
 CPU_LEVERS = [
     BOUNDARY[0],
     ("pp_fwd-g64_bwd-sr", [*PP, "--codec", G64, "--grad-rounding", "stochastic"]),
@@ -114,6 +115,7 @@ CPU_LEVERS = [
     ("pp_fwd-tahquant_bwd-tahquant", [*PP, "--codec", "tahquant-h128",
                                       "--grad-codec", "tahquant-grad", "--grad-rounding",
                                       "nearest"]),
+    forward_lever("tahquant", "tahquant-h128"),
 ]  # fmt: skip
 
 # fmt: off
