@@ -292,7 +292,7 @@ def plot(rows, runs, path):
             ax_rms.plot(steps, [sum(per_step[t]) / len(per_step[t]) for t in steps], style,
                         lw=1.2, label=stem)  # fmt: skip
     ax_rms.set(xlabel="step", ylabel="RMS of the activation sent (stage 0 -> 1)",
-               title="pipeline: the residual stream at the boundary (mean over seeds)")  # fmt: skip
+               title="pipeline boundary: residual stream (mean over seeds)")  # fmt: skip
     ax_rms.grid(alpha=0.3)
     ax_rms.legend(fontsize=7)
     fig.tight_layout()
