@@ -367,7 +367,11 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert "qwen-125m_tp4_bf16_s0 | 160.0" in (tmp_path / "table" / "timing.md").read_text()
     # the gap at every evaluation (here 2 x loss at step 50), runs without a bf16 seed left out
     gaps = (tmp_path / "table" / "gaps.md").read_text()
-    assert "| fp4quant-g64, seed 2 | +0.120 | +0.060 |" in gaps
+    assert "| fp4quant-g64, seed 2 | +0.120 | +0.060 | +0.060 |" in gaps  # last: train, late
+    assert row["train_delta_last_fifth"] == pytest.approx(deltas)
+    assert row["train_delta_mean"] == pytest.approx(mean)
+    (line,) = [t for t in text.splitlines() if "| fp4quant-g64: " in t]
+    assert line.count(f"| {mean:+.4f} ± {row['delta_ci']:.4f} |") == 2  # Δ val, Δ train late
     assert "| nvfp4, seed 1 | +0.080 | +0.040 |" in gaps and "**qwen-125m, pp2**" in gaps
     # every two wires on their common seeds (g = 64 and NVFP4 share seeds 0 and 1); TAH-Quant
     # has one seed: no row
@@ -377,6 +381,17 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     per_seed = f"{d[0]:+.3f} / {d[1]:+.3f}"
     row = f"| fp4quant-g64 | nvfp4 | 0 1 | {per_seed} | {sum(d) / 2:+.3f} ± {half:.3f} |"
     assert row in pairs and "tahquant" not in pairs
+
+
+def test_the_late_training_gap_pairs_the_last_fifth_of_the_curves_points():
+    """Ten window means: the last two of run's minus base's (the same batches), averaged; a
+    run without a curve has no late gap."""
+    base = {"train_loss_curve": [[10 * i + 4.5, 5.0 - 0.1 * i] for i in range(10)]}
+    run = {"train_loss_curve": [[x, y + (0.5 if i < 8 else 0.1 * i)]
+                                for i, (x, y) in enumerate(base["train_loss_curve"])]}  # fmt: skip
+    assert emulated_summary.late_gap(run, base) == pytest.approx((0.8 + 0.9) / 2)
+    assert emulated_summary.late_gap({"train_loss_curve": []}, base) is None
+    assert emulated_summary.late_gap({}, base) is None
 
 
 def test_curves_are_drawn_per_layout_paired_by_seed():

@@ -6,7 +6,7 @@ layout and seed, with the preprint's figures beside it.
 
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
 table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's paired
-gap at every evaluation), ``pairs.md`` (every two wires of one model and layout compared on
+gap at every evaluation, and late in training), ``pairs.md`` (every two wires of one model and layout compared on
 their common seeds), ``baselines.md`` (the bf16 runs of every layout side by side, against the
 plain model's where it ran), ``seeds.md`` (what more seeds would resolve: for each wire the
 seeds an interval of +-1 % of bf16's loss takes, and those that would put the interval's upper
@@ -19,9 +19,11 @@ run of each in ``reruns.md``.
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over
 seeds and its 95 % interval (Student's t, n - 1 degrees of freedom: the seeds are the only
-replication), and the mean Δ as a percentage of the bf16 loss.  The bf16 row gives the spread
-of the seeds themselves (their standard deviation): a gap inside it is no gap these runs can
-resolve.
+replication), and the mean Δ as a percentage of the bf16 loss; beside it the same for the
+training loss late in training (the paired difference on the same batches, averaged over the
+last fifth of the steps: many steps where the final validation loss is one number).  The
+bf16 row gives the spread of the seeds themselves (their standard deviation): a gap inside it
+is no gap these runs can resolve.
 
 The preprint's figures (FP4Quant, 4-way TP of a 7B Qwen model, its data and schedule) are
 quoted beside the rows they correspond to, marked as quoted: bf16 2.1505, FP4Quant g = 64
@@ -39,6 +41,7 @@ from pathlib import Path
 from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
 from .records import pyplot, read_record, record_paths, run_stem, write_json
+from .tp_summary import tail_gap
 
 BASELINE = "bf16"
 # The preprint's final losses (quoted): 4-way TP of Qwen 7B, and a PP boundary.
@@ -128,6 +131,14 @@ def _paired(a, b):
     return seeds, [a[k]["final_val_loss"] - b[k]["final_val_loss"] for k in seeds]
 
 
+def late_gap(run, base):
+    """The paired training-loss gap late in training: the mean, over the last fifth of
+    ``train_loss_curve``'s points (window means of the loss on the same batches), of run's
+    minus base's; None where either has no curve."""
+    return tail_gap([p[1] for p in run.get("train_loss_curve") or []],
+                    [p[1] for p in base.get("train_loss_curve") or []])  # fmt: skip
+
+
 def rows(summaries):
     """One row per (model, layout, policy), paired with bf16 of the same seeds."""
     groups = _groups(summaries)
@@ -138,6 +149,8 @@ def rows(summaries):
         losses = [by_seed[k]["final_val_loss"] for k in seeds]
         paired, deltas = _paired(by_seed, base)
         base_losses = [base[k]["final_val_loss"] for k in paired]
+        late = [late_gap(by_seed[k], base[k]) for k in paired]
+        late = [g for g in late if g is not None]
         first = by_seed[seeds[0]]
         row = {
             "model": model, "layout": lay, "policy": pol, "codec": first["codec"],
@@ -145,7 +158,7 @@ def rows(summaries):
             "seeds": seeds, "val_loss": losses,
             "val_loss_mean": sum(losses) / len(losses),
             "val_loss_sd": _sd(losses),
-            "paired_seeds": paired, "delta": deltas,
+            "paired_seeds": paired, "delta": deltas, "train_delta_last_fifth": late,
             "wall_min": sum(by_seed[k]["wall_s"] for k in seeds) / len(seeds) / 60,
             "concurrent_runs": max(by_seed[k].get("concurrent_runs", 1) for k in seeds),
             "tokens_per_s": sum(by_seed[k]["tokens_per_s"] for k in seeds) / len(seeds),
@@ -157,6 +170,8 @@ def rows(summaries):
             row.update(delta_mean=mean, delta_ci=half, base_loss=base_mean,
                        gap_pct=100 * mean / base_mean,
                        gap_ci_pct=None if half is None else 100 * half / base_mean)  # fmt: skip
+        if late and pol != BASELINE:
+            row["train_delta_mean"], row["train_delta_ci"], _ = mean_ci(late)
         q = quoted(first)
         if q is not None:
             row.update(preprint_loss=q, preprint_gap_pct=100 * (q - PREPRINT_BF16) / PREPRINT_BF16)
@@ -193,19 +208,21 @@ def _fmt(v, digits=4, sign=False):
 
 def markdown(table):
     head = ["model", "layout", "wire (forward; gradient)", "seeds", "val loss",
-            "Δ vs bf16 (95 % CI)", "gap % of bf16 (95 % CI)",
+            "Δ vs bf16 (95 % CI)", "gap % of bf16 (95 % CI)", "Δ train loss, last fifth",
             "preprint, quoted: loss (gap %)", "min / run"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         if r["policy"] == BASELINE:
             sd = r["val_loss_sd"]
             delta = "seeds' sd " + _fmt(sd) if sd is not None else "–"
-            gap = "–"
+            gap = train = "–"
         else:
             ci = r.get("delta_ci")
             delta = _fmt(r.get("delta_mean"), sign=True) + (f" ± {ci:.4f}" if ci else "")
             gci = r.get("gap_ci_pct")
             gap = _fmt(r.get("gap_pct"), 2, sign=True) + (f" ± {gci:.2f}" if gci else "")
+            tci = r.get("train_delta_ci")
+            train = _fmt(r.get("train_delta_mean"), sign=True) + (f" ± {tci:.4f}" if tci else "")
         q = r.get("preprint_loss")
         quote = "–" if q is None else f"{q:.4f} ({r['preprint_gap_pct']:+.1f} %)"
         wire = f"{r['codec']}; {r['grad_codec']}"
@@ -213,12 +230,14 @@ def markdown(table):
             wire += f" ({r['grad_rounding']})"
         lines.append("| " + " | ".join([
             r["model"], r["layout"], f"{r['policy']}: {wire}", str(len(r["seeds"])),
-            _fmt(r["val_loss_mean"]), delta, gap, quote, f"{r['wall_min']:.1f}",
+            _fmt(r["val_loss_mean"]), delta, gap, train, quote, f"{r['wall_min']:.1f}",
         ]) + " |")  # fmt: skip
     lines += [
         "",
         "Δ: final validation loss minus bf16's of the same model, layout and seed, mean over "
-        "the paired seeds ± the half-width of its 95 % t interval.  Preprint figures are "
+        "the paired seeds ± the half-width of its 95 % t interval.  Δ train loss, last fifth: "
+        "the training loss minus bf16's on the same batches, averaged over the last fifth of "
+        "the steps, then over the seeds (± the same interval).  Preprint figures are "
         "quoted from the FP4Quant preprint (Qwen 7B, its data and schedule): compare its gaps "
         "with ours, not its losses.  min / run: wall minutes of one run, with the number of "
         "runs that shared the GPU in table.json.",
@@ -233,28 +252,31 @@ def _evals(summary):
 
 def gaps_markdown(summaries):
     """Each run's validation loss minus bf16's of its model, layout and seed at every
-    evaluation both runs made (their ``evals``): where a gap opens, and whether it closes."""
+    evaluation both runs made (their ``evals``): where a gap opens, and whether it closes; and
+    the training-loss gap over the last fifth of the steps (``late_gap``)."""
     groups = _groups(summaries)
     lines = []
     for model, lay in sorted({(m, lay) for m, lay, _ in groups}):
         base = groups.get((model, lay, BASELINE), {})
-        runs = [(pol, seed, _evals(s), _evals(base[seed]))
+        runs = [(pol, seed, _evals(s), _evals(base[seed]), late_gap(s, base[seed]))
                 for (m, la, pol), by_seed in sorted(groups.items())
                 if (m, la) == (model, lay) and pol != BASELINE
                 for seed, s in sorted(by_seed.items()) if seed in base]  # fmt: skip
         if not runs:
             continue
-        steps = sorted(set().union(*(mine.keys() & ref.keys() for _, _, mine, ref in runs)))
+        steps = sorted(set().union(*(mine.keys() & ref.keys() for _, _, mine, ref, _ in runs)))
         lines += [f"**{model}, {lay}**", "",
-                  "| run | " + " | ".join(str(k) for k in steps) + " |",
-                  "|---|" + "---:|" * len(steps)]  # fmt: skip
-        for pol, seed, mine, ref in runs:
+                  "| run | " + " | ".join(str(k) for k in steps) + " | train, last fifth |",
+                  "|---|" + "---:|" * (len(steps) + 1)]  # fmt: skip
+        for pol, seed, mine, ref, late in runs:
             cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine else "–" for k in steps]
+            cells.append(_fmt(late, 3, sign=True))
             lines.append(f"| {pol}, seed {seed} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append(
         "Validation loss minus bf16's of the same model, layout and seed at each "
-        "evaluation step (columns)."
+        "evaluation step (columns); last column: the training loss minus bf16's on the same "
+        "batches, averaged over the last fifth of the steps."
     )
     return "\n".join(lines) + "\n"
 

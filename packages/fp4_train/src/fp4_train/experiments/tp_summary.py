@@ -109,12 +109,18 @@ def _signed(v):
 def late_gap(run, base):
     """Mean over the last fifth of the steps of the paired training-loss difference (the same
     batches at every step): where one validation loss is noisy, many steps are not."""
-    a, b = run["steps"], base["steps"]
+    return tail_gap([s["loss"] for s in run["steps"]], [s["loss"] for s in base["steps"]])
+
+
+def tail_gap(a, b):
+    """Mean of ``a[i] - b[i]`` over the last fifth of the points both lists have (at least
+    the last one), or None where either is empty: two runs' training losses, paired point by
+    point."""
     n = min(len(a), len(b))
     if n == 0:
         return None
     tail = range(n - max(1, n // 5), n)  # (at least the last step of a short run)
-    return sum(a[i]["loss"] - b[i]["loss"] for i in tail) / len(tail)
+    return sum(a[i] - b[i] for i in tail) / len(tail)
 
 
 def markdown(rows, runs):
