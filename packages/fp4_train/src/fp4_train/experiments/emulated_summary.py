@@ -6,15 +6,15 @@ layout and seed, with the preprint's figures beside it.
 
 Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/table.md`` (the
 table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's paired
-gap at every evaluation, and late in training), ``pairs.md`` (every two wires of one model and layout compared on
-their common seeds), ``baselines.md`` (the bf16 runs of every layout side by side, against the
-plain model's where it ran), ``seeds.md`` (what more seeds would resolve: for each wire the
-seeds an interval of +-1 % of bf16's loss takes, and those that would put the interval's upper
-end below 1 %, at the gap and spread measured so far), ``timing.md`` (step time, tokens/s and
-wall minutes of every run) and ``curves.png`` (the final-loss gaps with their intervals, and
-the paired training-loss gap over training, one panel per layout). ``--reruns DIR...``:
-summaries of runs made again (the same name: configuration and seed), written beside the first
-run of each in ``reruns.md``.
+gap at every evaluation, and late in training), ``pairs.md`` (every two wires of one model and
+layout compared on their common seeds), ``baselines.md`` (the bf16 runs of every layout side
+by side, against the plain model's where it ran), ``seeds.md`` (what more seeds would resolve:
+for each wire the seeds an interval of +-1 % of bf16's loss takes, and those that would put the
+interval's upper end below 1 %, at the gap and spread measured so far), ``timing.md`` (step
+time, tokens/s and wall minutes of every run) and ``curves.png`` (the final-loss gaps with
+their intervals, and the paired training-loss gap over training, one panel per layout).
+``--reruns DIR...``: summaries of runs made again (the same name: configuration and seed),
+written beside the first run of each in ``reruns.md``.
 
 Pairing.  Δ = a run's final validation loss minus that of the bf16 run of its model, layout
 and seed (the same initialization, batches and rounding keys); the table gives the mean over

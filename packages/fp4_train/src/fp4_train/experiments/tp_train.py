@@ -41,9 +41,9 @@ per rank and model TFLOP/s per rank; every ``--stats-every`` steps the RMS and S
 compressed payload (``WireStats``), averaged per site and direction.  The final checkpoint is
 evaluated as trained and with the codecs of ``--eval-codecs`` in place of the forward codec
 (default ``none-float32``: an exact boundary in float32; under bf16 autocast the pipeline's
-activations cross as bf16 whatever the codec, so there it is the bf16 boundary).  Rank 0 writes ``<out>/<name>.json`` and
-``.csv``; ``tp_summary`` and ``boundary_study`` read the JSON (or its gzip copy,
-``<name>.json.gz``: ``records.RECORD_SUFFIXES``).
+activations cross as bf16 whatever the codec, so there it is the bf16 boundary).  Rank 0
+writes ``<out>/<name>.json`` and ``.csv``; ``tp_summary`` and ``boundary_study`` read the JSON
+(or its gzip copy, ``<name>.json.gz``: ``records.RECORD_SUFFIXES``).
 
 Long runs in pieces: ``--checkpoint PATH`` is resumed from where it exists and written at a
 stop, every ``--checkpoint-every-s`` and at the end; ``--stop-at-s`` (``--stop-at-step``)
