@@ -149,8 +149,8 @@ def rows(summaries):
         losses = [by_seed[k]["final_val_loss"] for k in seeds]
         paired, deltas = _paired(by_seed, base)
         base_losses = [base[k]["final_val_loss"] for k in paired]
-        late = [late_gap(by_seed[k], base[k]) for k in paired]
-        late = [g for g in late if g is not None]
+        late = [late_gap(by_seed[k], base[k]) for k in paired]  # (None: a run without a curve)
+        known = [g for g in late if g is not None]
         first = by_seed[seeds[0]]
         row = {
             "model": model, "layout": lay, "policy": pol, "codec": first["codec"],
@@ -170,8 +170,8 @@ def rows(summaries):
             row.update(delta_mean=mean, delta_ci=half, base_loss=base_mean,
                        gap_pct=100 * mean / base_mean,
                        gap_ci_pct=None if half is None else 100 * half / base_mean)  # fmt: skip
-        if late and pol != BASELINE:
-            row["train_delta_mean"], row["train_delta_ci"], _ = mean_ci(late)
+        if known and pol != BASELINE:
+            row["train_delta_mean"], row["train_delta_ci"], _ = mean_ci(known)
         q = quoted(first)
         if q is not None:
             row.update(preprint_loss=q, preprint_gap_pct=100 * (q - PREPRINT_BF16) / PREPRINT_BF16)
