@@ -37,6 +37,7 @@ BASE = ["--device", "cpu", "--seq-len", "24", "--batch", "4", "--lr", "3e-3", "-
         str(STEPS), "--eval-every", "0", "--eval-batches", "2", "--timing-warmup", "0",
         "--stats-every", "1", "--quiet", "--seed", "3"]  # fmt: skip
 NVFP4_SR_EF = ["--codec", "nvfp4", "--rounding", "stochastic", "--error-feedback"]
+PP_EXACT_BF16 = ["--codec", "none-float32", "--parallel", "pp", "--dtype", "bfloat16"]
 # (id, world, arguments)
 CONFIGS = [
     ("tp2-nvfp4-sr-ef", 2, [*QWEN, *NVFP4_SR_EF]),
@@ -45,6 +46,8 @@ CONFIGS = [
     ("tp2-mxfp4-bf16", 2, [*QWEN, "--codec", "mxfp4", "--dtype", "bfloat16"]),
     ("sp3-g64", 3, [*QWEN, "--codec", "fp4quant-g64", "--sequence-parallel"]),
     ("pp-nvfp4", 2, [*QWEN, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+    # the exact boundary under autocast: float32 crosses, not the bf16 compute dtype
+    ("pp-fp32-bf16", 2, [*QWEN, *PP_EXACT_BF16, "--microbatches", "2"]),
     ("byte-tp2-nvfp4", 2, ["--layers", "2", "--d-model", "32", "--heads", "2", *NVFP4_SR_EF]),
     # TAH-Quant: tokens of the model's width (128, two tiles of 64), its gradient codec back
     (
@@ -225,6 +228,46 @@ def _assert_equal(real, name, world, args, emulated):
             assert np.array_equal(bits, mine[key]), (r, key)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_exact_boundary_splits_the_plain_model_bit_for_bit(corpus, device):
+    """Under bf16 autocast the residual stream is float32 inside the model (block outputs
+    are added to float32 activations), so the pipeline with the exact boundary (float32
+    crosses) and one micro-batch computes what the whole model does: every loss, the
+    evaluation and every weight, bit for bit.  With ``none`` the boundary rounds the residual
+    stream to bf16, which the plain model never does: the losses part at once."""
+    from fp4_train.experiments import emulated_tp, tp_train
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+    def train(*extra):
+        args = tp_train.parse_args([*BASE, *QWEN, "--dtype", "bfloat16", "--microbatches",
+                                    "1", "--data", str(corpus), *extra])  # fmt: skip
+        torch.set_num_threads(args.threads)
+        runner = emulated_tp.make_runner(1)(args, torch.device(device), 256)
+        with _deterministic():
+            return _steps(runner, args)
+
+    plain_losses, plain_state = train("--codec", "none")
+    losses, state = train(*PP_EXACT_BF16)
+    assert all(math.isfinite(v[-1]) for v in plain_losses), plain_losses
+    assert [v[-1] for v in losses] == [v[-1] for v in plain_losses]
+    # "<stage>.<name>"; stage 1 numbers its blocks from 0, the plain model's from layers / 2
+    half = int(QWEN[QWEN.index("--layers") + 1]) // 2
+    split = {}
+    for key, value in state.items():
+        stage, _, name = key.partition(".")
+        if stage == "1" and name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            name = f"blocks.{int(i) + half}.{rest}"
+        split[name] = value
+    assert sorted(split) == sorted(plain_state)
+    for key, bits in plain_state.items():
+        assert np.array_equal(bits, split[key]), key
+    rounded, _ = train("--codec", "none", "--parallel", "pp")
+    assert rounded[0][-1] != plain_losses[0][-1]
+
+
 def test_native_with_three_ranks_is_within_float32_rounding(real, corpus):
     """gloo's all-reduce of 3 float32 tensors adds in an order of its own; the emulation in
     rank order.  The losses agree to float32 rounding carried over 3 steps (not bit for bit)."""
@@ -275,6 +318,7 @@ GPU_CONFIGS = [
     ("gpu-tp-mxfp4", [*QWEN_GPU, "--codec", "mxfp4"]),  # the fused sum's kernel
     ("gpu-sp-g64", [*QWEN_GPU, "--codec", "fp4quant-g64", "--sequence-parallel"]),
     ("gpu-pp-nvfp4", [*QWEN_GPU, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+    ("gpu-pp-fp32-bf16", [*QWEN_GPU, *PP_EXACT_BF16, "--microbatches", "2"]),
     # no statistics: the training steps' collectives replay CUDA graphs (the NCCL ranks' own,
     # the emulated group's), forward and backward
     (

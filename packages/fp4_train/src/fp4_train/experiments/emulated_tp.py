@@ -88,9 +88,9 @@ class EmulatedRunner(tp_train.Runner):
     def _pp_step(self, inputs, targets, train=True, codec=None):
         """``tp_train.Runner._pp_step`` of both stages: GPipe order, the boundary emulated."""
         m = self.args.microbatches if train else 1
-        wire_dtype = torch.bfloat16 if self.autocast else torch.float32
         fwd, bwd = self.forward, self.backward
         codec = fwd.codec if codec is None else codec
+        wire_dtype = self.boundary_dtype(codec)
         kw = {"grad_codec": bwd.codec, "stats": self.stats}
         if bwd.rounding is not None:
             kw["grad_rounding"] = bwd.rounding

@@ -40,8 +40,8 @@ Per step it records loss, step time, time inside fp4_comm calls (``TimedCommunic
 per rank and model TFLOP/s per rank; every ``--stats-every`` steps the RMS and SQNR of every
 compressed payload (``WireStats``), averaged per site and direction.  The final checkpoint is
 evaluated as trained and with the codecs of ``--eval-codecs`` in place of the forward codec
-(default ``none-float32``: an exact boundary in float32; under bf16 autocast the pipeline's
-activations cross as bf16 whatever the codec, so there it is the bf16 boundary).  Rank 0
+(default ``none-float32``: an exact boundary in float32; the pipeline's activation crosses
+in float32 then, under bf16 autocast too, where the other codecs take it in bf16).  Rank 0
 writes ``<out>/<name>.json`` and ``.csv``; ``tp_summary`` and ``boundary_study`` read the JSON
 (or its gzip copy, ``<name>.json.gz``: ``records.RECORD_SUFFIXES``).
 
@@ -708,13 +708,22 @@ class Runner:
         return self.par.each(torch.Tensor.detach, loss)
 
     # --- two pipeline stages, GPipe order: all forwards, then all backwards
+    def boundary_dtype(self, codec):
+        """The dtype in which stage 0's output crosses the boundary with forward codec
+        ``codec``: the compute dtype (bf16 under autocast), but float32 for ``none-float32``,
+        the exact boundary: the residual stream is float32 inside either stage (the block
+        outputs are added to float32 activations), so with it the split model computes what
+        the whole one does."""
+        exact = isinstance(codec, str) and codec == "none-float32"
+        return torch.bfloat16 if self.autocast and not exact else torch.float32
+
     def _pp_step(self, inputs, targets, train=True, codec=None):
         """``codec``: the forward codec in place of the run's (an evaluation)."""
         m = self.args.microbatches if train else 1
         ins, tgts = inputs.chunk(m, dim=1), targets.chunk(m, dim=1)
-        wire_dtype = torch.bfloat16 if self.autocast else torch.float32
         fwd, bwd = self.forward, self.backward
         codec = fwd.codec if codec is None else codec
+        wire_dtype = self.boundary_dtype(codec)
         kw = {"seed": self.args.seed, "grad_codec": bwd.codec, "stats": self.stats}
         losses, handles = [], []
         for x, y in zip(ins, tgts, strict=True):
