@@ -381,6 +381,20 @@ def test_graph_cache_gb_must_be_positive(gb, capsys):
         (["--parallel", "pp", "--codec", "nvfp4", "--error-feedback"],
          "--error-feedback / --grad-error-feedback correct sums"),
         (["--data-format", "random", "--vocab", "300"], "--vocab 300: --model byte has a byte"),
+        # TAH-Quant rounds to nearest only: stochastic asked for, by default (the residual
+        # stream's gradient) or kept by an evaluation
+        (["--codec", "tahquant-h256", "--rounding", "stochastic"],
+         "--rounding stochastic: tahquant-h256 rounds to nearest only; pass --rounding nearest"),
+        (["--parallel", "pp", "--codec", "tahquant-h256", "--grad-codec", "tahquant-grad"],
+         "--grad-rounding stochastic (the default for the residual stream's gradient): "
+         "tahquant-grad rounds to nearest only; pass --grad-rounding nearest"),
+        (["--sequence-parallel", "--codec", "nvfp4", "--grad-codec", "tahquant-grad"],
+         "--grad-rounding stochastic (the default"),
+        (["--codec", "nvfp4", "--grad-codec", "tahquant-grad", "--grad-rounding", "stochastic"],
+         "--grad-rounding stochastic: tahquant-grad rounds to nearest only"),
+        (["--codec", "nvfp4", "--rounding", "stochastic", "--eval-codecs", "tahquant-h256"],
+         "--eval-codecs tahquant-h256: rounds to nearest only, and an evaluation keeps the "
+         "run's --rounding stochastic"),
     ],
 )  # fmt: skip
 def test_run_arguments_out_of_range_are_named(argv, message, capsys):

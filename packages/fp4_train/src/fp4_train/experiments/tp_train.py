@@ -296,6 +296,32 @@ def check_run_arguments(ap, args):
             fp4_kernels.FP4Quant(args.group_size, hadamard=not args.no_hadamard)
         except ValueError as err:
             ap.error(f"--group-size {args.group_size}: {err}")
+    _check_roundings(ap, args)
+
+
+def _check_roundings(ap, args):
+    """A codec that rounds to nearest only (TAH-Quant's) with stochastic rounding asked for,
+    or given by default (the residual stream's gradient, ``grad_rounding``), or evaluated
+    with it (``--eval-codecs``): refused here, naming the option, rather than by the first
+    collective of the run or its last evaluation."""
+    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
+    residual = args.parallel == "pp" or args.sequence_parallel
+    for option, spec, rounding, given in (
+        ("--rounding", args.codec, args.rounding, True),
+        ("--grad-rounding", grad_codec, grad_rounding(args, residual),
+         args.grad_rounding is not None),
+    ):  # fmt: skip
+        if rounding == "nearest" or _exact(spec):
+            continue
+        if getattr(fp4_comm.get_codec(codec_of(spec, args)), "nearest_only", False):
+            why = "" if given else " (the default for the residual stream's gradient)"
+            ap.error(f"{option} {rounding}{why}: {spec} rounds to nearest only; pass "
+                     f"{option} nearest")  # fmt: skip
+    for spec in args.eval_codecs:  # evaluated with the run's forward rounding
+        if args.rounding != "nearest" and not _exact(spec) and getattr(
+                fp4_comm.get_codec(codec_of(spec, args)), "nearest_only", False):  # fmt: skip
+            ap.error(f"--eval-codecs {spec}: rounds to nearest only, and an evaluation keeps "
+                     f"the run's --rounding {args.rounding}; leave {spec} out")  # fmt: skip
 
 
 def check_ranks(ap, args, ranks, what):
