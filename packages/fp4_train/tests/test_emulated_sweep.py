@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fp4_comm")
 
-from fp4_train.experiments import emulated_summary, emulated_sweep  # noqa: E402
+from fp4_train.experiments import emulated_summary, emulated_sweep, emulated_tp  # noqa: E402
 from fp4_train.experiments.boundary_study import t_quantile  # noqa: E402
 
 
@@ -25,6 +25,10 @@ def test_presets_list_their_runs(preset, tmp_path, capsys):
     listed = [line.split()[0] for line in lines if "-m fp4_train.experiments.emulated_tp" in line]
     p = emulated_sweep.PRESETS[preset]
     assert len(set(listed)) == len(listed) == len(p["configs"]) * len(p["seeds"])
+    # every run's arguments pass emulated_tp's checks (a run refused at its start wastes a
+    # sweep's slot on the GPU)
+    for _, argv in p["configs"]:
+        emulated_tp.parse_args([*p["args"], *argv, "--device", "cpu"])
     if any(name == emulated_sweep.TAH for name, _ in p["configs"]):
         # TAH-Quant's activation codec on tokens of the model's width, its gradient codec back
         tah = [line for line in lines if "tahquant" in line]

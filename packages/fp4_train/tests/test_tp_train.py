@@ -239,6 +239,16 @@ def test_sweep_lists_a_preset_without_running_it(capsys):
     assert all("-m fp4_train.experiments.tp_train" in line for line in lines)
 
 
+def test_every_run_of_every_sweep_preset_passes_the_checks():
+    """tp_sweep's presets: each run's arguments parse (a run refused at its start would
+    leave a hole in the study)."""
+    from fp4_train.experiments import tp_sweep, tp_train
+
+    for p in tp_sweep.PRESETS.values():
+        for _, argv, *_ in p["runs"]:
+            tp_train.parse_args([*p["common"], *argv, "--device", "cpu"], world_size=2)
+
+
 @pytest.mark.parametrize("preset", ["cpu-boundary", "cpu-levers", "h200-boundary"])
 def test_every_codec_a_boundary_preset_names_is_known_and_pairs_with_its_bf16(preset):
     from fp4_comm import get_codec
