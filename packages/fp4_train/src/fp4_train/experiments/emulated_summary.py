@@ -423,10 +423,11 @@ def reruns_markdown(summaries, reruns):
 
 def timing_markdown(summaries):
     """Every run's speed and provenance: step time, throughput, wall seconds, peak memory, how
-    many runs shared the GPU, the tree it ran (commit; and the digest of the source files a run
-    executes, where recorded: runs of one digest computed with the same code) and its date."""
+    many runs shared the GPU and which GPU, the tree it ran (commit, abbreviated; and the digest
+    of the source files a run executes, where recorded: runs of one digest computed with the
+    same code) and its date."""
     head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
-            "runs sharing the GPU", "tree", "source digest", "date"]  # fmt: skip
+            "runs sharing the GPU", "device", "tree", "source digest", "date"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in sorted(summaries, key=lambda s: s["name"]):
         tflops = "–" if s.get("tflops") is None else f"{s['tflops']:.1f}"
@@ -434,11 +435,11 @@ def timing_markdown(summaries):
         meta = s.get("meta", {})
         cells = [s["name"], f"{s['step_ms']:.1f}", f"{s['tokens_per_s']:.0f}", tflops,
                  f"{s['wall_s']:.0f}", memory, str(s.get("concurrent_runs", 1)),
-                 meta.get("commit", "?"), meta.get("source", "–"),
+                 meta.get("device", "?").removeprefix("cuda: "),
+                 str(meta.get("commit", "?"))[:7], meta.get("source", "–"),
                  str(meta.get("date", "?"))[:10]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    devices = sorted({s.get("meta", {}).get("device", "?") for s in summaries})
-    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}.\n"
+    return "\n".join(lines) + "\n"
 
 
 def _paired_curves(by):
