@@ -400,6 +400,8 @@ def test_graph_cache_gb_must_be_positive(gb, capsys):
          "tahquant-grad rounds to nearest only; pass --grad-rounding nearest"),
         (["--sequence-parallel", "--codec", "nvfp4", "--grad-codec", "tahquant-grad"],
          "--grad-rounding stochastic (the default"),
+        (["--codec", "nvfp4", "--rounding", "stochastic", "--grad-codec", "tahquant-grad"],
+         "--grad-rounding stochastic (--rounding's, the default): tahquant-grad rounds to"),
         (["--codec", "nvfp4", "--grad-codec", "tahquant-grad", "--grad-rounding", "stochastic"],
          "--grad-rounding stochastic: tahquant-grad rounds to nearest only"),
         (["--codec", "nvfp4", "--rounding", "stochastic", "--eval-codecs", "tahquant-h256"],

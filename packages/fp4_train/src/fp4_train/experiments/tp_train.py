@@ -311,17 +311,21 @@ def _check_roundings(ap, args):
         ("--grad-rounding", grad_codec, grad_rounding(args, residual),
          args.grad_rounding is not None),
     ):  # fmt: skip
-        if rounding == "nearest" or _exact(spec):
-            continue
-        if getattr(fp4_comm.get_codec(codec_of(spec, args)), "nearest_only", False):
-            why = "" if given else " (the default for the residual stream's gradient)"
+        if rounding != "nearest" and _nearest_only(spec, args):
+            why = "" if given else (" (the default for the residual stream's gradient)"
+                                    if residual else " (--rounding's, the default)")  # fmt: skip
             ap.error(f"{option} {rounding}{why}: {spec} rounds to nearest only; pass "
                      f"{option} nearest")  # fmt: skip
     for spec in args.eval_codecs:  # evaluated with the run's forward rounding
-        if args.rounding != "nearest" and not _exact(spec) and getattr(
-                fp4_comm.get_codec(codec_of(spec, args)), "nearest_only", False):  # fmt: skip
+        if args.rounding != "nearest" and _nearest_only(spec, args):
             ap.error(f"--eval-codecs {spec}: rounds to nearest only, and an evaluation keeps "
                      f"the run's --rounding {args.rounding}; leave {spec} out")  # fmt: skip
+
+
+def _nearest_only(spec, args):
+    """Whether the codec of ``spec`` rounds to nearest only (``Codec.nearest_only``)."""
+    return not _exact(spec) and getattr(fp4_comm.get_codec(codec_of(spec, args)),
+                                        "nearest_only", False)  # fmt: skip
 
 
 def check_ranks(ap, args, ranks, what):
