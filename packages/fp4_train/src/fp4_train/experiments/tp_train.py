@@ -304,8 +304,7 @@ def _check_roundings(ap, args):
     or given by default (the residual stream's gradient, ``grad_rounding``), or evaluated
     with it (``--eval-codecs``): refused here, naming the option, rather than by the first
     collective of the run or its last evaluation."""
-    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
-    residual = args.parallel == "pp" or args.sequence_parallel
+    grad_codec, residual = grad_codec_spec(args), residual_gradient(args)
     for option, spec, rounding, given in (
         ("--rounding", args.codec, args.rounding, True),
         ("--grad-rounding", grad_codec, grad_rounding(args, residual),
@@ -458,11 +457,22 @@ def _exact(spec):
 
 def policies(args):
     """The forward and backward ``WirePolicy`` of the run (rounding None: the default)."""
-    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
+    grad_codec = grad_codec_spec(args)
     grad_ef = args.error_feedback if args.grad_error_feedback is None else args.grad_error_feedback
     forward = WirePolicy(codec_of(args.codec, args), args.rounding, args.error_feedback)
     backward = WirePolicy(codec_of(grad_codec, args), args.grad_rounding, grad_ef)
     return forward, backward
+
+
+def grad_codec_spec(args):
+    """The gradients' codec spec: ``--grad-codec``, else ``--codec``."""
+    return args.codec if args.grad_codec is None else args.grad_codec
+
+
+def residual_gradient(args):
+    """Whether a direction carries the residual stream's gradient (the pipeline boundary,
+    sequence parallelism), whose rounding defaults to ``RESIDUAL_GRAD_ROUNDING``."""
+    return args.parallel == "pp" or args.sequence_parallel
 
 
 def grad_rounding(args, residual):
@@ -481,8 +491,7 @@ def run_name(args):
         parts.append("sr")
     if args.error_feedback:
         parts.append("ef")
-    grad_codec = args.codec if args.grad_codec is None else args.grad_codec
-    residual = args.parallel == "pp" or args.sequence_parallel
+    grad_codec, residual = grad_codec_spec(args), residual_gradient(args)
     rounding = grad_rounding(args, residual)
     if grad_codec != args.codec or (rounding != args.rounding and not _exact(grad_codec)):
         grad = [codec_label(grad_codec, args)]
@@ -1105,7 +1114,7 @@ class Training:
             "config": {k: plain(v) for k, v in vars(args).items()},
             "codec": codec_label(args.codec, args),
             "grad_codec": codec_label(args.grad_codec or args.codec, args),
-            "grad_rounding": grad_rounding(args, args.parallel == "pp" or args.sequence_parallel),
+            "grad_rounding": grad_rounding(args, residual_gradient(args)),
             "world_size": world,
             "corpus_tokens": self.corpus_tokens,
             "vocab": self.vocab,
