@@ -1113,7 +1113,7 @@ class Training:
             "name": run_name(args),
             "config": {k: plain(v) for k, v in vars(args).items()},
             "codec": codec_label(args.codec, args),
-            "grad_codec": codec_label(args.grad_codec or args.codec, args),
+            "grad_codec": codec_label(grad_codec_spec(args), args),
             "grad_rounding": grad_rounding(args, residual_gradient(args)),
             "world_size": world,
             "corpus_tokens": self.corpus_tokens,
