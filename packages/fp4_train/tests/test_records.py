@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4_train.experiments import records
 
@@ -47,6 +48,9 @@ def test_metadata_records_the_digest_that_the_command_prints():
     meta = records.metadata("cpu")
     assert meta["source"] == records.source_digest()
     assert set(meta) == {"device", "torch", "commit", "source", "date"}
+    # a CPU run names the CPU and the instruction set torch's kernels use (they decide its bits)
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert meta["device"].startswith("cpu: ") and meta["device"].endswith(f" ({capability})")
     out = subprocess.run([sys.executable, "-m", "fp4_train.experiments.records"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == meta["source"]

@@ -86,11 +86,30 @@ def source_digest():
     return digest_of(roots)
 
 
+def cpu_name():
+    """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``) and the
+    instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability``),
+    e.g. "AMD EPYC (AVX512)": CPU runs of the same code and seed give the same bits on the
+    same kind of CPU, and other bits (another run) where either differs."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.partition(":")[2].strip()
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or "cpu"
+    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def metadata(device, cwd=None):
-    """device, torch version, commit (of the checkout at ``cwd``), source digest of the
-    packages (``source_digest``) and UTC date of a run."""
+    """device (a GPU's name; for the CPU, ``cpu_name``), torch version, commit (of the
+    checkout at ``cwd``), source digest of the packages (``source_digest``) and UTC date of a
+    run."""
     dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {
         "device": f"{dev.type}: {name}",
         "torch": torch.__version__,
