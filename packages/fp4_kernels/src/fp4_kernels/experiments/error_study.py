@@ -78,6 +78,7 @@ from pathlib import Path
 import numpy as np
 
 import fp4_kernels as fk
+from fp4_kernels.experiments import cpu_model
 from fp4_kernels.formats import e2m1, fp4quant, hadamard
 
 SEED = 20261129
@@ -570,18 +571,10 @@ def provenance(commit=None):
         "formats/fp4quant.py": Path(fp4quant.__file__),
         "formats/hadamard.py": Path(hadamard.__file__),
     }
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "commit": commit or _git("rev-parse", "--short", "HEAD") or "unknown",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "fp4_kernels": fk.__version__,

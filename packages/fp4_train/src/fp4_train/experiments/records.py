@@ -16,13 +16,14 @@ import importlib
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import zlib
 from pathlib import Path
 
 import torch
+
+from fp4_kernels.experiments import cpu_model
 
 
 def commit(cwd=None):
@@ -87,21 +88,11 @@ def source_digest():
 
 
 def cpu_name():
-    """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``) and the
-    instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability``),
-    e.g. "AMD EPYC (AVX512)": CPU runs of the same code and seed give the same bits on the
-    same kind of CPU, and other bits (another run) where either differs."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.partition(":")[2].strip()
-                    break
-    except OSError:
-        pass
-    model = model or platform.processor() or "cpu"
-    return f"{model} ({torch.backends.cpu.get_cpu_capability()})"
+    """The CPU's model name (``fp4_kernels.experiments.cpu_model``) and the instruction set
+    torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability``), e.g.
+    "AMD EPYC (AVX512)": CPU runs of the same code and seed give the same bits on the same kind
+    of CPU, and other bits (another run) where either differs."""
+    return f"{cpu_model() or 'cpu'} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def metadata(device, cwd=None):
