@@ -157,3 +157,16 @@ def test_committed_tables_regenerate_from_their_compressed_records(tmp_path, fol
     module.main(["--out", str(copy)] if tool == "boundary_study" else [str(copy)])
     for name in tables:
         assert (copy / name).read_bytes() == (source / name).read_bytes(), name
+
+
+def test_a_table_footnote_names_every_device_torch_and_commit_of_its_runs():
+    """A folder whose runs came from two machines says both, where the first run's alone was
+    said before (section 1's rerun records: 'cpu: AMD EPYC (AVX512)' beside 'cpu: cpu')."""
+    runs = [{"meta": {"device": "cpu: b", "commit": "2"}}, {"meta": {"device": "cpu: a"}},
+            {"meta": {"device": "cpu: b", "commit": "1"}}, {}]  # fmt: skip
+    assert records.meta_values(runs, "device") == "?, cpu: a, cpu: b"
+    assert records.meta_values(runs, "commit") == "1, 2, ?"
+    folder = REPO / "docs" / "results" / "tp_boundary_cpu"
+    table = (folder / "boundary.md").read_text()
+    devices = {records.read_record(p)["meta"]["device"] for p in folder.glob("*.json.gz")}
+    assert len(devices) > 1 and f"Device: {', '.join(sorted(devices))};" in table

@@ -33,6 +33,7 @@ from pathlib import Path
 from . import tp_sweep
 from .records import (
     finite_or_none,
+    meta_values,
     pyplot,
     read_record,
     record_paths,
@@ -239,9 +240,8 @@ def markdown(rows, runs):
                 lines.append(f"  - evaluated with a {spec} boundary instead (inference only): "
                              f"{_fmt(r[key], r[key + '_ci'])}")  # fmt: skip
     any_run = next(iter(next(iter(runs.values())).values()))
-    cfg, meta = any_run["config"], any_run.get("meta", {})
-    commits = sorted({r.get("meta", {}).get("commit", "?") for s in runs.values()
-                      for r in s.values()})  # fmt: skip
+    cfg = any_run["config"]
+    records = [r for s in runs.values() for r in s.values()]
     lines += [
         "",
         f"Δ: the configuration's validation loss minus that of the bf16 run of the same layout "
@@ -253,8 +253,8 @@ def markdown(rows, runs):
         f"gradient (bwd); means over the "
         f"last half of training. Model: {cfg['layers']} layers, d {cfg['d_model']}, {cfg['heads']} "
         f"heads, sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
-        f"lr {cfg['lr']}; {any_run['world_size']} ranks. Device: {meta.get('device', '?')}; "
-        f"torch {meta.get('torch', '?')}; commits {', '.join(commits)}.",
+        f"lr {cfg['lr']}; {any_run['world_size']} ranks. Device: {meta_values(records, 'device')}; "
+        f"torch {meta_values(records, 'torch')}; commits {meta_values(records, 'commit')}.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -110,6 +110,13 @@ def metadata(device, cwd=None):
     }
 
 
+def meta_values(records, key):
+    """The distinct values of ``meta[key]`` over ``records`` (``"?"`` where a record lacks it),
+    sorted and joined by ", ": a results table's footnote names every device, torch version
+    and commit its runs had, not the first run's."""
+    return ", ".join(sorted({str(r.get("meta", {}).get(key, "?")) for r in records}))
+
+
 def finite_or_none(value):
     """JSON has no inf or NaN: such a value (an exact codec's SQNR) is written as null."""
     return value if value is None or math.isfinite(value) else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .records import pyplot, read_record, record_paths, write_csv
+from .records import meta_values, pyplot, read_record, record_paths, write_csv
 from .transformer import training_flops
 
 SMOOTH = 20  # training-loss moving average, steps
@@ -135,16 +135,15 @@ def markdown(rows, runs):
                  else "-", _signed(r["train_loss_minus_bf16_last_fifth"]),
                  f"{r['final_val_ppl']:.2f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    meta = runs[0].get("meta", {})
     cfg = runs[0]["config"]
-    commits = sorted({r.get("meta", {}).get("commit", "?") for r in runs})
     dates = sorted(r.get("meta", {}).get("date", "?") for r in runs)
     lines += [
         "",
         f"Model: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['heads']} heads, "
         f"sequence {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, "
-        f"{runs[0]['world_size']} ranks. Device: {meta.get('device', '?')}; torch "
-        f"{meta.get('torch', '?')}; commits {', '.join(commits)}; {dates[0]} to {dates[-1]}.",
+        f"{runs[0]['world_size']} ranks. Device: {meta_values(runs, 'device')}; torch "
+        f"{meta_values(runs, 'torch')}; commits {meta_values(runs, 'commit')}; "
+        f"{dates[0]} to {dates[-1]}.",
     ]
     return "\n".join(lines) + "\n"
 
