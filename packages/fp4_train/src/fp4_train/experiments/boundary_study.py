@@ -239,9 +239,9 @@ def markdown(rows, runs):
                 spec = key[len("eval_") : -len("_minus_trained")]
                 lines.append(f"  - evaluated with a {spec} boundary instead (inference only): "
                              f"{_fmt(r[key], r[key + '_ci'])}")  # fmt: skip
-    any_run = next(iter(next(iter(runs.values())).values()))
-    cfg = any_run["config"]
     records = [r for s in runs.values() for r in s.values()]
+    any_run = records[0]
+    cfg = any_run["config"]
     lines += [
         "",
         f"Δ: the configuration's validation loss minus that of the bf16 run of the same layout "
