@@ -282,6 +282,84 @@ def test_free_memory_and_model_are_read_from_nvidia_smi_for_the_first_visible_gp
     assert emulated_sweep.gpu_name() is None
 
 
+def test_the_processes_on_the_gpu_are_counted_from_nvidia_smi(monkeypatch):
+    calls, answer = [], {"stdout": "4021\n4177\n\n"}
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return argparse.Namespace(**answer)
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert emulated_sweep.gpu_processes() == 2
+    assert calls[0][:4] == ["nvidia-smi", "-i", "1", "--query-compute-apps=pid"]
+    answer["stdout"] = ""  # none listed: a container whose processes it does not show
+    assert emulated_sweep.gpu_processes() is None
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(emulated_sweep.subprocess, "run", missing)
+    assert emulated_sweep.gpu_processes() is None
+
+
+def test_a_finished_runs_summary_says_how_many_processes_shared_the_gpu_over_its_pieces(
+    tmp_path, monkeypatch
+):
+    """Two runs started two at a time beside another sweep's run (nvidia-smi lists three
+    processes): the one that finishes records 3, not the 2 of ``--jobs`` its process wrote;
+    the one stopped at the time limit keeps 3 beside its checkpoint, and records it when a
+    later invocation finishes it alone, where nvidia-smi lists nothing.  A run alone then
+    records 1, and nvidia-smi is asked at most every ``SHARING_POLL_S`` while no run starts or
+    ends."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    listed, asked = [3], []
+
+    def processes():
+        asked.append(listed[0])
+        return listed[0]
+
+    monkeypatch.setattr(emulated_sweep, "gpu_processes", processes)
+    monkeypatch.setattr(emulated_sweep, "gpu_name", lambda: None)
+    monkeypatch.setattr(emulated_sweep, "free_gpu_memory_gb", lambda: None)
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
+    base = ["--preset", "tp8", "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    sweep = emulated_sweep.Sweep(emulated_sweep.parse_args([*base, "--jobs", "2"]),
+                                 [("m_tp8_bf16_s0", []), ("m_tp8_g64_s0", [])])  # fmt: skip
+    sweep.start_runs()
+    sweep.note_sharing()
+    sweep.note_sharing()  # within SHARING_POLL_S, nothing started or ended: not asked again
+    assert asked == [3] and sweep.sharing == {"m_tp8_bf16_s0": 3, "m_tp8_g64_s0": 3}
+    summary = {"final_val_loss": 3.4, "wall_s": 600.0, "step_ms": None, "concurrent_runs": 2}
+    (out / "m_tp8_bf16_s0.json").write_text(json.dumps(summary))
+    finished, stopped = list(sweep.running)
+    finished.code, stopped.code = 0, emulated_sweep.EX_TEMPFAIL
+    sweep.poll()
+    recorded = json.loads((out / "m_tp8_bf16_s0.json").read_text())
+    assert recorded == {**summary, "concurrent_runs": 3}
+    assert (ckpt / "m_tp8_g64_s0" / emulated_sweep.SHARING_FILE).read_text() == "3\n"
+
+    listed[0] = None
+    later = emulated_sweep.Sweep(emulated_sweep.parse_args([*base, "--jobs", "1"]),
+                                 [("m_tp8_g64_s0", [])])  # fmt: skip
+    later.start_runs()
+    later.note_sharing()
+    (out / "m_tp8_g64_s0.json").write_text(json.dumps({**summary, "concurrent_runs": 1}))
+    next(iter(later.running)).code = 0
+    later.poll()
+    assert json.loads((out / "m_tp8_g64_s0.json").read_text())["concurrent_runs"] == 3
+    assert not (ckpt / "m_tp8_g64_s0").exists()  # the finished run's checkpoint, removed
+
+    alone = emulated_sweep.Sweep(emulated_sweep.parse_args([*base, "--jobs", "2"]),
+                                 [("m_tp8_g256_s0", [])])  # fmt: skip
+    alone.start_runs()
+    alone.note_sharing()
+    (out / "m_tp8_g256_s0.json").write_text(json.dumps(summary))
+    next(iter(alone.running)).code = 0
+    alone.poll()
+    assert json.loads((out / "m_tp8_g256_s0.json").read_text())["concurrent_runs"] == 1
+
+
 def test_a_run_is_estimated_by_its_records_on_this_gpu_model_where_there_are_any(
     tmp_path, monkeypatch
 ):

@@ -3,27 +3,31 @@
     python -m fp4_train.experiments.emulated_sweep --preset tp4 --jobs 4 --budget-s 540 \\
         --out docs/results/emulated_runs -- --data-format bytes --data corpus.txt
 
-A preset is the arguments every run shares (model, tokens per step, steps, learning rate) and
-a list of configurations, each run once per seed (``--seeds`` replaces the preset's); the
-arguments after ``--`` are added to every run and override the preset's.  Runs whose summary
-is already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathered from other
-machines) are skipped, so a grid is run over several jobs: ``--budget-s``
-starts no run that would end past the budget and lists those left out.  A run's length is
-estimated by the longest recorded ``wall_s`` of its configuration (any seed) made ``--jobs``
-at a time, from the summaries in those folders, on this GPU's model where the configuration
-has such a record (``nvidia-smi``'s name against the summary's device; a model's runs can take
-1.2 times another's), else on any; for a configuration without such a record, by the longest
-run of this invocation (its summary's ``wall_s``, every piece's), or ``--estimate-s`` before
-one has ended; a run resumed from its checkpoint, by that less the share of its steps the
-checkpoint has done.  ``--jobs``
-processes share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its memory, 43 GB
-with error feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only
-where it fits the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the
-free memory ``nvidia-smi`` reports at the start): its need is the largest ``max_memory_gb`` its
-configuration's summaries record (any seed, this invocation's finished runs included; where
-its own has none, ``--memory-gb-estimate``, else the largest of any configuration), plus
-``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the process's CUDA context; the first pending run
-that fits starts, and one that fits only alone waits for the GPU to empty.
+A preset is the arguments every run shares (model, tokens per step, steps, learning rate) and a
+list of configurations, each run once per seed (``--seeds`` replaces the preset's); the
+arguments after ``--`` are added to every run and override the preset's.  Runs whose summary is
+already in ``--out`` (or in a ``--done`` folder: a grid's finished runs gathered from other
+machines) are skipped, so a grid is run over several jobs: ``--budget-s`` starts no run that
+would end past the budget and lists those left out.  A run's length is estimated by the longest
+recorded ``wall_s`` of its configuration (any seed) made with ``--jobs`` processes on the GPU
+(its ``concurrent_runs``, below), from the summaries in those folders, on this GPU's model
+where the configuration has such a record (``nvidia-smi``'s name against the summary's device;
+a model's runs can take 1.2 times another's), else on any; for a configuration without such a
+record, by the longest run of this invocation (its summary's ``wall_s``, every piece's), or
+``--estimate-s`` before one has ended; a run resumed from its checkpoint, by that less the
+share of its steps the checkpoint has done.  ``--jobs`` processes share the GPU (a 125 M model
+with 4 emulated ranks takes 13 GB of its memory, 43 GB with error feedback: its graphs); each
+writes its log to ``<out>/logs``.  A run starts only where it fits the GPU's memory beside the
+runs going on (``--gpu-memory-gb``, by default the free memory ``nvidia-smi`` reports at the
+start): its need is the largest ``max_memory_gb`` its configuration's summaries record (any
+seed, this invocation's finished runs included; where its own has none,
+``--memory-gb-estimate``, else the largest of any configuration), plus ``MEMORY_SLACK`` of it
+and ``CONTEXT_GB`` for the process's CUDA context; the first pending run that fits starts, and
+one that fits only alone waits for the GPU to empty.  A finished run's summary says in
+``concurrent_runs`` the most processes that shared the GPU while it ran, itself included, over
+all its pieces: this sweep's runs going on at once, or the compute processes ``nvidia-smi``
+lists where it lists more (another sweep's runs beside this one; asked every ``SHARING_POLL_S``
+at most, and whenever a run starts or ends).
 ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
@@ -71,9 +75,20 @@ import fp4_comm
 
 from . import emulated_tp
 from .checkpoint import EX_TEMPFAIL, progress
-from .records import UNREADABLE, find_record, load_record, record_name, record_paths, run_stem
+from .records import (
+    UNREADABLE,
+    find_record,
+    load_record,
+    record_name,
+    record_paths,
+    run_stem,
+    write_json,
+)
 
 MODULE = "fp4_train.experiments.emulated_tp"
+SHARING_POLL_S = 5.0  # how often, at most, the sweep asks nvidia-smi which processes the GPU runs
+# In a stopped run's checkpoint folder: the most processes seen on the GPU in its pieces so far.
+SHARING_FILE = "gpu_sharing"
 # What every run of the study shares: the 125 M model, 16 k tokens a step (16 sequences of
 # 1024), 2000 steps (33 M tokens), AdamW at GPT-3 small's learning rate, the BPE corpus
 # (build_corpus's folder: --data, by default .data/corpus).
@@ -312,8 +327,8 @@ def _largest(summaries, field, admits=lambda summary: True):
 
 def recorded_lengths(summaries, jobs, gpu=None):
     """{run name without its ``_s<seed>``: the longest ``wall_s`` of its finished runs made
-    ``jobs`` at a time}, of its runs on the GPU model named ``gpu`` where it has any, else of
-    all (``summaries``: ``recorded_summaries``)."""
+    with ``jobs`` processes on the GPU (``concurrent_runs``)}, of its runs on the GPU model
+    named ``gpu`` where it has any, else of all (``summaries``: ``recorded_summaries``)."""
 
     def at_jobs(s):
         return int(s["concurrent_runs"]) == jobs
@@ -354,18 +369,33 @@ def gpu_name():
     return _nvidia_smi("name") or None
 
 
+def gpu_processes():
+    """The number of compute processes on the GPU the runs take, as ``nvidia-smi`` lists them
+    (this sweep's runs and any other's); None where it lists none (no GPU, or a container
+    whose processes it does not show)."""
+    return len(_nvidia_smi_lines("--query-compute-apps=pid")) or None
+
+
 def _nvidia_smi(field):
-    """``nvidia-smi``'s ``field`` of the GPU the runs take (the first of
-    ``CUDA_VISIBLE_DEVICES``), a string; None where it gives none.  (Not through torch: a CUDA
-    context in the sweep's own process would hold memory for the whole sweep.)"""
+    """``nvidia-smi``'s ``field`` of the GPU the runs take, a string; None where it gives
+    none."""
+    lines = _nvidia_smi_lines(f"--query-gpu={field}")
+    return lines[0] if lines else None
+
+
+def _nvidia_smi_lines(query):
+    """The lines ``nvidia-smi`` answers to ``query`` (``--query-gpu=...``,
+    ``--query-compute-apps=...``) for the GPU the runs take (the first of
+    ``CUDA_VISIBLE_DEVICES``), stripped, the empty ones left out; none where it does not
+    answer.  (Not through torch: a CUDA context in the sweep's own process would hold memory
+    for the whole sweep.)"""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
-    query = ["nvidia-smi", "-i", first, f"--query-gpu={field}", "--format=csv,noheader,nounits"]
+    command = ["nvidia-smi", "-i", first, query, "--format=csv,noheader,nounits"]
     try:
-        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError):
-        return None
-    lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if lines else None
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
 class Sweep:
@@ -388,6 +418,8 @@ class Sweep:
         self.running, self.left_out = {}, []
         self.finished, self.resumable, self.failed = [], [], []
         self.summaries = {}  # finished run name -> its summary (None: unreadable)
+        self.sharing = {}  # run name -> the most processes seen on the GPU in its pieces
+        self.listed, self.listed_at = None, None  # nvidia-smi's process count, and when
 
     def estimate(self, run_name):
         """The time expected of what is left of run ``run_name``: its configuration's record
@@ -453,6 +485,8 @@ class Sweep:
                    *piece_args(self.args, run_name, elapsed)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
             self.running[proc] = (run_name, time.monotonic(), log)
+            self.sharing.setdefault(run_name, self.earlier_sharing(run_name))
+            self.listed_at = None  # (the processes on the GPU changed: ask again)
             length = self.estimate(run_name)
             expected = "" if length is None else f" (expected {length:.0f} s)"
             print(f"started {run_name}{expected}", flush=True)
@@ -464,15 +498,18 @@ class Sweep:
                 continue
             run_name, t0, log = self.running.pop(proc)
             log.close()
+            self.listed_at = None
             took = time.monotonic() - t0
             if code == EX_TEMPFAIL:
                 self.resumable.append(run_name)
+                self.keep_sharing(run_name)
                 print(f"stopped {run_name} after {took:.0f} s (resumable)", flush=True)
                 continue
             (self.failed if code else self.finished).append(run_name)
             print(f"{'failed' if code else 'done'} {run_name} in {took:.0f} s", flush=True)
             if code:
                 continue
+            self.record_sharing(run_name)
             self.learn(run_name, took)
             if self.args.checkpoint_dir is not None and not self.args.keep_checkpoints:
                 shutil.rmtree(self.args.checkpoint_dir / run_name, ignore_errors=True)
@@ -489,9 +526,53 @@ class Sweep:
         for config, peak in recorded_memory(summary).items():
             self.peaks[config] = max(self.peaks.get(config, 0.0), peak)
 
+    def note_sharing(self):
+        """Count for every run going on the processes that share the GPU now: this sweep's
+        runs, or the compute processes ``nvidia-smi`` lists where it lists more."""
+        if not self.running:
+            return
+        now = time.monotonic()
+        if self.listed_at is None or now - self.listed_at >= SHARING_POLL_S:
+            self.listed, self.listed_at = gpu_processes(), now
+        count = max(len(self.running), self.listed or 0)
+        for run_name, _, _ in self.running.values():
+            self.sharing[run_name] = max(self.sharing.get(run_name, 1), count)
+
+    def _sharing_path(self, run_name):
+        ckpt = self.args.checkpoint_dir
+        return None if ckpt is None else ckpt / run_name / SHARING_FILE
+
+    def earlier_sharing(self, run_name):
+        """The most processes seen on the GPU in run ``run_name``'s earlier pieces (1 where
+        it has none, or nothing says)."""
+        path = self._sharing_path(run_name)
+        if path is None:
+            return 1
+        try:
+            return max(1, int(path.read_text()))
+        except (OSError, ValueError):
+            return 1
+
+    def keep_sharing(self, run_name):
+        """Write beside a stopped run's checkpoint the most processes seen on the GPU in its
+        pieces so far, for the invocation that resumes it."""
+        path = self._sharing_path(run_name)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{self.sharing.get(run_name, 1)}\n")
+
+    def record_sharing(self, run_name):
+        """Set a finished run's ``concurrent_runs`` to the most processes seen on the GPU in
+        its pieces (the run writes ``--jobs``, what this sweep allowed, not what ran)."""
+        summary = self.summary(run_name)
+        if isinstance(summary, dict):
+            summary["concurrent_runs"] = self.sharing.get(run_name, 1)
+            write_json(self.args.out / f"{run_name}.json", summary)
+
     def run(self):
         while self.pending or self.running:
             self.start_runs()
+            self.note_sharing()
             self.poll()
             time.sleep(0.5)
 

@@ -229,6 +229,7 @@ def summarize(record, args, tp, wall_s, curve_points=CURVE_POINTS):
         "tokens_per_s": tokens_per_step / (s["step_ms"] / 1e3),
         "tflops": s["tflops_per_rank"],
         "wall_s": wall_s,
+        # the sweep's --jobs; emulated_sweep replaces it with the processes it saw on the GPU
         "concurrent_runs": int(os.environ.get("FP4_CONCURRENT_RUNS", "1")),
         "wire": _wire_means(record["wire"], args.steps),
     }
