@@ -160,6 +160,18 @@ PP2_LEVERS = [
     tah(768),
 ]
 
+# How the wire's cost changes with the ranks, on the CPU: the configuration of tp_sweep's CPU
+# study (the byte-level transformer, 4 layers, d = 128, 600 steps of 1k tokens) with 8 heads,
+# so that 2, 4 and 8 ranks all split them; bf16, FP4Quant g = 64 and NVFP4 (the TP = 8 wires
+# of the GPU study) at TP = 2, 4 and 8.  Emulated ranks make TP = 8 one process of one thread.
+CPU_RANKS = ["--device", "cpu", "--model", "byte", "--layers", "4", "--d-model", "128",
+             "--heads", "8", "--seq-len", "64", "--batch", "16", "--steps", "600", "--lr", "3e-3",
+             "--eval-every", "100", "--eval-batches", "8", "--stats-every", "10",
+             "--data-format", "bytes"]  # fmt: skip
+CPU_RANKS_CONFIGS = [(f"tp{k}-{name}", ["--tp", str(k), *args]) for k in (2, 4, 8)
+                     for name, args in (BF16, (G64, ["--codec", G64]),
+                                        (BEST, ["--codec", BEST]))]  # fmt: skip
+
 PRESETS = {
     "tp4": {"args": [*STUDY, "--tp", "4"], "configs": TP4, "seeds": [0, 1, 2]},
     "tp8": {"args": [*STUDY, "--tp", "8"], "configs": TP8, "seeds": [0, 1, 2]},
@@ -174,6 +186,7 @@ PRESETS = {
     # the plain model (no ranks, no wire): the control of every layout's bf16
     "plain": {"args": [*STUDY, "--tp", "1"], "configs": [BF16],
               "seeds": [0, 1, 2]},
+    "cpu-ranks": {"args": CPU_RANKS, "configs": CPU_RANKS_CONFIGS, "seeds": [0, 1, 2, 3]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],
