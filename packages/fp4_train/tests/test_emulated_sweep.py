@@ -512,6 +512,35 @@ def test_baselines_compare_every_layouts_bf16_with_the_plain_models():
     assert "| tp1 | 0: 3.3000 / 1: 3.3100 | tp1 | – | – |" in text
 
 
+def test_ranks_pair_a_wires_gap_at_two_numbers_of_ranks_by_seed():
+    """``ranks.md``: a wire's gap to bf16 of its own layout at two TP layouts, and the larger
+    k's minus the smaller's on the seeds both have (a seed without bf16 at one layout is left
+    out); SP, the pipeline and the plain model are not tensor-parallel layouts here."""
+    runs = [
+        _summary(lay, "bf16", "bf16", s, v)
+        for lay, losses in (("tp4", [3.0, 3.1, 3.2]), ("tp8", [3.05, 3.0]))
+        for s, v in enumerate(losses)
+    ]
+    runs += [_summary("tp4", "nvfp4", "nvfp4", s, v) for s, v in enumerate([3.02, 3.11, 3.3])]
+    runs += [_summary("tp8", "nvfp4", "nvfp4", s, v) for s, v in enumerate([3.1, 3.04, 3.5])]
+    runs += [
+        _summary("tp4-sp", "nvfp4", "nvfp4", 0, 3.9),
+        _summary("tp4-sp", "bf16", "bf16", 0, 3.0),
+    ]
+    runs += [_summary("tp8", "mxfp4", "mxfp4", 0, 3.2)]  # one layout only: no row
+    text = emulated_summary.ranks_markdown(runs)
+    d = [(3.1 - 3.05) - (3.02 - 3.0), (3.04 - 3.0) - (3.11 - 3.1)]
+    half = t_quantile(0.975, 1) * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+    row = (f"| qwen-125m | nvfp4 | 4 → 8 | 0 1 | +0.020 / +0.010 | +0.050 / +0.040 | "
+           f"{d[0]:+.3f} / {d[1]:+.3f} | {sum(d) / 2:+.3f} ± {half:.3f} |")  # fmt: skip
+    assert row in text
+    assert "mxfp4" not in text and "tp4-sp" not in text and text.count("| qwen-125m |") == 1
+    one = [r for r in runs if not (r["layout"] == "tp8" and r["seed"] == 1)]
+    assert "| 4 → 8 | 0 | +0.020 | +0.050 | +0.030 | +0.030 |" in (
+        emulated_summary.ranks_markdown(one)
+    )
+
+
 def test_seeds_needed_is_the_first_t_interval_below_the_limit():
     """``seeds_needed``: the fewest n whose t interval around the gap lies below the limit,
     checked against the interval at n and n - 1; None where the gap is at the limit or above."""

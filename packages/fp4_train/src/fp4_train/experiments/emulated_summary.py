@@ -8,7 +8,9 @@ Reads the ``emulated_tp`` summaries in the folders given and writes ``<out>/tabl
 table), ``table.json`` (the same rows, each seed's numbers too), ``gaps.md`` (each run's paired
 gap at every evaluation, and late in training), ``pairs.md`` (every two wires of one model and
 layout compared on their common seeds), ``baselines.md`` (the bf16 runs of every layout side
-by side, against the plain model's where it ran), ``seeds.md`` (what more seeds would resolve:
+by side, against the plain model's where it ran), ``ranks.md`` (a wire's gap to bf16 at two
+numbers of tensor-parallel ranks, paired by seed: whether the wire costs more as k grows),
+``seeds.md`` (what more seeds would resolve:
 for each wire the seeds an interval of +-1 % of bf16's loss takes, and those that would put the
 interval's upper end below 1 %, at the gap and spread measured so far), ``timing.md`` (step
 time, tokens/s and wall minutes of every run) and ``curves.png`` (the final-loss gaps with
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from .boundary_study import mean_ci, t_half_width
@@ -180,8 +183,8 @@ def rows(summaries):
 
 
 # The layouts in the order of the table, with the title of each one's curve panel.
-LAYOUTS = {"tp4": "TP = 4", "tp8": "TP = 8", "pp2": "PP = 2", "tp4-sp": "TP = 4 with SP",
-           "tp1": "one rank"}  # fmt: skip
+LAYOUTS = {"tp2": "TP = 2", "tp4": "TP = 4", "tp8": "TP = 8", "pp2": "PP = 2",
+           "tp4-sp": "TP = 4 with SP", "tp1": "one rank"}  # fmt: skip
 
 
 def _layout_rank(lay):
@@ -339,6 +342,52 @@ def baselines_markdown(summaries):
     lines += ["", "The bf16 runs of each layout (seed: final validation loss), and each "
               "layout's minus the reference layout's on the seeds both ran: the plain model "
               f"({PLAIN}) where it ran, else the layout with the most seeds."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+#: Plain tensor parallelism over k ranks (not SP, not the pipeline, not the plain model).
+_TP_LAYOUT = re.compile(r"tp([2-9]|[1-9][0-9]+)")
+
+
+def _gaps(groups, model, lay, wire):
+    """{seed: wire's final validation loss minus bf16's} at one model and layout."""
+    seeds, d = _paired(groups.get((model, lay, wire), {}), groups.get((model, lay, BASELINE), {}))
+    return dict(zip(seeds, d, strict=True))
+
+
+def ranks_markdown(summaries):
+    """How a wire's gap changes with the ranks: for every wire run at two layouts of plain
+    tensor parallelism (``tp<k>``, k >= 2) of one model, its gap to bf16 of its own layout at
+    each, and the larger k's gap minus the smaller's on the seeds both have, mean and 95 % t
+    interval.  Pairing the gaps by seed takes out what a seed does to a layout's bf16 and wire
+    alike; what is left is the change in the wire's cost (and the trajectories' spread)."""
+    groups = _groups(summaries)
+    head = ["model", "wire", "ranks a → b", "seeds", "gap at a per seed", "gap at b per seed",
+            "b − a per seed", "mean (95 % CI)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    wires = sorted({(m, pol) for m, lay, pol in groups
+                    if pol != BASELINE and _TP_LAYOUT.fullmatch(lay)})  # fmt: skip
+    for model, wire in wires:
+        ks = sorted(int(_TP_LAYOUT.fullmatch(lay)[1]) for m, lay, pol in groups
+                    if (m, pol) == (model, wire) and _TP_LAYOUT.fullmatch(lay))  # fmt: skip
+        for i, ka in enumerate(ks):
+            for kb in ks[i + 1 :]:
+                a, b = (_gaps(groups, model, f"tp{k}", wire) for k in (ka, kb))
+                seeds = sorted(set(a) & set(b))
+                if not seeds:
+                    continue
+                d = [b[k] - a[k] for k in seeds]
+                mean, half, _ = mean_ci(d)
+                lines.append("| " + " | ".join([
+                    model, wire, f"{ka} → {kb}", " ".join(map(str, seeds)),
+                    " / ".join(_fmt(a[k], 3, sign=True) for k in seeds),
+                    " / ".join(_fmt(b[k], 3, sign=True) for k in seeds),
+                    " / ".join(_fmt(v, 3, sign=True) for v in d),
+                    _fmt(mean, 3, sign=True) + ("" if half is None else f" ± {half:.3f}"),
+                ]) + " |")  # fmt: skip
+    lines += ["", "gap: a run's final validation loss minus bf16's of its layout and seed; "
+              "b − a: the gap with b tensor-parallel ranks minus the gap with a, on the seeds "
+              "both have (the interval from two seeds on)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -526,6 +575,7 @@ def main(argv=None):
     (args.out / "gaps.md").write_text(gaps_markdown(summaries))
     (args.out / "pairs.md").write_text(pairs_markdown(summaries))
     (args.out / "baselines.md").write_text(baselines_markdown(summaries))
+    (args.out / "ranks.md").write_text(ranks_markdown(summaries))
     (args.out / "seeds.md").write_text(seeds_markdown(table))
     if args.reruns:
         reruns = load(args.reruns)
