@@ -438,6 +438,8 @@ def test_the_table_pairs_by_seed_and_quotes_the_preprint(tmp_path):
     assert row["preprint_gap_pct"] == pytest.approx(100 * (2.2306 - 2.1505) / 2.1505)
     assert by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]["preprint_loss"] == 2.1525
     assert by[("tp4", "tahquant-h768_grad-tahquant-grad-rn")]["preprint_loss"] == 3.48
+    byte = {**_summary("tp4", "fp4quant-g64", "fp4quant-g64", 0, 2.4), "model": "byte"}
+    assert emulated_summary.quoted(byte) is None  # the CPU model is not the preprint's Qwen
     pp = by[("pp2", "fp4quant-g64_grad-fp4quant-g64-sr")]
     assert pp["delta_mean"] == pytest.approx(0.01) and pp["delta_ci"] is None  # one seed
     text = (tmp_path / "table" / "table.md").read_text()

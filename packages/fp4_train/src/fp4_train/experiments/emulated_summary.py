@@ -102,10 +102,13 @@ def policy(summary):
 
 
 def quoted(summary):
-    """The preprint's loss for this row, or None: its TP rows are 4-way, nearest rounding and
-    no error feedback, the same codec forward and backward (TAH-Quant: its activation codec
-    forward and its gradient codec backward); its PP row FP4Quant g = 64."""
+    """The preprint's loss for this row, or None: its model is a Qwen one (the byte-level CPU
+    model's rows quote nothing), its TP rows are 4-way, nearest rounding and no error feedback,
+    the same codec forward and backward (TAH-Quant: its activation codec forward and its
+    gradient codec backward); its PP row FP4Quant g = 64."""
     c = summary["config"]
+    if not summary["model"].startswith("qwen"):
+        return None
     if c.get("error_feedback") or c.get("rounding") != "nearest":
         return None
     codec = summary["codec"]
