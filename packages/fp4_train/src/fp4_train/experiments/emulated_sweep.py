@@ -52,6 +52,8 @@ CPU study), ``pp2-levers`` (the pipeline boundary's forward codecs: NVFP4, MXFP4
 g = 16, g = 64 without the transform, with the gradient at FP4Quant g = 64 stochastic; and
 TAH-Quant), ``plain`` (the model on one rank, bf16: the control of every layout's bf16),
 ``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant),
+``cpu-ranks`` (on the CPU: the byte-level model of ``tp_sweep``'s CPU study with 8 heads, bf16,
+FP4Quant g = 64 and NVFP4 at TP = 2, 4 and 8: whether a wire costs more with more ranks),
 ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and the
 plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
 activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
@@ -186,7 +188,7 @@ PRESETS = {
     # the plain model (no ranks, no wire): the control of every layout's bf16
     "plain": {"args": [*STUDY, "--tp", "1"], "configs": [BF16],
               "seeds": [0, 1, 2]},
-    "cpu-ranks": {"args": CPU_RANKS, "configs": CPU_RANKS_CONFIGS, "seeds": [0, 1, 2, 3]},
+    "cpu-ranks": {"args": CPU_RANKS, "configs": CPU_RANKS_CONFIGS, "seeds": [0, 1, 2, 3, 4]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],
