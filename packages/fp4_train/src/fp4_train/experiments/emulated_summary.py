@@ -212,6 +212,13 @@ def _fmt(v, digits=4, sign=False):
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
+def _mean_ci_cell(values):
+    """The mean of ``values`` and the half-width of its 95 % t interval, three decimals
+    ('+0.012 ± 0.034'); the mean alone for one value."""
+    mean, half, _ = mean_ci(values)
+    return _fmt(mean, 3, sign=True) + ("" if half is None else f" ± {half:.3f}")
+
+
 def markdown(table):
     head = ["model", "layout", "wire (forward; gradient)", "seeds", "val loss",
             "Δ vs bf16 (95 % CI)", "gap % of bf16 (95 % CI)", "Δ train loss, last fifth",
@@ -300,11 +307,9 @@ def pairs_markdown(summaries):
         for b in [w for m, la, w in wires[i + 1 :] if (m, la) == (model, lay)]:
             seeds, d = _paired(groups[(model, lay, a)], groups[(model, lay, b)])
             if len(seeds) >= 2:
-                mean, half, _ = mean_ci(d)
                 lines.append("| " + " | ".join([
                     model, lay, a, b, " ".join(map(str, seeds)),
-                    " / ".join(_fmt(v, 3, sign=True) for v in d),
-                    _fmt(mean, 3, sign=True) + ("" if half is None else f" ± {half:.3f}"),
+                    " / ".join(_fmt(v, 3, sign=True) for v in d), _mean_ci_cell(d),
                 ]) + " |")  # fmt: skip
     lines += ["", "a − b: final validation loss of wire a minus wire b's on the same seed; "
               "pairs with at least two common seeds."]  # fmt: skip
@@ -339,8 +344,7 @@ def baselines_markdown(summaries):
                 if seeds:
                     per_seed = " / ".join(f"{k}: {_fmt(v, 3, sign=True)}"
                                           for k, v in zip(seeds, d, strict=True))  # fmt: skip
-                    m, half, _ = mean_ci(d)
-                    mean = _fmt(m, 3, sign=True) + ("" if half is None else f" ± {half:.3f}")
+                    mean = _mean_ci_cell(d)
             lines.append("| " + " | ".join([model, lay, losses, ref, per_seed, mean]) + " |")
     lines += ["", "The bf16 runs of each layout (seed: final validation loss), and each "
               "layout's minus the reference layout's on the seeds both ran: the plain model "
@@ -368,11 +372,13 @@ def ranks_markdown(summaries):
     head = ["model", "wire", "ranks a → b", "seeds", "gap at a per seed", "gap at b per seed",
             "b − a per seed", "mean (95 % CI)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    wires = sorted({(m, pol) for m, lay, pol in groups
-                    if pol != BASELINE and _TP_LAYOUT.fullmatch(lay)})  # fmt: skip
-    for model, wire in wires:
-        ks = sorted(int(_TP_LAYOUT.fullmatch(lay)[1]) for m, lay, pol in groups
-                    if (m, pol) == (model, wire) and _TP_LAYOUT.fullmatch(lay))  # fmt: skip
+    ranks = {}  # (model, wire) -> the k of every tp<k> layout it ran at
+    for model, lay, wire in groups:
+        tp = _TP_LAYOUT.fullmatch(lay)
+        if tp and wire != BASELINE:
+            ranks.setdefault((model, wire), []).append(int(tp[1]))
+    for (model, wire), ks in sorted(ranks.items()):
+        ks.sort()
         for i, ka in enumerate(ks):
             for kb in ks[i + 1 :]:
                 a, b = (_gaps(groups, model, f"tp{k}", wire) for k in (ka, kb))
@@ -380,13 +386,11 @@ def ranks_markdown(summaries):
                 if not seeds:
                     continue
                 d = [b[k] - a[k] for k in seeds]
-                mean, half, _ = mean_ci(d)
                 lines.append("| " + " | ".join([
                     model, wire, f"{ka} → {kb}", " ".join(map(str, seeds)),
                     " / ".join(_fmt(a[k], 3, sign=True) for k in seeds),
                     " / ".join(_fmt(b[k], 3, sign=True) for k in seeds),
-                    " / ".join(_fmt(v, 3, sign=True) for v in d),
-                    _fmt(mean, 3, sign=True) + ("" if half is None else f" ± {half:.3f}"),
+                    " / ".join(_fmt(v, 3, sign=True) for v in d), _mean_ci_cell(d),
                 ]) + " |")  # fmt: skip
     lines += ["", "gap: a run's final validation loss minus bf16's of its layout and seed; "
               "b − a: the gap with b tensor-parallel ranks minus the gap with a, on the seeds "
