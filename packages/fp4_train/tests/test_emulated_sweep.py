@@ -33,6 +33,14 @@ def test_presets_list_their_runs(preset, tmp_path, capsys):
         # TAH-Quant's activation codec on tokens of the model's width, its gradient codec back
         tah = [line for line in lines if "tahquant" in line]
         assert tah and all("--grad-codec tahquant-grad" in line for line in tah)
+    names = {name for name, _ in p["configs"]}
+    if emulated_sweep.TAH_LS in names:
+        # with the loss scale: its runs (and only those) say so, in their names too
+        scaled = [line for line in lines if "--loss-scale" in line]
+        assert len(scaled) == len(p["seeds"])
+        ls = emulated_sweep.TAH_LOSS_SCALE
+        assert all(f"--loss-scale {ls} " in line and f"_ls{ls}_s" in line.split()[0]
+                   for line in scaled)  # fmt: skip
 
 
 def test_a_codec_fp4_comm_does_not_know_is_listed_as_unavailable(tmp_path, monkeypatch, capsys):

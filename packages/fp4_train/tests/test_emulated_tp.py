@@ -7,7 +7,8 @@ decoder (grouped-query attention with 12 query and 6 key/value heads, so both sp
 byte-level transformer, NVFP4 with stochastic rounding and error feedback both ways, FP4Quant
 forward with a bf16 gradient, TAH-Quant (its activation and gradient codecs), MXFP4 (fused
 sum) under bfloat16 autocast, sequence parallelism (the residual stream's gradient
-stochastic) and the pipeline with two micro-batches.  Codec
+stochastic), the pipeline with two micro-batches, and a static loss scale (TAH-Quant in TP,
+NVFP4 in the pipeline; on an FP4 or bf16 wire a power-of-two scale changes no bit).  Codec
 "native": with 2 ranks and float32 one add, so the same bits; with 3 ranks gloo's own order,
 within float32 rounding.  Then the driver end to end (``tp_train.train`` against
 ``emulated_tp.run``) and its compact summary.
@@ -38,6 +39,12 @@ BASE = ["--device", "cpu", "--seq-len", "24", "--batch", "4", "--lr", "3e-3", "-
         "--stats-every", "1", "--quiet", "--seed", "3"]  # fmt: skip
 NVFP4_SR_EF = ["--codec", "nvfp4", "--rounding", "stochastic", "--error-feedback"]
 PP_EXACT_BF16 = ["--codec", "none-float32", "--parallel", "pp", "--dtype", "bfloat16"]
+PP_NVFP4 = ["--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]
+# TAH-Quant: tokens of the model's width (128, two tiles of 64), its gradient codec back
+TAHQUANT = ["--model", "qwen", "--layers", "2", "--d-model", "128", "--heads", "4",
+            "--kv-heads", "2", "--ffn", "128", "--codec", "tahquant-h128",
+            "--grad-codec", "tahquant-grad"]  # fmt: skip
+LOSS_SCALE = ["--loss-scale", "65536"]
 # (id, world, arguments)
 CONFIGS = [
     ("tp2-nvfp4-sr-ef", 2, [*QWEN, *NVFP4_SR_EF]),
@@ -45,33 +52,14 @@ CONFIGS = [
     ("tp3-g64-fwd", 3, [*QWEN, "--codec", "fp4quant-g64", "--grad-codec", "none"]),
     ("tp2-mxfp4-bf16", 2, [*QWEN, "--codec", "mxfp4", "--dtype", "bfloat16"]),
     ("sp3-g64", 3, [*QWEN, "--codec", "fp4quant-g64", "--sequence-parallel"]),
-    ("pp-nvfp4", 2, [*QWEN, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+    ("pp-nvfp4", 2, [*QWEN, *PP_NVFP4]),
     # the exact boundary under autocast: float32 crosses, not the bf16 compute dtype
     ("pp-fp32-bf16", 2, [*QWEN, *PP_EXACT_BF16, "--microbatches", "2"]),
     ("byte-tp2-nvfp4", 2, ["--layers", "2", "--d-model", "32", "--heads", "2", *NVFP4_SR_EF]),
-    # TAH-Quant: tokens of the model's width (128, two tiles of 64), its gradient codec back
-    (
-        "tp2-tahquant",
-        2,
-        [
-            "--model",
-            "qwen",
-            "--layers",
-            "2",
-            "--d-model",
-            "128",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--ffn",
-            "128",
-            "--codec",
-            "tahquant-h128",
-            "--grad-codec",
-            "tahquant-grad",
-        ],
-    ),
+    ("tp2-tahquant", 2, TAHQUANT),
+    # a loss scale: the gradients on the wire S times larger, divided by S before the step
+    ("tp2-tahquant-ls", 2, [*TAHQUANT, *LOSS_SCALE]),
+    ("pp-nvfp4-ls", 2, [*QWEN, *PP_NVFP4, *LOSS_SCALE]),
     ("tp2-native", 2, [*QWEN, "--codec", "native"]),
     ("tp3-native", 3, [*QWEN, "--codec", "native"]),
 ]
@@ -228,6 +216,63 @@ def _assert_equal(real, name, world, args, emulated):
             assert np.array_equal(bits, mine[key]), (r, key)
 
 
+# wires whose codecs are equivariant under a power-of-two scale: every scale format (E4M3
+# under a float32 tensor scale, E8M0, bfloat16) holds the scaled gradients, so a loss scale
+# changes no bit (stochastic rounding and error feedback included)
+EQUIVARIANT = ["tp2-nvfp4-sr-ef", "tp2-mxfp4-bf16", "sp3-g64", "pp-nvfp4"]
+
+
+@pytest.mark.parametrize("name", EQUIVARIANT)
+def test_a_loss_scale_changes_no_bit_of_an_fp4_or_bf16_wire(corpus, name):
+    """``--loss-scale 65536`` against none: the same losses and weights, bit for bit; and the
+    backward payloads on the wire are 65536 times larger (their RMS in the statistics)."""
+    config = next(c for c in CONFIGS if c[0] == name)
+    scaled = [(name, config[1], [*config[2], *LOSS_SCALE])]
+    _, _, (plain_losses, plain_state) = _emulated(name, corpus, steps=2)
+    world, _, (losses, state) = _emulated(name, corpus, scaled, steps=2)
+    assert losses == plain_losses
+    assert sorted(state) == sorted(plain_state)
+    for key, bits in plain_state.items():
+        assert np.array_equal(bits, state[key]), key
+    # the statistics of a step: the backward payloads scaled, the forward ones not
+    ratios = _wire_rms_ratios(corpus, world, config[2], scaled[0][2])
+    assert math.isclose(ratios["backward"], 65536.0, rel_tol=1e-5), ratios
+    assert math.isclose(ratios["forward"], 1.0, rel_tol=1e-6), ratios
+
+
+def _wire_rms_ratios(corpus, world, plain, scaled):
+    """Per direction, the payloads' mean RMS in the first step's statistics of the run with
+    arguments ``scaled`` over that of the run with ``plain``."""
+    from fp4_train.experiments import emulated_tp, tp_train
+    from fp4_train.experiments.corpus import train_batch
+
+    rms = []
+    for argv in (plain, scaled):
+        args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
+        torch.set_num_threads(args.threads)
+        runner = emulated_tp.EmulatedRunner(args, torch.device("cpu"), 256, world)
+        train_tokens, _, _ = tp_train.load_data(args)
+        x, y = train_batch(train_tokens, 0, args.batch, args.seq_len, args.seed)
+        runner.step(x, y, log_stats=True)
+        by_direction = {}
+        for w in runner.wire_stats():
+            by_direction.setdefault(w["direction"], []).append(w["rms"])
+        rms.append({d: sum(v) / len(v) for d, v in by_direction.items()})
+    return {d: rms[1][d] / rms[0][d] for d in rms[0]}
+
+
+def test_a_loss_scale_lifts_tahquant_gradients_on_the_wire(corpus):
+    """TAH-Quant's gradient codec has fp16 scales, so its bits do change with a loss scale:
+    the run with it differs from the run without, with backward payloads 65536 times larger
+    on the wire (the equality of either with the gloo processes: the CONFIGS above)."""
+    _, _, (plain_losses, plain_state) = _emulated("tp2-tahquant", corpus, steps=2)
+    _, _, (losses, state) = _emulated("tp2-tahquant-ls", corpus, steps=2)
+    assert losses[0] == plain_losses[0]  # the first forward pass has nothing scaled
+    assert any(not np.array_equal(plain_state[k], state[k]) for k in plain_state)
+    ratios = _wire_rms_ratios(corpus, 2, TAHQUANT, [*TAHQUANT, *LOSS_SCALE])
+    assert math.isclose(ratios["backward"], 65536.0, rel_tol=1e-2), ratios
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_exact_boundary_splits_the_plain_model_bit_for_bit(corpus, device):
     """Under bf16 autocast the residual stream is float32 inside the model (block outputs
@@ -317,7 +362,7 @@ GPU_CONFIGS = [
     ("gpu-tp-g64-fwd", [*QWEN_GPU, "--codec", "fp4quant-g64", "--grad-codec", "none"]),
     ("gpu-tp-mxfp4", [*QWEN_GPU, "--codec", "mxfp4"]),  # the fused sum's kernel
     ("gpu-sp-g64", [*QWEN_GPU, "--codec", "fp4quant-g64", "--sequence-parallel"]),
-    ("gpu-pp-nvfp4", [*QWEN_GPU, "--codec", "nvfp4", "--parallel", "pp", "--microbatches", "2"]),
+    ("gpu-pp-nvfp4", [*QWEN_GPU, *PP_NVFP4]),
     ("gpu-pp-fp32-bf16", [*QWEN_GPU, *PP_EXACT_BF16, "--microbatches", "2"]),
     # no statistics: the training steps' collectives replay CUDA graphs (the NCCL ranks' own,
     # the emulated group's), forward and backward
@@ -331,6 +376,11 @@ GPU_CONFIGS = [
     ("gpu-tp-tahquant", ["--model", "qwen", "--layers", "2", "--d-model", "128", "--heads", "8",
                          "--kv-heads", "4", "--ffn", "128", "--codec", "tahquant-h128",
                          "--grad-codec", "tahquant-grad"]),
+    # a loss scale (the gradients on the wire 65536 times larger), TP and the pipeline
+    ("gpu-tp-tahquant-ls", ["--model", "qwen", "--layers", "2", "--d-model", "128", "--heads",
+                            "8", "--kv-heads", "4", "--ffn", "128", "--codec", "tahquant-h128",
+                            "--grad-codec", "tahquant-grad", *LOSS_SCALE]),
+    ("gpu-pp-nvfp4-ls", [*QWEN_GPU, *PP_NVFP4, *LOSS_SCALE]),
 ]  # fmt: skip
 NATIVE_STEPS = 20
 GPU_NATIVE = ("gpu-tp-native", [*QWEN_GPU, "--codec", "native"])

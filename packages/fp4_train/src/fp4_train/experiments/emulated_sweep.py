@@ -51,14 +51,16 @@ TAH-Quant), ``pp2`` and ``sp4`` (the pipeline boundary and SP with TP = 4, the p
 CPU study), ``pp2-levers`` (the pipeline boundary's forward codecs: NVFP4, MXFP4, FP4Quant
 g = 16, g = 64 without the transform, with the gradient at FP4Quant g = 64 stochastic; and
 TAH-Quant), ``plain`` (the model on one rank, bf16: the control of every layout's bf16),
-``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant),
+``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant with the loss scale),
 ``cpu-ranks`` (on the CPU: the byte-level model of ``tp_sweep``'s CPU study with 8 heads, bf16,
 FP4Quant g = 64 and NVFP4 at TP = 2, 4 and 8: whether a wire costs more with more ranks),
 ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and the
 plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
 activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
-(``tahquant-grad``); a configuration whose codec fp4_comm does not know is listed as
-unavailable and left out.
+(``tahquant-grad``), without a loss scale (``tahquant``) and with one of 2**16
+(``tahquant-ls``, ``TAH_LOSS_SCALE``: its gradient codec's fp16 scales out of the subnormal
+range; the 0.6 B model runs this one only); a configuration whose codec fp4_comm does not know
+is listed as unavailable and left out.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ G64, G256 = "fp4quant-g64", "fp4quant-g256"
 SR = ["--rounding", "stochastic"]
 EF = ["--error-feedback"]
 TAH = "tahquant"
+# TAH-Quant's gradient codec scales each tile by its largest magnitude in fp16; without a loss
+# scale the 125 M model's gradients at the all-reduce (RMS 1e-7 to 2e-7) make those scales fp16
+# subnormals of two or three significant bits.  2**16 (torch GradScaler's first scale) puts
+# them at about 0.01-0.1, in fp16's normal range and far below its largest value; on every
+# other wire a power-of-two loss scale changes no bit.
+TAH_LS, TAH_LOSS_SCALE = "tahquant-ls", 2**16
 BF16 = ("bf16", ["--codec", "none"])  # the baseline: bf16 on the wire
 # What a run holds beyond its recorded peak (torch's allocations, ``max_memory_gb``): a share
 # of it (the caching allocator's rounding and fragmentation) and its CUDA context, GiB.
@@ -117,6 +125,12 @@ def tah(width):
                   "--grad-rounding", "nearest"])  # fmt: skip
 
 
+def tah_ls(width):
+    """``tah(width)`` with the loss scale ``TAH_LOSS_SCALE``: its gradient codec's scales in
+    fp16's normal range."""
+    return (TAH_LS, [*tah(width)[1], "--loss-scale", str(TAH_LOSS_SCALE)])
+
+
 TP4 = [
     BF16,
     (G64, ["--codec", G64]),
@@ -132,13 +146,14 @@ TP4 = [
     ("mxfp4-ef", ["--codec", "mxfp4", *EF]),
     ("mxfp4-sr-ef", ["--codec", "mxfp4", *SR, *EF]),
     tah(768),  # qwen-125m's width
+    tah_ls(768),
 ]
 # The best FP4 policy of the TP = 4 table, taken to TP = 8 and the 0.6 B model: NVFP4 with
 # nearest rounding both ways, no error feedback.  Its mean gap ties MXFP4's (+0.021 and +0.018
 # over 3 seeds, paired difference -0.003 +- 0.121); stochastic rounding and error feedback
 # both cost loss there; NVFP4's payloads have the higher SQNR (20.4 dB against 18.7).
 BEST = "nvfp4"
-TP8 = [c for c in TP4 if c[0] in (BF16[0], G64, G256, BEST, TAH)]
+TP8 = [c for c in TP4 if c[0] in (BF16[0], G64, G256, BEST, TAH, TAH_LS)]
 # The pipeline boundary: the residual stream forward (nearest) and its gradient backward
 # (stochastic: tp_train's default; nearest for comparison).  SP: the same two directions.
 PP2 = [
@@ -160,6 +175,7 @@ PP2_LEVERS = [
     ("fp4quant-g16-fwd", ["--codec", "fp4quant-g16", "--grad-codec", G64]),
     ("fp4quant-g64-nohad-fwd", ["--codec", "fp4quant-g64-nohad", "--grad-codec", G64]),
     tah(768),
+    tah_ls(768),
 ]
 
 # How the wire's cost changes with the ranks, on the CPU: the configuration of tp_sweep's CPU
@@ -183,7 +199,7 @@ PRESETS = {
     "sp4": {"args": [*STUDY, "--tp", "4", "--sequence-parallel"], "configs": SP4,
             "seeds": [0, 1, 2]},
     "600m": {"args": [*STUDY, "--model", "qwen-600m", "--tokens-per-step", "8192", "--tp", "4"],
-             "configs": [c for c in TP4 if c[0] in (BF16[0], G64, BEST)] + [tah(1536)],
+             "configs": [c for c in TP4 if c[0] in (BF16[0], G64, BEST)] + [tah_ls(1536)],
              "seeds": [0]},
     # the plain model (no ranks, no wire): the control of every layout's bf16
     "plain": {"args": [*STUDY, "--tp", "1"], "configs": [BF16],

@@ -106,7 +106,8 @@ class EmulatedRunner(tp_train.Runner):
             for loss in losses:
                 # the last stage's backward of micro-batch i, its gradient across the
                 # boundary, then the first stage's backward of micro-batch i
-                (loss / m).backward()
+                self.scaled(loss / m).backward()
+            self.unscale_grads()
         return torch.stack([v.detach() for v in losses]).mean()
 
     def communicators(self):

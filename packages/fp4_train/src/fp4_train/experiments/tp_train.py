@@ -124,6 +124,11 @@ def parse_args(argv=None, world_size=None):
       help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
     a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
       help="residual per gradient sum (TP; default: --error-feedback)")
+    a("--loss-scale", type=_loss_scale, default=1.0,
+      help="a static loss scale, a power of two: the loss times S is backpropagated and the "
+           "gradients times 1/S reach the optimizer, so the gradients on the wire are S times "
+           "larger (for a gradient codec whose scale format is narrow: TAH-Quant's fp16 "
+           "scales); every other wire, and bf16, gives the same bits as without it")
     _model_arguments(a)
     a("--seq-len", type=int, default=256)
     a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
@@ -426,6 +431,22 @@ def _codec_spec(spec):
     return spec
 
 
+def _loss_scale(text):
+    """``--loss-scale``: a power of two from 1 to 2**64 (the scaling is then exact: every
+    product and quotient of the scaled gradients rounds as the unscaled one, barring over- or
+    underflow)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (1 <= value <= 2.0**64 and math.frexp(value)[0] == 0.5):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a power of two from 1 to 2**64 (e.g. 65536, torch GradScaler's first "
+            "scale), which scales the gradients exactly"
+        )
+    return value
+
+
 def parse_fp4quant(spec):
     """``fp4quant-g<G>[-nohad]`` -> (G, hadamard)."""
     parts = spec.split("-")
@@ -498,6 +519,8 @@ def run_name(args):
         if not _exact(grad_codec):
             grad.append("sr" if rounding == "stochastic" else "rn")
         parts.append("grad-" + "-".join(grad))
+    if args.loss_scale != 1:
+        parts.append(f"ls{args.loss_scale:.0f}")
     return "_".join(parts + [f"s{args.seed}"])
 
 
@@ -742,9 +765,22 @@ class Runner:
         # loss their mean; the backward collectives already sum over the ranks, so each rank
         # backpropagates its loss / W.
         scale = 1.0 / self.par.size if self.par.sequence_parallel else 1.0
-        self.par.backpropagate(loss, scale)
+        self.par.backpropagate(loss, scale * self.args.loss_scale)  # exact: S a power of two
         self.par.sum_partial_grads(self.model.replicated_parameters())
+        self.unscale_grads()
         return self.par.each(torch.Tensor.detach, loss)
+
+    def scaled(self, loss):
+        """``loss`` times ``--loss-scale`` (itself where that is 1: no operation)."""
+        return loss if self.args.loss_scale == 1 else loss * self.args.loss_scale
+
+    def unscale_grads(self):
+        """The gradients the optimizer steps with, times 1 / ``--loss-scale`` (exact for a
+        power of two); nothing where the scale is 1."""
+        if self.args.loss_scale == 1:
+            return
+        grads = [p.grad for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / self.args.loss_scale)
 
     # --- two pipeline stages, GPipe order: all forwards, then all backwards
     def boundary_dtype(self, codec):
@@ -781,9 +817,11 @@ class Runner:
         if train:
             for i in range(m):
                 if self.stage == 1:
-                    (losses[i] / m).backward()  # sends the boundary's gradient to stage 0
+                    # sends the boundary's gradient to stage 0
+                    self.scaled(losses[i] / m).backward()
                 else:
                     pipeline.backward(handles[i])
+            self.unscale_grads()
         if self.stage == 1:
             return torch.stack([v.detach() for v in losses]).mean()
         return torch.zeros((), device=self.device)
