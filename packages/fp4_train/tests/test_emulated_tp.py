@@ -218,17 +218,19 @@ def _assert_equal(real, name, world, args, emulated):
 
 # wires whose codecs are equivariant under a power-of-two scale: every scale format (E4M3
 # under a float32 tensor scale, E8M0, bfloat16) holds the scaled gradients, so a loss scale
-# changes no bit (stochastic rounding and error feedback included)
-EQUIVARIANT = ["tp2-nvfp4-sr-ef", "tp2-mxfp4-bf16", "sp3-g64", "pp-nvfp4"]
+# changes no bit (stochastic rounding and error feedback included); and bf16 values
+EQUIVARIANT = [c for c in CONFIGS if c[0] in ("tp2-nvfp4-sr-ef", "tp2-mxfp4-bf16", "sp3-g64",
+                                              "pp-nvfp4")] + [
+    ("tp2-bf16-wire", 2, [*QWEN, "--codec", "none", "--dtype", "bfloat16"])]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", EQUIVARIANT)
+@pytest.mark.parametrize("name", [c[0] for c in EQUIVARIANT])
 def test_a_loss_scale_changes_no_bit_of_an_fp4_or_bf16_wire(corpus, name):
     """``--loss-scale 65536`` against none: the same losses and weights, bit for bit; and the
     backward payloads on the wire are 65536 times larger (their RMS in the statistics)."""
-    config = next(c for c in CONFIGS if c[0] == name)
+    config = next(c for c in EQUIVARIANT if c[0] == name)
     scaled = [(name, config[1], [*config[2], *LOSS_SCALE])]
-    _, _, (plain_losses, plain_state) = _emulated(name, corpus, steps=2)
+    _, _, (plain_losses, plain_state) = _emulated(name, corpus, EQUIVARIANT, steps=2)
     world, _, (losses, state) = _emulated(name, corpus, scaled, steps=2)
     assert losses == plain_losses
     assert sorted(state) == sorted(plain_state)
