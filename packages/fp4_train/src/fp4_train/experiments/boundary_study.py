@@ -33,6 +33,8 @@ from pathlib import Path
 from . import tp_sweep
 from .records import (
     finite_or_none,
+    markdown_head,
+    markdown_row,
     meta_values,
     pyplot,
     read_record,
@@ -212,7 +214,7 @@ def markdown(rows, runs):
             "Δ val loss at 25 %", "at 50 %", "at 100 %", "Δ train loss, last fifth",
             "Δ, exact boundary at eval", "fwd RMS", "fwd SQNR dB", "bwd RMS",
             "bwd SQNR dB"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in rows:
         if r["config"].endswith("_bf16"):
             continue
@@ -224,7 +226,7 @@ def markdown(rows, runs):
         for direction in ("forward", "backward"):
             rms, sq = r.get(f"{direction}_rms"), r.get(f"{direction}_sqnr_db")
             cells += ["-" if rms is None else f"{rms:.3g}", "-" if sq is None else f"{sq:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     lines.append("")
     for r in rows:
         if not r["config"].endswith("_bf16"):

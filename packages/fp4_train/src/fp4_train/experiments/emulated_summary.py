@@ -43,7 +43,15 @@ from pathlib import Path
 
 from .boundary_study import mean_ci, t_half_width
 from .emulated_tp import SUMMARY_KIND
-from .records import pyplot, read_record, record_paths, run_stem, write_json
+from .records import (
+    markdown_head,
+    markdown_row,
+    pyplot,
+    read_record,
+    record_paths,
+    run_stem,
+    write_json,
+)
 from .tp_summary import tail_gap
 
 BASELINE = "bf16"
@@ -223,7 +231,7 @@ def markdown(table):
     head = ["model", "layout", "wire (forward; gradient)", "seeds", "val loss",
             "Δ vs bf16 (95 % CI)", "gap % of bf16 (95 % CI)", "Δ train loss, last fifth",
             "preprint, quoted: loss (gap %)", "min / run"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in table:
         if r["policy"] == BASELINE:
             sd = r["val_loss_sd"]
@@ -241,10 +249,10 @@ def markdown(table):
         wire = f"{r['codec']}; {r['grad_codec']}"
         if r["grad_codec"] != BASELINE:  # (bf16 rounds by casting: no rounding mode to name)
             wire += f" ({r['grad_rounding']})"
-        lines.append("| " + " | ".join([
+        lines.append(markdown_row([
             r["model"], r["layout"], f"{r['policy']}: {wire}", str(len(r["seeds"])),
             _fmt(r["val_loss_mean"]), delta, gap, train, quote, f"{r['wall_min']:.1f}",
-        ]) + " |")  # fmt: skip
+        ]))  # fmt: skip
     lines += [
         "",
         "Δ: final validation loss minus bf16's of the same model, layout and seed, mean over "
@@ -279,12 +287,12 @@ def gaps_markdown(summaries):
             continue
         steps = sorted(set().union(*(mine.keys() & ref.keys() for _, _, mine, ref, _ in runs)))
         lines += [f"**{model}, {lay}**", "",
-                  "| run | " + " | ".join(str(k) for k in steps) + " | train, last fifth |",
-                  "|---|" + "---:|" * (len(steps) + 1)]  # fmt: skip
+                  *markdown_head(["run", *map(str, steps), "train, last fifth"],
+                                 right=range(1, len(steps) + 2))]  # fmt: skip
         for pol, seed, mine, ref, late in runs:
             cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine else "–" for k in steps]
             cells.append(_fmt(late, 3, sign=True))
-            lines.append(f"| {pol}, seed {seed} | " + " | ".join(cells) + " |")
+            lines.append(markdown_row([f"{pol}, seed {seed}", *cells]))
         lines.append("")
     lines.append(
         "Validation loss minus bf16's of the same model, layout and seed at each "
@@ -300,17 +308,17 @@ def pairs_markdown(summaries):
     removes what a seed does to both (its initialization and batches)."""
     head = ["model", "layout", "wire a", "wire b", "seeds", "a − b per seed",
             "mean (95 % CI)"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     groups = _groups(summaries)
     wires = sorted(key for key in groups if key[2] != BASELINE)
     for i, (model, lay, a) in enumerate(wires):
         for b in [w for m, la, w in wires[i + 1 :] if (m, la) == (model, lay)]:
             seeds, d = _paired(groups[(model, lay, a)], groups[(model, lay, b)])
             if len(seeds) >= 2:
-                lines.append("| " + " | ".join([
+                lines.append(markdown_row([
                     model, lay, a, b, " ".join(map(str, seeds)),
                     " / ".join(_fmt(v, 3, sign=True) for v in d), _mean_ci_cell(d),
-                ]) + " |")  # fmt: skip
+                ]))  # fmt: skip
     lines += ["", "a − b: final validation loss of wire a minus wire b's on the same seed; "
               "pairs with at least two common seeds."]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -329,7 +337,7 @@ def baselines_markdown(summaries):
     groups = _groups(summaries)
     head = ["model", "layout", "bf16 val loss per seed", "reference", "− reference per seed",
             "mean (95 % CI)"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     models = sorted({m for m, _, pol in groups if pol == BASELINE})
     for model in models:
         base = {lay: by for (m, lay, pol), by in groups.items() if m == model and pol == BASELINE}
@@ -345,7 +353,7 @@ def baselines_markdown(summaries):
                     per_seed = " / ".join(f"{k}: {_fmt(v, 3, sign=True)}"
                                           for k, v in zip(seeds, d, strict=True))  # fmt: skip
                     mean = _mean_ci_cell(d)
-            lines.append("| " + " | ".join([model, lay, losses, ref, per_seed, mean]) + " |")
+            lines.append(markdown_row([model, lay, losses, ref, per_seed, mean]))
     lines += ["", "The bf16 runs of each layout (seed: final validation loss), and each "
               "layout's minus the reference layout's on the seeds both ran: the plain model "
               f"({PLAIN}) where it ran, else the layout with the most seeds."]  # fmt: skip
@@ -371,7 +379,7 @@ def ranks_markdown(summaries):
     groups = _groups(summaries)
     head = ["model", "wire", "ranks a → b", "seeds", "gap at a per seed", "gap at b per seed",
             "b − a per seed", "mean (95 % CI)"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     ranks = {}  # (model, wire) -> the k of every tp<k> layout it ran at
     for model, lay, wire in groups:
         tp = _TP_LAYOUT.fullmatch(lay)
@@ -386,12 +394,12 @@ def ranks_markdown(summaries):
                 if not seeds:
                     continue
                 d = [b[k] - a[k] for k in seeds]
-                lines.append("| " + " | ".join([
+                lines.append(markdown_row([
                     model, wire, f"{ka} → {kb}", " ".join(map(str, seeds)),
                     " / ".join(_fmt(a[k], 3, sign=True) for k in seeds),
                     " / ".join(_fmt(b[k], 3, sign=True) for k in seeds),
                     " / ".join(_fmt(v, 3, sign=True) for v in d), _mean_ci_cell(d),
-                ]) + " |")  # fmt: skip
+                ]))  # fmt: skip
     lines += ["", "gap: a run's final validation loss minus bf16's of its layout and seed; "
               "b − a: the gap with b tensor-parallel ranks minus the gap with a, on the seeds "
               "both have (the interval from two seeds on)."]  # fmt: skip
@@ -426,21 +434,21 @@ def seeds_markdown(table):
     many would put the interval's upper end below 1 % (the study's aim)."""
     head = ["model", "layout", "wire", "seeds", "gap % (95 % CI)", "upper end %",
             "sd of Δ", "seeds for ± 1 %", "seeds for the upper end < 1 %"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in table:
         if r["policy"] == BASELINE or len(r["delta"]) < 2:
             continue
         base, sd = r["base_loss"], _sd(r["delta"])
         width = seeds_needed(0.0, sd, AIM * base)
         below = seeds_needed(r["delta_mean"], sd, AIM * base)
-        lines.append("| " + " | ".join([
+        lines.append(markdown_row([
             r["model"], r["layout"], r["policy"], str(len(r["delta"])),
             f"{r['gap_pct']:+.2f} ± {r['gap_ci_pct']:.2f}",
             f"{r['gap_pct'] + r['gap_ci_pct']:+.2f}", f"{sd:.4f}",
             str(width) if width else f"> {MAX_SEEDS}",
             str(below) if below else ("never (gap ≥ 1 %)" if r["gap_pct"] >= 100 * AIM
                                       else f"> {MAX_SEEDS}"),
-        ]) + " |")  # fmt: skip
+        ]))  # fmt: skip
     lines += ["", "At the gap and the seeds' spread (sd of the paired Δ) measured so far, "
               "Student's t: the seeds a 95 % interval of ± 1 % of bf16's loss takes, and the "
               "seeds that would put its upper end below 1 % (a mean gap at or above 1 % never "
@@ -462,7 +470,7 @@ def reruns_markdown(summaries, reruns):
     steps = sorted(set().union(*(_evals(a).keys() & _evals(b).keys() for a, b in pairs)))
     head = ["run", "final val loss: run / rerun", *map(str, steps),
             "first training loss: run / rerun", "source: run / rerun"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * len(steps) + "---|---|"]
+    lines = markdown_head(head, right=range(2, 2 + len(steps)))
     for run, again in pairs:
         mine, ref = _evals(again), _evals(run)
         cells = [_fmt(mine[k] - ref[k], 3, sign=True) if k in mine and k in ref else "–"
@@ -470,8 +478,7 @@ def reruns_markdown(summaries, reruns):
         first = " / ".join(f"{s['train_loss_curve'][0][1]:.5f}" for s in (run, again))
         source = " / ".join(s.get("meta", {}).get("source", "?") for s in (run, again))
         losses = f"{_fmt(run['final_val_loss'])} / {_fmt(again['final_val_loss'])}"
-        lines.append(f"| {run['name']} | {losses} | " + " | ".join(cells)
-                     + f" | {first} | {source} |")  # fmt: skip
+        lines.append(markdown_row([run["name"], losses, *cells, first, source]))
     lines += ["", "Columns by step: the rerun's validation loss minus the run's.  First training "
               "loss: the mean over the first logged steps."]  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -484,7 +491,7 @@ def timing_markdown(summaries):
     same code) and its date."""
     head = ["run", "step ms", "tokens/s", "model TFLOP/s", "wall s", "GPU memory GB",
             "runs sharing the GPU", "device", "tree", "source digest", "date"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for s in sorted(summaries, key=lambda s: s["name"]):
         tflops = "–" if s.get("tflops") is None else f"{s['tflops']:.1f}"
         memory = "–" if s.get("max_memory_gb") is None else f"{s['max_memory_gb']:.1f}"
@@ -494,7 +501,7 @@ def timing_markdown(summaries):
                  meta.get("device", "?").removeprefix("cuda: "),
                  str(meta.get("commit", "?"))[:7], meta.get("source", "–"),
                  str(meta.get("date", "?"))[:10]]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     return "\n".join(lines) + "\n"
 
 

@@ -232,6 +232,18 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
+def markdown_head(head, right=()):
+    """The first two lines of a markdown table: the column names ``head`` and the rule under
+    them (``---:``, right-aligned, for the column indices in ``right``)."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(head)))
+    return [markdown_row(head), rule]
+
+
+def markdown_row(cells):
+    """One line of a markdown table: ``cells``, strings."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def pyplot():
     import matplotlib
 

@@ -25,7 +25,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .records import meta_values, pyplot, read_record, record_paths, write_csv
+from .records import (
+    markdown_head,
+    markdown_row,
+    meta_values,
+    pyplot,
+    read_record,
+    record_paths,
+    write_csv,
+)
 from .transformer import training_flops
 
 SMOOTH = 20  # training-loss moving average, steps
@@ -126,7 +134,7 @@ def tail_gap(a, b):
 def markdown(rows, runs):
     head = ["run", "tokens/s per rank", "speedup vs bf16", "comm share", "val loss",
             "Δ vs bf16 same seed", "Δ train loss, last fifth", "val ppl"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in rows:
         cells = [f"`{r['run']}`", str(r["tokens_per_s_per_rank"]),
                  f"{r['speedup_vs_bf16']:.2f}×" if r["speedup_vs_bf16"] is not None else "-",
@@ -134,7 +142,7 @@ def markdown(rows, runs):
                  f"{r['val_loss_minus_bf16']:+.4f}" if r["val_loss_minus_bf16"] is not None
                  else "-", _signed(r["train_loss_minus_bf16_last_fifth"]),
                  f"{r['final_val_ppl']:.2f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     cfg = runs[0]["config"]
     dates = sorted(r.get("meta", {}).get("date", "?") for r in runs)
     lines += [
@@ -215,14 +223,14 @@ def speed_rows(runs):
 def speed_markdown(rows):
     head = ["run", "execution", "step ms", "comm ms", "TFLOP/s per GPU", "MFU",
             "speedup vs NCCL bf16", "Amdahl bound", "fraction of bound"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(head)
     for r in rows:
         mfu, frac = r["mfu"], r["fraction_of_bound"]
         cells = [f"`{r['run']}`", r["execution"], f"{r['step_ms']:.1f}", f"{r['comm_ms']:.1f}",
                  f"{r['tflops_per_gpu']:.0f}", "-" if mfu is None else f"{100 * mfu:.0f} %",
                  f"{r['speedup_vs_nccl_bf16']:.3f}×", f"{r['amdahl_bound']:.2f}×",
                  "-" if frac is None else f"{100 * frac:.0f} %"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     for name, g, speedup in PAPER:
         # FP4Quant moves (4 + 16/g) / 16 of bf16's bytes: a speedup s needs a share c of the
         # bf16 step in exposed communication with 1 / (1 - c (1 - bytes ratio)) >= s
