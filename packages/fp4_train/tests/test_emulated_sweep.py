@@ -311,6 +311,37 @@ def test_the_processes_on_the_gpu_are_counted_from_nvidia_smi(monkeypatch):
     assert emulated_sweep.gpu_processes() is None
 
 
+def test_the_emulated_runs_on_the_machine_are_counted_from_proc(tmp_path):
+    module = emulated_sweep.MODULE.encode()
+    for pid, argv in (("12", [b"python3", b"-m", module, b"--tp", b"8"]),
+                      ("13", [b"python3", b"-m", b"fp4_train.experiments.emulated_sweep"]),
+                      ("14", [b"/usr/bin/python3", b"-m", module]),
+                      ("self", [b"python3", b"-m", module])):  # fmt: skip
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cmdline").write_bytes(b"\0".join(argv) + b"\0")
+    (tmp_path / "15").mkdir()  # a process that ended while the folder was read: no cmdline
+    assert emulated_sweep.machine_runs(tmp_path) == 2
+    assert emulated_sweep.machine_runs(tmp_path / "absent") is None
+
+
+def test_runs_on_the_cpu_count_the_machines_runs_not_the_gpus(tmp_path, monkeypatch):
+    """Two sweeps' CPU runs at once: a run records the machine's emulated_tp processes (4),
+    not this sweep's two, and nvidia-smi is not asked."""
+    monkeypatch.setattr(emulated_sweep, "machine_runs", lambda: 4)
+    monkeypatch.setattr(emulated_sweep, "gpu_processes", lambda: pytest.fail("nvidia-smi"))
+    monkeypatch.setattr(emulated_sweep, "gpu_name", lambda: None)
+    monkeypatch.setattr(emulated_sweep, "free_gpu_memory_gb", lambda: None)
+    monkeypatch.setattr(emulated_sweep.subprocess, "Popen", lambda cmd, **kw: _Run())
+    args = emulated_sweep.parse_args(["--preset", "cpu-ranks", "--out", str(tmp_path),
+                                      "--jobs", "2"])  # fmt: skip
+    runs = [("byte_tp2_bf16_s0", ["--device", "cpu", "--tp", "2"]),
+            ("byte_tp8_bf16_s0", ["--device", "cpu", "--tp", "8"])]  # fmt: skip
+    sweep = emulated_sweep.Sweep(args, runs)
+    sweep.start_runs()
+    sweep.note_sharing()
+    assert sweep.sharing == {"byte_tp2_bf16_s0": 4, "byte_tp8_bf16_s0": 4}
+
+
 def test_a_finished_runs_summary_says_how_many_processes_shared_the_gpu_over_its_pieces(
     tmp_path, monkeypatch
 ):

@@ -27,7 +27,9 @@ one that fits only alone waits for the GPU to empty.  A finished run's summary s
 ``concurrent_runs`` the most processes that shared the GPU while it ran, itself included, over
 all its pieces: this sweep's runs going on at once, or the compute processes ``nvidia-smi``
 lists where it lists more (another sweep's runs beside this one; asked every ``SHARING_POLL_S``
-at most, and whenever a run starts or ends).
+at most, and whenever a run starts or ends).  Runs on the CPU (``--device cpu``) count the
+processes that share its cores instead: the machine's ``emulated_tp`` processes, from
+``/proc``.
 ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
@@ -407,6 +409,24 @@ def gpu_processes():
     return len(_nvidia_smi_lines("--query-compute-apps=pid")) or None
 
 
+def machine_runs(proc=Path("/proc")):
+    """The number of ``emulated_tp`` processes this machine runs (any sweep's, or none's), from
+    the command lines under ``proc``; None where it cannot be read (no ``/proc``).  On the CPU
+    they share the cores as GPU runs share the GPU."""
+    try:
+        pids = [p for p in proc.iterdir() if p.name.isdigit()]
+    except OSError:
+        return None
+    count = 0
+    for pid in pids:
+        try:
+            argv = (pid / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # (a process that has ended, or one not ours to read)
+            continue
+        count += MODULE.encode() in argv
+    return count
+
+
 def _nvidia_smi(field):
     """``nvidia-smi``'s ``field`` of the GPU the runs take, a string; None where it gives
     none."""
@@ -438,6 +458,9 @@ class Sweep:
         self.logs = args.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "FP4_CONCURRENT_RUNS": str(args.jobs)}
+        # runs on the CPU share its cores: count the machine's emulated_tp processes
+        self.on_cpu = any(a == "--device" and b == "cpu" for _, argv in self.pending
+                          for a, b in zip(argv, argv[1:], strict=False))  # fmt: skip
         self.start, self.longest = time.monotonic(), args.estimate_s
         summaries = recorded_summaries([args.out, *getattr(args, "done", [])])
         self.recorded = recorded_lengths(summaries, args.jobs, gpu_name())
@@ -450,7 +473,7 @@ class Sweep:
         self.finished, self.resumable, self.failed = [], [], []
         self.summaries = {}  # finished run name -> its summary (None: unreadable)
         self.sharing = {}  # run name -> the most processes seen on the GPU in its pieces
-        self.listed, self.listed_at = None, None  # nvidia-smi's process count, and when
+        self.listed, self.listed_at = None, None  # processes listed (nvidia-smi; CPU: /proc), when
 
     def estimate(self, run_name):
         """The time expected of what is left of run ``run_name``: its configuration's record
@@ -559,12 +582,15 @@ class Sweep:
 
     def note_sharing(self):
         """Count for every run going on the processes that share the GPU now: this sweep's
-        runs, or the compute processes ``nvidia-smi`` lists where it lists more."""
+        runs, or the compute processes ``nvidia-smi`` lists where it lists more; runs on the
+        CPU (``--device cpu``): this sweep's, or the machine's ``emulated_tp`` processes
+        (``machine_runs``) where there are more."""
         if not self.running:
             return
         now = time.monotonic()
         if self.listed_at is None or now - self.listed_at >= SHARING_POLL_S:
-            self.listed, self.listed_at = gpu_processes(), now
+            self.listed = machine_runs() if self.on_cpu else gpu_processes()
+            self.listed_at = now
         count = max(len(self.running), self.listed or 0)
         for run_name, _, _ in self.running.values():
             self.sharing[run_name] = max(self.sharing.get(run_name, 1), count)
