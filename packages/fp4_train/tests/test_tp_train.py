@@ -349,20 +349,23 @@ def test_graph_cache_gb_must_be_positive(gb, capsys):
     )
 
 
-@pytest.mark.parametrize("scale", ["3", "0", "-2", "0.5", "nan", "inf", "2e30", "six"])
+@pytest.mark.parametrize("scale", ["3", "0", "-2", "0.3", "nan", "inf", "2e30", "1e-30", "six"])
 def test_loss_scale_must_be_a_power_of_two(scale, capsys):
     from fp4_train.experiments import tp_train
 
     with pytest.raises(SystemExit):
         tp_train.parse_args(["--loss-scale", scale])
     err = capsys.readouterr().err
-    assert f"--loss-scale: {scale!r}: a power of two from 1 to 2**64" in err, err
+    assert f"--loss-scale: {scale!r}: a power of two from 2**-64 to 2**64" in err, err
 
 
 def test_loss_scale_in_the_run_name():
     from fp4_train.experiments import tp_train
 
     assert tp_train.parse_args(["--loss-scale", "65536"]).loss_scale == 65536.0
+    assert tp_train.parse_args(["--loss-scale", "0.015625"]).loss_scale == 2.0**-6
+    small = tp_train.parse_args(["--codec", "tahquant-grad", "--loss-scale", "0.015625"])
+    assert tp_train.run_name(small) == "tp_tahquant-grad_ls1by64_s0"
     named = tp_train.run_name(tp_train.parse_args(["--codec", "nvfp4", "--loss-scale", "1024"]))
     assert named == "tp_nvfp4_ls1024_s0"
     assert tp_train.run_name(tp_train.parse_args(["--codec", "nvfp4", "--loss-scale", "1"])) == (

@@ -191,6 +191,16 @@ CPU_RANKS = ["--device", "cpu", "--model", "byte", "--layers", "4", "--d-model",
 CPU_RANKS_CONFIGS = [(f"tp{k}-{name}", ["--tp", str(k), *args]) for k in (2, 4, 8)
                      for name, args in (BF16, (G64, ["--codec", G64]),
                                         (BEST, ["--codec", BEST]))]  # fmt: skip
+# TAH-Quant's gradient codec against the magnitude of the gradients, on the CPU: the CPU
+# ranks model at TP = 4 (its gradients at the all-reduce have an RMS of about 6e-6), TAH-Quant
+# both ways as it comes (loss scale 1), with its gradients 64 times smaller (2**-6: an RMS of
+# about 1e-7, the 125 M model's at TP = 8 without a loss scale, where the fp16 tile scales keep
+# two or three significant bits) and 1024 times larger (every scale a normal fp16 number); bf16
+# is the cpu-ranks preset's TP = 4 run (the same run names: ``--done`` takes them).
+CPU_TAH_SCALES = [("1", 1.0), ("1by64", 2.0**-6), ("1024", 2.0**10)]
+CPU_TAH_SCALE_CONFIGS = [("tp4-bf16", ["--tp", "4", *BF16[1]])] + [
+    (f"tp4-{TAH}-ls{label}", ["--tp", "4", *tah(128)[1], "--loss-scale", repr(scale)])
+    for label, scale in CPU_TAH_SCALES]  # fmt: skip
 
 PRESETS = {
     "tp4": {"args": [*STUDY, "--tp", "4"], "configs": TP4, "seeds": [0, 1, 2]},
@@ -207,6 +217,8 @@ PRESETS = {
     "plain": {"args": [*STUDY, "--tp", "1"], "configs": [BF16],
               "seeds": [0, 1, 2]},
     "cpu-ranks": {"args": CPU_RANKS, "configs": CPU_RANKS_CONFIGS, "seeds": [0, 1, 2, 3, 4]},
+    "cpu-tah-scale": {"args": CPU_RANKS, "configs": CPU_TAH_SCALE_CONFIGS,
+                      "seeds": [0, 1, 2, 3, 4]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],

@@ -128,7 +128,8 @@ def parse_args(argv=None, world_size=None):
       help="a static loss scale, a power of two: the loss times S is backpropagated and the "
            "gradients times 1/S reach the optimizer, so the gradients on the wire are S times "
            "larger (for a gradient codec whose scale format is narrow: TAH-Quant's fp16 "
-           "scales); every other wire, and bf16, gives the same bits as without it")
+           "scales; below 1, smaller); every other wire, and bf16, gives the same bits as "
+           "without it")
     _model_arguments(a)
     a("--seq-len", type=int, default=256)
     a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
@@ -432,19 +433,25 @@ def _codec_spec(spec):
 
 
 def _loss_scale(text):
-    """``--loss-scale``: a power of two from 1 to 2**64 (the scaling is then exact: every
+    """``--loss-scale``: a power of two from 2**-64 to 2**64 (the scaling is then exact: every
     product and quotient of the scaled gradients rounds as the unscaled one, barring over- or
-    underflow)."""
+    underflow).  Below 1 it makes the gradients smaller: an experiment's way to put a small
+    model's gradients where a larger one's are."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (1 <= value <= 2.0**64 and math.frexp(value)[0] == 0.5):
+    if not (2.0**-64 <= value <= 2.0**64 and math.frexp(value)[0] == 0.5):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: a power of two from 1 to 2**64 (e.g. 65536, torch GradScaler's first "
-            "scale), which scales the gradients exactly"
+            f"{text!r}: a power of two from 2**-64 to 2**64 (e.g. 65536, torch GradScaler's "
+            "first scale), which scales the gradients exactly"
         )
     return value
+
+
+def loss_scale_label(scale):
+    """A loss scale as run names spell it: "65536", or "1by64" for 1/64."""
+    return f"{scale:.0f}" if scale >= 1 else f"1by{1 / scale:.0f}"
 
 
 def parse_fp4quant(spec):
@@ -520,7 +527,7 @@ def run_name(args):
             grad.append("sr" if rounding == "stochastic" else "rn")
         parts.append("grad-" + "-".join(grad))
     if args.loss_scale != 1:
-        parts.append(f"ls{args.loss_scale:.0f}")
+        parts.append("ls" + loss_scale_label(args.loss_scale))
     return "_".join(parts + [f"s{args.seed}"])
 
 
