@@ -56,6 +56,8 @@ TAH-Quant), ``plain`` (the model on one rank, bf16: the control of every layout'
 ``600m`` (the 0.6 B model, one seed: bf16, g = 64, ``BEST``, TAH-Quant with the loss scale),
 ``cpu-ranks`` (on the CPU: the byte-level model of ``tp_sweep``'s CPU study with 8 heads, bf16,
 FP4Quant g = 64 and NVFP4 at TP = 2, 4 and 8: whether a wire costs more with more ranks),
+``cpu-tah-scale`` (on the CPU: TAH-Quant on that model at TP = 4 with loss scales 1, 2**-6 and
+2**10: what its gradient codec's subnormal fp16 scales cost),
 ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and the
 plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
 activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
@@ -218,7 +220,7 @@ PRESETS = {
               "seeds": [0, 1, 2]},
     "cpu-ranks": {"args": CPU_RANKS, "configs": CPU_RANKS_CONFIGS, "seeds": [0, 1, 2, 3, 4]},
     "cpu-tah-scale": {"args": CPU_RANKS, "configs": CPU_TAH_SCALE_CONFIGS,
-                      "seeds": [0, 1, 2, 3, 4]},
+                      "seeds": [0, 1, 2, 3]},
     "timing": {"args": ["--model", "qwen-125m", "--tokens-per-step", "16384", "--steps", "50",
                         "--data-format", "random", "--vocab", "16384", "--eval-every", "0",
                         "--eval-batches", "1", "--stats-every", "0", "--timing-warmup", "10"],
