@@ -112,24 +112,7 @@ def parse_args(argv=None, world_size=None):
     # fmt: off
     a("--parallel", choices=("tp", "pp"), default="tp")
     a("--sequence-parallel", action="store_true", help="TP with the sequence split (Megatron SP)")
-    a("--codec", default="none", type=_codec_spec,
-      help=f"forward values: one of {', '.join(CODECS)}, fp4quant-g<G>[-nohad], or a name "
-           "fp4_comm.get_codec knows")
-    a("--group-size", type=int, default=64, help="FP4Quant group size g (--codec fp4quant)")
-    a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
-    a("--rounding", choices=ROUNDINGS, default="nearest", help="forward values")
-    a("--error-feedback", action="store_true", help="residual per forward sum (TP)")
-    a("--grad-codec", default=None, type=_codec_spec, help="gradients (default: --codec)")
-    a("--grad-rounding", choices=ROUNDINGS, default=None,
-      help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
-    a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
-      help="residual per gradient sum (TP; default: --error-feedback)")
-    a("--loss-scale", type=_loss_scale, default=1.0,
-      help="a static loss scale, a power of two: the loss times S is backpropagated and the "
-           "gradients times 1/S reach the optimizer, so the gradients on the wire are S times "
-           "larger (for a gradient codec whose scale format is narrow: TAH-Quant's fp16 "
-           "scales; below 1, smaller); every other wire, and bf16, gives the same bits as "
-           "without it")
+    _wire_arguments(a)
     _model_arguments(a)
     a("--seq-len", type=int, default=256)
     a("--batch", type=int, default=16, help="sequences per step (the whole model replica)")
@@ -190,6 +173,30 @@ def parse_args(argv=None, world_size=None):
 #: --layers, --d-model, --heads where not given (--model byte and qwen; a qwen-<size> preset
 #: fixes its own, but the run's arguments record these)
 MODEL_SHAPE = {"layers": 4, "d_model": 256, "heads": 4}
+
+
+def _wire_arguments(a):
+    """The codecs, roundings, error feedback and loss scale of the two directions."""
+    # fmt: off
+    a("--codec", default="none", type=_codec_spec,
+      help=f"forward values: one of {', '.join(CODECS)}, fp4quant-g<G>[-nohad], or a name "
+           "fp4_comm.get_codec knows")
+    a("--group-size", type=int, default=64, help="FP4Quant group size g (--codec fp4quant)")
+    a("--no-hadamard", action="store_true", help="FP4Quant without the Walsh-Hadamard transform")
+    a("--rounding", choices=ROUNDINGS, default="nearest", help="forward values")
+    a("--error-feedback", action="store_true", help="residual per forward sum (TP)")
+    a("--grad-codec", default=None, type=_codec_spec, help="gradients (default: --codec)")
+    a("--grad-rounding", choices=ROUNDINGS, default=None,
+      help="gradients (default: --rounding for sums, stochastic for the residual stream's)")
+    a("--grad-error-feedback", action=argparse.BooleanOptionalAction, default=None,
+      help="residual per gradient sum (TP; default: --error-feedback)")
+    a("--loss-scale", type=_loss_scale, default=1.0,
+      help="a static loss scale, a power of two: the loss times S is backpropagated and the "
+           "gradients times 1/S reach the optimizer, so the gradients on the wire are S times "
+           "larger (for a gradient codec whose scale format is narrow: TAH-Quant's fp16 "
+           "scales; below 1, smaller); every other wire, and bf16, gives the same bits as "
+           "without it")
+    # fmt: on
 
 
 def _model_arguments(a):
