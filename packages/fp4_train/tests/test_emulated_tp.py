@@ -142,15 +142,20 @@ def real(corpus):
 
 
 def _emulated(name, corpus, configs=CONFIGS, device="cpu", world=None, steps=STEPS):
-    from fp4_train.experiments import emulated_tp, tp_train
-
     config = next(c for c in configs if c[0] == name)
     world = config[1] if world is None else world
-    args = tp_train.parse_args([*BASE, *config[-1], "--data", str(corpus)])
+    args, runner = _emulated_runner(config[-1], corpus, world, device)
+    return world, args, _steps(runner, args, steps)
+
+
+def _emulated_runner(argv, corpus, world, device="cpu"):
+    """The arguments ``BASE + argv`` on ``corpus`` and the emulated runner of ``world`` ranks."""
+    from fp4_train.experiments import emulated_tp, tp_train
+
+    args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
     # as tp_train.train sets it (and the workers): CPU kernels may split sums by thread
     torch.set_num_threads(args.threads)
-    runner = emulated_tp.EmulatedRunner(args, torch.device(device), 256, world)
-    return world, args, _steps(runner, args, steps)
+    return args, emulated_tp.EmulatedRunner(args, torch.device(device), 256, world)
 
 
 def test_error_feedback_sizes_the_emulated_ranks_graph_cache():
@@ -245,14 +250,12 @@ def test_a_loss_scale_changes_no_bit_of_an_fp4_or_bf16_wire(corpus, name):
 def _wire_rms_ratios(corpus, world, plain, scaled):
     """Per direction, the payloads' mean RMS in the first step's statistics of the run with
     arguments ``scaled`` over that of the run with ``plain``."""
-    from fp4_train.experiments import emulated_tp, tp_train
+    from fp4_train.experiments import tp_train
     from fp4_train.experiments.corpus import train_batch
 
     rms = []
     for argv in (plain, scaled):
-        args = tp_train.parse_args([*BASE, *argv, "--data", str(corpus)])
-        torch.set_num_threads(args.threads)
-        runner = emulated_tp.EmulatedRunner(args, torch.device("cpu"), 256, world)
+        args, runner = _emulated_runner(argv, corpus, world)
         train_tokens, _, _ = tp_train.load_data(args)
         x, y = train_batch(train_tokens, 0, args.batch, args.seq_len, args.seed)
         runner.step(x, y, log_stats=True)

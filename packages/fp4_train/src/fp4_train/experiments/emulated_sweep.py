@@ -81,7 +81,7 @@ from pathlib import Path
 
 import fp4_comm
 
-from . import emulated_tp
+from . import emulated_tp, tp_train
 from .checkpoint import EX_TEMPFAIL, progress
 from .records import (
     UNREADABLE,
@@ -199,10 +199,11 @@ CPU_RANKS_CONFIGS = [(f"tp{k}-{name}", ["--tp", str(k), *args]) for k in (2, 4, 
 # about 1e-7, the 125 M model's at TP = 8 without a loss scale, where the fp16 tile scales keep
 # two or three significant bits) and 1024 times larger (every scale a normal fp16 number); bf16
 # is the cpu-ranks preset's TP = 4 run (the same run names: ``--done`` takes them).
-CPU_TAH_SCALES = [("1", 1.0), ("1by64", 2.0**-6), ("1024", 2.0**10)]
+CPU_TAH_SCALES = [1.0, 2.0**-6, 2.0**10]
 CPU_TAH_SCALE_CONFIGS = [("tp4-bf16", ["--tp", "4", *BF16[1]])] + [
-    (f"tp4-{TAH}-ls{label}", ["--tp", "4", *tah(128)[1], "--loss-scale", repr(scale)])
-    for label, scale in CPU_TAH_SCALES]  # fmt: skip
+    (f"tp4-{TAH}-ls{tp_train.loss_scale_label(scale)}",
+     ["--tp", "4", *tah(128)[1], "--loss-scale", repr(scale)])
+    for scale in CPU_TAH_SCALES]  # fmt: skip
 
 PRESETS = {
     "tp4": {"args": [*STUDY, "--tp", "4"], "configs": TP4, "seeds": [0, 1, 2]},
