@@ -268,6 +268,36 @@ def test_memory_gb_estimate_stands_for_unrecorded_configurations_until_one_finis
         emulated_sweep.parse_args(bad)
 
 
+def test_a_loss_scaled_configuration_without_records_is_estimated_by_its_unscaled_one(tmp_path):
+    """TAH-Quant with a loss scale of 2**16 (or 1/64) and no record of its own takes the time
+    and memory of TAH-Quant's records (PP = 2: 160 s, 10.3 GB), not --estimate-s and
+    --memory-gb-estimate nor the largest peak recorded (43 GB); its own records come first
+    once there are any, and the suffix is looked past only at the end of the name."""
+    done = tmp_path / "done"
+    done.mkdir()
+    tah = "m_pp2_tahquant-h768_grad-tahquant-grad-rn"
+    records = {f"{tah}_s0": (160.0, 10.3), "m_tp4_nvfp4_ef_s0": (500.0, 43.0),
+               f"{tah}_ls1by64_s0": (170.0, 10.4)}  # fmt: skip
+    for name, (wall, peak) in records.items():
+        summary = {"wall_s": wall, "concurrent_runs": 1, "max_memory_gb": peak}
+        (done / f"{name}.json").write_text(json.dumps(summary))
+    args = emulated_sweep.parse_args(["--preset", "pp2-levers", "--out", str(tmp_path / "o"),
+                                      "--done", str(done), "--estimate-s", "400",
+                                      "--memory-gb-estimate", "30"])  # fmt: skip
+    sweep = emulated_sweep.Sweep(args, [])
+    need = lambda peak: peak * (1 + emulated_sweep.MEMORY_SLACK) + emulated_sweep.CONTEXT_GB  # noqa: E731
+    for name in (f"{tah}_ls65536_s1", f"{tah}_s1"):
+        assert sweep.estimate(name) == 160.0 and sweep.need_gb(name) == need(10.3)
+    # its own record first
+    assert sweep.estimate(f"{tah}_ls1by64_s1") == 170.0
+    assert sweep.need_gb(f"{tah}_ls1by64_s1") == need(10.4)
+    # no configuration of that name without the scale either: the estimates
+    assert sweep.estimate("m_pp2_nvfp4_ls65536_s0") == 400.0
+    assert sweep.need_gb("m_pp2_nvfp4_ls65536_s0") == need(30.0)
+    assert emulated_sweep.config_record({"m_x": 1.0}, "m_x_ls65536_y_s0") is None
+    assert emulated_sweep.config_record({"m_x": 1.0}, "m_x_ls65536_s0") == 1.0
+
+
 def test_free_memory_and_model_are_read_from_nvidia_smi_for_the_first_visible_gpu(monkeypatch):
     calls, answers = [], {"memory.free": "79872\n", "name": "NVIDIA H100 80GB HBM3\n"}
 

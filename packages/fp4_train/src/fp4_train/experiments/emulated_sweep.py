@@ -12,18 +12,20 @@ would end past the budget and lists those left out.  A run's length is estimated
 recorded ``wall_s`` of its configuration (any seed) made with ``--jobs`` processes on the GPU
 (its ``concurrent_runs``, below), from the summaries in those folders, on this GPU's model
 where the configuration has such a record (``nvidia-smi``'s name against the summary's device;
-a model's runs can take 1.2 times another's), else on any; for a configuration without such a
-record, by the longest run of this invocation (its summary's ``wall_s``, every piece's), or
-``--estimate-s`` before one has ended; a run resumed from its checkpoint, by that less the
-share of its steps the checkpoint has done.  ``--jobs`` processes share the GPU (a 125 M model
-with 4 emulated ranks takes 13 GB of its memory, 43 GB with error feedback: its graphs); each
-writes its log to ``<out>/logs``.  A run starts only where it fits the GPU's memory beside the
-runs going on (``--gpu-memory-gb``, by default the free memory ``nvidia-smi`` reports at the
-start): its need is the largest ``max_memory_gb`` its configuration's summaries record (any
-seed, this invocation's finished runs included; where its own has none,
-``--memory-gb-estimate``, else the largest of any configuration), plus ``MEMORY_SLACK`` of it
-and ``CONTEXT_GB`` for the process's CUDA context; the first pending run that fits starts, and
-one that fits only alone waits for the GPU to empty.  A finished run's summary says in
+a model's runs can take 1.2 times another's), else on any; a configuration with a loss scale and
+no record of its own, by the same configuration's without it (``config_record``); for a
+configuration without such a record, by the longest run of this invocation (its summary's
+``wall_s``, every piece's), or ``--estimate-s`` before one has ended; a run resumed from its
+checkpoint, by that less the share of its steps the checkpoint has done.  ``--jobs`` processes
+share the GPU (a 125 M model with 4 emulated ranks takes 13 GB of its memory, 43 GB with error
+feedback: its graphs); each writes its log to ``<out>/logs``.  A run starts only where it fits
+the GPU's memory beside the runs going on (``--gpu-memory-gb``, by default the free memory
+``nvidia-smi`` reports at the start): its need is the largest ``max_memory_gb`` its
+configuration's summaries record (any seed, this invocation's finished runs included; where its
+own has none, the same configuration's without its loss scale, else ``--memory-gb-estimate``,
+else the largest of any configuration), plus ``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the
+process's CUDA context; the first pending run that fits starts, and one that fits only alone
+waits for the GPU to empty.  A finished run's summary says in
 ``concurrent_runs`` the most processes that shared the GPU while it ran, itself included, over
 all its pieces: this sweep's runs going on at once, or the compute processes ``nvidia-smi``
 lists where it lists more (another sweep's runs beside this one; asked every ``SHARING_POLL_S``
@@ -72,6 +74,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -116,6 +119,10 @@ BF16 = ("bf16", ["--codec", "none"])  # the baseline: bf16 on the wire
 # What a run holds beyond its recorded peak (torch's allocations, ``max_memory_gb``): a share
 # of it (the caching allocator's rounding and fragmentation) and its CUDA context, GiB.
 MEMORY_SLACK, CONTEXT_GB = 0.10, 1.5
+# A static loss scale costs a run no measurable time and no memory (the loss times S and the
+# gradients times 1/S, once a step): tp_train.run_name's "_ls<S>" at the end of a
+# configuration's name, which ``config_record`` looks past.
+LOSS_SCALE_SUFFIX = re.compile(r"_ls(\d+|1by\d+)$")
 # --stop-at-s: the least time worth starting a run for (start-up, loading or building the
 # model, a few steps, writing the checkpoint)
 MIN_PIECE_S = 60.0
@@ -259,7 +266,8 @@ def parse_args(argv=None):
                     help="GiB the runs may hold at once (default: free GPU memory)")  # fmt: skip
     ap.add_argument("--memory-gb-estimate", type=float, default=None,
                     help="the peak GiB of a run whose configuration has no recorded "
-                         "max_memory_gb (default: the largest recorded of any)")  # fmt: skip
+                         "max_memory_gb, nor has it without its loss scale (default: the "
+                         "largest recorded of any)")  # fmt: skip
     ap.add_argument("--done", type=Path, nargs="+", default=[],
                     help="folders of finished runs' summaries (besides --out): those runs "
                          "are skipped")  # fmt: skip
@@ -388,6 +396,17 @@ def recorded_lengths(summaries, jobs, gpu=None):
     return lengths
 
 
+def config_record(table, run_name):
+    """``table``'s entry (``recorded_lengths``, ``recorded_memory``) for run ``run_name``'s
+    configuration, else for the same configuration without its loss scale
+    (``LOSS_SCALE_SUFFIX``); None where neither has one."""
+    stem = run_stem(run_name)
+    for config in (stem, LOSS_SCALE_SUFFIX.sub("", stem)):
+        if config in table:
+            return table[config]
+    return None
+
+
 def _ran_on(summary, gpu):
     """Whether ``summary``'s run ran on the GPU model ``gpu`` (its device, e.g. "cuda: NVIDIA
     H200", ends with the name); a summary without a readable device did not."""
@@ -494,7 +513,8 @@ class Sweep:
         """The time expected of what is left of run ``run_name``: its configuration's record
         (else the longest run of this invocation, or ``--estimate-s``) less the share of its
         steps that its checkpoint in ``--checkpoint-dir`` has done; None: unknown."""
-        length = self.recorded.get(run_stem(run_name), self.longest)
+        length = config_record(self.recorded, run_name)
+        length = self.longest if length is None else length
         return None if length is None else length * (1.0 - self.done(run_name))
 
     def done(self, run_name):
@@ -518,7 +538,9 @@ class Sweep:
     def need_gb(self, run_name):
         """The GPU memory run ``run_name`` is expected to hold, GiB (see the module doc);
         None: no record says."""
-        peak = self.peaks.get(run_stem(run_name), getattr(self.args, "memory_gb_estimate", None))
+        peak = config_record(self.peaks, run_name)
+        if peak is None:
+            peak = getattr(self.args, "memory_gb_estimate", None)
         if peak is None:
             peak = max(self.peaks.values(), default=None)
         return None if peak is None else peak * (1 + MEMORY_SLACK) + CONTEXT_GB
