@@ -25,13 +25,12 @@ configuration's summaries record (any seed, this invocation's finished runs incl
 own has none, the same configuration's without its loss scale, else ``--memory-gb-estimate``,
 else the largest of any configuration), plus ``MEMORY_SLACK`` of it and ``CONTEXT_GB`` for the
 process's CUDA context; the first pending run that fits starts, and one that fits only alone
-waits for the GPU to empty.  A finished run's summary says in
-``concurrent_runs`` the most processes that shared the GPU while it ran, itself included, over
-all its pieces: this sweep's runs going on at once, or the compute processes ``nvidia-smi``
-lists where it lists more (another sweep's runs beside this one; asked every ``SHARING_POLL_S``
-at most, and whenever a run starts or ends).  Runs on the CPU (``--device cpu``) count the
-processes that share its cores instead: the machine's ``emulated_tp`` processes, from
-``/proc``.
+waits for the GPU to empty.  A finished run's summary says in ``concurrent_runs`` the most
+processes that shared the GPU while it ran, itself included, over all its pieces: this
+sweep's runs going on at once, or the compute processes ``nvidia-smi`` lists where it lists
+more (another sweep's runs beside this one; asked every ``SHARING_POLL_S`` at most, and
+whenever a run starts or ends).  Runs on the CPU (``--device cpu``) count the processes that
+share its cores instead: the machine's ``emulated_tp`` processes, from ``/proc``.
 ``--list`` prints the runs and their commands only.
 ``--only`` runs the configurations named (preset names, e.g. ``fp4quant-g64``).
 
@@ -511,8 +510,9 @@ class Sweep:
 
     def estimate(self, run_name):
         """The time expected of what is left of run ``run_name``: its configuration's record
-        (else the longest run of this invocation, or ``--estimate-s``) less the share of its
-        steps that its checkpoint in ``--checkpoint-dir`` has done; None: unknown."""
+        (``config_record``; else the longest run of this invocation, or ``--estimate-s``) less
+        the share of its steps that its checkpoint in ``--checkpoint-dir`` has done; None:
+        unknown."""
         length = config_record(self.recorded, run_name)
         length = self.longest if length is None else length
         return None if length is None else length * (1.0 - self.done(run_name))
