@@ -371,6 +371,12 @@ def test_loss_scale_in_the_run_name():
     assert tp_train.run_name(tp_train.parse_args(["--codec", "nvfp4", "--loss-scale", "1"])) == (
         "tp_nvfp4_s0"
     )
+    # LOSS_SCALE_SUFFIX finds the part these names add, last before the seed
+    from fp4_train.experiments.records import run_stem
+
+    unscaled = {tp_train.run_name(small): "tp_tahquant-grad", named: "tp_nvfp4"}
+    for name, config in unscaled.items():
+        assert tp_train.LOSS_SCALE_SUFFIX.sub("", run_stem(name)) == config
 
 
 # ------------------------------------------------------------------ bad input

@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -118,10 +117,6 @@ BF16 = ("bf16", ["--codec", "none"])  # the baseline: bf16 on the wire
 # What a run holds beyond its recorded peak (torch's allocations, ``max_memory_gb``): a share
 # of it (the caching allocator's rounding and fragmentation) and its CUDA context, GiB.
 MEMORY_SLACK, CONTEXT_GB = 0.10, 1.5
-# A static loss scale costs a run no measurable time and no memory (the loss times S and the
-# gradients times 1/S, once a step): tp_train.run_name's "_ls<S>" at the end of a
-# configuration's name, which ``config_record`` looks past.
-LOSS_SCALE_SUFFIX = re.compile(r"_ls(\d+|1by\d+)$")
 # --stop-at-s: the least time worth starting a run for (start-up, loading or building the
 # model, a few steps, writing the checkpoint)
 MIN_PIECE_S = 60.0
@@ -398,9 +393,11 @@ def recorded_lengths(summaries, jobs, gpu=None):
 def config_record(table, run_name):
     """``table``'s entry (``recorded_lengths``, ``recorded_memory``) for run ``run_name``'s
     configuration, else for the same configuration without its loss scale
-    (``LOSS_SCALE_SUFFIX``); None where neither has one."""
+    (``tp_train.LOSS_SCALE_SUFFIX``): a static loss scale costs a run no measurable time and
+    no memory (the loss times S and the gradients times 1/S, once a step); None where neither
+    has one."""
     stem = run_stem(run_name)
-    for config in (stem, LOSS_SCALE_SUFFIX.sub("", stem)):
+    for config in (stem, tp_train.LOSS_SCALE_SUFFIX.sub("", stem)):
         if config in table:
             return table[config]
     return None

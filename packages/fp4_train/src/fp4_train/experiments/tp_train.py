@@ -58,6 +58,7 @@ import contextlib
 import lzma
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -459,6 +460,11 @@ def _loss_scale(text):
 def loss_scale_label(scale):
     """A loss scale as run names spell it: "65536", or "1by64" for 1/64."""
     return f"{scale:.0f}" if scale >= 1 else f"1by{1 / scale:.0f}"
+
+
+# The loss scale's part of a run's name (``run_name``), last before the seed: "_ls" and
+# ``loss_scale_label``'s spelling.
+LOSS_SCALE_SUFFIX = re.compile(r"_ls(\d+|1by\d+)$")
 
 
 def parse_fp4quant(spec):
