@@ -58,7 +58,8 @@ TAH-Quant), ``plain`` (the model on one rank, bf16: the control of every layout'
 ``cpu-ranks`` (on the CPU: the byte-level model of ``tp_sweep``'s CPU study with 8 heads, bf16,
 FP4Quant g = 64 and NVFP4 at TP = 2, 4 and 8: whether a wire costs more with more ranks),
 ``cpu-tah-scale`` (on the CPU: TAH-Quant on that model at TP = 4 with loss scales 1, 2**-6 and
-2**10: what its gradient codec's subnormal fp16 scales cost),
+2**10: what its gradient codec's subnormal fp16 scales cost; and with 2**10 at TP = 2 and 8:
+whether its gap grows with the ranks),
 ``timing`` (50 steps of the 125 M model: TP = 4 bf16 and FP4Quant g = 64 emulated, and the
 plain model; synthetic tokens of a 16 k vocabulary, the corpus's).  TAH-Quant runs its
 activation codec on tokens of the model's width (``tahquant-h<d>``) and its gradient codec
@@ -198,13 +199,25 @@ CPU_RANKS_CONFIGS = [(f"tp{k}-{name}", ["--tp", str(k), *args]) for k in (2, 4, 
 # ranks model at TP = 4 (its gradients at the all-reduce have an RMS of about 6e-6), TAH-Quant
 # both ways as it comes (loss scale 1), with its gradients 64 times smaller (2**-6: an RMS of
 # about 1e-7, the 125 M model's at TP = 8 without a loss scale, where the fp16 tile scales keep
-# two or three significant bits) and 1024 times larger (every scale a normal fp16 number); bf16
-# is the cpu-ranks preset's TP = 4 run (the same run names: ``--done`` takes them).
+# two or three significant bits) and 1024 times larger (every scale a normal fp16 number); and
+# with every scale normal at TP = 2 and 8 as well, whether its gap grows with the ranks as the
+# cpu-ranks preset asks of the FP4 wires.  bf16 is the cpu-ranks preset's run of the layout (the
+# same run names: ``--done`` takes them).
 CPU_TAH_SCALES = [1.0, 2.0**-6, 2.0**10]
-CPU_TAH_SCALE_CONFIGS = [("tp4-bf16", ["--tp", "4", *BF16[1]])] + [
-    (f"tp4-{TAH}-ls{tp_train.loss_scale_label(scale)}",
-     ["--tp", "4", *tah(128)[1], "--loss-scale", repr(scale)])
-    for scale in CPU_TAH_SCALES]  # fmt: skip
+CPU_TAH_NORMAL_SCALE = 2.0**10
+
+
+def _cpu_tah(k, scale):
+    return (f"tp{k}-{TAH}-ls{tp_train.loss_scale_label(scale)}",
+            ["--tp", str(k), *tah(128)[1], "--loss-scale", repr(scale)])  # fmt: skip
+
+
+CPU_TAH_SCALE_CONFIGS = (
+    [("tp4-bf16", ["--tp", "4", *BF16[1]])]
+    + [_cpu_tah(4, scale) for scale in CPU_TAH_SCALES]
+    + [c for k in (2, 8) for c in ((f"tp{k}-bf16", ["--tp", str(k), *BF16[1]]),
+                                   _cpu_tah(k, CPU_TAH_NORMAL_SCALE))]
+)  # fmt: skip
 
 PRESETS = {
     "tp4": {"args": [*STUDY, "--tp", "4"], "configs": TP4, "seeds": [0, 1, 2]},
