@@ -203,11 +203,12 @@ CPU_RANKS_CONFIGS = [(f"tp{k}-{name}", ["--tp", str(k), *args]) for k in (2, 4, 
 # with every scale normal at TP = 2 and 8 as well, whether its gap grows with the ranks as the
 # cpu-ranks preset asks of the FP4 wires.  bf16 is the cpu-ranks preset's run of the layout (the
 # same run names: ``--done`` takes them).
-CPU_TAH_SCALES = [1.0, 2.0**-6, 2.0**10]
 CPU_TAH_NORMAL_SCALE = 2.0**10
+CPU_TAH_SCALES = [1.0, 2.0**-6, CPU_TAH_NORMAL_SCALE]
 
 
 def _cpu_tah(k, scale):
+    """TAH-Quant both ways on the CPU ranks model at TP = ``k`` with loss scale ``scale``."""
     return (f"tp{k}-{TAH}-ls{tp_train.loss_scale_label(scale)}",
             ["--tp", str(k), *tah(128)[1], "--loss-scale", repr(scale)])  # fmt: skip
 
