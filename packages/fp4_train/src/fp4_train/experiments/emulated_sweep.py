@@ -213,11 +213,12 @@ def _cpu_tah(k, scale):
             ["--tp", str(k), *tah(128)[1], "--loss-scale", repr(scale)])  # fmt: skip
 
 
+CPU_RANKS_BF16 = {k: next(c for c in CPU_RANKS_CONFIGS if c[0] == f"tp{k}-{BF16[0]}")
+                  for k in (2, 4, 8)}  # fmt: skip
 CPU_TAH_SCALE_CONFIGS = (
-    [("tp4-bf16", ["--tp", "4", *BF16[1]])]
+    [CPU_RANKS_BF16[4]]
     + [_cpu_tah(4, scale) for scale in CPU_TAH_SCALES]
-    + [c for k in (2, 8) for c in ((f"tp{k}-bf16", ["--tp", str(k), *BF16[1]]),
-                                   _cpu_tah(k, CPU_TAH_NORMAL_SCALE))]
+    + [c for k in (2, 8) for c in (CPU_RANKS_BF16[k], _cpu_tah(k, CPU_TAH_NORMAL_SCALE))]
 )  # fmt: skip
 
 PRESETS = {
